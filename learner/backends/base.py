@@ -1,0 +1,40 @@
+"""What every backend hands back, and the interface the runner calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from ..config import Config
+from ..taskio import TaskArrays
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Seed-derived inputs every backend shares (computed once per task by the runner)."""
+
+    config: Config
+    initial: list[np.ndarray]  # float32, in parameter order
+    permutations: list[np.ndarray]  # int64, one per epoch
+
+
+@dataclasses.dataclass
+class RunOutput:
+    final_parameters: list[np.ndarray]
+    final_velocity: list[np.ndarray]
+    scores: np.ndarray  # (M, 10) float32
+    training_prediction_seconds: float  # reset + train + predict, wall clock
+    preparation_seconds: float  # backend-side setup: transfers, allocation, capture
+    cuda_ms: float | None = None  # CUDA-event time of the same span, on GPU
+    extra: dict | None = None  # backend facts for metadata (graph cache hits, threads, ...)
+
+
+class Backend(Protocol):
+    name: str
+    device: str  # "cpu" or "cuda:0"
+
+    def run(self, task: TaskArrays, prepared: Prepared) -> RunOutput: ...
+
+    def describe(self) -> dict: ...

@@ -1,0 +1,198 @@
+"""``rev88`` command line: run, make-task, score (and the commands other modules add).
+
+Exit status: 0 success, 2 bad input or usage (the message says why), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .errors import TaskError
+
+
+class CliError(Exception):
+    """A user-facing error: printed without a traceback, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def predictions_path(output: Path) -> Path:
+    """``result.json`` -> ``result.predictions.npy`` beside it."""
+    return output.with_name(output.stem + ".predictions.npy")
+
+
+# --------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .config import Config, load_config_file
+    from .result import run_task
+    from .taskio import load_task
+
+    config = load_config_file(args.config) if args.config else Config()
+    task = load_task(args.input)
+    result = run_task(task, config, args.backend)
+    output = Path(args.output)
+    doc = result.document()
+    pred_file = predictions_path(output)
+    doc["predictions_file"] = pred_file.name
+    write_json(output, doc)
+    np.save(pred_file, result.predictions)
+    meta = result.metadata
+    print(
+        f"trained on {meta['train_count']} examples, predicted {meta['test_count']} queries "
+        f"with backend {meta['backend']} in {meta['training_prediction_seconds']:.3f} s; "
+        f"predictions_sha256 {result.predictions_sha256[:16]}…; wrote {output} and {pred_file}"
+    )
+    return 0
+
+
+def add_run(sub) -> None:
+    from .backends import NAMES
+
+    p = sub.add_parser("run", help="train fresh on a task npz and predict its queries")
+    p.add_argument("--input", required=True, help="task npz: train_images, train_labels, test_images")
+    p.add_argument("--config", help="JSON object of config overrides (unknown keys are an error)")
+    p.add_argument("--backend", default="auto", choices=NAMES)
+    p.add_argument("--output", required=True, help="result JSON path; predictions .npy goes beside it")
+    p.set_defaults(func=cmd_run)
+
+
+# --------------------------------------------------------------------------- make-task
+
+
+def cmd_make_task(args: argparse.Namespace) -> int:
+    from .hashing import array_sha256
+    from .taskio import make_task, save_task
+
+    task, query_labels = make_task(args.mnist_dir, args.dataset_seed)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_task(out, task)
+    msg = f"wrote {out}: {task.train_count} train / {task.test_count} queries (dataset seed {args.dataset_seed})"
+    if args.labels_output:
+        lp = Path(args.labels_output)
+        lp.parent.mkdir(parents=True, exist_ok=True)
+        np.save(lp, query_labels)
+        msg += f"; query labels -> {lp} (keep them away from the learner)"
+    print(msg)
+    print(f"train_labels sha256 {array_sha256(task.train_labels)}")
+    return 0
+
+
+def add_make_task(sub) -> None:
+    p = sub.add_parser("make-task", help="build an MNIST-medium draw from raw MNIST idx files")
+    p.add_argument("--mnist-dir", required=True, help="folder with train-images/train-labels idx[.gz]")
+    p.add_argument("--dataset-seed", required=True, type=int, help="e.g. 2026091400 for draw 0")
+    p.add_argument("--output", required=True, help="task npz to write")
+    p.add_argument("--labels-output", help="where to write the held-back query labels (.npy)")
+    p.set_defaults(func=cmd_make_task)
+
+
+# --------------------------------------------------------------------------- score
+
+
+def load_label_like(path: str, what: str) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CliError(f"{what} file not found: {path}") from None
+    except ValueError as exc:
+        raise CliError(f"{what} file {path} is not a plain .npy array: {exc}") from None
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise CliError(f"{what} must be a 1-D integer array, got {getattr(arr, 'shape', '?')} {getattr(arr, 'dtype', '?')}")
+    return arr
+
+
+def score(predictions: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
+    if predictions.shape != labels.shape:
+        raise CliError(f"predictions have shape {predictions.shape} but labels {labels.shape}")
+    return int((predictions == labels).sum()), int(labels.size)
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    correct, total = score(load_label_like(args.predictions, "predictions"), load_label_like(args.labels, "labels"))
+    print(f"{correct} / {total} correct, accuracy {correct / total:.4f}")
+    return 0
+
+
+def add_score(sub) -> None:
+    p = sub.add_parser("score", help="compare predictions with held-back labels")
+    p.add_argument("--predictions", required=True)
+    p.add_argument("--labels", required=True)
+    p.set_defaults(func=cmd_score)
+
+
+# --------------------------------------------------------------------------- main
+
+COMMANDS = [add_run, add_make_task, add_score]
+# Commands that live in other modules ("module:function"); app's are web code and are
+# imported only when the CLI is built, never by the learner itself.
+EXTRA_COMMANDS = [
+    "learner.evaluate:add_evaluate",
+    "learner.measure:add_measure",
+    "app.commands:add_serve",
+    "app.commands:add_submit",
+]
+
+
+def _extra_commands():
+    import importlib
+
+    for spec in EXTRA_COMMANDS:
+        module_name, func = spec.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # not built yet in this checkout
+                continue
+            raise
+        yield getattr(module, func)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="rev88", description="The rev88 learner and service.")
+    parser.add_argument("--version", action="version", version=f"rev88 {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in [*COMMANDS, *_extra_commands()]:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except TaskError as exc:
+        print(f"rev88 {args.command}: error: {exc.message}", file=sys.stderr)
+        return 2
+    except CliError as exc:
+        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except RuntimeError as exc:  # e.g. a backend that cannot start here
+        from .backends import BackendUnavailable
+
+        if isinstance(exc, BackendUnavailable):
+            print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

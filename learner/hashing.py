@@ -1,0 +1,34 @@
+"""Array hashes as the reference records name them: sha256 of C-contiguous
+little-endian bytes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+
+def to_numpy(a: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu().numpy()
+    return a
+
+
+def array_sha256(a: np.ndarray | torch.Tensor) -> str:
+    arr = to_numpy(a)
+    arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
+def named_sha256(names: list[str], arrays: list[np.ndarray | torch.Tensor]) -> dict[str, str]:
+    return {name: array_sha256(a) for name, a in zip(names, arrays)}
+
+
+def state_vector(arrays: list[np.ndarray | torch.Tensor]) -> np.ndarray:
+    """All parameters flattened and concatenated in order (float32)."""
+    return np.concatenate([to_numpy(a).reshape(-1) for a in arrays])
+
+
+def bytes_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

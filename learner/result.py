@@ -1,0 +1,186 @@
+"""One task, start to finish: prepare the seed-derived inputs, run a backend,
+check the outcome, and assemble the result metadata (a superset of the
+reference records' ``metadata`` object)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import platform
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import __version__
+from .backends import Backend, Prepared, RunOutput, get_backend
+from .config import Config
+from .errors import TrainingDivergedError
+from .hashing import array_sha256, named_sha256, state_vector
+from .model import FEATURES
+from .taskio import TaskArrays
+from .train import epoch_permutations, initial_parameters, parameter_count, parameter_names
+from .validate import cached_validation
+
+DESCRIPTION = {
+    "fresh_initialization_per_run": True,
+    "checkpoint_loaded": False,
+    "normalization": "4*x-0.5 then append one zero coordinate",
+    "initialization": "branch normal(0,0.05/sqrt(41)); standard torch Linear head; seed-only",
+    "optimizer": "SGD momentum; zero initial velocity; gradient mean cross entropy",
+    "shuffle": "independent PCG64 permutation each epoch, seed-only",
+    "augmentation": "none",
+}
+TIMING_SCOPE = (
+    "training_prediction_seconds (and cuda_ms on GPU) covers resetting parameters and velocity, "
+    "normalizing raw train and query pixels, every epoch of SGD in its permutation order, and "
+    "scoring all queries. preparation_seconds covers seed-derived initialization and "
+    "permutations, host-to-device copies, buffer allocation and (cuda) graph capture. Neither "
+    "includes reading the archive, validation, hashing or serialization."
+)
+
+_run_counts: dict[str, int] = {}
+_count_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class TaskResult:
+    predictions: np.ndarray  # (M,) int64
+    scores: np.ndarray  # (M, 10) float32
+    final_parameters: list[np.ndarray]
+    final_velocity: list[np.ndarray]
+    metadata: dict[str, Any]
+
+    @property
+    def predictions_sha256(self) -> str:
+        return self.metadata["predictions_sha256"]
+
+    @property
+    def scores_sha256(self) -> str:
+        return self.metadata["scores_sha256"]
+
+    def document(self) -> dict[str, Any]:
+        """The JSON document ``rev88 run`` writes (predictions go to a .npy beside it)."""
+        return {
+            "predictions_sha256": self.predictions_sha256,
+            "scores_sha256": self.scores_sha256,
+            "metadata": self.metadata,
+        }
+
+
+def prepare(task: TaskArrays, config: Config) -> Prepared:
+    """Seed-derived initial parameters and epoch permutations (identical on every backend)."""
+    initial = [p.numpy().copy() for p in initial_parameters(config)]
+    return Prepared(config, initial, epoch_permutations(config, task.train_count))
+
+
+@functools.lru_cache(maxsize=1)
+def _static_versions() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "rev88": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cuda": torch.version.cuda,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        out["gpu_name"] = props.name
+        out["gpu_uuid"] = _gpu_uuid(props)
+        out["driver"] = _driver_version()
+    return out
+
+
+def _gpu_uuid(props) -> str | None:
+    uuid = getattr(props, "uuid", None)
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else v
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library or no driver: report unknown, never fail a task
+        return None
+
+
+def versions() -> dict[str, Any]:
+    return dict(_static_versions())
+
+
+def check_finite(out: RunOutput) -> None:
+    problems = []
+    if not np.isfinite(out.scores).all():
+        problems.append("scores")
+    if not all(np.isfinite(p).all() for p in out.final_parameters):
+        problems.append("parameters")
+    if not all(np.isfinite(v).all() for v in out.final_velocity):
+        problems.append("velocity")
+    if problems:
+        raise TrainingDivergedError(
+            f"training diverged: non-finite {', '.join(problems)} after training "
+            "(try a smaller learning_rate)",
+            non_finite=problems,
+        )
+
+
+def run_task(task: TaskArrays, config: Config | None = None, backend: str | Backend = "auto") -> TaskResult:
+    """Train fresh on ``task`` and predict its queries; every path (CLI, service) calls this."""
+    config = config or Config()
+    engine = get_backend(backend) if isinstance(backend, str) else backend
+    validation = cached_validation()
+    t0 = time.perf_counter()
+    prepared = prepare(task, config)
+    host_prep = time.perf_counter() - t0
+    out = engine.run(task, prepared)
+    check_finite(out)
+    predictions = out.scores.argmax(axis=1).astype(np.int64)
+    with _count_lock:
+        _run_counts[engine.name] = _run_counts.get(engine.name, 0) + 1
+        run_count = _run_counts[engine.name]
+    names = parameter_names(config.depth)
+    metadata: dict[str, Any] = {
+        "config": config.as_dict(),
+        "parameter_count": parameter_count(config.depth),
+        "train_count": task.train_count,
+        "test_count": task.test_count,
+        **DESCRIPTION,
+        "input_hashes": {name: array_sha256(arr) for name, arr in task.as_dict().items()},
+        "epoch_permutation_sha256": [array_sha256(p) for p in prepared.permutations],
+        "initial_parameter_sha256": named_sha256(names, prepared.initial),
+        "final_parameter_sha256": named_sha256(names, out.final_parameters),
+        "final_velocity_sha256": named_sha256(names, out.final_velocity),
+        "state_vector_sha256": array_sha256(state_vector(out.final_parameters)),
+        "predictions_sha256": array_sha256(predictions),
+        "scores_sha256": array_sha256(out.scores),
+        "preparation_seconds": host_prep + out.preparation_seconds,
+        "training_prediction_seconds": out.training_prediction_seconds,
+        "run_count": run_count,
+        "validation": validation,
+        "reversible_core": True,
+        "retained_core_states": 1,
+        "core_saved_bytes_per_example": FEATURES * 4,
+        "head_reversible": False,
+        "input_lift_injective": True,
+        "timing_scope": TIMING_SCOPE,
+        "backend": engine.name,
+        "device": engine.device,
+        "dtype": "float32",
+        "versions": versions(),
+    }
+    if out.cuda_ms is not None:
+        metadata["cuda_ms"] = out.cuda_ms
+    if out.extra:
+        metadata["backend_details"] = out.extra
+    return TaskResult(predictions, out.scores, out.final_parameters, out.final_velocity, metadata)

@@ -1,0 +1,362 @@
+"""Reading and checking tasks: the safe npz reader, array validation, npz writing,
+MNIST idx reading and the MNIST-medium draw protocol (``make-task``).
+
+The npz reader never unpickles and never decompresses an array before its
+member list, declared sizes, compression ratios and ``.npy`` header
+(shape x dtype) have been checked against limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import struct
+import zipfile
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from .errors import ArchiveError, ArchiveMemberError, ArchiveTooLargeError, InputError
+
+ALLOWED_MEMBERS = ("train_images", "train_labels", "test_images")
+IMAGE_SHAPE = (1, 9, 9)
+LABEL_WORDS = ("label", "target", "answer", "truth", "query_y", "test_y", "y_test")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds checked before any array is decompressed."""
+
+    max_members: int = 3
+    max_member_bytes: int = 256 * 1024 * 1024  # declared uncompressed size of one member
+    max_total_bytes: int = 512 * 1024 * 1024  # declared uncompressed size of all members
+    max_ratio: float = 200.0  # uncompressed / compressed, per member (only if compressed)
+    max_examples: int = 1_000_000  # N and M each
+    max_header_size: int = 1024  # bytes of a .npy header
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskArrays:
+    """A validated task: C-contiguous arrays in their checked dtypes."""
+
+    train_images: np.ndarray  # (N,1,9,9) float32
+    train_labels: np.ndarray  # (N,) int64
+    test_images: np.ndarray  # (M,1,9,9) float32
+
+    @property
+    def train_count(self) -> int:
+        return int(self.train_images.shape[0])
+
+    @property
+    def test_count(self) -> int:
+        return int(self.test_images.shape[0])
+
+    @property
+    def shape_key(self) -> tuple[int, int]:
+        return (self.train_count, self.test_count)
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in ALLOWED_MEMBERS}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_images(name: str, arr: np.ndarray) -> np.ndarray:
+    if not isinstance(arr, np.ndarray):
+        raise InputError(f"{name} must be a numpy array, got {type(arr).__name__}", array=name)
+    if arr.dtype != np.float32:
+        raise InputError(f"{name} must have dtype float32, got {arr.dtype}", array=name)
+    if arr.ndim != 4 or arr.shape[1:] != IMAGE_SHAPE:
+        raise InputError(
+            f"{name} must have shape (N, 1, 9, 9), got {tuple(arr.shape)}", array=name
+        )
+    if arr.shape[0] < 1:
+        raise InputError(f"{name} must hold at least one image, got 0", array=name)
+    if not np.isfinite(arr).all():
+        bad = int((~np.isfinite(arr)).sum())
+        raise InputError(f"{name} holds {bad} non-finite pixel value(s) (NaN or inf)", array=name)
+    lo, hi = float(arr.min()), float(arr.max())
+    if lo < 0.0 or hi > 1.0:
+        raise InputError(
+            f"{name} pixels must lie in [0, 1], found min {lo!r} and max {hi!r}", array=name
+        )
+    return np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
+
+
+def _check_labels(name: str, arr: np.ndarray, count: int) -> np.ndarray:
+    if not isinstance(arr, np.ndarray):
+        raise InputError(f"{name} must be a numpy array, got {type(arr).__name__}", array=name)
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise InputError(f"{name} must have an integer dtype, got {arr.dtype}", array=name)
+    if arr.ndim != 1:
+        raise InputError(f"{name} must have shape (N,), got {tuple(arr.shape)}", array=name)
+    if arr.shape[0] != count:
+        raise InputError(
+            f"{name} has {arr.shape[0]} labels but train_images has {count} images", array=name
+        )
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 9):
+        raise InputError(
+            f"{name} must be in 0..9, found min {int(arr.min())} and max {int(arr.max())}",
+            array=name,
+        )
+    return np.ascontiguousarray(arr.astype("<i8", copy=False))
+
+
+def validate_task(
+    train_images: np.ndarray, train_labels: np.ndarray, test_images: np.ndarray
+) -> TaskArrays:
+    """Check every array; each violation names the array and the problem."""
+    tr = _check_images("train_images", train_images)
+    labels = _check_labels("train_labels", train_labels, tr.shape[0])
+    te = _check_images("test_images", test_images)
+    return TaskArrays(tr, labels, te)
+
+
+# --------------------------------------------------------------------------- safe npz
+
+
+def _member_kind(name: str) -> str:
+    stem = name[:-4] if name.endswith(".npy") else name
+    return stem
+
+
+def _reject_members(names: list[str]) -> None:
+    stems = [_member_kind(n) for n in names]
+    extra = [n for n, s in zip(names, stems) if s not in ALLOWED_MEMBERS or not n.endswith(".npy")]
+    dupes = sorted({s for s in stems if stems.count(s) > 1})
+    missing = [m for m in ALLOWED_MEMBERS if m not in stems]
+    if extra:
+        labelish = [n for n in extra if any(w in n.lower() for w in LABEL_WORDS)]
+        msg = f"archive holds member(s) not allowed: {', '.join(map(repr, extra))}"
+        if labelish:
+            msg += (
+                " — query/test labels must never be uploaded: the learner sees only "
+                "train_images, train_labels and test_images"
+            )
+        msg += f"; allowed are exactly {', '.join(a + '.npy' for a in ALLOWED_MEMBERS)}"
+        raise ArchiveMemberError(msg, extra_members=extra)
+    if dupes:
+        raise ArchiveMemberError(f"archive holds duplicate member(s): {', '.join(dupes)}")
+    if missing:
+        raise ArchiveMemberError(
+            f"archive is missing member(s): {', '.join(m + '.npy' for m in missing)}",
+            missing_members=missing,
+        )
+
+
+def _read_npy_header(fh: BinaryIO, name: str, limits: Limits) -> tuple[tuple[int, ...], np.dtype, bool]:
+    try:
+        version = np.lib.format.read_magic(fh)
+    except ValueError as exc:
+        raise ArchiveError(f"{name} is not a .npy array: {exc}") from None
+    try:
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(
+                fh, max_header_size=limits.max_header_size
+            )
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(
+                fh, max_header_size=limits.max_header_size
+            )
+        else:  # pragma: no cover - read_magic already restricts versions
+            raise ArchiveError(f"{name}: unsupported .npy version {version}")
+    except ValueError as exc:
+        raise ArchiveError(f"{name} has an invalid or oversized .npy header: {exc}") from None
+    if dtype.hasobject:
+        raise InputError(f"{name} has an object dtype, which is never loaded (no pickles)", array=name)
+    return tuple(shape), dtype, fortran
+
+
+def read_npz(data: bytes | BinaryIO | str | Path, limits: Limits = DEFAULT_LIMITS) -> dict[str, np.ndarray]:
+    """Read exactly the three allowed arrays from an npz, checking before decompressing."""
+    if isinstance(data, (str, Path)):
+        try:
+            source: BinaryIO = open(data, "rb")
+        except FileNotFoundError:
+            raise ArchiveError(f"input file not found: {data}") from None
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(data)
+    else:
+        source = data
+    try:
+        return _read_npz(source, limits)
+    finally:
+        if isinstance(data, (str, Path)):
+            source.close()
+
+
+def _read_npz(source: BinaryIO, limits: Limits) -> dict[str, np.ndarray]:
+    try:
+        zf = zipfile.ZipFile(source)
+    except zipfile.BadZipFile as exc:
+        raise ArchiveError(f"body is not a zip/npz archive (or it is truncated): {exc}") from None
+    except (OSError, EOFError, ValueError) as exc:
+        raise ArchiveError(f"cannot read archive: {exc}") from None
+    with zf:
+        infos = [i for i in zf.infolist() if not i.is_dir()]
+        if len(infos) > limits.max_members:
+            _reject_members([i.filename for i in infos])  # names the extras
+            raise ArchiveTooLargeError(f"archive has {len(infos)} members, limit {limits.max_members}")
+        _reject_members([i.filename for i in infos])
+        total = 0
+        for info in infos:
+            if info.flag_bits & 0x1:
+                raise ArchiveError(f"{info.filename} is encrypted")
+            if info.file_size > limits.max_member_bytes:
+                raise ArchiveTooLargeError(
+                    f"{info.filename} declares {info.file_size} uncompressed bytes, "
+                    f"limit {limits.max_member_bytes}"
+                )
+            total += info.file_size
+            if info.compress_type != zipfile.ZIP_STORED and info.file_size > 1024 * 1024:
+                ratio = info.file_size / max(info.compress_size, 1)
+                if ratio > limits.max_ratio:
+                    raise ArchiveTooLargeError(
+                        f"{info.filename} has compression ratio {ratio:.0f}:1, limit "
+                        f"{limits.max_ratio:.0f}:1 (possible zip bomb)"
+                    )
+        if total > limits.max_total_bytes:
+            raise ArchiveTooLargeError(
+                f"archive declares {total} uncompressed bytes, limit {limits.max_total_bytes}"
+            )
+        arrays: dict[str, np.ndarray] = {}
+        for info in infos:
+            name = _member_kind(info.filename)
+            try:
+                with zf.open(info) as fh:
+                    shape, dtype, fortran = _read_npy_header(fh, name, limits)
+                    header_end = fh.tell()
+                    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+                    if shape and shape[0] > limits.max_examples:
+                        raise ArchiveTooLargeError(
+                            f"{name} has {shape[0]} rows, limit {limits.max_examples}"
+                        )
+                    nbytes = count * dtype.itemsize
+                    if nbytes + header_end != info.file_size:
+                        raise ArchiveError(
+                            f"{name}: header says shape {shape} {dtype} ({nbytes} bytes) but "
+                            f"the member holds {info.file_size - header_end} data bytes"
+                        )
+                    buf = bytearray(nbytes)  # writable, exactly the declared size
+                    got = fh.readinto(buf)
+                    if got != nbytes:
+                        raise ArchiveError(f"{name} is truncated")
+            except zipfile.BadZipFile as exc:
+                raise ArchiveError(f"{name} is corrupt: {exc}") from None
+            except (EOFError, OSError, ValueError) as exc:
+                raise ArchiveError(f"{name} is corrupt or truncated: {exc}") from None
+            except Exception as exc:  # zlib.error and friends
+                if isinstance(exc, (ArchiveError, ArchiveTooLargeError, InputError)):
+                    raise
+                raise ArchiveError(f"{name} is corrupt: {exc}") from None
+            order = "F" if fortran else "C"
+            arr = np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
+            arrays[name] = np.ascontiguousarray(arr)  # copies only Fortran-ordered arrays
+        return arrays
+
+
+def load_task(data: bytes | BinaryIO | str | Path, limits: Limits = DEFAULT_LIMITS) -> TaskArrays:
+    """Safe npz read followed by validation: the one path every task takes."""
+    arrays = read_npz(data, limits)
+    return validate_task(arrays["train_images"], arrays["train_labels"], arrays["test_images"])
+
+
+def task_to_npz_bytes(task: TaskArrays | dict[str, np.ndarray], compressed: bool = False) -> bytes:
+    arrays = task.as_dict() if isinstance(task, TaskArrays) else task
+    buf = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buf, **arrays)
+    return buf.getvalue()
+
+
+def save_task(path: str | Path, task: TaskArrays) -> None:
+    Path(path).write_bytes(task_to_npz_bytes(task))
+
+
+# --------------------------------------------------------------------------- MNIST
+
+
+_IDX_DTYPES = {0x08: np.uint8}
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read an IDX file (optionally .gz): big-endian header, uint8 payload."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        raw = fh.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise InputError(f"{path} is not an IDX file (bad magic)")
+    dtype_code, ndim = raw[2], raw[3]
+    if dtype_code not in _IDX_DTYPES:
+        raise InputError(f"{path}: unsupported IDX element type 0x{dtype_code:02x}")
+    dims = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
+    payload = raw[4 + 4 * ndim :]
+    expected = int(np.prod(dims))
+    if len(payload) != expected:
+        raise InputError(f"{path}: header promises {expected} bytes, payload has {len(payload)}")
+    return np.frombuffer(payload, dtype=_IDX_DTYPES[dtype_code]).reshape(dims)
+
+
+def _find(mnist_dir: Path, stem: str) -> Path:
+    for name in (stem, stem + ".gz", stem.replace(".idx", "-idx"), stem.replace(".idx", "-idx") + ".gz"):
+        candidate = mnist_dir / name
+        if candidate.exists():
+            return candidate
+    raise InputError(f"MNIST file {stem}[.gz] not found in {mnist_dir}")
+
+
+def load_mnist_train(mnist_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    d = Path(mnist_dir)
+    images = read_idx(_find(d, "train-images.idx3-ubyte"))
+    labels = read_idx(_find(d, "train-labels.idx1-ubyte"))
+    if images.shape != (60000, 28, 28) or labels.shape != (60000,):
+        raise InputError(
+            f"expected the official 60,000-row MNIST training split, got images "
+            f"{images.shape} and labels {labels.shape}"
+        )
+    return images, labels
+
+
+def box_weights(n_in: int = 28, n_out: int = 9) -> np.ndarray:
+    """Exact separable box-area weights, overlaps on the integer grid scaled by n_in*n_out."""
+    w = np.zeros((n_out, n_in), dtype=np.float64)
+    # Output j covers [j*n_in/n_out, (j+1)*n_in/n_out); scaled by n_out: [j*n_in, (j+1)*n_in).
+    # Input i covers [i, i+1); scaled by n_out: [i*n_out, (i+1)*n_out).
+    for j in range(n_out):
+        a0, a1 = j * n_in, (j + 1) * n_in
+        for i in range(n_in):
+            b0, b1 = i * n_out, (i + 1) * n_out
+            overlap = max(0, min(a1, b1) - max(a0, b0))  # integer, in units of 1/n_out
+            w[j, i] = overlap / n_in  # (overlap / n_out) / (n_in / n_out)
+    return w.astype(np.float32)
+
+
+def downsample(images_u8: np.ndarray) -> np.ndarray:
+    """uint8 (K,28,28) -> float32 (K,1,9,9) by box-area averaging, clipped to [0,1]."""
+    x = images_u8.astype(np.float32) / np.float32(255)
+    w = box_weights()
+    out = np.matmul(np.matmul(w, x), w.T)  # float32 throughout
+    out = np.clip(out, np.float32(0), np.float32(1)).astype(np.float32)
+    return np.ascontiguousarray(out[:, None, :, :])
+
+
+def draw_order(dataset_seed: int, n: int = 60000) -> np.ndarray:
+    return np.random.Generator(np.random.PCG64(dataset_seed)).permutation(n)
+
+
+def make_task(
+    mnist_dir: str | Path, dataset_seed: int, train_count: int = 10000, test_count: int = 10000
+) -> tuple[TaskArrays, np.ndarray]:
+    """An MNIST-medium draw: (task, held-back query labels)."""
+    images, labels = load_mnist_train(mnist_dir)
+    order = draw_order(dataset_seed, images.shape[0])
+    tr = order[:train_count]
+    te = order[train_count : train_count + test_count]
+    task = validate_task(downsample(images[tr]), labels[tr].astype(np.int64), downsample(images[te]))
+    return task, labels[te].astype(np.int64)

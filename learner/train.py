@@ -1,0 +1,118 @@
+"""Seed-only initialization, seed-only shuffles, and the SGD-momentum loop.
+
+Every backend follows exactly this meaning; the cpu backend runs it as written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import Config
+from .model import CLASSES, FEATURES, WIDTH, lift, scores
+
+
+def parameter_names(depth: int) -> list[str]:
+    return [f"weights.{i}" for i in range(2 * depth)] + ["head.weight", "head.bias"]
+
+
+def parameter_count(depth: int) -> int:
+    return 2 * depth * WIDTH * WIDTH + CLASSES * FEATURES + CLASSES
+
+
+def initial_parameters(config: Config) -> list[torch.Tensor]:
+    """float32 CPU tensors, from the seed alone (the global RNG is left untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        weights = [torch.empty(WIDTH, WIDTH) for _ in range(2 * config.depth)]
+        for w in weights:
+            nn.init.normal_(w, 0.0, 0.05 / math.sqrt(WIDTH))
+        head = nn.Linear(FEATURES, CLASSES)
+    return [w.detach() for w in weights] + [head.weight.detach().clone(), head.bias.detach().clone()]
+
+
+def epoch_permutations(config: Config, n: int) -> list[np.ndarray]:
+    """Epoch e trains in the order of the e-th permutation of one PCG64(seed) generator."""
+    rng = np.random.Generator(np.random.PCG64(config.seed))
+    return [rng.permutation(n).astype(np.int64) for _ in range(config.epochs)]
+
+
+def batch_sizes(n: int, batch_size: int) -> list[int]:
+    """Consecutive slices; the short last batch is included."""
+    return [min(batch_size, n - start) for start in range(0, n, batch_size)]
+
+
+def sgd_momentum_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    velocity: list[torch.Tensor],
+    config: Config,
+) -> None:
+    """v = momentum*v + grad (+ weight_decay*p); p -= lr*v  (in place, as torch.optim.SGD)."""
+    for p, g, v in zip(params, grads, velocity):
+        if config.weight_decay != 0.0:
+            g = g.add(p, alpha=config.weight_decay)
+        v.mul_(config.momentum).add_(g)
+        p.add_(v, alpha=-config.learning_rate)
+
+
+def train_step(
+    params: list[torch.Tensor],
+    velocity: list[torch.Tensor],
+    h_batch: torch.Tensor,
+    y_batch: torch.Tensor,
+    config: Config,
+    reversible: bool = True,
+) -> torch.Tensor:
+    """One minibatch: mean cross-entropy, gradients, SGD-momentum update. Returns the loss."""
+    leaves = [p.requires_grad_(True) for p in params]
+    loss = F.cross_entropy(scores(h_batch, leaves, config.alpha, reversible), y_batch)
+    grads = torch.autograd.grad(loss, leaves)
+    with torch.no_grad():
+        for p in params:
+            p.requires_grad_(False)
+        sgd_momentum_(params, list(grads), velocity, config)
+    return loss.detach()
+
+
+def train(
+    params: list[torch.Tensor],
+    train_h: torch.Tensor,
+    train_y: torch.Tensor,
+    orders: list[torch.Tensor],
+    config: Config,
+    reversible: bool = True,
+) -> list[torch.Tensor]:
+    """Train ``params`` in place from zero velocity; returns the final velocity."""
+    velocity = [torch.zeros_like(p) for p in params]
+    n = train_h.shape[0]
+    for order in orders:
+        for start in range(0, n, config.batch_size):
+            idx = order[start : start + config.batch_size]
+            train_step(params, velocity, train_h[idx], train_y[idx], config, reversible)
+    return velocity
+
+
+@torch.no_grad()
+def predict_scores(params: list[torch.Tensor], test_h: torch.Tensor, config: Config) -> torch.Tensor:
+    return scores(test_h, params, config.alpha, reversible=False)
+
+
+def train_predict(
+    train_images: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_images: torch.Tensor,
+    initial: list[torch.Tensor],
+    orders: list[torch.Tensor],
+    config: Config,
+    reversible: bool = True,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Fresh parameters, lift, train, score the queries: (params, velocity, scores)."""
+    params = [p.detach().clone() for p in initial]
+    train_h, test_h = lift(train_images), lift(test_images)
+    velocity = train(params, train_h, train_labels, orders, config, reversible)
+    return params, velocity, predict_scores(params, test_h, config)

@@ -1,0 +1,80 @@
+"""Shared fixtures: the reference records, the real MNIST files, the draw-0 task."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+MNIST_DIR = SHARED / "data" / "mnist"
+REFERENCE_DIR = SHARED / "reference"
+DRAW0_SEED = 2026091400
+
+
+def _need(path: Path, what: str) -> None:
+    if not path.exists():
+        pytest.skip(f"{what} not found at {path} (tests expect ../shared beside the checkout)")
+
+
+@pytest.fixture(scope="session")
+def run_record() -> dict:
+    _need(REFERENCE_DIR / "rev88-run-record.json", "reference run record")
+    return json.loads((REFERENCE_DIR / "rev88-run-record.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def runtime_record() -> dict:
+    _need(REFERENCE_DIR / "rev88-runtime-validation.json", "reference runtime validation record")
+    return json.loads((REFERENCE_DIR / "rev88-runtime-validation.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    _need(MNIST_DIR / "train-images.idx3-ubyte.gz", "MNIST training images")
+    return MNIST_DIR
+
+
+@pytest.fixture(scope="session")
+def draw0(mnist_dir):
+    """(task, held-back query labels) for dataset seed 2026091400."""
+    from learner.taskio import make_task
+
+    return make_task(mnist_dir, DRAW0_SEED)
+
+
+@pytest.fixture(scope="session")
+def draw0_npz(draw0, tmp_path_factory) -> Path:
+    from learner.taskio import save_task
+
+    path = tmp_path_factory.mktemp("draw0") / "task.npz"
+    save_task(path, draw0[0])
+    np.save(path.with_name("labels.npy"), draw0[1])
+    return path
+
+
+@pytest.fixture(scope="session")
+def draw0_cpu_result(draw0):
+    from learner.result import run_task
+
+    return run_task(draw0[0], backend="cpu")
+
+
+def small_task(n: int = 19, m: int = 7, seed: int = 0):
+    """A synthetic task with pixels in [0, 1] and labels 0..9."""
+    from learner.taskio import validate_task
+
+    rng = np.random.default_rng(seed)
+    return validate_task(
+        rng.random((n, 1, 9, 9), dtype=np.float32),
+        rng.integers(0, 10, n).astype(np.int64),
+        rng.random((m, 1, 9, 9), dtype=np.float32),
+    )
+
+
+@pytest.fixture
+def small():
+    return small_task()
