@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import ConfigError
 
@@ -47,7 +48,7 @@ class Config:
         """Key order as in the reference records' metadata.config."""
         return dataclasses.asdict(self)
 
-    def replace(self, **changes: Any) -> "Config":
+    def replace(self, **changes: Any) -> Config:
         return make_config(changes, base=self)
 
 

@@ -18,7 +18,6 @@ from .config import Config
 from .model import WIDTH, core_forward, core_inverse, reversible_core
 from .train import initial_parameters
 
-
 TOLERANCES = {torch.float64: (2e-12, 2e-10), torch.float32: (2e-6, 3e-3)}
 SCOPE = (
     "Identical weights; ordinary autograd versus custom reconstruction for inputs and every "

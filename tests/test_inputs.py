@@ -1,0 +1,208 @@
+"""Task validation and the safe npz reader: each bad input gets its own clear error."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from learner.errors import ArchiveError, ArchiveMemberError, ArchiveTooLargeError, InputError
+from learner.taskio import Limits, load_task, read_npz, task_to_npz_bytes, validate_task
+
+from .conftest import small_task
+
+
+def arrays(n=5, m=3):
+    rng = np.random.default_rng(0)
+    return {
+        "train_images": rng.random((n, 1, 9, 9), dtype=np.float32),
+        "train_labels": rng.integers(0, 10, n).astype(np.int64),
+        "test_images": rng.random((m, 1, 9, 9), dtype=np.float32),
+    }
+
+
+def npz_bytes(members: dict, compressed=False) -> bytes:
+    buf = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buf, **members)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "name, value, fragment",
+    [
+        ("train_images", lambda a: a["train_images"].astype(np.float64), "train_images must have dtype float32, got float64"),
+        ("test_images", lambda a: a["test_images"].reshape(3, 81), "test_images must have shape (N, 1, 9, 9), got (3, 81)"),
+        ("train_images", lambda a: a["train_images"].reshape(5, 1, 81, 1), "train_images must have shape (N, 1, 9, 9)"),
+        ("train_images", lambda a: np.zeros((0, 1, 9, 9), np.float32), "train_images must hold at least one image"),
+        ("test_images", lambda a: np.zeros((0, 1, 9, 9), np.float32), "test_images must hold at least one image"),
+        ("train_images", lambda a: np.where(np.arange(405).reshape(5, 1, 9, 9) == 7, np.nan, a["train_images"]).astype(np.float32), "train_images holds 1 non-finite pixel value"),
+        ("test_images", lambda a: np.full((3, 1, 9, 9), np.inf, np.float32), "test_images holds 243 non-finite"),
+        ("train_images", lambda a: a["train_images"] * 255, "train_images pixels must lie in [0, 1]"),
+        ("test_images", lambda a: a["test_images"] - 0.5, "test_images pixels must lie in [0, 1]"),
+        ("train_labels", lambda a: a["train_labels"].astype(np.float32), "train_labels must have an integer dtype, got float32"),
+        ("train_labels", lambda a: np.array([0, 1, 2, 3, 10]), "train_labels must be in 0..9, found min 0 and max 10"),
+        ("train_labels", lambda a: np.array([0, 1, -1, 3, 4]), "train_labels must be in 0..9, found min -1"),
+        ("train_labels", lambda a: a["train_labels"][:4], "train_labels has 4 labels but train_images has 5 images"),
+        ("train_labels", lambda a: a["train_labels"].reshape(5, 1), "train_labels must have shape (N,), got (5, 1)"),
+        ("train_labels", lambda a: a["train_labels"].astype(bool), "train_labels must have an integer dtype, got bool"),
+    ],
+)
+def test_each_bad_array_is_named(name, value, fragment):
+    a = arrays()
+    a[name] = value(a)
+    with pytest.raises(InputError) as err:
+        validate_task(**a)
+    assert fragment in str(err.value)
+    assert err.value.details["array"] == name
+
+
+def test_good_task_roundtrip_and_label_dtypes():
+    a = arrays()
+    a["train_labels"] = a["train_labels"].astype(np.uint8)
+    task = load_task(npz_bytes(a, compressed=True))
+    assert task.train_labels.dtype == np.int64
+    np.testing.assert_array_equal(task.train_images, a["train_images"])
+    big_endian = a["train_images"].astype(">f4")
+    a["train_images"] = big_endian
+    with pytest.raises(InputError, match="dtype float32"):
+        load_task(npz_bytes(a))  # >f4 is not float32 in numpy's eyes: be explicit
+
+
+def test_query_labels_member_rejected_with_reason():
+    a = arrays()
+    a["test_labels"] = np.zeros(3, np.int64)
+    with pytest.raises(ArchiveMemberError) as err:
+        read_npz(npz_bytes(a))
+    msg = str(err.value)
+    assert "'test_labels.npy'" in msg and "query/test labels must never be uploaded" in msg
+
+
+@pytest.mark.parametrize("extra", ["notes", "y_query", "train_images_copy"])
+def test_any_other_member_rejected(extra):
+    a = arrays()
+    a[extra] = np.zeros(1)
+    with pytest.raises(ArchiveMemberError, match=f"'{extra}.npy'"):
+        read_npz(npz_bytes(a))
+
+
+def test_missing_member():
+    a = arrays()
+    del a["test_images"]
+    with pytest.raises(ArchiveMemberError, match="missing member.*test_images.npy"):
+        read_npz(npz_bytes(a))
+
+
+def test_not_a_zip_and_truncated():
+    with pytest.raises(ArchiveError, match="not a zip/npz"):
+        read_npz(b"hello, this is not an archive")
+    data = npz_bytes(arrays(200, 50))
+    with pytest.raises(ArchiveError):
+        read_npz(data[: len(data) // 2])
+    with pytest.raises(ArchiveError):
+        read_npz(b"")
+
+
+def test_corrupt_member_crc():
+    data = bytearray(npz_bytes(arrays()))
+    # Flip a byte inside the first member's array data (after its local header + npy header).
+    data[300] ^= 0xFF
+    with pytest.raises(ArchiveError):
+        read_npz(bytes(data))
+
+
+def test_pickled_object_array_never_loaded():
+    a = arrays()
+    buf = io.BytesIO()
+    obj = np.empty(5, dtype=object)
+    obj[:] = [1, 2, 3, 4, 5]
+    np.savez(buf, train_images=a["train_images"], train_labels=obj, test_images=a["test_images"])
+    with pytest.raises(InputError, match="object dtype.*no pickles"):
+        read_npz(buf.getvalue())
+
+
+def _npz_with_header(shape, dtype="<f4", payload=b"") -> bytes:
+    a = arrays()
+    header = {"descr": dtype, "fortran_order": False, "shape": shape}
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zf.writestr("train_labels.npy", _npy(a["train_labels"]))
+        zf.writestr("test_images.npy", _npy(a["test_images"]))
+        raw = io.BytesIO()
+        np.lib.format.write_array_header_1_0(raw, header)
+        zf.writestr("train_images.npy", raw.getvalue() + payload)
+    return out.getvalue()
+
+
+def _npy(arr) -> bytes:
+    b = io.BytesIO()
+    np.save(b, arr)
+    return b.getvalue()
+
+
+def test_header_shape_too_large_checked_before_reading():
+    with pytest.raises(ArchiveTooLargeError, match="rows, limit"):
+        read_npz(_npz_with_header((10**9, 1, 9, 9)))
+
+
+def test_header_disagreeing_with_member_size():
+    with pytest.raises(ArchiveError, match="header says shape"):
+        read_npz(_npz_with_header((5, 1, 9, 9), payload=b"\0" * 16))
+
+
+def test_declared_sizes_and_ratio_limits():
+    a = arrays(4000, 10)  # 1.3 MB of images: the ratio check applies to members over 1 MiB
+    a["train_images"] = np.zeros_like(a["train_images"])  # compresses extremely well
+    data = npz_bytes(a, compressed=True)
+    with pytest.raises(ArchiveTooLargeError, match="compression ratio"):
+        read_npz(data, Limits(max_ratio=5.0))
+    with pytest.raises(ArchiveTooLargeError, match="declares .* uncompressed bytes"):
+        read_npz(data, Limits(max_member_bytes=1000))
+    with pytest.raises(ArchiveTooLargeError, match="archive declares"):
+        read_npz(data, Limits(max_total_bytes=1000, max_ratio=1e9))
+
+
+def test_too_many_members_named():
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for i in range(50):
+            zf.writestr(f"m{i}.npy", b"x")
+    with pytest.raises(ArchiveMemberError, match="not allowed"):
+        read_npz(out.getvalue())
+
+
+def test_header_size_bounded():
+    with pytest.raises(ArchiveError, match="header"):
+        read_npz(_npz_with_header((5, 1, 9, 9)), Limits(max_header_size=10))
+
+
+def test_cli_rejects_labels_archive_with_status_2(tmp_path):
+    a = arrays()
+    a["test_labels"] = np.zeros(3, np.int64)
+    path = tmp_path / "bad.npz"
+    path.write_bytes(npz_bytes(a))
+    r = subprocess.run([sys.executable, "-m", "learner.cli", "run", "--input", str(path), "--backend", "cpu",
+                        "--output", str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "query/test labels must never be uploaded" in r.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_cli_bad_config_and_bad_array_status_2(tmp_path):
+    good = tmp_path / "t.npz"
+    good.write_bytes(task_to_npz_bytes(small_task()))
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"depth": 0}')
+    r = subprocess.run([sys.executable, "-m", "learner.cli", "run", "--input", str(good), "--config", str(cfg),
+                        "--output", str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "config.depth must be > 0" in r.stderr
+    a = arrays()
+    a["train_images"] = a["train_images"] * 2
+    bad = tmp_path / "b.npz"
+    bad.write_bytes(npz_bytes(a))
+    r = subprocess.run([sys.executable, "-m", "learner.cli", "run", "--input", str(bad), "--output",
+                        str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "train_images pixels must lie in [0, 1]" in r.stderr

@@ -1,0 +1,147 @@
+"""The training loop against torch.optim.SGD on ordinary autograd, the graph program's
+buffer logic on the CPU, and the reconstruction validation object."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from learner.backends.cpu import CpuBackend
+from learner.backends.cuda import GraphBackend
+from learner.config import make_config
+from learner.model import lift
+from learner.reference_check import ordinary_sgd
+from learner.result import prepare, run_task
+from learner.train import batch_sizes, epoch_permutations, initial_parameters, train
+from learner.validate import run_validation
+
+from .conftest import small_task
+
+TOL = dict(atol=2e-5, rtol=3e-3)
+
+
+def reference_sgd(task, config):
+    params, velocity, _ = ordinary_sgd(task, config)
+    to_t = lambda xs: [None if x is None else torch.from_numpy(x) for x in xs]  # noqa: E731
+    return to_t(params), to_t(velocity)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"batch_size": 8},
+        {"batch_size": 16, "depth": 1},
+        {"batch_size": 8, "weight_decay": 1e-3},
+        {"batch_size": 7, "depth": 3, "momentum": 0.0},
+    ],
+)
+def test_sgd_matches_torch_optim_on_ordinary_autograd(overrides):
+    config = make_config({**overrides, "epochs": 2})
+    task = small_task(n=19, m=7, seed=5)
+    ref_params, ref_velocity = reference_sgd(task, config)
+    params = [p.clone() for p in initial_parameters(config)]
+    h = lift(torch.from_numpy(task.train_images))
+    orders = [torch.from_numpy(p) for p in epoch_permutations(config, task.train_count)]
+    velocity = train(params, h, torch.from_numpy(task.train_labels), orders, config)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, **TOL)
+    for a, b in zip(velocity, ref_velocity):
+        if config.momentum > 0:
+            torch.testing.assert_close(a, b, **TOL)
+    # and training moved the parameters (the comparison is not vacuous)
+    assert any(not torch.equal(a, b) for a, b in zip(params, initial_parameters(config)))
+
+
+def test_short_last_batch_included():
+    assert batch_sizes(19, 8) == [8, 8, 3]
+    assert batch_sizes(10000, 128)[-1] == 10000 - 78 * 128
+    assert sum(batch_sizes(10000, 128)) == 10000
+
+
+def test_graph_program_steps_equal_cpu_backend_bitwise():
+    """The cuda backend's static-buffer program, run eagerly on the CPU, is the cpu backend."""
+    config = make_config({"batch_size": 16, "depth": 2})
+    task = small_task(n=45, m=11, seed=9)
+    prepared = prepare(task, config)
+    cpu = CpuBackend().run(task, prepared)
+    graphless = GraphBackend("cpu")
+    out = graphless.run(task, prepared)
+    assert out.scores.tobytes() == cpu.scores.tobytes()
+    for a, b in zip(out.final_parameters + out.final_velocity, cpu.final_parameters + cpu.final_velocity):
+        assert a.tobytes() == b.tobytes()
+    # A second task of the same shape reuses the program: only data is copied in.
+    other = small_task(n=45, m=11, seed=10)
+    out2 = graphless.run(other, prepare(other, config))
+    cpu2 = CpuBackend().run(other, prepare(other, config))
+    assert out2.extra["graph_reused"] is True and graphless.cache_hits == 1
+    assert out2.scores.tobytes() == cpu2.scores.tobytes()
+    # ...and the first task again gives the first answer (reset really resets).
+    again = graphless.run(task, prepared)
+    assert again.scores.tobytes() == cpu.scores.tobytes()
+
+
+def test_run_task_through_graph_program_metadata():
+    task = small_task(n=19, m=7)
+    config = make_config({"batch_size": 8})
+    a = run_task(task, config, GraphBackend("cpu"))
+    b = run_task(task, config, "cpu")
+    assert a.metadata["final_parameter_sha256"] == b.metadata["final_parameter_sha256"]
+    assert a.metadata["predictions_sha256"] == b.metadata["predictions_sha256"]
+
+
+def test_divergence_is_reported():
+    from learner.errors import TrainingDivergedError
+
+    with pytest.raises(TrainingDivergedError, match="non-finite"):
+        run_task(small_task(n=64, m=5), make_config({"learning_rate": 1e9, "batch_size": 8}), "cpu")
+
+
+def test_validation_object_matches_record_fields(run_record):
+    ours = run_validation()
+    ref = run_record["metadata"]["validation"]
+    assert ours["passed"] is True
+    assert set(ours) == set(ref) and ours["scope"] == ref["scope"]
+    assert [(c["dtype"], c["depth"]) for c in ours["checks"]] == [(c["dtype"], c["depth"]) for c in ref["checks"]]
+    for mine, theirs in zip(ours["checks"], ref["checks"]):
+        assert set(mine) == set(theirs)
+        for key in ("forward_bitwise_equal", "saved_activation_storages", "saved_activation_bytes",
+                    "saved_parameter_references"):
+            assert mine[key] == theirs[key], key
+
+
+def test_validation_catches_a_broken_backward(monkeypatch):
+    """The check can fail: break the reconstruction and it must say so."""
+    import learner.model as model
+
+    original = model.ReversibleCore.backward
+
+    def broken(ctx, grad_z):
+        grads = list(original(ctx, grad_z))
+        grads[2] = grads[2] * 1.01
+        return tuple(grads)
+
+    monkeypatch.setattr(model.ReversibleCore, "backward", staticmethod(broken))
+    assert run_validation()["passed"] is False
+
+
+def test_validation_is_cached_once_per_process():
+    from learner.validate import cached_validation
+
+    assert cached_validation() is cached_validation()
+
+
+def test_saved_bytes_per_example_is_the_endpoint():
+    from learner.validate import _count_saved
+
+    h = torch.randn(5, 82)
+    weights = [torch.randn(41, 41, requires_grad=True) for _ in range(4)]
+    _, storages, nbytes, refs = _count_saved(h, weights, 0.5)
+    assert (storages, nbytes, refs) == (1, 5 * 328, 4)
+
+
+def test_input_permutation_independent_of_task_content():
+    config = make_config({})
+    a = epoch_permutations(config, 19)
+    b = epoch_permutations(config, 19)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
