@@ -4,8 +4,18 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch for tests and CI (a bare `torch` would pull a multi-GB CUDA build).
-TORCH_CPU ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+# Tests, CI and CPU serving: torch 2.13.0, the CPU build where pip finds one (a machine's local
+# wheel folder, 2.13.0+cpu). Named in the same pip command as the project so that resolving
+# the project's torch range can never move it.
+TORCH_CPU ?= torch==$(TORCH_VERSION)
+# GPU serving: exactly "2.13.0" (===, so never a local 2.13.0+cpu build), which on Linux x86_64
+# is PyPI's CUDA build (CUDA 13 runtime as nvidia-* wheels; needs NVIDIA driver >= 580).
+TORCH_GPU ?= torch===$(TORCH_VERSION)
+# A GPU is "present" when nvidia-smi exists and lists at least one GPU.
+HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+# Extra flags for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --queue-size 16"
+SERVE_ARGS ?=
 
 .PHONY: venv install install-test serve test lint clean
 
@@ -15,19 +25,21 @@ $(BIN)/python:
 
 venv: $(BIN)/python
 
+ifeq ($(HAS_GPU),yes)
 install: venv
-	@if command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(BIN)/pip install -q -e .; \
-	else \
-	  $(BIN)/pip install -q $(TORCH_CPU) && $(BIN)/pip install -q -e .; \
-	fi
+	$(BIN)/pip install -q '$(TORCH_GPU)' -e '.[gpu]'
+	@$(BIN)/python -c "import torch; ok = torch.cuda.is_available(); print('torch', torch.__version__, \
+	  'CUDA', torch.version.cuda, '- GPU usable' if ok else '- GPU NOT usable (driver too old?): serving on the CPU')"
+else
+install: venv
+	$(BIN)/pip install -q '$(TORCH_CPU)' -e .
+endif
 
 install-test: venv
-	$(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q '$(TORCH_CPU)' -e '.[test]'
 
 serve: install
-	$(BIN)/rev88 serve
+	$(BIN)/rev88 serve $(SERVE_ARGS)
 
 test: install-test
 	$(BIN)/python -m pytest -q

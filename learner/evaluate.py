@@ -207,6 +207,7 @@ class ServiceRunner:
     retries: int = DEFAULT_RETRIES
     timeout_s: float = 900.0
     sleep: Callable[[float], None] = time.sleep
+    transport: Any = None  # an httpx transport; None = the network
     log: TextIO = field(default_factory=lambda: sys.stderr)
 
     def describe(self) -> str:
@@ -232,7 +233,9 @@ class ServiceRunner:
 
         body = task_to_npz_bytes(task)  # exactly train_images, train_labels, test_images
         t0 = time.perf_counter()
-        with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=10.0)) as client:
+        with httpx.Client(
+            timeout=httpx.Timeout(self.timeout_s, connect=10.0), transport=self.transport
+        ) as client:
             response = self._post(client, body)
         wall = time.perf_counter() - t0
         return self._answer(response, task, wall)
@@ -245,13 +248,18 @@ class ServiceRunner:
             try:
                 r = client.post(endpoint, content=body, params=self.params(), headers=self.headers())
             except httpx.TimeoutException as exc:
-                raise CliError(f"the service at {self.url} did not answer within {self.timeout_s:.0f} s: {exc}", 1) from None
+                raise CliError(
+                    f"the service at {self.url} did not answer within {self.timeout_s:.0f} s: {exc}", 1
+                ) from None
             except httpx.HTTPError as exc:
                 raise CliError(f"cannot reach the service at {self.url}: {exc}", 1) from None
             if r.status_code == 503 and attempt < self.retries:
                 wait = retry_after_seconds(r.headers.get("Retry-After"), attempt)
-                print(f"service busy (503: {_error_text(r)}); retry {attempt + 1}/{self.retries} in {wait:.1f} s",
-                      file=self.log, flush=True)
+                print(
+                    f"service busy (503: {_error_text(r)}); retry {attempt + 1}/{self.retries} in {wait:.1f} s",
+                    file=self.log,
+                    flush=True,
+                )
                 self.sleep(wait)
                 continue
             if r.status_code == 200:
@@ -264,12 +272,18 @@ class ServiceRunner:
 
         try:
             doc = r.json()
-            preds = np.asarray(doc["predictions"], dtype=np.int64)
-            meta = doc["metadata"]
+            raw, meta = doc["predictions"], doc["metadata"]
+            if not isinstance(raw, list) or not isinstance(meta, dict):
+                raise TypeError("predictions must be a list and metadata an object")
         except (ValueError, KeyError, TypeError) as exc:
-            raise CliError(f"the service's answer is not the documented JSON (id, predictions, metadata): {exc}", 1) from None
-        if preds.shape != (task.test_count,):
-            raise CliError(f"the service returned {preds.size} predictions for {task.test_count} queries", 1)
+            raise CliError(
+                f"the service's answer is not the documented JSON (id, predictions, metadata): {exc}", 1
+            ) from None
+        if len(raw) != task.test_count:
+            raise CliError(f"the service returned {len(raw)} predictions for {task.test_count} queries", 1)
+        if not all(type(p) is int and 0 <= p <= 9 for p in raw):
+            raise CliError("the service's predictions are not all class numbers 0..9", 1)
+        preds = np.asarray(raw, dtype=np.int64)
         digest = array_sha256(preds)
         if digest != doc.get("predictions_sha256") or digest != meta.get("predictions_sha256"):
             raise CliError("the service's predictions do not hash to the predictions_sha256 it reported", 1)
@@ -277,8 +291,10 @@ class ServiceRunner:
         if meta.get("input_hashes") != sent:
             raise CliError("the service reports input hashes that differ from the arrays sent", 1)
         if meta.get("config") != self.config.as_dict():
-            raise CliError(f"the service ran config {meta.get('config')} instead of {self.config.as_dict()}", 1)
-        service = {"id": doc.get("id"), "timing": doc.get("timing"), "device": doc.get("device")}
+            raise CliError(
+                f"the service ran config {meta.get('config')} instead of {self.config.as_dict()}", 1
+            )
+        service = {key: doc.get(key) for key in ("id", "timing", "device", "energy", "energy_reason")}
         return RunAnswer(preds, meta, wall, service=service, versions=doc.get("versions"))
 
 
@@ -417,8 +433,9 @@ def evaluate(
     return records
 
 
-def build_summary(records: list[dict[str, Any]], config, backend: str | None, url: str | None,
-                  elapsed: float) -> dict[str, Any]:
+def build_summary(
+    records: list[dict[str, Any]], config, backend: str | None, url: str | None, elapsed: float
+) -> dict[str, Any]:
     from .result import versions
 
     backends = sorted({r["backend"] for r in records if r["backend"]})
@@ -500,7 +517,8 @@ def write_report(output: Path, summary: dict[str, Any]) -> str:
             [r["total"] for r in draws],
             t["mean_accuracy_percent"],
             t["sd_accuracy_pp"],
-            ERROR_BANDS_PERCENT,
+            [b["band_percent"] for b in t["error_bands"]],
+            [b["met"] for b in t["error_bands"]],
             title=f"rev88 accuracy per draw ({t['correct_over_total']} correct)",
         )
     )
@@ -529,7 +547,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     draws = parse_draws(args.draws)
     mnist_dir = Path(args.mnist_dir)
     if not mnist_dir.is_dir():
-        raise CliError(f"--mnist-dir {mnist_dir} is not a folder (it needs train-images/train-labels idx[.gz])")
+        raise CliError(
+            f"--mnist-dir {mnist_dir} is not a folder (it needs train-images/train-labels idx[.gz])"
+        )
     if args.retries < 0:
         raise CliError(f"--retries must be >= 0, got {args.retries}")
     api_key = (args.api_key or os.environ.get("REV88_API_KEY")) if args.url else None
@@ -552,7 +572,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     summary = build_summary(records, config, args.backend, url, time.perf_counter() - t0)
     table = write_report(output, summary)
     print(table)
-    print(f"\nwrote {output}/summary.json, README.md, accuracy.svg and predictions/draw-NN.npy", file=sys.stderr)
+    print(
+        f"\nwrote {output}/summary.json, README.md, accuracy.svg and predictions/draw-NN.npy", file=sys.stderr
+    )
     return 0
 
 
@@ -566,15 +588,28 @@ def add_evaluate(sub) -> None:
         "service, score it against the held-back query labels and write a report folder.",
     )
     p.add_argument("--mnist-dir", required=True, help="folder with train-images/train-labels idx[.gz]")
-    p.add_argument("--draws", default="0-10",
-                   help="published draws k in 0..10: a range 0-10, a list 0,3,5, a single 2 or a mix (default 0-10)")
+    p.add_argument(
+        "--draws",
+        default="0-10",
+        help="published draws k in 0..10: a range 0-10, a list 0,3,5, a single 2 or a mix (default 0-10)",
+    )
     p.add_argument("--config", help="JSON object of config overrides (unknown keys are an error)")
-    p.add_argument("--backend", choices=NAMES, default=None,
-                   help="learner backend (default auto in process; the service's default with --url)")
+    p.add_argument(
+        "--backend",
+        choices=NAMES,
+        default=None,
+        help="learner backend (default auto in process; the service's default with --url)",
+    )
     p.add_argument("--url", help="run through the service at this base URL instead of in process")
     p.add_argument("--api-key", help="service API key (Authorization: Bearer); default $REV88_API_KEY")
-    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
-                   help=f"retries of a 503 (busy) answer, honoring Retry-After (default {DEFAULT_RETRIES})")
-    p.add_argument("--output", required=True, help="report folder (created; must be empty unless --overwrite)")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=DEFAULT_RETRIES,
+        help=f"retries of a 503 (busy) answer, honoring Retry-After (default {DEFAULT_RETRIES})",
+    )
+    p.add_argument(
+        "--output", required=True, help="report folder (created; must be empty unless --overwrite)"
+    )
     p.add_argument("--overwrite", action="store_true", help="reuse a non-empty report folder")
     p.set_defaults(func=cmd_evaluate)

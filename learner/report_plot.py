@@ -97,11 +97,18 @@ def accuracy_svg(
     mean_percent: float,
     sd_pp: float | None,
     bands: Sequence[int] = (2, 3, 5, 8, 12),
+    met: Sequence[bool] | None = None,
     title: str = "rev88 per-draw accuracy",
 ) -> str:
-    """The chart as SVG text. Accuracies are ``correct/total``; mean and SD in percent."""
+    """The chart as SVG text. Accuracies are ``correct/total``; mean and SD in percent.
+
+    ``met`` (one flag per band, decided by the caller's exact rule) adds "met" or
+    "not met" to each band's label.
+    """
     if not draws or not (len(draws) == len(correct) == len(total)):
         raise ValueError("accuracy_svg needs one correct/total pair per draw, and at least one draw")
+    if met is not None and len(met) != len(bands):
+        raise ValueError("accuracy_svg needs one met flag per band")
     acc = [100.0 * c / t for c, t in zip(correct, total)]
     thresholds = [100.0 - b for b in bands]
     lo, hi = y_range([*acc, *thresholds, mean_percent])
@@ -146,13 +153,16 @@ def accuracy_svg(
         )
     # Error-band thresholds, as accuracy lines, labelled in the right margin.
     band_ys = [frame.y(t) for t in thresholds]
-    for band, thr, y, ly_, colour in zip(bands, thresholds, band_ys, spread_labels(band_ys), BAND_COLOURS * 3):
+    verdicts = [("" if met is None else (": met" if ok else ": not met")) for ok in (met or bands)]
+    for band, thr, y, ly_, colour, verdict in zip(
+        bands, thresholds, band_ys, spread_labels(band_ys), BAND_COLOURS * 3, verdicts
+    ):
         parts.append(
             f'<line class="band" data-band="{band}" data-accuracy="{thr:g}" x1="{_fmt(frame.left)}" '
             f'y1="{_fmt(y)}" x2="{_fmt(frame.right)}" y2="{_fmt(y)}" stroke="{colour}" '
             'stroke-width="1.5" stroke-dasharray="6 4"/>'
         )
-        parts.append(_text(frame.right + 8, ly_ + 4, f"{band} % error band: {thr:g} %", fill=colour))
+        parts.append(_text(frame.right + 8, ly_ + 4, f"{band} % band: {thr:g} %{verdict}", fill=colour))
     # The mean.
     ym = frame.y(mean_percent)
     parts.append(
@@ -171,9 +181,19 @@ def accuracy_svg(
     parts += [
         f'<rect x="{_fmt(frame.left)}" y="{_fmt(frame.top)}" width="{_fmt(frame.right - frame.left)}" '
         f'height="{_fmt(frame.bottom - frame.top)}" fill="none" stroke="#444"/>',
-        _text((frame.left + frame.right) / 2, HEIGHT - 16, "draw k (dataset seed 2026091400 + k)", text_anchor="middle"),
-        _text(18, (frame.top + frame.bottom) / 2, "accuracy (%)", text_anchor="middle",
-              transform=f"rotate(-90 18 {_fmt((frame.top + frame.bottom) / 2)})"),
+        _text(
+            (frame.left + frame.right) / 2,
+            HEIGHT - 16,
+            "draw k (dataset seed 2026091400 + k)",
+            text_anchor="middle",
+        ),
+        _text(
+            18,
+            (frame.top + frame.bottom) / 2,
+            "accuracy (%)",
+            text_anchor="middle",
+            transform=f"rotate(-90 18 {_fmt((frame.top + frame.bottom) / 2)})",
+        ),
         "</svg>",
     ]
     return "\n".join(parts) + "\n"

@@ -17,6 +17,7 @@ import torch
 from . import __version__
 from .backends import Backend, Prepared, RunOutput, get_backend
 from .config import Config
+from .energy import driver_version
 from .errors import TrainingDivergedError
 from .hashing import array_sha256, named_sha256, state_vector
 from .model import FEATURES
@@ -89,7 +90,7 @@ def _static_versions() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         out["gpu_name"] = props.name
         out["gpu_uuid"] = _gpu_uuid(props)
-        out["driver"] = _driver_version()
+        out["driver"] = driver_version()
     return out
 
 
@@ -99,20 +100,6 @@ def _gpu_uuid(props) -> str | None:
         return None
     text = str(uuid)
     return text if text.startswith("GPU-") else f"GPU-{text}"
-
-
-def _driver_version() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else v
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML library or no driver: report unknown, never fail a task
-        return None
 
 
 def versions() -> dict[str, Any]:

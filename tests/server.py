@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,3 +69,66 @@ def running_server(tmp_path: Path, env: dict[str, str] | None = None, ready: boo
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+NPZ = {"Content-Type": "application/octet-stream"}
+
+
+def post_task(client: httpx.Client, body: bytes, params: dict | None = None, headers: dict | None = None,
+              **kw) -> httpx.Response:
+    """POST /tasks with ``body`` as the raw npz."""
+    return client.post("/tasks", content=body, params=params or {}, headers={**NPZ, **(headers or {})}, **kw)
+
+
+def wait_for(predicate, timeout: float = 120, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value (returned), or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def running_job(server: Server):
+    """The job now holding the device, as /health reports it (None when idle)."""
+    return httpx.get(server.url + "/health", timeout=10).json()["queue"]["running"]
+
+
+class InProcessServer:
+    """uvicorn serving an app object in a thread of this process, on a free loopback port.
+    Lets a test reach the app's state (``app.state.service``) while real HTTP drives it."""
+
+    def __init__(self, app, server, thread, url):
+        self.app, self.server, self.thread, self.url = app, server, thread, url
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), **kw)
+
+
+@contextlib.contextmanager
+def inprocess_server(app, ready: bool = True, timeout: float = 120):
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        path = "/v2/health/ready" if ready else "/v2/health/live"
+
+        def up():
+            try:
+                return httpx.get(url + path, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, timeout, 0.1, f"in-process server {path}")
+        yield InProcessServer(app, server, thread, url)
+    finally:
+        server.should_exit = True
+        thread.join(60)

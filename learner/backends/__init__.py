@@ -12,7 +12,7 @@ import torch
 
 from .base import Backend, Prepared, RunOutput
 
-NAMES = ("auto", "cpu", "cuda")
+NAMES = ("auto", "cpu", "cuda", "fused")
 _instances: dict[str, Backend] = {}
 _lock = threading.Lock()
 
@@ -26,7 +26,11 @@ def resolve(name: str) -> str:
     if name not in NAMES:
         raise BackendUnavailable(f"unknown backend {name!r}; choose one of {', '.join(NAMES)}")
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            return "cpu"
+        from .fused import fused_ready  # fused once its self-check has passed in this process
+
+        return "fused" if fused_ready() else "cuda"
     return name
 
 
@@ -53,6 +57,12 @@ def _create(name: str) -> Backend:
         from .cuda import GraphBackend
 
         return GraphBackend("cuda")
+    if name == "fused":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("backend 'fused' needs a CUDA GPU and none is available here")
+        from .fused import FusedBackend
+
+        return FusedBackend("cuda")
     raise BackendUnavailable(f"unknown backend {name!r}")
 
 

@@ -1,0 +1,55 @@
+# syntax=docker/dockerfile:1
+# The rev88 service on one NVIDIA GPU (falls back to the CPU backend when none is visible).
+#
+#   docker build -t rev88:0.1.0 .
+#   docker run --rm --gpus all -p 8000:8000 rev88:0.1.0
+#
+# PyPI's torch 2.13.0 wheel for Linux x86_64 is the CUDA build (CUDA 13 runtime libraries
+# come with it as nvidia-* wheels), so a slim Python base is enough: the host needs only the
+# NVIDIA driver (>= 580 for CUDA 13) and the NVIDIA Container Toolkit. `===` asks for exactly
+# "2.13.0", never a local CPU build such as "2.13.0+cpu" that a build machine's pip may hold.
+# Not built here: no Docker engine was available where this file was written; it is checked
+# statically (tests/test_deploy_static.py) against the app's routes, port and settings.
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    CUBLAS_WORKSPACE_CONFIG=:16:8 \
+    HOME=/home/rev88 \
+    XDG_CACHE_HOME=/tmp/rev88-cache \
+    TRITON_CACHE_DIR=/tmp/rev88-cache/triton
+
+# A fixed numeric, non-root user (Kubernetes' runAsNonRoot can verify a number).
+RUN groupadd --system --gid 10001 rev88 \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /home/rev88 --create-home --shell /usr/sbin/nologin rev88
+
+WORKDIR /opt/rev88
+
+# The large, rarely changing layer first: torch alone.
+RUN pip install "torch===2.13.0"
+
+COPY pyproject.toml README.md ./
+COPY learner ./learner
+COPY app ./app
+# Same torch pin again so resolving the package cannot move it; then a smoke import.
+# The project itself (".") carries its dependency ranges in pyproject.toml.
+# hadolint ignore=DL3013
+RUN pip install "torch===2.13.0" ".[gpu]" \
+ && python -c "import learner, app.main, app.commands; print('rev88', learner.__version__)"
+
+USER 10001:10001
+
+EXPOSE 8000
+
+# Liveness only (the process answers); readiness (/v2/health/ready) is for load balancers.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/v2/health/live', timeout=4).status == 200 else 1)"]
+
+# Docker sends SIGTERM on stop; `rev88 serve` drains for REV88_DRAIN_TIMEOUT_S (30 s):
+# give `docker stop` a longer --time (compose: stop_grace_period).
+STOPSIGNAL SIGTERM
+CMD ["rev88", "serve", "--host", "0.0.0.0", "--port", "8000"]

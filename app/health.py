@@ -1,0 +1,65 @@
+"""Health documents: /health (everything), /v2/health/live, /v2/health/ready.
+
+/health answers 200 while the service is ready and 503 otherwise (starting,
+failed, draining); the body is the same full document either way.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from .service import Service
+
+
+def live() -> dict[str, Any]:
+    return {"status": "live"}
+
+
+def readiness(service: Service) -> tuple[int, dict[str, Any]]:
+    if service.ready:
+        return 200, {"status": "ready"}
+    if service.draining:
+        reason = f"draining for shutdown ({service.drain_reason or 'signal'})"
+        return 503, {"status": "draining", "error": f"not ready: {reason}"}
+    if service.state == "failed":
+        return 503, {"status": "failed", "error": f"not ready: startup checks failed: {service.failure}"}
+    return 503, {"status": "starting", "error": "not ready: learner validation and backend warm-up still running"}
+
+
+def health(service: Service) -> tuple[int, dict[str, Any]]:
+    """The full document. Calls NVML (through learner.energy): run it in a worker thread."""
+    gpu, gpu_reason = service.energy.telemetry()
+    doc: dict[str, Any] = {
+        "status": service.status,
+        "ready": service.ready,
+        "device": "cuda" if service.backend == "cuda" else "cpu",
+        "backend": service.backend,
+        "gpu": gpu,
+    }
+    if gpu is None:
+        doc["gpu_reason"] = gpu_reason
+    doc.update(
+        {
+            "energy": {
+                "per_request": service.energy.meter is not None,
+                "reason": service.energy.reason if service.energy.meter is None else None,
+                "idle_baseline_w": service.energy.idle.median_w() if service.energy.meter is not None else None,
+            },
+            "learner": service.learner_state(),
+            "queue": service.executor.snapshot(),
+            "uptime_s": round(service.uptime_s, 3),
+            "started_at": datetime.datetime.fromtimestamp(service.started_at, datetime.UTC).isoformat(
+                timespec="seconds"
+            ),
+            "limits": {
+                "queue_size": service.settings.queue_size,
+                "max_body_bytes": service.settings.max_body_bytes,
+                "task_timeout_s": service.settings.task_timeout_s,
+                "drain_timeout_s": service.settings.drain_timeout_s,
+            },
+            "auth": service.settings.auth_enabled,
+            "versions": service.versions(),
+        }
+    )
+    return (200 if service.ready else 503), doc

@@ -1,0 +1,123 @@
+"""Prometheus metrics, in a registry of the app's own (two apps in one process never mix).
+
+    rev88_tasks_total{outcome}            POST /tasks answers by outcome
+    rev88_request_seconds{route}          request latency, arrival to response start
+    rev88_parse_seconds                   npz read + validation (worker threads)
+    rev88_queue_wait_seconds              accepted -> device start
+    rev88_run_seconds                     the learner's own run time (CUDA events where present)
+    rev88_queue_depth                     tasks waiting for the device
+    rev88_tasks_in_flight                 tasks accepted and not yet off the device (queued + running)
+    rev88_device_busy                     1 while a job holds the device
+    rev88_ready                           1 when /v2/health/ready answers 200
+
+Where NVML exists (never on the development machine, so unverified there):
+
+    rev88_gpu_power_watts                 instantaneous board power
+    rev88_gpu_temperature_celsius
+    rev88_gpu_energy_joules_total         the GPU's cumulative energy counter (since driver load)
+    rev88_task_energy_joules_total        summed gross joules of the tasks' metered runs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+OUTCOMES = (
+    "ok", "bad_archive", "too_large", "unsupported_media_type", "invalid", "diverged",
+    "queue_full", "unavailable", "timeout", "error",
+)
+ROUTES = ("/tasks", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "other")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class GpuCollector:
+    """Reads NVML telemetry at scrape time through a telemetry function (learner.energy.gpu_telemetry)."""
+
+    def __init__(self, telemetry: Callable[[], tuple[dict | None, str | None]]) -> None:
+        self._telemetry = telemetry
+
+    def describe(self):
+        return []  # no scrape at registration time
+
+    def collect(self):
+        gpu, _ = self._telemetry()
+        if gpu is None:
+            return
+        labels = ["gpu"]
+        name = [str(gpu.get("uuid") or gpu.get("name") or "0")]
+        if gpu.get("power_w") is not None:
+            g = GaugeMetricFamily("rev88_gpu_power_watts", "GPU board power draw (NVML)", labels=labels)
+            g.add_metric(name, float(gpu["power_w"]))
+            yield g
+        if gpu.get("temperature_c") is not None:
+            g = GaugeMetricFamily("rev88_gpu_temperature_celsius", "GPU temperature (NVML)", labels=labels)
+            g.add_metric(name, float(gpu["temperature_c"]))
+            yield g
+        if gpu.get("energy_counter_mj") is not None:
+            c = CounterMetricFamily(
+                "rev88_gpu_energy_joules", "GPU cumulative energy since the driver loaded (NVML)", labels=labels
+            )
+            c.add_metric(name, gpu["energy_counter_mj"] / 1000.0)
+            yield c
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.tasks = Counter("rev88_tasks", "POST /tasks answers by outcome", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.tasks.labels(outcome)
+        self.request_seconds = Histogram(
+            "rev88_request_seconds", "Request latency, arrival to response", ["route"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.parse_seconds = Histogram(
+            "rev88_parse_seconds", "npz read and validation time", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait_seconds = Histogram(
+            "rev88_queue_wait_seconds", "Time an accepted task waited for the device",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.run_seconds = Histogram(
+            "rev88_run_seconds", "The learner's run time per task (device-timed where possible)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge("rev88_queue_depth", "Tasks waiting for the device", registry=r)
+        self.in_flight = Gauge("rev88_tasks_in_flight", "Tasks accepted and not yet off the device", registry=r)
+        self.device_busy = Gauge("rev88_device_busy", "1 while a job holds the device", registry=r)
+        self.ready = Gauge("rev88_ready", "1 when the service is ready for tasks", registry=r)
+        self.task_energy: Counter | None = None
+
+    def bind(self, depth: Callable[[], float], in_flight: Callable[[], float], busy: Callable[[], float],
+             ready: Callable[[], float]) -> None:
+        """Gauges read live state at scrape time."""
+        self.queue_depth.set_function(depth)
+        self.in_flight.set_function(in_flight)
+        self.device_busy.set_function(busy)
+        self.ready.set_function(ready)
+
+    def enable_gpu(self, telemetry: Callable[[], tuple[dict | None, str | None]]) -> None:
+        self.registry.register(GpuCollector(telemetry))
+        self.task_energy = Counter(
+            "rev88_task_energy_joules", "Summed gross joules of metered task runs (NVML counter deltas)",
+            registry=self.registry,
+        )
+
+    def outcome(self, outcome: str) -> None:
+        self.tasks.labels(outcome if outcome in OUTCOMES else "error").inc()
+
+    def request(self, path: str, seconds: float) -> None:
+        self.request_seconds.labels(path if path in ROUTES else "other").observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

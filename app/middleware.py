@@ -1,0 +1,95 @@
+"""The outermost layer of every request: X-Request-ID, Bearer auth, access log, latency metric.
+
+A pure ASGI middleware (no body buffering), so uploads still stream to the route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+
+from starlette.datastructures import Headers
+
+from .logs import request_id_var
+from .metrics import Metrics
+
+log = logging.getLogger("rev88.app.access")
+
+OPEN_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})  # the health probes
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id_from(headers: Headers) -> str:
+    """The client's X-Request-ID when it is sane (1-128 of [A-Za-z0-9._:-]), else a new one."""
+    given = headers.get("x-request-id")
+    if given and _REQUEST_ID.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+def authorized(headers: Headers, api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class RequestMiddleware:
+    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        headers = Headers(scope=scope)
+        rid = request_id_from(headers)
+        scope.setdefault("state", {})
+        scope["state"]["request_id"] = rid
+        scope["state"]["t0"] = t0
+        token = request_id_var.set(rid)
+        status = {"code": 500}
+        path = scope.get("path", "")
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path not in OPEN_PATHS and not authorized(headers, self.api_key):
+                await self._unauthorized(send_with_id, "authorization" in headers)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            seconds = time.perf_counter() - t0
+            self.metrics.request(path, seconds)
+            log.info(
+                "request",
+                extra={"method": scope.get("method"), "path": path, "status": status["code"],
+                       "duration_ms": round(seconds * 1000, 3),
+                       "client": (scope.get("client") or [None])[0]},
+            )
+            request_id_var.reset(token)
+
+    @staticmethod
+    async def _unauthorized(send, had_header: bool) -> None:
+        message = "invalid API key" if had_header else "missing Authorization: Bearer <key> header"
+        body = json.dumps({"error": f"unauthorized: {message}"}).encode()
+        await send({
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b'Bearer realm="rev88"'),
+            ],
+        })
+        await send({"type": "http.response.body", "body": body})

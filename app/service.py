@@ -1,0 +1,299 @@
+"""The service's state: settings, the device executor, energy meter, warm-up, draining.
+
+Lifecycle (driven by the FastAPI lifespan):
+
+    start()   open the NVML meter (or learn why not), start the device thread, queue
+              the warm-up (learner validation + one tiny synthetic task on the configured
+              backend) ahead of everything, and hook SIGTERM/SIGINT.
+    ready     once the warm-up succeeded and while not draining.
+    SIGTERM   begin_drain(): ready -> 503, new tasks -> 503; uvicorn then stops listening
+              and waits for open requests; accepted tasks keep running. At
+              REV88_DRAIN_TIMEOUT_S after the signal, every task still waiting or running
+              is answered 503 (never dropped), and if uvicorn is still held by a client
+              (say, a stalled upload) a few seconds later, it is told to exit now.
+    stop()    lifespan shutdown: end the device thread within what is left of the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from learner.backends import get_backend, loaded_backends
+from learner.config import Config
+from learner.result import run_task, versions
+from learner.taskio import validate_task
+from learner.validate import cached_validation
+
+from .executor import DeviceExecutor
+from .metrics import Metrics
+from .settings import Settings
+from .tasks import check_backend
+
+log = logging.getLogger("rev88.app.service")
+
+FORCE_EXIT_GRACE_S = 5.0  # after the drain deadline, before uvicorn is told to stop waiting
+IDLE_SAMPLE_INTERVAL_S = 1.0
+
+
+def warmup_task():
+    """A tiny fixed synthetic task (16 train, 4 queries) for the startup warm-up."""
+    rng = np.random.Generator(np.random.PCG64(88))
+    return validate_task(
+        rng.random((16, 1, 9, 9), dtype=np.float32),
+        (np.arange(16) % 10).astype(np.int64),
+        rng.random((4, 1, 9, 9), dtype=np.float32),
+    )
+
+
+class Energy:
+    """The GPU meter (learner.energy) or why there is none; the idle power baseline."""
+
+    def __init__(self) -> None:
+        self.meter: Any = None
+        self.reason: str | None = "the energy meter has not been opened yet"
+        self.idle: Any = None
+        self.request_energy: Any = None
+        self.gpu_telemetry: Any = None
+
+    def open(self) -> None:
+        try:
+            from learner import energy
+        except ImportError as exc:  # a checkout without the energy module
+            self.reason = f"learner.energy is unavailable: {exc}"
+            return
+        self.idle = energy.IdleBaseline()
+        self.request_energy = energy.request_energy
+        self.gpu_telemetry = energy.gpu_telemetry
+        self.meter, self.reason = energy.open_meter(None)
+
+    def meter_for(self, engine) -> tuple[Any, str | None]:
+        if not str(engine.device).startswith("cuda"):
+            return None, (
+                f"backend {engine.name!r} runs on the CPU; the GPU energy counter (NVML) measures GPUs only"
+                + (f" (and here: {self.reason})" if self.meter is None and self.reason else "")
+            )
+        if self.meter is None:
+            return None, self.reason
+        return self.meter, None
+
+    def telemetry(self) -> tuple[dict | None, str | None]:
+        if self.gpu_telemetry is None:
+            return None, self.reason
+        return self.gpu_telemetry()
+
+    def sample_idle(self) -> None:
+        if self.meter is not None:
+            self.idle.sample(self.meter)
+
+
+class Service:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.backend = check_backend(settings.backend)  # "cuda" without a GPU stops startup here
+        self.started_at = time.time()
+        self._t0 = time.monotonic()
+        self.state = "starting"  # starting | ready | failed
+        self.failure: str | None = None
+        self.warmup: dict[str, Any] | None = None
+        self.validation: dict | None = None
+        self.draining = False
+        self.drain_reason: str | None = None
+        self.energy = Energy()
+        self.metrics = Metrics()
+        self.executor = DeviceExecutor(
+            settings.queue_size, idle_hook=self.energy.sample_idle, idle_interval_s=IDLE_SAMPLE_INTERVAL_S
+        )
+        self.metrics.bind(
+            depth=lambda: self.executor.depth,
+            in_flight=self.executor.in_flight,
+            busy=lambda: 1 if self.executor.busy else 0,
+            ready=lambda: 1 if self.ready else 0,
+        )
+        self._uploads = 0  # requests past admission, reading or parsing their body
+        self._uploads_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._timers: list[threading.Timer] = []
+        self._drain_started: float | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and not self.draining
+
+    @property
+    def status(self) -> str:
+        if self.draining:
+            return "draining"
+        return {"ready": "ok"}.get(self.state, self.state)
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._t0
+
+    def learner_state(self) -> dict[str, Any]:
+        backends = {name: engine.describe() for name, engine in loaded_backends().items()}
+        graphs = [
+            {"backend": name, **program}
+            for name, info in backends.items()
+            for program in info.get("cached_programs", [])
+        ]
+        validation = self.validation
+        return {
+            "validated": bool(validation and validation.get("passed")),
+            "validation": None if validation is None else {
+                "passed": validation.get("passed"),
+                "device": validation.get("device"),
+                "checks": len(validation.get("checks", [])),
+            },
+            "backend": self.backend,
+            "warm_backends": sorted(backends) if self.warmup else [],
+            "backends": backends,
+            "cached_graphs": graphs,
+            "warmup": self.warmup,
+            "failure": self.failure,
+        }
+
+    def versions(self) -> dict[str, Any]:
+        return versions()
+
+    # ------------------------------------------------------------------ admission of uploads
+    def admit_upload(self) -> bool:
+        """At most queue_size + 1 requests read/parse bodies at once (bounds memory)."""
+        with self._uploads_lock:
+            if self._uploads > self.settings.queue_size:
+                return False
+            self._uploads += 1
+            return True
+
+    def release_upload(self) -> None:
+        with self._uploads_lock:
+            self._uploads -= 1
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.settings.threads:
+            import torch
+
+            torch.set_num_threads(self.settings.threads)
+        await asyncio.to_thread(self.energy.open)
+        if self.energy.meter is not None and self.energy.gpu_telemetry is not None:
+            self.metrics.enable_gpu(self.energy.gpu_telemetry)
+        self.executor.start()
+        job = self.executor.submit(self._warm_up, kind="warmup", label="warm-up", reserved=True)
+        job.future.add_done_callback(self._warmed_up)
+        self._hook_signals()
+        log.info(
+            "service starting",
+            extra={"backend": self.backend, "queue_size": self.settings.queue_size,
+                   "auth": self.settings.auth_enabled, "energy": self.energy.meter is not None,
+                   "energy_reason": self.energy.reason},
+        )
+
+    def _warm_up(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        validation = cached_validation()
+        self.validation = validation
+        if not validation.get("passed"):
+            failed = [f"{c['dtype']} depth {c['depth']}" for c in validation.get("checks", []) if not c.get("passed")]
+            raise RuntimeError(f"learner validation failed: {', '.join(failed) or 'see /health'}")
+        t1 = time.perf_counter()
+        result = run_task(warmup_task(), Config(), get_backend(self.backend))
+        t2 = time.perf_counter()
+        return {
+            "backend": self.backend,
+            "validation_ms": round((t1 - t0) * 1000, 3),
+            "task_ms": round((t2 - t1) * 1000, 3),
+            "train_count": 16,
+            "test_count": 4,
+            "predictions_sha256": result.predictions_sha256,
+        }
+
+    def _warmed_up(self, future) -> None:
+        try:
+            self.warmup = future.result()
+        except Exception as exc:  # validation or the backend failed: never ready
+            self.state = "failed"
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.error("warm-up failed; the service will not become ready", extra={"failure": self.failure})
+            return
+        self.state = "ready"
+        log.info("ready", extra={"warmup": self.warmup})
+
+    def _hook_signals(self) -> None:
+        """Chain SIGTERM/SIGINT: mark draining, then let uvicorn's own handler stop the server."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # e.g. a server run in a test thread: drain with begin_drain() instead
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            self._previous_handlers[sig] = previous
+
+            def handler(signum, frame, previous=previous):
+                # A signal handler may interrupt code holding any lock: only set flags here.
+                self.draining = True
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self.begin_drain, f"received {signal.Signals(signum).name}")
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous == signal.SIG_DFL:
+                    signal.signal(signum, signal.SIG_DFL)
+                    signal.raise_signal(signum)
+
+            signal.signal(sig, handler)
+
+    def _unhook_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous_handlers.items():
+            signal.signal(sig, previous)
+        self._previous_handlers.clear()
+
+    def begin_drain(self, reason: str = "draining") -> None:
+        """Stop accepting; accepted tasks keep their place; a deadline answers the rest with 503."""
+        self.draining = True
+        if self._drain_started is not None:
+            return
+        self._drain_started = time.monotonic()
+        self.drain_reason = reason
+        self.executor.close("draining for shutdown")
+        timeout = self.settings.drain_timeout_s
+        log.info("draining", extra={"reason": reason, "drain_timeout_s": timeout, "queue": self.executor.snapshot()})
+        self._start_timer(timeout, self._drain_deadline)
+
+    def _start_timer(self, seconds: float, fn) -> None:
+        timer = threading.Timer(seconds, fn)
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    def _drain_deadline(self) -> None:
+        n = self.executor.abandon_all(
+            f"the server is shutting down and its drain timeout of {self.settings.drain_timeout_s:g} s passed"
+        )
+        log.warning("drain timeout passed", extra={"answered_503": n})
+        if self._previous_handlers:
+            self._start_timer(FORCE_EXIT_GRACE_S, self._force_exit)
+
+    def _force_exit(self) -> None:
+        log.error("requests still open after the drain deadline; telling uvicorn to exit now")
+        signal.raise_signal(signal.SIGINT)  # uvicorn: a second SIGINT means exit without waiting
+
+    async def stop(self) -> None:
+        if not self.draining:
+            self.begin_drain("lifespan shutdown")
+        left = self.settings.drain_timeout_s
+        if self._drain_started is not None:
+            left = max(0.0, self.settings.drain_timeout_s - (time.monotonic() - self._drain_started))
+        ended = await asyncio.to_thread(self.executor.stop, left + 1.0)
+        for timer in self._timers:
+            timer.cancel()
+        self._unhook_signals()
+        log.info("stopped", extra={"device_thread_ended": ended, "queue": self.executor.snapshot()})

@@ -1,0 +1,108 @@
+"""The service's settings, read once from documented environment variables.
+
+    REV88_HOST              bind address                           127.0.0.1
+    REV88_PORT              bind port                              8000
+    REV88_BACKEND           auto | cpu | cuda                      auto
+    REV88_QUEUE_SIZE        tasks that may wait for the device     8
+    REV88_MAX_BODY_BYTES    largest accepted request body          67108864 (64 MiB)
+    REV88_TASK_TIMEOUT_S    queue wait + run, per task             300
+    REV88_DRAIN_TIMEOUT_S   SIGTERM: time to finish accepted work  30
+    REV88_API_KEY           Bearer key for every route but the     (unset or empty: no auth)
+                            health probes
+    REV88_LOG_LEVEL         debug | info | warning | error         info
+    REV88_THREADS           torch/BLAS threads                     (unset: library default)
+
+A bad value stops the service at startup with a message naming the variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+
+BACKENDS = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the service cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "auto"
+    queue_size: int = 8
+    max_body_bytes: int = 64 * 1024 * 1024
+    task_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    log_level: str = "info"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SettingsError(f"REV88_BACKEND must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"REV88_PORT must be in 1..65535, got {self.port}")
+        if self.queue_size < 1:
+            raise SettingsError(f"REV88_QUEUE_SIZE must be >= 1, got {self.queue_size}")
+        if self.max_body_bytes < 1:
+            raise SettingsError(f"REV88_MAX_BODY_BYTES must be >= 1, got {self.max_body_bytes}")
+        for name, value in (("REV88_TASK_TIMEOUT_S", self.task_timeout_s), ("REV88_DRAIN_TIMEOUT_S", self.drain_timeout_s)):
+            if not math.isfinite(value) or value <= 0:
+                raise SettingsError(f"{name} must be a finite number of seconds > 0, got {value}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SettingsError("REV88_API_KEY is only whitespace; unset it to turn auth off")
+        if self.log_level not in LOG_LEVELS:
+            raise SettingsError(f"REV88_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.threads is not None and self.threads < 1:
+            raise SettingsError(f"REV88_THREADS must be >= 1, got {self.threads}")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.api_key is not None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+
+        def text(name: str, default: str | None) -> str | None:
+            value = env.get(name)
+            return default if value is None or value == "" else value
+
+        def integer(name: str, default: int | None) -> int | None:
+            raw = text(name, None)
+            if raw is None:
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+
+        def number(name: str, default: float) -> float:
+            raw = text(name, None)
+            if raw is None:
+                return default
+            try:
+                return float(raw)
+            except ValueError:
+                raise SettingsError(f"{name} must be a number of seconds, got {raw!r}") from None
+
+        defaults = cls()
+        api_key = env.get("REV88_API_KEY") or None  # empty means unset (compose files often pass "")
+        return cls(
+            host=text("REV88_HOST", defaults.host),
+            port=integer("REV88_PORT", defaults.port),
+            backend=text("REV88_BACKEND", defaults.backend).lower(),
+            queue_size=integer("REV88_QUEUE_SIZE", defaults.queue_size),
+            max_body_bytes=integer("REV88_MAX_BODY_BYTES", defaults.max_body_bytes),
+            task_timeout_s=number("REV88_TASK_TIMEOUT_S", defaults.task_timeout_s),
+            drain_timeout_s=number("REV88_DRAIN_TIMEOUT_S", defaults.drain_timeout_s),
+            api_key=api_key,
+            log_level=text("REV88_LOG_LEVEL", defaults.log_level).lower(),
+            threads=integer("REV88_THREADS", None),
+        )

@@ -1,0 +1,235 @@
+"""POST /tasks as plain functions: options from the query, the device job, the answers.
+
+The task path is the CLI's: ``learner.taskio.load_task`` (safe reader +
+validation), ``learner.config.make_config`` and ``learner.result.run_task``;
+the service adds only HTTP concerns, so the same npz and backend give the same
+predictions and hashes as ``rev88 run``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner.backends import Backend, BackendUnavailable, Prepared, RunOutput, get_backend, resolve
+from learner.config import Config, coerce_config_strings, make_config
+from learner.errors import (
+    ArchiveError,
+    ArchiveTooLargeError,
+    TaskError,
+    TrainingDivergedError,
+)
+from learner.result import TaskResult, run_task
+
+from .errors import InvalidRequest, ServiceError
+
+SERVICE_PARAMS = ("backend", "include", "measure")
+MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
+    "trials": (int, 1, 10, 3),
+    "target_seconds": (float, 0.1, 60.0, 5.0),
+    "settle_seconds": (float, 0.0, 30.0, 3.0),
+    "idle_seconds": (float, 0.0, 30.0, 3.0),
+}
+INCLUDES = ("scores",)
+NPZ_TYPE = "application/x-npz"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOptions:
+    config_overrides: dict[str, Any]  # from the query, already type-coerced and checked
+    backend: str  # concrete: "cpu" or "cuda"
+    include_scores: bool = False
+    measure: dict[str, Any] | None = None  # protocol arguments for ?measure=energy
+
+    def config(self, form_config: dict[str, Any] | None = None) -> Config:
+        """Query overrides merged with a multipart ``config`` field; a key in both is an error."""
+        if not form_config:
+            return make_config(self.config_overrides)
+        both = sorted(set(form_config) & set(self.config_overrides))
+        if both:
+            raise InvalidRequest(f"config key(s) given both as query parameter and in the 'config' field: {', '.join(both)}")
+        return make_config({**form_config, **self.config_overrides})
+
+
+def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOptions:
+    """Query parameters -> options. Anything not a service parameter is a config key (unknown -> 422)."""
+    keys = [k for k, _ in items]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise InvalidRequest(f"query parameter(s) given more than once: {', '.join(repeated)}")
+    query = dict(items)
+    backend = check_backend(query.pop("backend", default_backend))
+    include = [p.strip() for p in query.pop("include", "").split(",") if p.strip()]
+    unknown = [p for p in include if p not in INCLUDES]
+    if unknown:
+        raise InvalidRequest(f"include={','.join(unknown)} is not known; allowed: {', '.join(INCLUDES)}")
+    measure = query.pop("measure", None)
+    protocol = {name: query.pop(name) for name in list(query) if name in MEASURE_PARAMS}
+    if measure is None and protocol:
+        raise InvalidRequest(f"{', '.join(sorted(protocol))} only apply with measure=energy")
+    if measure is not None and measure != "energy":
+        raise InvalidRequest(f"measure={measure!r} is not known; the one measurement is measure=energy")
+    overrides = coerce_config_strings(query)
+    make_config(overrides)  # fail fast, before the upload is read
+    return TaskOptions(
+        config_overrides=overrides,
+        backend=backend,
+        include_scores="scores" in include,
+        measure=None if measure is None else measure_arguments(protocol),
+    )
+
+
+def measure_arguments(raw: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (kind, low, high, default) in MEASURE_PARAMS.items():
+        if name not in raw:
+            out[name] = default
+            continue
+        try:
+            value = kind(raw[name])
+        except ValueError:
+            raise InvalidRequest(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw[name]!r}") from None
+        if not low <= value <= high:  # also rejects nan
+            raise InvalidRequest(f"{name} must be in [{low:g}, {high:g}], got {raw[name]}")
+        out[name] = value
+    return out
+
+
+def measure_budget_s(arguments: dict[str, Any]) -> float:
+    """Seconds a measurement's protocol needs at least (its windows), added to the task timeout."""
+    return arguments["trials"] * (arguments["target_seconds"] + 2 * (arguments["settle_seconds"] + arguments["idle_seconds"]))
+
+
+def check_backend(name: str) -> str:
+    """'auto' | 'cpu' | 'cuda' -> a concrete backend this machine can run, else BackendUnavailable (422)."""
+    concrete = resolve(name)
+    if concrete == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable("backend 'cuda' needs a CUDA GPU and none is available on this server; use backend=cpu")
+    return concrete
+
+
+def wants_npz(accept: str | None) -> bool:
+    """True when Accept asks for application/x-npz at least as much as for JSON."""
+    best: dict[str, float] = {}
+    for part in (accept or "").split(","):
+        fields = [f.strip() for f in part.split(";")]
+        kind = fields[0].lower()
+        q = 1.0
+        for f in fields[1:]:
+            if f.lower().startswith("q="):
+                try:
+                    q = float(f[2:])
+                except ValueError:
+                    q = 0.0
+        if kind:
+            best[kind] = max(q, best.get(kind, 0.0))
+    npz = best.get(NPZ_TYPE, 0.0)
+    return npz > 0 and npz >= best.get("application/json", 0.0)
+
+
+# --------------------------------------------------------------------------- the device side
+
+
+class MeteredBackend:
+    """A backend whose ``run`` (and only that: the synchronized device work) is bracketed
+    by NVML energy-counter readings; the reading of the last run is kept in ``energy``."""
+
+    def __init__(self, inner: Backend, meter: Any, idle: Any, request_energy: Any) -> None:
+        self.inner, self.meter, self.idle, self._request_energy = inner, meter, idle, request_energy
+        self.name, self.device = inner.name, inner.device
+        self.energy: dict | None = None
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+    def run(self, task, prepared: Prepared) -> RunOutput:
+        out, self.energy = self._request_energy(self.meter, lambda: self.inner.run(task, prepared), self.idle)
+        return out
+
+
+@dataclasses.dataclass
+class DeviceOutcome:
+    result: TaskResult
+    energy: dict | None
+    energy_reason: str | None
+
+
+def run_on_device(task, config: Config, backend: str, energy: Any) -> DeviceOutcome:
+    """The executor's job for one task: the learner's run, metered where a GPU meter exists."""
+    engine = get_backend(backend)
+    meter, reason = energy.meter_for(engine)
+    if meter is None:
+        return DeviceOutcome(run_task(task, config, engine), None, reason)
+    metered = MeteredBackend(engine, meter, energy.idle, energy.request_energy)
+    result = run_task(task, config, metered)
+    return DeviceOutcome(result, metered.energy, None)
+
+
+def measure_on_device(task, config: Config, backend: str, arguments: dict[str, Any], energy: Any) -> dict:
+    """The executor's job for ?measure=energy: learner.measure's protocol, device held throughout."""
+    from learner.measure import measure_task
+
+    engine = get_backend(backend)
+    meter, _ = energy.meter_for(engine)
+    return measure_task(task, config, engine, meter=meter, **arguments)
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def task_answer(task_id: str, request_id: str | None, outcome: DeviceOutcome, timing: dict, include_scores: bool) -> dict:
+    result = outcome.result
+    answer: dict[str, Any] = {
+        "id": task_id,
+        "request_id": request_id,
+        "predictions": result.predictions.tolist(),
+        "predictions_sha256": result.predictions_sha256,
+        "scores_sha256": result.scores_sha256,
+    }
+    if include_scores:
+        answer["scores"] = result.scores.tolist()  # float32 -> float is exact; float32(x) recovers the bits
+    answer.update(
+        {
+            "metadata": result.metadata,
+            "timing": timing,
+            "energy": outcome.energy,
+        }
+    )
+    if outcome.energy is None:
+        answer["energy_reason"] = outcome.energy_reason
+    answer["device"] = result.metadata["device"]
+    answer["versions"] = result.metadata["versions"]
+    return answer
+
+
+def task_npz(result: TaskResult) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, predictions=result.predictions.astype(np.int64), scores=result.scores.astype(np.float32))
+    return buf.getvalue()
+
+
+def run_timing(result: TaskResult) -> tuple[float, str]:
+    """(ms, clock) of the learner's own run: CUDA events where present, else the host clock."""
+    meta = result.metadata
+    if meta.get("cuda_ms") is not None:
+        return float(meta["cuda_ms"]), "cuda_events"
+    return float(meta["training_prediction_seconds"]) * 1000.0, "perf_counter"
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The /metrics outcome label of a failed request."""
+    if isinstance(exc, ServiceError):
+        return exc.outcome
+    if isinstance(exc, ArchiveTooLargeError):
+        return "too_large"
+    if isinstance(exc, ArchiveError):
+        return "bad_archive"
+    if isinstance(exc, TrainingDivergedError):
+        return "diverged"
+    if isinstance(exc, (TaskError, BackendUnavailable)):
+        return "invalid"
+    return "error"

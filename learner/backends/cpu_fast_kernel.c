@@ -1,0 +1,814 @@
+/*
+ * The cpu-fast kernel: one call trains one rev88 task end to end and scores its queries.
+ *
+ * Same math as learner/train.py + learner/model.py (the cpu backend), written out by hand:
+ *
+ *   lift      h = [4*x - 0.5, 0]; left = h[:41], right = h[41:]
+ *   block b   left  += (alpha*relu(right)) @ W[2b].T
+ *             right += (alpha*relu(left))  @ W[2b+1].T
+ *   head      s = [left, right] @ hw.T + hb;  loss = mean cross-entropy
+ *   backward  reversible: only the core's endpoint is kept; each earlier state is rebuilt by
+ *             subtracting the branch it added (as learner.model.ReversibleCore does)
+ *   update    g (+= wd*p); v = momentum*v + g; p -= lr*v      (torch.optim.SGD order)
+ *
+ * Everything is row-local except the weight gradients (sums over the batch), so each
+ * minibatch runs as: per row, forward + loss gradient + reversible backward, saving each
+ * branch's input activation and output gradient; then the weight gradients as small
+ * register-blocked products; then the update. All buffers are allocated once per call;
+ * nothing is allocated per step, no BLAS, no autograd.
+ *
+ * Layout: a 41-wide half state is padded to 48 floats (six 8-float vectors); the padding
+ * stays exactly zero (the padded weight columns are zero), so it never changes a result.
+ * The forward and reconstruction products skip exactly-zero relu activations (about half);
+ * an added 0*w term is an exact zero for finite w, so skipping it changes nothing.
+ *
+ * Summation order differs from MKL's, so results equal the cpu backend's to float32
+ * rounding (the tests bound the difference), and they are bit-for-bit repeatable on one
+ * machine: every sum runs in a fixed order, whatever the thread count.
+ *
+ * Threads: with threads > 1, rows of a minibatch (and of the queries) and rows of the
+ * weight gradients are split over that many pthreads that meet at a barrier per phase.
+ * Each output element is computed by one thread in a fixed order, so the result does
+ * not depend on the thread count.
+ *
+ * On x86-64 the entry point is compiled twice (target_clones): for x86-64-v3 (AVX2+FMA)
+ * and for the baseline; the loader picks one for the CPU at hand. The two may differ in
+ * the last bit (FMA contraction); `isa()` says which one runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define WIDTH 41
+#define PAD 48 /* padded half state */
+#define NV 6   /* 8-float vectors per padded half */
+#define FEAT 82
+#define ROW 96 /* padded state: left at [0, 48), right at [48, 96) */
+#define CLASSES 10
+#define CPAD 16
+#define PIXELS 81
+#define IBLOCK 32 /* batch rows per block of the weight-gradient sums */
+
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define HAVE_CLONES 1
+#else
+#define CLONES
+#define HAVE_CLONES 0
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------ task state */
+
+typedef struct {
+    /* sizes and config */
+    int64_t n, m, epochs, batch, depth, nparams;
+    float alpha, lr, momentum, wd;
+    int threads;
+    /* inputs */
+    const float *train_x, *test_x;
+    const int64_t *labels, *perms;
+    /* outputs (params in/out, velocity out, scores out) */
+    float *params, *velocity, *scores;
+    /* work buffers (allocated once) */
+    float *h;    /* n x ROW: lifted training rows */
+    float *wt;   /* K x WIDTH x PAD: wt[k][c][j] = W_k[j][c] (row c: what input c adds) */
+    float *wn;   /* K x WIDTH x PAD: wn[k][j][c] = W_k[j][c] (row j: grad of output j) */
+    float *hwt;  /* ROW x CPAD: hwt[f][c] = hw[c][f'] (f padded position, f' real index) */
+    float *hwp;  /* CLASSES x ROW: hw rows in padded positions */
+    float *z;    /* batch x ROW: core endpoints */
+    float *gs;   /* batch x CPAD: score gradients */
+    float *acts; /* K x batch x PAD: each branch's input activation alpha*relu(x) */
+    float *gout; /* K x batch x PAD: each branch's output gradient */
+    float *grad; /* nparams */
+    float *gwp;  /* K x WIDTH x PAD: padded partial weight gradients */
+    float *ghp;  /* CLASSES x ROW: padded head gradients */
+    /* the current minibatch */
+    const int64_t *rows;
+    int64_t count;
+    float inv_count;
+} Task;
+
+static void *aligned(size_t floats) {
+    size_t bytes = ((floats * sizeof(float) + 63) / 64) * 64;
+    void *p = aligned_alloc(64, bytes ? bytes : 64);
+    if (p)
+        memset(p, 0, bytes ? bytes : 64);
+    return p;
+}
+
+static void free_task(Task *t) {
+    free(t->h);
+    free(t->wt);
+    free(t->wn);
+    free(t->hwt);
+    free(t->hwp);
+    free(t->z);
+    free(t->gs);
+    free(t->acts);
+    free(t->gout);
+    free(t->grad);
+    free(t->gwp);
+    free(t->ghp);
+}
+
+static int alloc_task(Task *t) {
+    size_t k = (size_t)(2 * t->depth), b = (size_t)t->batch;
+    t->h = aligned((size_t)t->n * ROW);
+    t->wt = aligned(k * WIDTH * PAD);
+    t->wn = aligned(k * WIDTH * PAD);
+    t->hwt = aligned(ROW * CPAD);
+    t->hwp = aligned(CLASSES * ROW);
+    t->z = aligned(b * ROW);
+    t->gs = aligned(b * CPAD);
+    t->acts = aligned(k * b * PAD);
+    t->gout = aligned(k * b * PAD);
+    t->grad = aligned((size_t)t->nparams);
+    t->gwp = aligned(k * WIDTH * PAD);
+    t->ghp = aligned(CLASSES * ROW);
+    return t->h && t->wt && t->wn && t->hwt && t->hwp && t->z && t->gs && t->acts && t->gout && t->grad &&
+           t->gwp && t->ghp;
+}
+
+/* ------------------------------------------------------------------------ row pieces */
+
+#define PREFETCH 2 /* rows ahead: the lifted training rows are read in shuffled order */
+INLINE void prefetch_row(const float *row) {
+#if defined(__GNUC__)
+    for (int off = 0; off < ROW; off += 16)
+        __builtin_prefetch(row + off, 0, 3);
+#else
+    (void)row;
+#endif
+}
+
+/* relu as torch computes it (NaN stays NaN), then times alpha. */
+INLINE float act(float x, float alpha) {
+    float r = x > 0.0f ? x : 0.0f;
+    if (x != x)
+        r = x;
+    return alpha * r;
+}
+
+/* One branch's product: a = alpha*relu(x) (written to `a`; x and a are PAD floats with zero
+ * padding) and out = a @ W.T = sum_c a[c] * wt[c][:], summed in order of c over nonzero a[c].
+ * relu keeps NaN as torch does. */
+INLINE void branch_product(const float *x, float alpha, const float *wt, float *a, vf *out) {
+    const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha}, zero = {0};
+    int32_t nonzero[PAD] __attribute__((aligned(32)));
+    for (int u = 0; u < NV; u++) {
+        vf xv = ((const vf *)x)[u];
+        vi keep = (xv > zero) | (xv != xv);
+        vf av = al * (vf)((vi)xv & keep);
+        ((vf *)a)[u] = av;
+        ((vi *)nonzero)[u] = av != zero;
+    }
+    int idx[WIDTH];
+    int cnt = 0;
+    for (int c = 0; c < WIDTH; c++) {
+        idx[cnt] = c;
+        cnt -= nonzero[c]; /* -1 where nonzero */
+    }
+    vf acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0};
+    for (int q = 0; q < cnt; q++) {
+        int c = idx[q];
+        float s = a[c];
+        vf b = {s, s, s, s, s, s, s, s};
+        const vf *w = (const vf *)(wt + (size_t)c * PAD);
+        acc0 += b * w[0];
+        acc1 += b * w[1];
+        acc2 += b * w[2];
+        acc3 += b * w[3];
+        acc4 += b * w[4];
+        acc5 += b * w[5];
+    }
+    out[0] = acc0;
+    out[1] = acc1;
+    out[2] = acc2;
+    out[3] = acc3;
+    out[4] = acc4;
+    out[5] = acc5;
+}
+
+/* out = sum_j g[j] * wn[j][:]  (g: WIDTH floats; dense). */
+INLINE void matvec_dense(const float *g, const float *wn, vf *out) {
+    vf acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0};
+    for (int j = 0; j < WIDTH; j++) {
+        float s = g[j];
+        vf b = {s, s, s, s, s, s, s, s};
+        const vf *w = (const vf *)(wn + (size_t)j * PAD);
+        acc0 += b * w[0];
+        acc1 += b * w[1];
+        acc2 += b * w[2];
+        acc3 += b * w[3];
+        acc4 += b * w[4];
+        acc5 += b * w[5];
+    }
+    out[0] = acc0;
+    out[1] = acc1;
+    out[2] = acc2;
+    out[3] = acc3;
+    out[4] = acc4;
+    out[5] = acc5;
+}
+
+/* dst += (alpha * ga) where x > 0 or x is NaN (torch threshold_backward: x <= 0 -> 0). */
+INLINE void add_masked(vf *dst, const vf *ga, const vf *x, float alpha) {
+    vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
+    vf zero = {0};
+    for (int u = 0; u < NV; u++) {
+        vi keep = ~(x[u] <= zero);
+        vf g = ga[u] * al;
+        dst[u] = dst[u] + (vf)((vi)g & keep);
+    }
+}
+
+/* Forward through the core for one lifted row: st (ROW floats, 32-aligned) in place. */
+INLINE void core_forward_row(const Task *t, float *st) {
+    float a[PAD] __attribute__((aligned(32)));
+    vf tv[NV];
+    vf *l = (vf *)st, *r = (vf *)(st + PAD);
+    for (int64_t b = 0; b < t->depth; b++) {
+        branch_product(st + PAD, t->alpha, t->wt + (size_t)(2 * b) * WIDTH * PAD, a, tv);
+        for (int u = 0; u < NV; u++)
+            l[u] = l[u] + tv[u];
+        branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, a, tv);
+        for (int u = 0; u < NV; u++)
+            r[u] = r[u] + tv[u];
+    }
+}
+
+/* mask ? a : b, lane by lane (mask lanes are all ones or all zeros). */
+INLINE vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* exp(x) for 8 lanes: x = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-7 Taylor-like
+ * polynomial (the classic single-precision minimax coefficients), times 2^n. Relative error
+ * about 1e-7 (1-2 ulp) on the softmax range x <= 0; NaN stays NaN; below -87.3 it returns
+ * about 1e-38 instead of an underflow (a probability that small changes no sum). */
+INLINE vf vexp(vf x) {
+    const vf lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const vf hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
+    x = pick(x < lo, lo, x); /* NaN compares false and passes through */
+    x = pick(x > hi, hi, x);
+    const vf log2e = {1.44269504f, 1.44269504f, 1.44269504f, 1.44269504f,
+                      1.44269504f, 1.44269504f, 1.44269504f, 1.44269504f};
+    const vf magic = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
+                      12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f}; /* 1.5 * 2^23 */
+    vf n = (x * log2e + magic) - magic; /* nearest integer to x/ln2 */
+    const vf c1 = {0.693359375f, 0.693359375f, 0.693359375f, 0.693359375f,
+                   0.693359375f, 0.693359375f, 0.693359375f, 0.693359375f};
+    const vf c2 = {-2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f,
+                   -2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f};
+    vf r = x - n * c1;
+    r = r - n * c2;
+    const float k[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                        4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    vf y = {k[0], k[0], k[0], k[0], k[0], k[0], k[0], k[0]};
+    for (int q = 1; q < 6; q++)
+        y = y * r + (vf){k[q], k[q], k[q], k[q], k[q], k[q], k[q], k[q]};
+    const vf one = {1, 1, 1, 1, 1, 1, 1, 1};
+    y = y * (r * r) + r + one;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return y * (vf)bits;
+}
+
+/* Head scores of one padded endpoint into s[CPAD]: s[c] = sum_f z[f] hw[c][f] + hb[c]
+ * (four interleaved partial sums over f, added at the end: short dependency chains). */
+INLINE void head_row(const Task *t, const float *st, const float *hb, float *s) {
+    vf lo[4] = {{0}}, hi[4] = {{0}};
+    for (int half = 0; half < 2; half++) {
+        const float *x = st + half * PAD;
+        const vf *w = (const vf *)(t->hwt + (size_t)half * PAD * CPAD);
+        for (int c = 0; c < 40; c += 4) {
+            for (int u = 0; u < 4; u++) {
+                vf b = {x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u]};
+                lo[u] += b * w[2 * (c + u)];
+                hi[u] += b * w[2 * (c + u) + 1];
+            }
+        }
+        vf b = {x[40], x[40], x[40], x[40], x[40], x[40], x[40], x[40]};
+        lo[0] += b * w[80];
+        hi[0] += b * w[81];
+    }
+    vf l = (lo[0] + lo[1]) + (lo[2] + lo[3]), h = (hi[0] + hi[1]) + (hi[2] + hi[3]);
+    memcpy(s, &l, sizeof l);
+    memcpy(s + 8, &h, sizeof h);
+    for (int c = 0; c < CLASSES; c++)
+        s[c] = s[c] + hb[c];
+    for (int c = CLASSES; c < CPAD; c++)
+        s[c] = 0.0f;
+}
+
+/* Lift one raw row (81 pixels) into a padded state: 4*x - 0.5, zero at 81 and in padding. */
+INLINE void lift_row(const float *x, float *st) {
+    for (int c = 0; c < WIDTH; c++)
+        st[c] = x[c] * 4.0f - 0.5f;
+    for (int c = WIDTH; c < PAD; c++)
+        st[c] = 0.0f;
+    for (int c = 0; c < WIDTH - 1; c++)
+        st[PAD + c] = x[WIDTH + c] * 4.0f - 0.5f;
+    for (int c = WIDTH - 1; c < PAD; c++)
+        st[PAD + c] = 0.0f;
+}
+
+/* One row of a minibatch: forward, loss gradient, reversible backward. */
+INLINE void train_row(const Task *t, int64_t i) {
+    const int64_t K = 2 * t->depth, B = t->batch;
+    const int64_t row = t->rows[i];
+    const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
+    float *st = t->z + (size_t)i * ROW;
+    const vf *src = (const vf *)(t->h + (size_t)row * ROW);
+    for (int u = 0; u < 2 * NV; u++)
+        ((vf *)st)[u] = src[u];
+    core_forward_row(t, st);
+
+    /* gradient of the mean cross-entropy w.r.t. the scores: (softmax(s) - onehot(y)) / count */
+    float s[CPAD] __attribute__((aligned(32)));
+    head_row(t, st, hb, s);
+    float mx = s[0];
+    for (int c = 1; c < CLASSES; c++)
+        mx = s[c] > mx || s[c] != s[c] ? s[c] : mx;
+    const vf lanes = {0, 1, 2, 3, 4, 5, 6, 7}, zero = {0};
+    const vf mxv = {mx, mx, mx, mx, mx, mx, mx, mx};
+    vf e[2];
+    for (int u = 0; u < 2; u++) {
+        e[u] = vexp(((const vf *)s)[u] - mxv);
+        e[u] = (vf)((vi)e[u] & (lanes + (float)(8 * u) < (vf){CLASSES, CLASSES, CLASSES, CLASSES, CLASSES,
+                                                                    CLASSES, CLASSES, CLASSES}));
+    }
+    float ev[CPAD] __attribute__((aligned(32)));
+    memcpy(ev, e, sizeof ev);
+    float sum = 0.0f;
+    for (int c = 0; c < CLASSES; c++)
+        sum += ev[c];
+    float *g = t->gs + (size_t)i * CPAD;
+    const float yf = (float)t->labels[row], inv = t->inv_count;
+    const vf sumv = {sum, sum, sum, sum, sum, sum, sum, sum}, invv = {inv, inv, inv, inv, inv, inv, inv, inv};
+    for (int u = 0; u < 2; u++) {
+        vf p = e[u] / sumv;
+        vf hit = (vf)((vi)invv & (lanes + (float)(8 * u) == (vf){yf, yf, yf, yf, yf, yf, yf, yf}));
+        ((vf *)g)[u] = p * invv - hit;
+    }
+    (void)zero;
+
+    /* gradient of the endpoint: gz = gs @ hw */
+    vf gz[2 * NV] = {{0}};
+    for (int c = 0; c < CLASSES; c++) {
+        float x = g[c];
+        vf b = {x, x, x, x, x, x, x, x};
+        const vf *w = (const vf *)(t->hwp + (size_t)c * ROW);
+        for (int u = 0; u < 2 * NV; u++)
+            gz[u] += b * w[u];
+    }
+    vf *gl = gz, *gr = gz + NV;
+
+    /* reversible backward: rebuild each state from the endpoint by subtraction */
+    float state[ROW] __attribute__((aligned(32)));
+    memcpy(state, st, sizeof state);
+    vf *l = (vf *)state, *r = (vf *)(state + PAD);
+    vf tv[NV], ga[NV];
+    for (int64_t b = t->depth - 1; b >= 0; b--) {
+        const int64_t kr = 2 * b + 1, kl = 2 * b;
+        float *a = t->acts + ((size_t)kr * B + i) * PAD;
+        /* right_out = right_in + (alpha*relu(left_out)) @ W_kr.T */
+        branch_product(state, t->alpha, t->wt + (size_t)kr * WIDTH * PAD, a, tv);
+        for (int u = 0; u < NV; u++)
+            r[u] = r[u] - tv[u];
+        memcpy(t->gout + ((size_t)kr * B + i) * PAD, gr, PAD * sizeof(float));
+        matvec_dense((const float *)gr, t->wn + (size_t)kr * WIDTH * PAD, ga);
+        add_masked(gl, ga, l, t->alpha);
+        /* left_out = left_in + (alpha*relu(right_in)) @ W_kl.T */
+        a = t->acts + ((size_t)kl * B + i) * PAD;
+        branch_product(state + PAD, t->alpha, t->wt + (size_t)kl * WIDTH * PAD, a, tv);
+        for (int u = 0; u < NV; u++)
+            l[u] = l[u] - tv[u];
+        memcpy(t->gout + ((size_t)kl * B + i) * PAD, gl, PAD * sizeof(float));
+        if (b > 0) {
+            matvec_dense((const float *)gl, t->wn + (size_t)kl * WIDTH * PAD, ga);
+            add_masked(gr, ga, r, t->alpha);
+        }
+    }
+}
+
+/* Weight gradient rows [j0, j1) of branch k: gW[j][c] = sum_i gout[i][j] * acts[i][c], summed
+ * in order of i. Rows i go in blocks that stay in L1; partial sums wait in t->gwp between blocks. */
+INLINE void weight_grad_rows(const Task *t, int64_t k, int64_t j0, int64_t j1) {
+    const int64_t B = t->batch, n = t->count;
+    const float *A = t->acts + (size_t)k * B * PAD, *G = t->gout + (size_t)k * B * PAD;
+    vf *part = (vf *)(t->gwp + (size_t)k * WIDTH * PAD);
+    for (int64_t i0 = 0; i0 < n; i0 += IBLOCK) {
+        const int64_t i1 = i0 + IBLOCK < n ? i0 + IBLOCK : n;
+        int64_t j = j0;
+        for (; j + 1 < j1; j += 2) {
+            vf p[NV], q[NV];
+            for (int u = 0; u < NV; u++) {
+                p[u] = i0 ? part[j * NV + u] : (vf){0};
+                q[u] = i0 ? part[(j + 1) * NV + u] : (vf){0};
+            }
+            for (int64_t i = i0; i < i1; i++) {
+                const vf *a = (const vf *)(A + (size_t)i * PAD);
+                float x = G[(size_t)i * PAD + j], y = G[(size_t)i * PAD + j + 1];
+                vf bx = {x, x, x, x, x, x, x, x}, by = {y, y, y, y, y, y, y, y};
+                for (int u = 0; u < NV; u++) {
+                    p[u] += bx * a[u];
+                    q[u] += by * a[u];
+                }
+            }
+            for (int u = 0; u < NV; u++) {
+                part[j * NV + u] = p[u];
+                part[(j + 1) * NV + u] = q[u];
+            }
+        }
+        for (; j < j1; j++) {
+            vf p[NV];
+            for (int u = 0; u < NV; u++)
+                p[u] = i0 ? part[j * NV + u] : (vf){0};
+            for (int64_t i = i0; i < i1; i++) {
+                const vf *a = (const vf *)(A + (size_t)i * PAD);
+                float x = G[(size_t)i * PAD + j];
+                vf bx = {x, x, x, x, x, x, x, x};
+                for (int u = 0; u < NV; u++)
+                    p[u] += bx * a[u];
+            }
+            for (int u = 0; u < NV; u++)
+                part[j * NV + u] = p[u];
+        }
+    }
+    float *out = t->grad + (size_t)k * WIDTH * WIDTH;
+    for (int64_t jj = j0; jj < j1; jj++)
+        memcpy(out + (size_t)jj * WIDTH, part + jj * NV, WIDTH * sizeof(float));
+}
+
+/* Head gradient for class c: ghw[c][:] = sum_i gs[i][c] z[i][:], ghb[c] = sum_i gs[i][c]
+ * (in order of i, in L1-sized blocks as above). */
+INLINE void head_grad_class(const Task *t, int c) {
+    const int64_t K = 2 * t->depth, n = t->count;
+    vf *part = (vf *)(t->ghp + (size_t)c * ROW);
+    vf p[2 * NV] = {{0}};
+    float bias = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float x = t->gs[(size_t)i * CPAD + c];
+        vf b = {x, x, x, x, x, x, x, x};
+        const vf *zr = (const vf *)(t->z + (size_t)i * ROW);
+        for (int u = 0; u < 2 * NV; u++)
+            p[u] += b * zr[u];
+        bias += x;
+    }
+    for (int u = 0; u < 2 * NV; u++)
+        part[u] = p[u];
+    float *ghw = t->grad + K * WIDTH * WIDTH + (size_t)c * FEAT;
+    memcpy(ghw, part, WIDTH * sizeof(float));
+    memcpy(ghw + WIDTH, (const float *)part + PAD, WIDTH * sizeof(float));
+    t->grad[K * WIDTH * WIDTH + CLASSES * FEAT + c] = bias;
+}
+
+/* SGD with momentum over params[i0, i1), in torch.optim.SGD's order of operations:
+ * v = v*momentum rounded on its own (torch: v.mul_(momentum)), then v + g where
+ * g = g + wd*p when wd != 0 (torch: g.add(p, alpha=wd)), then p = p + (-lr)*v (torch:
+ * p.add_(v, alpha=-lr)). The first pass stores v*momentum so it is never fused with + g. */
+INLINE void sgd_range(const Task *t, int64_t i0, int64_t i1) {
+    float *p = t->params, *v = t->velocity;
+    const float *g = t->grad;
+    const float mom = t->momentum, neg_lr = -t->lr, wd = t->wd;
+    for (int64_t i = i0; i < i1; i++)
+        v[i] = v[i] * mom;
+    if (wd != 0.0f) {
+        for (int64_t i = i0; i < i1; i++) {
+            float vi = v[i] + (g[i] + p[i] * wd);
+            v[i] = vi;
+            p[i] = p[i] + vi * neg_lr;
+        }
+    } else {
+        for (int64_t i = i0; i < i1; i++) {
+            float vi = v[i] + g[i];
+            v[i] = vi;
+            p[i] = p[i] + vi * neg_lr;
+        }
+    }
+}
+
+/* Padded working copies of weights [k0, k1) (and the head when head != 0). */
+INLINE void refresh_copies(Task *t, int64_t k0, int64_t k1, int head) {
+    for (int64_t k = k0; k < k1; k++) {
+        const float *w = t->params + (size_t)k * WIDTH * WIDTH;
+        float *wt = t->wt + (size_t)k * WIDTH * PAD, *wn = t->wn + (size_t)k * WIDTH * PAD;
+        for (int j = 0; j < WIDTH; j++)
+            for (int c = 0; c < WIDTH; c++) {
+                wt[(size_t)c * PAD + j] = w[(size_t)j * WIDTH + c];
+                wn[(size_t)j * PAD + c] = w[(size_t)j * WIDTH + c];
+            }
+    }
+    if (head) {
+        const int64_t K = 2 * t->depth;
+        const float *hw = t->params + K * WIDTH * WIDTH;
+        for (int c = 0; c < CLASSES; c++)
+            for (int f = 0; f < FEAT; f++) {
+                int fp = f < WIDTH ? f : PAD + (f - WIDTH);
+                t->hwt[(size_t)fp * CPAD + c] = hw[(size_t)c * FEAT + f];
+                t->hwp[(size_t)c * ROW + fp] = hw[(size_t)c * FEAT + f];
+            }
+    }
+}
+
+/* ------------------------------------------------------------------------ threads */
+
+typedef struct {
+    atomic_int arrived;
+    atomic_int generation;
+    int parties;
+} Barrier;
+
+static void barrier_wait(Barrier *b) {
+    int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) + 1 == b->parties) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_acq_rel);
+        return;
+    }
+    /* spin briefly, then yield the core: never burn a core another thread needs */
+    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == gen; spins++) {
+        if (spins > 2000)
+            sched_yield();
+    }
+}
+
+typedef struct {
+    Task *task;
+    Barrier *barrier;
+    int id, parties;
+} Worker;
+
+static void split(int64_t total, int id, int parties, int64_t *lo, int64_t *hi) {
+    *lo = total * id / parties;
+    *hi = total * (id + 1) / parties;
+}
+
+/* The whole task, as seen by worker `id` of `parties` (phases end at a barrier). */
+INLINE void run_worker(Worker *w) {
+    Task *t = w->task;
+    const int id = w->id, P = w->parties;
+    const int64_t K = 2 * t->depth;
+    int64_t lo, hi;
+
+    /* lift the training rows */
+    split(t->n, id, P, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++)
+        lift_row(t->train_x + (size_t)r * PIXELS, t->h + (size_t)r * ROW);
+    if (id == 0)
+        refresh_copies(t, 0, K, 1);
+    barrier_wait(w->barrier);
+
+    for (int64_t e = 0; e < t->epochs; e++) {
+        for (int64_t start = 0; start < t->n; start += t->batch) {
+            if (id == 0) {
+                t->rows = t->perms + e * t->n + start;
+                t->count = t->n - start < t->batch ? t->n - start : t->batch;
+                t->inv_count = 1.0f / (float)t->count;
+            }
+            barrier_wait(w->barrier);
+            split(t->count, id, P, &lo, &hi);
+            for (int64_t i = lo; i < hi; i++) {
+                if (i + PREFETCH < hi)
+                    prefetch_row(t->h + (size_t)t->rows[i + PREFETCH] * ROW);
+                train_row(t, i);
+            }
+            barrier_wait(w->barrier);
+            /* weight gradients: K*WIDTH weight rows and CLASSES head rows, split evenly */
+            int64_t units = K * WIDTH + CLASSES;
+            split(units, id, P, &lo, &hi);
+            for (int64_t k = 0; k < K; k++) {
+                int64_t a = lo > k * WIDTH ? lo - k * WIDTH : 0;
+                int64_t b = hi - k * WIDTH < WIDTH ? hi - k * WIDTH : WIDTH;
+                if (a < b)
+                    weight_grad_rows(t, k, a, b);
+            }
+            for (int64_t c = 0; c < CLASSES; c++) {
+                int64_t u = K * WIDTH + c;
+                if (u >= lo && u < hi)
+                    head_grad_class(t, (int)c);
+            }
+            barrier_wait(w->barrier);
+            split(t->nparams, id, P, &lo, &hi);
+            sgd_range(t, lo, hi);
+            barrier_wait(w->barrier);
+            split(K + 1, id, P, &lo, &hi);
+            refresh_copies(t, lo < K ? lo : K, hi < K ? hi : K, hi > K);
+        }
+    }
+    barrier_wait(w->barrier);
+
+    /* score the queries with the final parameters (plain forward) */
+    const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
+    split(t->m, id, P, &lo, &hi);
+    float st[ROW] __attribute__((aligned(32)));
+    for (int64_t r = lo; r < hi; r++) {
+        lift_row(t->test_x + (size_t)r * PIXELS, st);
+        core_forward_row(t, st);
+        float s[CPAD] __attribute__((aligned(32)));
+        head_row(t, st, hb, s);
+        memcpy(t->scores + (size_t)r * CLASSES, s, CLASSES * sizeof(float));
+    }
+}
+
+CLONES static void run_worker_entry(Worker *w) { run_worker(w); }
+
+#define MAX_THREADS 64
+
+typedef struct {
+    Worker worker;
+    atomic_int *gate; /* 0: wait, 1: run, 2: give up */
+} Start;
+
+static void *thread_main(void *arg) {
+    Start *s = arg;
+    int gate;
+    while ((gate = atomic_load_explicit(s->gate, memory_order_acquire)) == 0)
+        sched_yield();
+    if (gate == 1)
+        run_worker_entry(&s->worker);
+    return NULL;
+}
+
+/* Runs the task on t->threads threads (this one included). Returns 0, or the pthread error
+ * when a worker thread could not be started (then nothing has run). */
+static int run_task(Task *t) {
+    int parties = t->threads < 1 ? 1 : (t->threads > MAX_THREADS ? MAX_THREADS : t->threads);
+    Barrier barrier = {.parties = parties};
+    atomic_init(&barrier.arrived, 0);
+    atomic_init(&barrier.generation, 0);
+    atomic_int gate;
+    atomic_init(&gate, 0);
+    Start starts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    for (int i = 0; i < parties; i++)
+        starts[i] = (Start){.worker = {.task = t, .barrier = &barrier, .id = i, .parties = parties}, .gate = &gate};
+    int started = 1, rc = 0;
+    for (; started < parties; started++) {
+        rc = pthread_create(&ids[started], NULL, thread_main, &starts[started]);
+        if (rc != 0)
+            break;
+    }
+    atomic_store_explicit(&gate, rc == 0 ? 1 : 2, memory_order_release);
+    if (rc == 0)
+        run_worker_entry(&starts[0].worker);
+    for (int i = 1; i < started; i++)
+        pthread_join(ids[i], NULL);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ Python glue */
+
+/* A C-contiguous buffer of `count` items of kind 'f' (float32) or 'i' (int64). */
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind, Py_ssize_t count, const char *name) {
+    Py_ssize_t itemsize = kind == 'f' ? 4 : 8;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer", name, writable ? " writable" : "");
+        return -1;
+    }
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@')
+        fmt++;
+    int ok = kind == 'f' ? strcmp(fmt, "f") == 0 : (strcmp(fmt, "q") == 0 || strcmp(fmt, "l") == 0);
+    if (!ok || view->itemsize != itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s must be %s, got buffer format '%s'", name,
+                     kind == 'f' ? "float32" : "int64", view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    if (view->len != itemsize * count) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd items, got %zd", name, count, view->len / itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_train_predict(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *otx, *olab, *operm, *otest, *oparams, *ovel, *oscores;
+    long long n, m, epochs, batch, depth;
+    float alpha, lr, momentum, wd;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLLLLLffffi", &otx, &olab, &operm, &otest, &oparams, &ovel, &oscores, &n, &m,
+                          &epochs, &batch, &depth, &alpha, &lr, &momentum, &wd, &threads))
+        return NULL;
+    if (n < 1 || m < 1 || epochs < 1 || batch < 1 || depth < 1 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "n, m, epochs, batch, depth and threads must be >= 1");
+        return NULL;
+    }
+    Task t = {0};
+    t.n = n;
+    t.m = m;
+    t.epochs = epochs;
+    t.batch = batch < n ? batch : n;
+    t.depth = depth;
+    t.nparams = 2 * depth * WIDTH * WIDTH + CLASSES * FEAT + CLASSES;
+    t.alpha = alpha;
+    t.lr = lr;
+    t.momentum = momentum;
+    t.wd = wd;
+    t.threads = threads;
+
+    Py_buffer b[7];
+    int got = 0;
+    PyObject *result = NULL;
+    if (get_buffer(otx, &b[got], 0, 'f', n * PIXELS, "train_x") < 0)
+        goto done;
+    got++;
+    if (get_buffer(olab, &b[got], 0, 'i', n, "labels") < 0)
+        goto done;
+    got++;
+    if (get_buffer(operm, &b[got], 0, 'i', epochs * n, "permutations") < 0)
+        goto done;
+    got++;
+    if (get_buffer(otest, &b[got], 0, 'f', m * PIXELS, "test_x") < 0)
+        goto done;
+    got++;
+    if (get_buffer(oparams, &b[got], 1, 'f', t.nparams, "params") < 0)
+        goto done;
+    got++;
+    if (get_buffer(ovel, &b[got], 1, 'f', t.nparams, "velocity") < 0)
+        goto done;
+    got++;
+    if (get_buffer(oscores, &b[got], 1, 'f', m * CLASSES, "scores") < 0)
+        goto done;
+    got++;
+    t.train_x = b[0].buf;
+    t.labels = b[1].buf;
+    t.perms = b[2].buf;
+    t.test_x = b[3].buf;
+    t.params = b[4].buf;
+    t.velocity = b[5].buf;
+    t.scores = b[6].buf;
+    for (int64_t i = 0; i < n; i++)
+        if (t.labels[i] < 0 || t.labels[i] >= CLASSES) {
+            PyErr_Format(PyExc_ValueError, "labels[%lld] = %lld is not a class in 0..9", (long long)i,
+                         (long long)t.labels[i]);
+            goto done;
+        }
+    for (int64_t i = 0; i < epochs * n; i++)
+        if (t.perms[i] < 0 || t.perms[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "permutation entry %lld = %lld is outside 0..%lld", (long long)i,
+                         (long long)t.perms[i], (long long)(n - 1));
+            goto done;
+        }
+    if (!alloc_task(&t)) {
+        free_task(&t);
+        PyErr_NoMemory();
+        goto done;
+    }
+    memset(t.velocity, 0, (size_t)t.nparams * sizeof(float));
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = run_task(&t);
+    Py_END_ALLOW_THREADS
+    free_task(&t);
+    if (rc != 0) {
+        PyErr_Format(PyExc_OSError, "could not start %d kernel threads (error %d)", threads, rc);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&b[i]);
+    return result;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+#if HAVE_CLONES
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2"))
+        return PyUnicode_FromString("x86-64-v3");
+    return PyUnicode_FromString("x86-64 baseline");
+#else
+    return PyUnicode_FromString("generic");
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"train_predict", py_train_predict, METH_VARARGS,
+     "train_predict(train_x, labels, permutations, test_x, params, velocity, scores, n, m, epochs, "
+     "batch, depth, alpha, lr, momentum, weight_decay, threads) -> None. Trains params in place from "
+     "their initial values, writes the final velocity and the query scores."},
+    {"isa", py_isa, METH_NOARGS, "Which compiled variant the loader picked for this CPU."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fast", "The cpu-fast training kernel.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__cpu_fast(void) { return PyModule_Create(&module); }

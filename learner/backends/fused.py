@@ -1,0 +1,306 @@
+"""The fused backend: one Triton program trains one task end to end (learner/kernels/fused_train.py).
+
+    run(task, prepared)              one task: one program, one kernel launch
+    run_many(tasks, prepareds)       T tasks of one shape and one config (their seeds may
+                                     differ; each has its own data): T programs, one launch
+
+A launch does everything the timing scope names -- reset of parameters and velocity, the
+lift of raw pixels, every epoch of SGD-momentum in the seed's permutation order, scoring
+all queries -- so ``cuda_ms`` is the CUDA-event time of that one launch. For a batched
+launch each task's ``cuda_ms`` and ``training_prediction_seconds`` are the whole launch's
+(what the task waited for); ``extra`` says how many tasks shared it and the per-task share.
+
+On CUDA the backend needs triton (the ``gpu`` extra). On the CPU it runs only under
+``TRITON_INTERPRET=1`` (triton's numpy simulator, used by tests/test_fused.py); the registry
+never offers that. ``auto`` picks this backend on a CUDA machine once ``fused_ready()``
+(a small training run checked against the cpu backend) has passed in the process.
+
+Not verified on the development machine (no GPU): compilation for a real GPU, the
+barriers' effect, the CUDA timing, and everything ``fused_ready`` does. The kernel's
+arithmetic is verified under the interpreter (tests/test_fused.py), including the full
+draw-0 task; scripts/gpu_check_fused.py checks the GPU paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ..config import Config
+from ..errors import ConfigError
+from ..taskio import TaskArrays
+from . import BackendUnavailable
+from .base import Prepared, RunOutput
+
+log = logging.getLogger(__name__)
+
+# The kernel unrolls the core (depth is a compile-time constant): bound the code size.
+MAX_DEPTH = 32
+# Rows per forward/backward pass; a minibatch larger than this runs in several passes.
+MAX_CHUNK = 128
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_chunk(batch_size: int) -> int:
+    """A power of two in [16, MAX_CHUNK]: the whole minibatch in one pass when it fits."""
+    chunk = 16
+    while chunk < min(batch_size, MAX_CHUNK):
+        chunk *= 2
+    return chunk
+
+
+def default_warps(chunk: int) -> int:
+    # A guess to be tuned on the GPU (bench/bench_fused.py --sweep): 128 x 64 fp32 tiles
+    # need 8 warps to stay in registers; smaller chunks are fine with 4.
+    return 8 if chunk >= 128 else 4
+
+
+def _launch_config(config: Config) -> Config:
+    """The part of a config that must be shared by the tasks of one launch (all but the seed)."""
+    return dataclasses.replace(config, seed=1)
+
+
+def check_launch(tasks: list[TaskArrays], prepareds: list[Prepared]) -> Config:
+    """The shared config of a launch; a clear error if the tasks cannot share one."""
+    if not tasks:
+        raise ValueError("run_many needs at least one task")
+    if len(tasks) != len(prepareds):
+        raise ValueError(f"run_many got {len(tasks)} tasks but {len(prepareds)} prepared inputs")
+    shape, config = tasks[0].shape_key, prepareds[0].config
+    for i, (task, prep) in enumerate(zip(tasks, prepareds)):
+        if task.shape_key != shape:
+            raise ValueError(
+                f"task {i} has (train, query) counts {task.shape_key}, task 0 has {shape}: "
+                "one launch trains tasks of one shape"
+            )
+        if _launch_config(prep.config) != _launch_config(config):
+            raise ValueError(
+                f"task {i} has config {prep.config.as_dict()}, task 0 has {config.as_dict()}: "
+                "one launch trains tasks of one config (only the seed may differ)"
+            )
+        if len(prep.permutations) != config.epochs or any(p.shape != (task.train_count,) for p in prep.permutations):
+            raise ValueError(f"task {i}: expected {config.epochs} permutations of length {task.train_count}")
+        if len(prep.initial) != 2 * config.depth + 2:
+            raise ValueError(f"task {i}: expected {2 * config.depth + 2} initial parameter arrays")
+    if config.depth > MAX_DEPTH:
+        raise ConfigError(
+            f"config.depth={config.depth} is above the fused backend's limit of {MAX_DEPTH} "
+            "(the kernel unrolls the core); use backend=cuda or backend=cpu",
+            field="depth",
+        )
+    if config.epochs * tasks[0].train_count >= 2**31:
+        raise ConfigError(
+            f"epochs x train_count = {config.epochs * tasks[0].train_count} is too large for the "
+            "fused kernel's 32-bit permutation offsets; use backend=cuda or backend=cpu",
+            field="epochs",
+        )
+    return config
+
+
+class FusedBackend:
+    """Runs tasks through ``fused_train_kernel``: one program (one SM) per task."""
+
+    name = "fused"
+
+    def __init__(self, device: str = "cuda", chunk: int | None = None, num_warps: int | None = None):
+        self.torch_device = torch.device(device)
+        self.interpret = interpreting()
+        if self.torch_device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise BackendUnavailable("backend 'fused' needs a CUDA GPU and none is available here")
+            if self.torch_device.index is None:
+                self.torch_device = torch.device("cuda", torch.cuda.current_device())
+        elif not self.interpret:
+            raise BackendUnavailable(
+                "backend 'fused' runs on a CUDA GPU; on the CPU only under TRITON_INTERPRET=1 "
+                "(triton's simulator, for tests)"
+            )
+        try:
+            from ..kernels import fused_train
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"backend 'fused' needs triton (pip install 'rev88[gpu]'): {exc}"
+            ) from None
+        if chunk is not None and (chunk < 16 or chunk > 1024 or chunk & (chunk - 1)):
+            raise ValueError(f"chunk must be a power of two in [16, 1024], got {chunk}")
+        if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+        self.kernel = fused_train
+        self.chunk = chunk
+        self.num_warps = num_warps
+        self.device = str(self.torch_device)
+        self.launches = 0
+        self.tasks_run = 0
+        self.lock = threading.Lock()
+
+    def describe(self) -> dict:
+        import triton
+
+        out = {
+            "backend": self.name,
+            "device": self.device,
+            "interpreted": self.interpret,
+            "triton": triton.__version__,
+            "chunk": self.chunk or "auto",
+            "num_warps": self.num_warps or "auto",
+            "launches": self.launches,
+            "tasks_run": self.tasks_run,
+        }
+        if self.torch_device.type == "cuda":
+            out["gpu_name"] = torch.cuda.get_device_name(self.torch_device)
+        return out
+
+    def run(self, task: TaskArrays, prepared: Prepared) -> RunOutput:
+        return self.run_many([task], [prepared])[0]
+
+    def run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared]) -> list[RunOutput]:
+        config = check_launch(tasks, prepareds)
+        with self.lock:
+            return self._run_many(tasks, prepareds, config)
+
+    def _run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared], config: Config) -> list[RunOutput]:
+        k = self.kernel
+        t0 = time.perf_counter()
+        n, m, depth, count = tasks[0].train_count, tasks[0].test_count, config.depth, len(tasks)
+        chunk = self.chunk or default_chunk(config.batch_size)
+        warps = self.num_warps or default_warps(chunk)
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_device)
+
+        f32 = dict(dtype=torch.float32, device=self.torch_device)
+        size = k.state_size(depth)
+        args = dict(
+            train=to_device(np.stack([t.train_images.reshape(n, 81) for t in tasks])),
+            labels=to_device(np.stack([t.train_labels for t in tasks]).astype(np.int32)),
+            perms=to_device(np.stack([np.stack(p.permutations) for p in prepareds]).astype(np.int32)),
+            test=to_device(np.stack([t.test_images.reshape(m, 81) for t in tasks])),
+            init=to_device(np.stack([k.pack_state(p.initial, depth) for p in prepareds])),
+            params=torch.empty((count, size), **f32),  # written by the kernel's reset
+            velocity=torch.empty((count, size), **f32),
+            grads=torch.empty((count, size), **f32),  # scratch, written before it is read
+            scores=torch.full((count, m, 10), float("nan"), **f32),  # NaN shows any row left unwritten
+        )
+        meta = dict(
+            n_train=n, n_test=m, n_epochs=config.epochs, batch_size=config.batch_size,
+            alpha=config.alpha, learning_rate=config.learning_rate, momentum=config.momentum,
+            weight_decay=config.weight_decay, depth=depth, chunk=chunk, num_warps=warps,
+        )
+        cuda = self.torch_device.type == "cuda"
+        if cuda:
+            k.launch(*args.values(), **meta, warmup=True)  # compile (or find) the kernel outside the timing
+            torch.cuda.synchronize(self.torch_device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t1 = time.perf_counter()
+        if cuda:
+            start.record()
+        k.launch(*args.values(), **meta)
+        if cuda:
+            end.record()
+            end.synchronize()
+        t2 = time.perf_counter()
+        launch_ms = float(start.elapsed_time(end)) if cuda else None
+        params = args["params"].cpu().numpy()
+        velocity = args["velocity"].cpu().numpy()
+        scores = args["scores"].cpu().numpy()
+        self.launches += 1
+        self.tasks_run += count
+        extra = {
+            "tasks_in_launch": count,
+            "chunk": chunk,
+            "num_warps": warps,
+            "interpreted": self.interpret,
+        }
+        if launch_ms is not None:
+            extra["launch_cuda_ms"] = launch_ms
+            extra["cuda_ms_share_per_task"] = launch_ms / count
+        return [
+            RunOutput(
+                final_parameters=k.unpack_state(params[i], depth, "final parameters"),
+                final_velocity=k.unpack_state(velocity[i], depth, "final velocity"),
+                scores=np.ascontiguousarray(scores[i]),
+                training_prediction_seconds=t2 - t1,
+                preparation_seconds=t1 - t0,
+                cuda_ms=launch_ms,
+                extra=dict(extra),
+            )
+            for i in range(count)
+        ]
+
+
+# --------------------------------------------------------------------------- self-check for ``auto``
+
+_ready: tuple[bool, str] | None = None
+_ready_lock = threading.Lock()
+
+
+def self_check(device: str = "cuda") -> tuple[bool, str]:
+    """Train two small synthetic tasks on the fused kernel and compare with the cpu backend.
+
+    Passes when final parameters and velocity are within (2e-5, 3e-3) of the cpu backend,
+    predictions are equal, and a 2-task launch is byte-identical to the two single launches.
+    The tasks use the default config on 300 training rows (minibatches 128, 128, 44: the
+    kernel variant the service runs most), so it also compiles that variant.
+    """
+    from ..reference_check import TOLERANCE, max_violation
+    from ..result import prepare
+    from ..taskio import validate_task
+    from .cpu import CpuBackend
+
+    try:
+        backend = FusedBackend(device)
+        rng = np.random.default_rng(20260914)
+        tasks = [
+            validate_task(rng.random((300, 1, 9, 9), dtype=np.float32), rng.integers(0, 10, 300).astype(np.int64),
+                          rng.random((50, 1, 9, 9), dtype=np.float32))
+            for _ in range(2)
+        ]
+        configs = [Config(), Config(seed=12)]
+        prepareds = [prepare(t, c) for t, c in zip(tasks, configs)]
+        singles = [backend.run(t, p) for t, p in zip(tasks, prepareds)]
+        batched = backend.run_many(tasks, prepareds)
+        cpu = CpuBackend()
+        for i, (task, prep, out, both) in enumerate(zip(tasks, prepareds, singles, batched)):
+            ref = cpu.run(task, prep)
+            ok_p, err_p = max_violation(out.final_parameters, ref.final_parameters, **TOLERANCE)
+            ok_v, err_v = max_violation(out.final_velocity, ref.final_velocity, **TOLERANCE)
+            if not (ok_p and ok_v):
+                return False, f"task {i}: state differs from the cpu backend (max abs error {max(err_p, err_v):.3g})"
+            if not np.array_equal(out.scores.argmax(1), ref.scores.argmax(1)):
+                return False, f"task {i}: predictions differ from the cpu backend"
+            same = out.scores.tobytes() == both.scores.tobytes() and all(
+                a.tobytes() == b.tobytes()
+                for a, b in zip(out.final_parameters + out.final_velocity, both.final_parameters + both.final_velocity)
+            )
+            if not same:
+                return False, f"task {i}: the 2-task launch differs from its single launch"
+        return True, f"fused kernel agrees with the cpu backend on {device}"
+    except Exception as exc:  # any failure (no triton, compile error, ...) means: do not pick fused
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def fused_ready() -> bool:
+    """Whether ``auto`` may pick the fused backend: CUDA, triton, and a passed self-check (once)."""
+    global _ready
+    with _ready_lock:
+        if _ready is None:
+            if not torch.cuda.is_available():
+                _ready = (False, "no CUDA GPU")
+            else:
+                _ready = self_check("cuda")
+                (log.info if _ready[0] else log.warning)("fused backend self-check: %s", _ready[1])
+        return _ready[0]
+
+
+def readiness() -> tuple[bool, str] | None:
+    """The self-check's outcome, or None if it has not run in this process."""
+    return _ready

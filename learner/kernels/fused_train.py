@@ -1,0 +1,314 @@
+"""One Triton program trains one rev88 task end to end, then scores its queries.
+
+Program ``t`` of a launch with grid ``(T,)`` owns task ``t``:
+
+    reset      params <- initial, velocity <- 0                       (its own slice of P, V)
+    for each epoch e, each minibatch of order perm[e] (short last batch included):
+        for each CHUNK rows of the minibatch:
+            lift       h = [4*x - 0.5, 0];  L = h[:, :41], R = h[:, 41:]   (gathered by perm, on load)
+            forward    L += alpha*relu(R) @ W[2b].T ;  R += alpha*relu(L) @ W[2b+1].T      b = 0..d-1
+            head       s = L @ HL.T + R @ HR.T + bias ;  g = (softmax(s) - onehot(y)) / B
+            backward   head grads, then for b = d-1..0 the reversible reconstruction of
+                       model.ReversibleCore.backward: subtract each branch to recover the
+                       block input, and take that branch's weight and input gradients
+            (weight gradients are summed over the chunks of the minibatch in G)
+        update     v = momentum*v + g (+ weight_decay*p);  p = p - lr*v        (torch.optim.SGD)
+    predict    plain forward of every query row, scores -> S[t]
+
+Padded layout (``pack_state``): each half of the 82 features is padded 41 -> 64 lanes and
+the 10 classes to 16, so every product is a ``tl.dot`` with all dims >= 16 and a power of
+two. One task's state is a flat float32 vector of ``state_size(depth)`` values:
+
+    W[k]   k = 0..2d-1   (64, 64)   W[k][i, j] = weights.k[i, j]          for i, j < 41
+    HL                   (16, 64)   HL[c, j]   = head.weight[c, j]        for c < 10, j < 41
+    HR                   (16, 64)   HR[c, j]   = head.weight[c, 41 + j]   for c < 10, j < 41
+    bias                 (16,)      bias[c]    = head.bias[c]             for c < 10
+
+Why the padded lanes stay exactly zero: padded input lanes are loaded as 0 (not -0.5), a
+padded weight row/column multiplies or produces only zero lanes, so every gradient of a
+padded entry is a sum of products with a zero factor (exactly 0), its velocity stays 0 and
+so does the entry. Padded classes get score -inf before the softmax, hence probability 0
+and gradient 0. ``unpack_state`` checks this on every run and fails loudly if not.
+
+Where the state lives: parameters, velocity and the gradient sums are the program's own
+slices of P, V and G in global memory. Only one program (one SM) ever touches a slice, so
+after the first step they are served from that SM's L1 / the L2 (about 3 x 68 KB at depth
+2, too much for the register file next to a 128 x 64 batch). The batch, activations and
+activation gradients live in registers. ``tl.debug_barrier()`` orders the phases that
+exchange state between the program's threads (reset -> steps, backward -> update, update ->
+next step / predict). Every ``tl.dot`` is fp32 with ``input_precision="ieee"`` (never TF32).
+
+The kernel must be launched with ``num_stages=1``: the software pipeliner would otherwise
+be free to prefetch next-iteration loads of W across this iteration's update stores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+WIDTH = 41  # real lanes of one half (the model's WIDTH)
+HALF = 64  # padded lanes of one half
+CLASSES = 10
+CLASS_PAD = 16
+PIXELS = 81
+W_SIZE = HALF * HALF  # one padded branch weight
+H_SIZE = CLASS_PAD * HALF  # one padded head half
+
+
+def state_size(depth: int) -> int:
+    return 2 * depth * W_SIZE + 2 * H_SIZE + CLASS_PAD
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+@triton.jit
+def _lift(img_ptr, rows, ok, j):
+    """Rows ``rows`` of (., 81) raw pixels -> the two lifted halves (CHUNK, 64) each.
+
+    h = 4*x - 0.5 for the 81 pixels; feature 81 is the appended zero; padded lanes are 0.
+    """
+    lmask = ok[:, None] & (j[None, :] < 41)  # left: pixels 0..40
+    x = tl.load(img_ptr + rows[:, None] * 81 + j[None, :], mask=lmask, other=0.0)
+    left = tl.where(lmask, x * 4.0 - 0.5, 0.0)
+    rmask = ok[:, None] & (j[None, :] < 40)  # right: pixels 41..80, then the zero feature
+    x = tl.load(img_ptr + rows[:, None] * 81 + 41 + j[None, :], mask=rmask, other=0.0)
+    right = tl.where(rmask, x * 4.0 - 0.5, 0.0)
+    return left, right
+
+
+@triton.jit
+def _branch(x, w, alpha):
+    """alpha * relu(x) @ w.T   (model.branch; alpha applied first, as specified)."""
+    return tl.dot(alpha * tl.maximum(x, 0.0), tl.trans(w), input_precision="ieee")
+
+
+@triton.jit
+def _branch_input_grad(x, w, g, alpha):
+    """d/dx of sum(g * branch(x, w)) = relu'(x) * alpha * (g @ w)."""
+    return tl.where(x > 0.0, tl.dot(g, w, input_precision="ieee") * alpha, 0.0)
+
+
+@triton.jit
+def _accumulate(base, offs, value, later):
+    """G <- value on a minibatch's first chunk, G + value on its later chunks."""
+    prev = tl.load(base + offs, mask=(offs >= 0) & later, other=0.0)
+    tl.store(base + offs, tl.where(later, prev + value, value))
+
+
+@triton.jit
+def _sgd(p_ptrs, v_ptrs, g_ptrs, lr, momentum, weight_decay, HAS_WD: tl.constexpr):
+    """torch.optim.SGD with momentum (dampening 0, no nesterov), in place."""
+    p = tl.load(p_ptrs)
+    g = tl.load(g_ptrs)
+    if HAS_WD:
+        g = g + weight_decay * p
+    v = tl.load(v_ptrs) * momentum + g
+    tl.store(v_ptrs, v)
+    tl.store(p_ptrs, p - lr * v)
+
+
+@triton.jit
+def _core_forward(P, left, right, w_off, alpha, DEPTH: tl.constexpr):
+    for b in tl.static_range(DEPTH):
+        left = left + _branch(right, tl.load(P + (2 * b) * 4096 + w_off), alpha)
+        right = right + _branch(left, tl.load(P + (2 * b + 1) * 4096 + w_off), alpha)
+    return left, right
+
+
+@triton.jit
+def _head(P, left, right, h_off, c, DEPTH: tl.constexpr):
+    """scores (CHUNK, 16) = [left, right] @ head.weight.T + head.bias (padded classes: 0)."""
+    HEAD: tl.constexpr = 2 * DEPTH * 4096
+    s = tl.dot(left, tl.trans(tl.load(P + HEAD + h_off)), input_precision="ieee")
+    s = s + tl.dot(right, tl.trans(tl.load(P + HEAD + 1024 + h_off)), input_precision="ieee")
+    return s + tl.load(P + HEAD + 2048 + c)[None, :]
+
+
+@triton.jit
+def fused_train_kernel(
+    train_ptr,  # (T, N, 81) float32 raw train pixels
+    labels_ptr,  # (T, N) int32
+    perm_ptr,  # (T, E, N) int32: epoch e trains in the order perm[t, e]
+    test_ptr,  # (T, M, 81) float32 raw query pixels
+    init_ptr,  # (T, S) float32 padded initial parameters
+    param_ptr,  # (T, S) float32 out: final parameters (padded)
+    vel_ptr,  # (T, S) float32 out: final velocity (padded)
+    grad_ptr,  # (T, S) float32 scratch: one minibatch's gradient sums
+    scores_ptr,  # (T, M, 10) float32 out: query scores
+    n_train,
+    n_test,
+    n_epochs,
+    batch_size,
+    alpha,
+    lr,
+    momentum,
+    weight_decay,
+    DEPTH: tl.constexpr,
+    CHUNK: tl.constexpr,  # rows per forward/backward pass; a minibatch is ceil(B/CHUNK) passes
+    HAS_WD: tl.constexpr,
+):
+    S: tl.constexpr = 2 * DEPTH * 4096 + 2 * 1024 + 16
+    HEAD: tl.constexpr = 2 * DEPTH * 4096
+    t = tl.program_id(0).to(tl.int64)
+    train = train_ptr + t * n_train * 81
+    labels = labels_ptr + t * n_train
+    perm = perm_ptr + t * n_epochs * n_train
+    test = test_ptr + t * n_test * 81
+    P = param_ptr + t * S
+    V = vel_ptr + t * S
+    G = grad_ptr + t * S
+    scores = scores_ptr + t * n_test * 10
+
+    r = tl.arange(0, CHUNK)  # row within a chunk
+    j = tl.arange(0, 64)  # lane within a half
+    c = tl.arange(0, 16)  # class lane
+    w_off = j[:, None] * 64 + j[None, :]  # (64, 64) offsets of one branch weight
+    h_off = c[:, None] * 64 + j[None, :]  # (16, 64) offsets of one head half
+    cls_ok = c[None, :] < 10
+
+    # ---- reset: params <- initial, velocity <- 0
+    k = tl.arange(0, 1024)
+    for off in range(0, S, 1024):
+        m = off + k < S
+        tl.store(P + off + k, tl.load(init_ptr + t * S + off + k, mask=m, other=0.0), mask=m)
+        tl.store(V + off + k, tl.zeros([1024], dtype=tl.float32), mask=m)
+    tl.debug_barrier()
+
+    steps_per_epoch = tl.cdiv(n_train, batch_size)
+    for step in range(0, n_epochs * steps_per_epoch):
+        epoch = step // steps_per_epoch
+        start = (step - epoch * steps_per_epoch) * batch_size
+        rows_in_batch = tl.minimum(batch_size, n_train - start)
+        inv_b = tl.div_rn(1.0, rows_in_batch.to(tl.float32))  # mean cross-entropy
+        order = perm + epoch * n_train + start
+        for c0 in range(0, rows_in_batch, CHUNK):
+            ok = c0 + r < rows_in_batch
+            idx = tl.load(order + c0 + r, mask=ok, other=0)  # gather by the epoch's permutation
+            y = tl.load(labels + idx, mask=ok, other=0)
+            left, right = _lift(train, idx, ok, j)
+
+            # forward; only the endpoint (left, right) is kept
+            left, right = _core_forward(P, left, right, w_off, alpha, DEPTH)
+            s = tl.where(cls_ok, _head(P, left, right, h_off, c, DEPTH), float("-inf"))
+
+            # cross-entropy gradient: softmax(s)/B - onehot(y)/B on real rows, 0 elsewhere
+            e = tl.exp(s - tl.max(s, axis=1)[:, None])
+            prob = tl.div_rn(e, tl.sum(e, axis=1)[:, None])
+            onehot = c[None, :] == y[:, None]
+            g = prob * inv_b - tl.where(onehot, inv_b, 0.0)
+            g = tl.where(ok[:, None] & cls_ok, g, 0.0)
+
+            # head: dHL = g.T @ left, dHR = g.T @ right, dbias = sum(g); gradients into the core
+            later = c0 > 0
+            _accumulate(G + HEAD, h_off, tl.dot(tl.trans(g), left, input_precision="ieee"), later)
+            _accumulate(G + HEAD + 1024, h_off, tl.dot(tl.trans(g), right, input_precision="ieee"), later)
+            _accumulate(G + HEAD + 2048, c, tl.sum(g, axis=0), later)
+            g_left = tl.dot(g, tl.load(P + HEAD + h_off), input_precision="ieee")
+            g_right = tl.dot(g, tl.load(P + HEAD + 1024 + h_off), input_precision="ieee")
+
+            # reversible backward (model.ReversibleCore.backward), blocks in reverse
+            for i in tl.static_range(DEPTH):
+                b: tl.constexpr = DEPTH - 1 - i
+                w_l = tl.load(P + (2 * b) * 4096 + w_off)
+                w_r = tl.load(P + (2 * b + 1) * 4096 + w_off)
+                # right_out = right_in + branch(left_out, w_r): recover right_in
+                a = alpha * tl.maximum(left, 0.0)
+                right = right - tl.dot(a, tl.trans(w_r), input_precision="ieee")
+                _accumulate(G + (2 * b + 1) * 4096, w_off, tl.dot(tl.trans(g_right), a, input_precision="ieee"), later)
+                g_left = g_left + _branch_input_grad(left, w_r, g_right, alpha)
+                # left_out = left_in + branch(right_in, w_l)
+                a = alpha * tl.maximum(right, 0.0)
+                _accumulate(G + (2 * b) * 4096, w_off, tl.dot(tl.trans(g_left), a, input_precision="ieee"), later)
+                if b > 0:  # block 0's input (the lifted batch) needs neither value nor gradient
+                    left = left - tl.dot(a, tl.trans(w_l), input_precision="ieee")
+                    g_right = g_right + _branch_input_grad(right, w_l, g_left, alpha)
+            tl.debug_barrier()
+
+        # SGD-momentum on every parameter, from the minibatch's gradient sums
+        for kk in tl.static_range(2 * DEPTH):
+            o = kk * 4096 + w_off
+            _sgd(P + o, V + o, G + o, lr, momentum, weight_decay, HAS_WD)
+        _sgd(P + HEAD + h_off, V + HEAD + h_off, G + HEAD + h_off, lr, momentum, weight_decay, HAS_WD)
+        o = HEAD + 1024 + h_off
+        _sgd(P + o, V + o, G + o, lr, momentum, weight_decay, HAS_WD)
+        o = HEAD + 2048 + c
+        _sgd(P + o, V + o, G + o, lr, momentum, weight_decay, HAS_WD)
+        tl.debug_barrier()
+
+    # ---- predict: plain forward of every query, scores of the 10 real classes
+    for q0 in range(0, n_test, CHUNK):
+        rows = q0 + r
+        ok = rows < n_test
+        left, right = _lift(test, rows, ok, j)
+        left, right = _core_forward(P, left, right, w_off, alpha, DEPTH)
+        s = _head(P, left, right, h_off, c, DEPTH)
+        tl.store(scores + rows[:, None] * 10 + c[None, :], s, mask=ok[:, None] & cls_ok)
+
+
+# --------------------------------------------------------------------------- host-side layout
+
+
+def pack_state(params: list[np.ndarray], depth: int) -> np.ndarray:
+    """Parameters in model order (weights.0..2d-1, head.weight, head.bias) -> padded flat state."""
+    if len(params) != 2 * depth + 2:
+        raise ValueError(f"expected {2 * depth + 2} parameter arrays for depth {depth}, got {len(params)}")
+    out = np.zeros(state_size(depth), dtype=np.float32)
+    for k in range(2 * depth):
+        w = np.asarray(params[k], dtype=np.float32)
+        if w.shape != (WIDTH, WIDTH):
+            raise ValueError(f"weights.{k} must have shape (41, 41), got {w.shape}")
+        out[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)[:WIDTH, :WIDTH] = w
+    hw, hb = np.asarray(params[-2], dtype=np.float32), np.asarray(params[-1], dtype=np.float32)
+    if hw.shape != (CLASSES, 2 * WIDTH) or hb.shape != (CLASSES,):
+        raise ValueError(f"head must be (10, 82) and (10,), got {hw.shape} and {hb.shape}")
+    head = 2 * depth * W_SIZE
+    out[head : head + H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = hw[:, :WIDTH]
+    out[head + H_SIZE : head + 2 * H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = hw[:, WIDTH:]
+    out[head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES] = hb
+    return out
+
+
+def unpack_state(state: np.ndarray, depth: int, what: str = "state") -> list[np.ndarray]:
+    """Padded flat state -> arrays in model order; raises if any padded lane is not exactly 0."""
+    state = np.asarray(state, dtype=np.float32)
+    if state.shape != (state_size(depth),):
+        raise ValueError(f"{what} must have shape ({state_size(depth)},), got {state.shape}")
+    pad = np.ones(state.shape, dtype=bool)  # True where a lane is padding
+    out = []
+    for k in range(2 * depth):
+        block = state[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)
+        out.append(block[:WIDTH, :WIDTH].copy())
+        pad[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)[:WIDTH, :WIDTH] = False
+    head = 2 * depth * W_SIZE
+    hl = state[head : head + H_SIZE].reshape(CLASS_PAD, HALF)
+    hr = state[head + H_SIZE : head + 2 * H_SIZE].reshape(CLASS_PAD, HALF)
+    out.append(np.concatenate([hl[:CLASSES, :WIDTH], hr[:CLASSES, :WIDTH]], axis=1))
+    out.append(state[head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES].copy())
+    pad[head : head + H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = False
+    pad[head + H_SIZE : head + 2 * H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = False
+    pad[head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES] = False
+    nonzero = np.count_nonzero(state[pad])
+    if nonzero:
+        raise RuntimeError(
+            f"fused kernel bug: {nonzero} padded lane(s) of the {what} are not exactly zero"
+        )
+    return out
+
+
+def launch(
+    train, labels, perms, test, init, params, velocity, grads, scores, *,
+    n_train: int, n_test: int, n_epochs: int, batch_size: int,
+    alpha: float, learning_rate: float, momentum: float, weight_decay: float,
+    depth: int, chunk: int, num_warps: int, warmup: bool = False,
+):
+    """Launch (or with ``warmup`` only compile) one program per task: grid = (T,)."""
+    grid = (int(train.shape[0]),)
+    args = (train, labels, perms, test, init, params, velocity, grads, scores,
+            n_train, n_test, n_epochs, batch_size, alpha, learning_rate, momentum, weight_decay)
+    meta = dict(DEPTH=depth, CHUNK=chunk, HAS_WD=weight_decay != 0.0, num_warps=num_warps, num_stages=1)
+    if warmup:
+        return fused_train_kernel.warmup(*args, grid=grid, **meta)
+    return fused_train_kernel[grid](*args, **meta)

@@ -1,0 +1,522 @@
+"""Joules and milliseconds per task, measured the way the reference record did.
+
+The paired-idle protocol (the record's ``energy`` object, same field names):
+
+1. Run the task once (prepare + first run; on CUDA this captures the graphs and
+   is where the ``memory`` peak is taken), keeping its hashes as "before".
+2. Calibrate: time one more complete fresh task (CUDA events on GPU, the clock
+   elsewhere). repeats = clamp(ceil(target / calibration), 1, 1000).
+3. Per trial: settle, idle window, telemetry, active window of ``repeats``
+   complete fresh tasks, telemetry, settle, idle window.
+   paired idle W  = mean of the two idle windows' average power
+   idle-adjusted  = (active J - paired idle W x active s) / repeats, in mJ per task
+   unadjusted     = active J / repeats, in mJ per task
+   wall ms/task   = active s / repeats; cuda ms/task = summed CUDA-event time / repeats
+4. Run the task again ("after"): predictions and state hashes must be identical.
+
+Summary: mean and sample SD over the trials. The arithmetic is pure functions
+over raw readings (``window``, ``trial_figures``, ``summarize``,
+``repeats_for``), checked in tests/test_energy.py against the record's own
+readings.
+
+Without an energy meter (the cpu backend, or no NVML) the same runs give timing
+statistics per task (median, mean, sample SD, min, max), ``energy: null`` and
+the reason; settle and idle waits are skipped (there is nothing to measure in
+them). Where RAPL is readable the CPU package energy is added, labelled as such.
+
+Not verified on the development machine (no GPU): the CUDA paths (CUDA-event
+calibration, memory peaks, NVML readings); scripts/gpu_check_energy.py runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import energy as energy_mod
+from .backends import Backend, get_backend
+from .config import Config
+from .errors import TaskError
+from .result import TaskResult, prepare, run_task
+from .taskio import TaskArrays
+
+MIN_REPEATS, MAX_REPEATS = 1, 1000
+STATE_HASH_KEYS = (
+    "input_hashes",
+    "epoch_permutation_sha256",
+    "initial_parameter_sha256",
+    "final_parameter_sha256",
+    "final_velocity_sha256",
+    "state_vector_sha256",
+    "predictions_sha256",
+    "scores_sha256",
+)
+SCOPE = (
+    "Every task resets weights and momentum, normalizes raw 9x9 inputs, trains from scratch and "
+    "predicts all queries; every invocation is included. One invocation is backend.run(task, prepared) "
+    "with the seed-derived initialization and permutations prepared once: on cuda it copies the task "
+    "into the cached graph program's buffers, replays the graphs and copies scores and state back, "
+    "so the active window (energy, wall ms) includes those transfers and synchronizations while "
+    "cuda_ms covers the GPU-resident run only. Excludes graph capture and allocation (done by the "
+    "first run), host preparation, verification, hashing and serialization."
+)
+MEMORY_SCOPE = (
+    "PyTorch caching allocator on the backend's device, including CUDA graph pools and library "
+    "workspaces; over prepare + the first run of this task on this backend, before any hashing or "
+    "serialization. Excludes the driver and context. If this backend had already cached the "
+    "task's program (program_reused), the peak covers a replay, not the capture."
+)
+
+
+class ProtocolError(TaskError):
+    """A measurement argument out of range."""
+
+
+def check_protocol(trials: int, target_seconds: float, settle_seconds: float, idle_seconds: float) -> None:
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ProtocolError(f"trials must be an integer >= 1, got {trials!r}")
+    for name, value, positive in (
+        ("target_seconds", target_seconds, True),
+        ("settle_seconds", settle_seconds, False),
+        ("idle_seconds", idle_seconds, False),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ProtocolError(f"{name} must be a finite number, got {value!r}")
+        if positive and value <= 0:
+            raise ProtocolError(f"{name} must be > 0, got {value}")
+        if value < 0:
+            raise ProtocolError(f"{name} must be >= 0, got {value}")
+
+
+# --------------------------------------------------------------------------- pure arithmetic
+
+
+def repeats_for(calibration_ms: float, target_seconds: float) -> int:
+    """clamp(ceil(target / calibration), 1, 1000)."""
+    if calibration_ms <= 0:
+        return MAX_REPEATS
+    return max(MIN_REPEATS, min(MAX_REPEATS, math.ceil(target_seconds / (calibration_ms / 1000.0))))
+
+
+def _reading(r: energy_mod.Reading | dict) -> dict:
+    return r.as_dict() if isinstance(r, energy_mod.Reading) else dict(r)
+
+
+def window(start: energy_mod.Reading | dict, end: energy_mod.Reading | dict, settle_seconds: float | None = None) -> dict:
+    """Duration, joules and average power between two counter readings."""
+    s, e = _reading(start), _reading(end)
+    duration = e["time_s"] - s["time_s"]
+    energy_j = (e["energy_mj"] - s["energy_mj"]) / 1000
+    out = {
+        "start": s,
+        "end": e,
+        "duration_s": duration,
+        "energy_j": energy_j,
+        "average_power_w": energy_j / duration if duration > 0 else None,
+    }
+    if settle_seconds is not None:
+        out["settle_seconds"] = settle_seconds
+    return out
+
+
+def trial_figures(idle_before: dict, active: dict, idle_after: dict, invocations: int, cuda_ms_total: float | None) -> dict:
+    """Per-task figures of one trial from its three windows (as ``window`` returns them)."""
+    p0, p1 = idle_before["average_power_w"], idle_after["average_power_w"]
+    paired = None if p0 is None or p1 is None else (p0 + p1) / 2
+    active_j, active_s = active["energy_j"], active["duration_s"]
+    return {
+        "paired_idle_w": paired,
+        "idle_adjusted_mj_per_task": None if paired is None else (active_j - paired * active_s) * 1000 / invocations,
+        "unadjusted_mj_per_task": active_j * 1000 / invocations,
+        "cuda_ms_per_task": None if cuda_ms_total is None else cuda_ms_total / invocations,
+        "wall_ms_per_task": active_s * 1000 / invocations,
+    }
+
+
+def summarize(values: list[float | None]) -> dict | None:
+    """Mean and sample SD (None for a single value) over trials; None if no trial had a value."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return {
+        "mean": statistics.mean(present),
+        "sample_sd": statistics.stdev(present) if len(present) > 1 else None,
+        "values": list(values),
+    }
+
+
+def timing_stats(values_ms: list[float]) -> dict | None:
+    if not values_ms:
+        return None
+    return {
+        "count": len(values_ms),
+        "median": statistics.median(values_ms),
+        "mean": statistics.mean(values_ms),
+        "sample_sd": statistics.stdev(values_ms) if len(values_ms) > 1 else None,
+        "min": min(values_ms),
+        "max": max(values_ms),
+    }
+
+
+SUMMARY_KEYS = ("idle_adjusted_mj_per_task", "unadjusted_mj_per_task", "cuda_ms_per_task", "wall_ms_per_task")
+
+
+def summary(trials: list[dict]) -> dict:
+    return {key: summarize([t[key] for t in trials]) for key in SUMMARY_KEYS}
+
+
+# --------------------------------------------------------------------------- facts
+
+
+def software() -> dict:
+    try:
+        nvml_version = importlib.metadata.version("nvidia-ml-py")
+    except importlib.metadata.PackageNotFoundError:
+        nvml_version = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cuda": torch.version.cuda,
+        "nvidia_ml_py": nvml_version,
+    }
+
+
+def cpu_hardware() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _cuda_device(engine: Backend) -> torch.device | None:
+    device = torch.device(engine.device)
+    return device if device.type == "cuda" else None
+
+
+def compare_runs(before: TaskResult, after: TaskResult) -> dict:
+    return {
+        "repeat_predictions_equal": bool(np.array_equal(before.predictions, after.predictions))
+        and before.predictions_sha256 == after.predictions_sha256,
+        "repeat_state_hashes_equal": all(before.metadata[k] == after.metadata[k] for k in STATE_HASH_KEYS),
+        "state_hash_keys_checked": list(STATE_HASH_KEYS),
+    }
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _first_run(task: TaskArrays, config: Config, engine: Backend) -> tuple[TaskResult, dict | None, str | None]:
+    """prepare + the first run, with the allocator's peak on CUDA."""
+    device = _cuda_device(engine)
+    if device is None:
+        return run_task(task, config, engine), None, f"backend {engine.name!r} does not run on CUDA"
+    torch.cuda.synchronize(device)
+    allocated_before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = run_task(task, config, engine)
+    torch.cuda.synchronize(device)
+    memory = {
+        "allocated_before_prepare_bytes": int(allocated_before),
+        "prepare_and_invoke_peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "allocated_after_invoke_bytes": int(torch.cuda.memory_allocated(device)),
+        "reserved_after_invoke_bytes": int(torch.cuda.memory_reserved(device)),
+        "program_reused": (result.metadata.get("backend_details") or {}).get("graph_reused"),
+        "scope": MEMORY_SCOPE,
+    }
+    return result, memory, None
+
+
+class _Runner:
+    """``repeats`` complete fresh tasks back to back, each timed by ``clock``."""
+
+    def __init__(self, task: TaskArrays, config: Config, engine: Backend, clock: Callable[[], float]):
+        self.task, self.engine, self.clock = task, engine, clock
+        self.prepared = prepare(task, config)
+        self.device = _cuda_device(engine)
+
+    def once(self) -> tuple[float, float | None]:
+        """(wall ms, cuda ms or None) of one task."""
+        t0 = self.clock()
+        out = self.engine.run(self.task, self.prepared)
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+        return (self.clock() - t0) * 1000, out.cuda_ms
+
+    def repeat(self, n: int) -> tuple[list[float], list[float] | None]:
+        """Wall ms of each task, and CUDA ms of each (None if the backend gives none)."""
+        walls, cudas = [], []
+        for _ in range(n):
+            wall, cuda = self.once()
+            walls.append(wall)
+            cudas.append(cuda)
+        return walls, (None if any(c is None for c in cudas) else cudas)
+
+
+def _energy_trial(i: int, runner: _Runner, meter: energy_mod.Meter, repeats: int, settle: float, idle: float,
+                  sleep: Callable[[float], None]) -> tuple[dict, list[float], list[float] | None]:
+    read = energy_mod.read
+    sleep(settle)
+    s = read(meter)
+    sleep(idle)
+    idle_before = window(s, read(meter), settle)
+    telemetry_before = meter.telemetry()
+    a0 = read(meter)
+    walls, cudas = runner.repeat(repeats)
+    active = window(a0, read(meter))
+    telemetry_after = meter.telemetry()
+    sleep(settle)
+    s = read(meter)
+    sleep(idle)
+    idle_after = window(s, read(meter), settle)
+    trial = {
+        "trial": i,
+        "invocations": repeats,
+        "idle_before": idle_before,
+        "idle_after": idle_after,
+        "active": active,
+        "telemetry_before": telemetry_before,
+        "telemetry_after": telemetry_after,
+        **trial_figures(idle_before, active, idle_after, repeats, None if cudas is None else sum(cudas)),
+    }
+    return trial, walls, cudas
+
+
+def _energy_note(trials: list[dict], idle_seconds: float) -> str:
+    note = energy_mod.COUNTER_NOTE.split(" Use ")[0]
+    shortest = min(t["active"]["duration_s"] for t in trials)
+    if shortest < 1.0 or idle_seconds < 1.0:
+        note += (
+            f" Warning: the shortest active window is {shortest:.3f} s and idle windows are {idle_seconds} s;"
+            " windows under about a second carry counter-step error of several percent."
+        )
+    return note
+
+
+def measure_run(
+    task: TaskArrays,
+    config: Config | None = None,
+    backend: str | Backend = "auto",
+    trials: int = 3,
+    target_seconds: float = 5.0,
+    settle_seconds: float = 3.0,
+    idle_seconds: float = 3.0,
+    meter: energy_mod.Meter | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[TaskResult, dict]:
+    """The protocol; returns the "before" run's result and the measurement document."""
+    check_protocol(trials, target_seconds, settle_seconds, idle_seconds)
+    config = config or Config()
+    engine = get_backend(backend) if isinstance(backend, str) else backend
+    device = _cuda_device(engine)
+    energy_reason = None
+    if meter is None:
+        if device is not None:
+            meter, energy_reason = energy_mod.open_meter(device.index)
+        else:
+            energy_reason = (
+                f"backend {engine.name!r} runs on the CPU; the GPU energy counter (NVML) measures GPUs only"
+            )
+    clock = meter.now if meter is not None else time.perf_counter
+
+    before, memory, memory_reason = _first_run(task, config, engine)
+    runner = _Runner(task, config, engine, clock)
+    calibration_wall_ms, calibration_cuda_ms = runner.once()
+    calibration_ms = calibration_cuda_ms if calibration_cuda_ms is not None else calibration_wall_ms
+    repeats = repeats_for(calibration_ms, target_seconds)
+
+    trial_docs: list[dict] = []
+    walls_all: list[float] = []
+    cuda_all: list[float] = []
+    rapl, rapl_reason = (None, None) if meter is not None else energy_mod.rapl_packages()
+    rapl_j: list[float] = []
+    for i in range(trials):
+        if meter is not None:
+            trial, walls, cudas = _energy_trial(i, runner, meter, repeats, settle_seconds, idle_seconds, sleep)
+        else:
+            r0 = energy_mod.rapl_read(rapl) if rapl else None
+            walls, cudas = runner.repeat(repeats)
+            if rapl:
+                rapl_j.append(energy_mod.rapl_delta_j(rapl, r0, energy_mod.rapl_read(rapl)))
+            trial = {
+                "trial": i,
+                "invocations": repeats,
+                "wall_ms_per_task": sum(walls) / repeats,
+                "cuda_ms_per_task": None if cudas is None else sum(cudas) / repeats,
+            }
+        trial_docs.append(trial)
+        walls_all.extend(walls)
+        if cudas is not None:
+            cuda_all.extend(cudas)
+
+    after = run_task(task, config, engine)
+    checks = compare_runs(before, after)
+    soft = software()
+    hardware = meter.hardware() if meter is not None else cpu_hardware()
+
+    energy = None
+    if meter is not None:
+        energy = {
+            "calibration_ms": calibration_ms,
+            "repeats_per_trial": repeats,
+            "trials": trial_docs,
+            "summary": summary(trial_docs),
+            "hardware": hardware,
+            "software": soft,
+            **checks,
+            "scope": SCOPE,
+            "method": "nvml-total-energy-counter; paired idle windows before and after each active window",
+            "counter_note": _energy_note(trial_docs, idle_seconds),
+            "before_metadata": before.metadata,
+            "after_metadata": after.metadata,
+        }
+    doc: dict[str, Any] = {
+        "backend": engine.name,
+        "device": engine.device,
+        "protocol": {
+            "trials": trials,
+            "target_seconds": target_seconds,
+            "settle_seconds": settle_seconds if meter is not None else None,
+            "idle_seconds": idle_seconds if meter is not None else None,
+            "repeat_limits": [MIN_REPEATS, MAX_REPEATS],
+            "calibration": "CUDA events" if calibration_cuda_ms is not None else "wall clock",
+        },
+        "calibration_ms": calibration_ms,
+        "repeats_per_trial": repeats,
+        "energy": energy,
+    }
+    if energy is None:
+        doc["energy_reason"] = energy_reason
+        doc["trials"] = trial_docs
+    doc["timing"] = {
+        "wall_ms_per_task": timing_stats(walls_all),
+        "cuda_ms_per_task": timing_stats(cuda_all),
+        "scope": "each invocation timed on its own; " + SCOPE,
+    }
+    if energy is None:
+        if rapl:
+            doc["cpu_package_energy"] = {
+                "label": energy_mod.RAPL_LABEL,
+                "joules_by_trial": rapl_j,
+                "mj_per_task": summarize([j * 1000 / repeats for j in rapl_j]),
+            }
+        else:
+            doc["cpu_package_energy"] = None
+            doc["cpu_package_energy_reason"] = rapl_reason or "RAPL is read only when no GPU meter is used"
+    doc["memory"] = memory
+    if memory is None:
+        doc["memory_reason"] = memory_reason
+    doc.update(
+        {
+            "predictions_sha256": before.predictions_sha256,
+            "scores_sha256": before.scores_sha256,
+            **checks,
+            "hardware": hardware,
+            "software": soft,
+            "metadata": before.metadata,
+        }
+    )
+    return before, doc
+
+
+def measure_task(
+    task: TaskArrays,
+    config: Config | None = None,
+    backend: str | Backend = "auto",
+    trials: int = 3,
+    target_seconds: float = 5.0,
+    settle_seconds: float = 3.0,
+    idle_seconds: float = 3.0,
+    meter: energy_mod.Meter | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict:
+    """The measurement document (see ``measure_run``)."""
+    return measure_run(task, config, backend, trials, target_seconds, settle_seconds, idle_seconds, meter, sleep)[1]
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _fmt(stat: dict | None, unit: str) -> str:
+    if stat is None:
+        return "n/a"
+    sd = stat.get("sample_sd")
+    return f"{stat['mean']:.3f} {unit}" + ("" if sd is None else f" (sample SD {sd:.3f})")
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    from .cli import write_json
+    from .config import load_config_file
+    from .taskio import load_task
+
+    check_protocol(args.trials, args.target_seconds, args.settle_seconds, args.idle_seconds)
+    config = load_config_file(args.config) if args.config else Config()
+    task = load_task(args.input)
+    doc = measure_task(
+        task,
+        config,
+        args.backend,
+        trials=args.trials,
+        target_seconds=args.target_seconds,
+        settle_seconds=args.settle_seconds,
+        idle_seconds=args.idle_seconds,
+    )
+    output = Path(args.output)
+    write_json(output, doc)
+    print(
+        f"backend {doc['backend']} on {doc['device']}: calibration {doc['calibration_ms']:.3f} ms, "
+        f"{doc['repeats_per_trial']} tasks per trial x {args.trials} trials"
+    )
+    wall = doc["timing"]["wall_ms_per_task"]
+    print(
+        f"wall ms per task: median {wall['median']:.3f}, mean {wall['mean']:.3f}, "
+        f"min {wall['min']:.3f}, max {wall['max']:.3f}"
+        + ("" if wall["sample_sd"] is None else f", sample SD {wall['sample_sd']:.3f}")
+    )
+    energy = doc["energy"]
+    if energy is None:
+        print(f"energy: none ({doc['energy_reason']})")
+    else:
+        s = energy["summary"]
+        print(f"idle-adjusted energy per task: {_fmt(s['idle_adjusted_mj_per_task'], 'mJ')}")
+        print(f"unadjusted energy per task:    {_fmt(s['unadjusted_mj_per_task'], 'mJ')}")
+        print(f"cuda ms per task:              {_fmt(s['cuda_ms_per_task'], 'ms')}")
+    print(
+        f"repeat predictions equal: {doc['repeat_predictions_equal']}, "
+        f"state hashes equal: {doc['repeat_state_hashes_equal']}; wrote {output}"
+    )
+    if not (doc["repeat_predictions_equal"] and doc["repeat_state_hashes_equal"]):
+        print("rev88 measure: error: the run after the trials differs from the run before them", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_measure(sub) -> None:
+    from .backends import NAMES
+
+    p = sub.add_parser(
+        "measure",
+        help="joules and milliseconds per task (the paired-idle NVML protocol; timing only on CPU)",
+    )
+    p.add_argument("--input", required=True, help="task npz: train_images, train_labels, test_images")
+    p.add_argument("--config", help="JSON object of config overrides (unknown keys are an error)")
+    p.add_argument("--backend", default="auto", choices=NAMES)
+    p.add_argument("--trials", type=int, default=3, help="trials (>= 1; default 3)")
+    p.add_argument("--target-seconds", type=float, default=5.0, help="active window per trial (> 0; default 5)")
+    p.add_argument("--settle-seconds", type=float, default=3.0, help="wait before each idle window (>= 0; default 3)")
+    p.add_argument("--idle-seconds", type=float, default=3.0, help="each idle window (>= 0; default 3)")
+    p.add_argument("--output", required=True, help="measurement JSON to write")
+    p.set_defaults(func=cmd_measure)

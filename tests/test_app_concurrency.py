@@ -1,0 +1,313 @@
+"""The device queue: the executor on its own (serial, bounded, exactly-once answers under
+timeouts and drain), then on real servers: a burst larger than the queue, and 504s for a
+task that times out while running and one that times out while queued."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from app.errors import QueueFull, TaskTimeout, Unavailable
+from app.executor import DeviceExecutor
+from learner.config import make_config
+from learner.hashing import array_sha256
+from learner.result import run_task
+from learner.taskio import task_to_npz_bytes, validate_task
+
+from .conftest import small_task
+from .server import post_task, running_job, running_server, wait_for
+
+
+def synthetic(n: int, m: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return validate_task(
+        rng.random((n, 1, 9, 9), dtype=np.float32),
+        rng.integers(0, 10, n).astype(np.int64),
+        rng.random((m, 1, 9, 9), dtype=np.float32),
+    )
+
+
+# --------------------------------------------------------------------------- the executor alone
+
+
+@pytest.fixture
+def executor():
+    ex = DeviceExecutor(capacity=2)
+    ex.start()
+    yield ex
+    ex.abandon_all("test over")
+    ex.stop(5)
+
+
+def test_jobs_run_one_at_a_time_in_order_on_one_thread(executor):
+    log, active, overlaps = [], [0], []
+
+    def job(i):
+        def run():
+            active[0] += 1
+            overlaps.append(active[0])
+            log.append((i, threading.current_thread().name))
+            time.sleep(0.02)
+            active[0] -= 1
+            return i * i
+
+        return run
+
+    async def main():
+        results = []
+        for batch in ([0, 1], [2, 3], [4, 5]):  # at most capacity (2) waiting
+            jobs = [executor.submit(job(i), label=str(i)) for i in batch]
+            results += await asyncio.gather(*(executor.wait(j, 10) for j in jobs))
+        return results
+
+    assert asyncio.run(main()) == [0, 1, 4, 9, 16, 25]
+    assert [i for i, _ in log] == [0, 1, 2, 3, 4, 5]
+    assert {name for _, name in log} == {"rev88-device"}
+    assert max(overlaps) == 1
+    assert executor.stats.completed == 6 and executor.stats.accepted == 6
+
+
+def test_full_queue_refuses_with_retry_after(executor):
+    gate = threading.Event()
+    first = executor.submit(gate.wait)
+    wait_for(lambda: executor.busy, 5, what="first job running")
+    waiting = [executor.submit(lambda: "ok"), executor.submit(lambda: "ok")]
+    with pytest.raises(QueueFull) as info:
+        executor.submit(lambda: "never")
+    assert info.value.status == 503 and info.value.retry_after >= 1
+    assert "queue is full (2 of 2" in info.value.message
+    gate.set()
+    assert first.future.result(5) is True
+    assert [j.future.result(5) for j in waiting] == ["ok", "ok"]
+    assert executor.stats.refused_full == 1
+
+
+def test_timeout_while_queued_never_runs_and_frees_its_slot(executor):
+    gate = threading.Event()
+    ran = []
+    blocker = executor.submit(gate.wait)
+    wait_for(lambda: executor.busy, 5, what="blocker running")
+    queued = executor.submit(lambda: ran.append("queued job ran"))
+
+    with pytest.raises(TaskTimeout) as info:
+        asyncio.run(executor.wait(queued, 0.05))
+    assert info.value.details["where"] == "queued" and info.value.status == 504
+    assert "never ran" in info.value.message
+    assert executor.depth == 0  # its queue slot is free again
+    gate.set()
+    blocker.future.result(5)
+    follow = executor.submit(lambda: "after")
+    assert follow.future.result(5) == "after"
+    assert ran == []
+    s = executor.stats
+    assert (s.expired, s.completed, s.accepted) == (1, 2, 3)
+
+
+def test_timeout_while_running_answers_once_and_discards_the_late_result(executor):
+    gate = threading.Event()
+    running = executor.submit(lambda: gate.wait() and "late result")
+    wait_for(lambda: executor.busy, 5, what="job running")
+    with pytest.raises(TaskTimeout) as info:
+        asyncio.run(executor.wait(running, 0.05))
+    assert info.value.details["where"] == "running"
+    assert executor.busy  # the device is still held by the job
+    gate.set()
+    wait_for(lambda: not executor.busy, 5, what="job finished")
+    # the future still holds the one answer given: the timeout, not the late result
+    assert isinstance(running.future.exception(), TaskTimeout)
+    s = executor.stats
+    assert (s.abandoned, s.abandoned_finished, s.completed) == (1, 1, 0)
+    assert executor.submit(lambda: 7).future.result(5) == 7
+
+
+def test_result_that_wins_the_race_is_answered(executor):
+    job = executor.submit(lambda: "done")
+    job.future.result(5)
+    executor.expire(job, 0.0)  # a timeout that fires after the result: no effect
+    assert asyncio.run(executor.wait(job, 0.0)) == "done"
+    assert executor.stats.expired == 0 and executor.stats.abandoned == 0
+
+
+def test_drain_refuses_new_work_and_the_deadline_answers_the_rest(executor):
+    gate = threading.Event()
+    running = executor.submit(gate.wait)
+    wait_for(lambda: executor.busy, 5, what="job running")
+    queued = executor.submit(lambda: "never")
+    executor.close("draining for shutdown")
+    with pytest.raises(Unavailable):
+        executor.submit(lambda: "refused")
+    assert executor.abandon_all("shutting down") == 2
+    for job, where in ((running, "running"), (queued, "queued")):
+        err = job.future.exception(1)
+        assert isinstance(err, Unavailable) and err.details["where"] == where
+    gate.set()
+    assert executor.stop(5)
+    s = executor.stats
+    assert (s.cancelled, s.abandoned, s.abandoned_finished, s.refused_closed) == (1, 1, 1, 1)
+    assert s.answered() == s.accepted
+
+
+def test_many_waiters_each_answered_exactly_once():
+    ex = DeviceExecutor(capacity=64)
+    ex.start()
+    answers: dict[int, list] = {}
+
+    async def one(i):
+        job = ex.submit(lambda: (time.sleep(0.002), i)[1], label=str(i))
+        try:
+            value = await ex.wait(job, 0.02 + (i % 5) * 0.01)
+        except TaskTimeout as exc:
+            value = exc
+        answers.setdefault(i, []).append(value)
+
+    async def main():
+        await asyncio.gather(*(one(i) for i in range(60)))
+
+    asyncio.run(main())
+    assert ex.stop(10)
+    assert sorted(answers) == list(range(60))
+    assert all(len(v) == 1 for v in answers.values())
+    assert all(v[0] == i or isinstance(v[0], TaskTimeout) for i, v in answers.items())
+    s = ex.stats
+    assert s.accepted == 60 and s.answered() == 60
+    assert s.completed == sum(1 for v in answers.values() if not isinstance(v[0], TaskTimeout))
+
+
+# --------------------------------------------------------------------------- burst on a real server
+
+
+BURST = 12
+QUEUE = 2
+
+
+@pytest.fixture(scope="module")
+def burst_server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("burst-server"), env={"REV88_BACKEND": "cpu", "REV88_QUEUE_SIZE": str(QUEUE)}) as srv:
+        yield srv
+
+
+def test_burst_larger_than_the_queue_gets_200s_and_503s_only(burst_server):
+    config = make_config({"epochs": 2})
+    tasks = [synthetic(1500, 200, seed) for seed in range(BURST)]  # every request a different task
+    bodies = [task_to_npz_bytes(t) for t in tasks]
+    barrier = threading.Barrier(BURST)
+
+    def send(i):
+        with burst_server.client() as c:
+            barrier.wait()
+            return post_task(c, bodies[i], params={"epochs": "2"})
+
+    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+        responses = list(pool.map(send, range(BURST)))
+
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, [(r.status_code, r.text[:200]) for r in responses]
+    assert codes.count(200) >= 1 and codes.count(503) >= 1, codes
+    for i, r in enumerate(responses):
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1
+            assert "retry later" in r.json()["error"]
+        else:
+            expected = run_task(tasks[i], config, "cpu")
+            answer = r.json()
+            assert answer["predictions_sha256"] == expected.predictions_sha256, i
+            assert answer["predictions"] == expected.predictions.tolist(), i
+            assert answer["metadata"]["input_hashes"]["train_images"] == array_sha256(tasks[i].train_images)
+
+    # nothing lost: every accepted task was answered, nothing waits or runs, metrics agree
+    with burst_server.client() as c:
+        queue = c.get("/health").json()["queue"]
+        metrics = c.get("/metrics").text
+    assert queue["depth"] == 0 and queue["in_flight"] == 0 and queue["running"] is None
+    tasks_accepted = queue["accepted"] - 1  # minus the warm-up
+    assert tasks_accepted == codes.count(200)
+    assert queue["completed"] - 1 == codes.count(200)
+    assert queue["expired"] == queue["abandoned"] == queue["cancelled"] == queue["failed"] == 0
+    assert f'rev88_tasks_total{{outcome="ok"}} {float(codes.count(200))}' in metrics
+    assert f'rev88_tasks_total{{outcome="queue_full"}} {float(codes.count(503))}' in metrics
+
+
+# --------------------------------------------------------------------------- timeouts on a real server
+
+
+TIMEOUT_S = 2
+
+
+@pytest.fixture(scope="module")
+def timeout_server(tmp_path_factory):
+    # One torch thread: a long task's duration then depends little on what else the machine runs.
+    env = {"REV88_BACKEND": "cpu", "REV88_TASK_TIMEOUT_S": str(TIMEOUT_S), "REV88_QUEUE_SIZE": "4",
+           "REV88_THREADS": "1"}
+    with running_server(tmp_path_factory.mktemp("timeout-server"), env=env) as srv:
+        yield srv
+
+
+def _send(server, results, name, body, params=None):
+    with server.client() as c:
+        results[name] = post_task(c, body, params=params)
+
+
+def _queue(server) -> dict:
+    with server.client() as c:
+        return c.get("/health").json()["queue"]
+
+
+def test_timeout_while_queued_is_504_and_the_task_never_runs(timeout_server):
+    small = task_to_npz_bytes(small_task(19, 7, seed=2))
+    before = _queue(timeout_server)
+    results: dict[str, httpx.Response] = {}
+    # The blocker: an energy measurement holds the device for about target_seconds whatever the
+    # machine's speed (its own timeout is the task timeout plus the protocol's windows).
+    blocker = threading.Thread(target=_send, args=(timeout_server, results, "blocker", small, {
+        "measure": "energy", "trials": "1", "target_seconds": "6", "settle_seconds": "0", "idle_seconds": "0"}))
+    blocker.start()
+    wait_for(lambda: (running_job(timeout_server) or {}).get("kind") == "measure", 60, what="the measurement running")
+    _send(timeout_server, results, "queued", small)
+    rq = results["queued"]
+    assert rq.status_code == 504, rq.text
+    assert rq.json()["where"] == "queued" and "never ran" in rq.json()["error"]
+    blocker.join(300)
+    assert results["blocker"].status_code == 200, results["blocker"].text
+    _send(timeout_server, results, "after", small)
+    assert results["after"].status_code == 200, results["after"].text
+
+    after = _queue(timeout_server)
+    assert after["expired"] - before["expired"] == 1
+    assert after["completed"] - before["completed"] == 2  # the blocker and the one after; never the queued one
+    assert after["accepted"] - before["accepted"] == 3
+    assert after["depth"] == 0 and after["in_flight"] == 0
+
+
+def test_timeout_while_running_is_504_once_and_the_late_result_is_discarded(timeout_server):
+    # Far longer than the timeout on any machine: 10,000 examples x 20 epochs.
+    long_body = task_to_npz_bytes(synthetic(10_000, 500, 1))
+    small = task_to_npz_bytes(small_task(19, 7, seed=3))
+    before = _queue(timeout_server)
+    results: dict[str, httpx.Response] = {}
+    _send(timeout_server, results, "long", long_body, {"epochs": "20"})
+    r = results["long"]
+    assert r.status_code == 504, r.text
+    assert r.json()["where"] == "running"
+    assert "still running and its result will be discarded" in r.json()["error"]
+
+    running = running_job(timeout_server)
+    assert running is not None and running["answered"] is True  # the device is still held by it
+    wait_for(lambda: running_job(timeout_server) is None, 900, 0.5, "the timed-out task to finish on the device")
+    _send(timeout_server, results, "after", small)
+    assert results["after"].status_code == 200, results["after"].text
+
+    after = _queue(timeout_server)
+    assert after["abandoned"] - before["abandoned"] == 1
+    assert after["abandoned_finished"] - before["abandoned_finished"] == 1
+    assert after["completed"] - before["completed"] == 1  # only the task after: the late result was not an answer
+    assert after["depth"] == 0 and after["in_flight"] == 0
+    assert after["accepted"] == after["completed"] + after["failed"] + after["expired"] + after["abandoned"]
+    with timeout_server.client() as c:
+        assert 'rev88_tasks_total{outcome="timeout"} 2.0' in c.get("/metrics").text
+    assert "task finished after it was answered; result discarded" in timeout_server.logs()

@@ -1,0 +1,374 @@
+"""Static checks of the Dockerfile, deploy/compose.yaml and deploy/k8s/ against the app itself:
+routes the probes hit, the default port, the settings' variable names, the drain timeout,
+non-root users and GPU requests. (No Docker engine or cluster is needed, or used.)"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.commands import SERVE_ENV, add_serve, cmd_serve, graceful_shutdown_s
+from app.service import FORCE_EXIT_GRACE_S
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+DEFAULTS = Settings()
+ENV_NAMES = set(SERVE_ENV.values())
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order; comments dropped, continuation lines joined."""
+    out, current = [], ""
+    for raw in (ROOT / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if current and line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        word, _, rest = current.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        current = ""
+    return out
+
+
+def instructions(name: str) -> list[str]:
+    return [args for word, args in dockerfile() if word == name]
+
+
+def exec_form(args: str) -> list[str]:
+    value = json.loads(args)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), args
+    return value
+
+
+def dockerfile_env() -> dict[str, str]:
+    env = {}
+    for args in instructions("ENV"):
+        for item in shlex.split(args):
+            key, sep, value = item.partition("=")
+            assert sep, f"ENV {args!r}: use KEY=value"
+            env[key] = value
+    return env
+
+
+@pytest.fixture(scope="module")
+def routes() -> dict[str, set[str]]:
+    """path -> HTTP methods, from the real app (cpu backend: nothing starts until the lifespan)."""
+    from app.main import create_app
+
+    app = create_app(Settings(backend="cpu"))
+    table: dict[str, set[str]] = {}
+    for route in app.routes:
+        methods = getattr(route, "methods", None) or set()
+        table.setdefault(route.path, set()).update(methods)
+    return table
+
+
+def probe_url(text: str) -> tuple[int, str]:
+    """The (port, path) a python/urllib health check asks."""
+    found = re.findall(r"http://127\.0\.0\.1:(\d+)(/[\w/.-]*)", text)
+    assert len(found) == 1, f"expected one loopback URL in {text!r}"
+    return int(found[0][0]), found[0][1]
+
+
+def load_yaml(path: Path) -> list:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def k8s_docs() -> dict[str, dict]:
+    docs = {}
+    for name in ("deployment.yaml", "service.yaml", "hpa.yaml"):
+        (doc,) = load_yaml(K8S / name)
+        docs[doc["kind"]] = doc
+    return docs
+
+
+def container(deployment: dict) -> dict:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def container_env(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def seconds(text: str | int) -> float:
+    if isinstance(text, int):
+        return float(text)
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", text)
+    assert m and text, f"not a duration: {text!r}"
+    return int(m[1] or 0) * 60 + int(m[2] or 0)
+
+
+def metric_names() -> set[str]:
+    """Every metric the app's registry exports (as /metrics renders it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.bind(depth=lambda: 0, in_flight=lambda: 0, busy=lambda: 0, ready=lambda: 0)
+    body, _ = metrics.render()
+    return {family.name for family in text_string_to_metric_families(body.decode())}
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def test_dockerfile_runs_as_a_numeric_non_root_user_after_installing():
+    words = [w for w, _ in dockerfile()]
+    users = instructions("USER")
+    assert users, "the image must drop root with USER"
+    user = users[-1].split(":")[0]
+    assert user.isdigit() and int(user) != 0, f"USER {users[-1]}: use a numeric non-root uid (runAsNonRoot can check it)"
+    last_user = len(words) - 1 - words[::-1].index("USER")
+    assert "RUN" not in words[last_user:], "installs run before USER, nothing runs as root after it"
+    # the Deployment runs as the same uid
+    sc = k8s_docs()["Deployment"]["spec"]["template"]["spec"]["securityContext"]
+    assert sc["runAsUser"] == int(user)
+
+
+def test_dockerfile_environment():
+    env = dockerfile_env()
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    # the same value the learner sets for itself when the variable is unset
+    init = (ROOT / "learner" / "__init__.py").read_text()
+    assert 'os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")' in init
+
+
+def test_dockerfile_port_and_command_agree_with_the_settings():
+    assert instructions("EXPOSE") == [str(DEFAULTS.port)]
+    (cmd,) = instructions("CMD")
+    argv = exec_form(cmd)
+    assert argv == ["rev88", "serve", "--host", "0.0.0.0", "--port", str(DEFAULTS.port)]
+    # the command parses with the real CLI and means what it says
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rev88")
+    add_serve(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv[1:])
+    assert args.func is cmd_serve and args.host == "0.0.0.0" and args.port == DEFAULTS.port and args.workers == 1
+
+
+def test_dockerfile_healthcheck_hits_the_live_route(routes):
+    (hc,) = instructions("HEALTHCHECK")
+    assert "curl" not in hc and "wget" not in hc  # not in a slim image
+    _, _, command = hc.partition("CMD ")
+    argv = exec_form(command.strip())
+    assert argv[:2] == ["python", "-c"]
+    compile(argv[2], "<healthcheck>", "exec")  # valid Python
+    port, path = probe_url(argv[2])
+    assert (port, path) == (DEFAULTS.port, "/v2/health/live")
+    assert "GET" in routes[path]
+
+
+def test_dockerfile_installs_the_pinned_cuda_capable_torch():
+    makefile = (ROOT / "Makefile").read_text()
+    version = re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, re.M)[1]
+    runs = " ".join(instructions("RUN"))
+    # === : exactly PyPI's release (the CUDA build on Linux x86_64), never a local +cpu build
+    assert f'"torch==={version}"' in runs
+    assert ".[gpu]" in runs
+    (base,) = instructions("FROM")
+    assert base.startswith("python:3.11-") or base.startswith("nvidia/cuda:")
+
+
+def test_dockerignore_keeps_what_the_image_copies():
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    copied = []
+    for args in instructions("COPY"):
+        copied += args.split()[:-1]
+    assert set(copied) >= {"pyproject.toml", "README.md", "learner", "app"}
+    for src in copied:
+        assert not any(fnmatch.fnmatch(src, p) for p in patterns), f"{src} is copied but .dockerignore drops it"
+    for heavy in (".venv", ".git", "tests"):
+        assert heavy in patterns
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def test_every_yaml_under_deploy_parses():
+    files = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+    assert len(files) >= 6
+    for path in files:
+        docs = load_yaml(path)
+        assert docs and all(isinstance(d, dict) for d in docs), path
+
+
+def test_serve_flags_cover_every_settings_variable():
+    """The env names the deploy files and `rev88 serve` use are the ones app.settings reads."""
+    samples = {"REV88_HOST": "0.0.0.0", "REV88_PORT": "9", "REV88_BACKEND": "cpu", "REV88_QUEUE_SIZE": "3",
+               "REV88_MAX_BODY_BYTES": "5", "REV88_TASK_TIMEOUT_S": "7", "REV88_DRAIN_TIMEOUT_S": "11",
+               "REV88_API_KEY": "k", "REV88_LOG_LEVEL": "debug", "REV88_THREADS": "2"}
+    assert set(samples) == ENV_NAMES
+    for name, value in samples.items():
+        assert Settings.from_env({name: value}) != DEFAULTS, f"{name} is not read by app.settings"
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def compose_service() -> dict:
+    (doc,) = load_yaml(DEPLOY / "compose.yaml")
+    (service,) = doc["services"].values()
+    return service
+
+
+def test_compose_reserves_one_nvidia_gpu():
+    devices = compose_service()["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+
+
+def test_compose_healthcheck_port_env_and_grace(routes):
+    service = compose_service()
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    compile(test[3], "<healthcheck>", "exec")
+    port, path = probe_url(test[3])
+    assert (port, path) == (DEFAULTS.port, "/v2/health/live") and "GET" in routes[path]
+    container_ports = {int(str(p).rsplit(":", 1)[-1]) for p in service["ports"]}
+    assert container_ports == {DEFAULTS.port}
+    env = service["environment"]
+    assert set(env) <= ENV_NAMES, set(env) - ENV_NAMES
+    drain = float(env.get("REV88_DRAIN_TIMEOUT_S", DEFAULTS.drain_timeout_s))
+    assert seconds(service["stop_grace_period"]) > graceful_shutdown_s(drain, FORCE_EXIT_GRACE_S)
+    assert service["build"] == {"context": "..", "dockerfile": "Dockerfile"}
+    assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == ROOT / "Dockerfile"
+    if service.get("read_only"):
+        assert "/tmp" in service["tmpfs"]
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def test_deployment_requests_one_gpu_and_runs_non_root():
+    dep = k8s_docs()["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["requests"].get("nvidia.com/gpu", 1) == 1
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    if sc.get("readOnlyRootFilesystem"):
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]], "a read-only root needs a writable /tmp"
+        cache = dockerfile_env()
+        assert cache["XDG_CACHE_HOME"].startswith("/tmp/") and cache["TRITON_CACHE_DIR"].startswith("/tmp/")
+
+
+def test_deployment_probes_hit_real_routes_on_the_container_port(routes):
+    c = container(k8s_docs()["Deployment"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert list(ports.values()) == [DEFAULTS.port]
+    paths = {}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = c[probe]["httpGet"]
+        port = ports.get(get["port"], get["port"])
+        assert port == DEFAULTS.port, probe
+        assert "GET" in routes[get["path"]], f"{probe} asks {get['path']}, which the app does not serve"
+        paths[probe] = get["path"]
+    assert paths["livenessProbe"] == "/v2/health/live"
+    assert paths["readinessProbe"] == "/v2/health/ready"
+    assert paths["startupProbe"] == "/v2/health/live"
+
+
+def test_termination_grace_outlasts_the_drain():
+    dep = k8s_docs()["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    env = container_env(c)
+    assert set(env) <= ENV_NAMES, set(env) - ENV_NAMES
+    drain = float(env["REV88_DRAIN_TIMEOUT_S"]["value"]) if "REV88_DRAIN_TIMEOUT_S" in env else DEFAULTS.drain_timeout_s
+    pre_stop = 0.0
+    command = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+    if command:
+        assert command[0] == "sleep"
+        pre_stop = float(command[1])
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace > drain
+    assert grace > pre_stop + graceful_shutdown_s(drain, FORCE_EXIT_GRACE_S)
+    # the API key comes from a Secret, never a literal in the manifest
+    if "REV88_API_KEY" in env:
+        assert "value" not in env["REV88_API_KEY"] and env["REV88_API_KEY"]["valueFrom"]["secretKeyRef"]
+
+
+def test_service_selects_the_pods_and_targets_the_container_port():
+    docs = k8s_docs()
+    dep, svc = docs["Deployment"], docs["Service"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    c = container(dep)
+    names = {p["name"]: p["containerPort"] for p in c["ports"]}
+    (port,) = svc["spec"]["ports"]
+    assert names.get(port["targetPort"], port["targetPort"]) == DEFAULTS.port
+    annotations = dep["spec"]["template"]["metadata"].get("annotations", {})
+    if annotations.get("prometheus.io/scrape") == "true":
+        assert int(annotations["prometheus.io/port"]) == DEFAULTS.port
+        assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_hpa_scales_the_deployment_on_a_metric_the_app_exports(routes):
+    docs = k8s_docs()
+    hpa = docs["HorizontalPodAutoscaler"]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", docs["Deployment"]["metadata"]["name"])
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    assert name == "rev88_queue_depth"
+    assert name in metric_names(), "the app's /metrics does not export it"
+    assert "GET" in routes["/metrics"]
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    # prometheus-adapter's rule serves that very name from that very series
+    (values,) = load_yaml(K8S / "prometheus-adapter-values.yaml")
+    rules = values["rules"]["custom"]
+    assert any(name in r["seriesQuery"] and r["name"]["as"] == name
+               and r["resources"]["overrides"].keys() >= {"namespace", "pod"} for r in rules)
+
+
+def test_kustomization_lists_the_manifests_and_names_the_image():
+    (kust,) = load_yaml(K8S / "kustomization.yaml")
+    assert kust["kind"] == "Kustomization"
+    assert set(kust["resources"]) == {"deployment.yaml", "service.yaml", "hpa.yaml"}
+    for res in kust["resources"]:
+        assert (K8S / res).is_file()
+    image = container(k8s_docs()["Deployment"])["image"].split(":")[0]
+    assert image in {i["name"] for i in kust["images"]}
+
+
+# --------------------------------------------------------------------------- CI and README
+
+
+def test_ci_runs_the_readmes_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in ci
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1] == "make test"
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:\w*)\n(.*?)```", quick, re.S)
+    assert blocks and [line.strip() for line in blocks[0].strip().splitlines()] == ["make serve", "make test"]

@@ -1,0 +1,263 @@
+"""The energy interface and the protocol's arithmetic, against the reference record's
+own raw readings, with a simulated counter and clock where a GPU would be needed."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from learner import energy
+from learner.energy import IdleBaseline, SimulatedMeter, read, request_energy
+from learner.measure import repeats_for, summarize, summary, timing_stats, trial_figures, window
+
+REL = 1e-9
+
+
+def _windows(trial: dict, with_settle: bool = True):
+    def w(name, settle):
+        raw = trial[name]
+        return window(raw["start"], raw["end"], raw.get("settle_seconds") if settle else None)
+
+    return w("idle_before", with_settle), w("active", False), w("idle_after", with_settle)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_record_trial_arithmetic_from_raw_readings(run_record, index):
+    trial = run_record["energy"]["trials"][index]
+    idle_before, active, idle_after = _windows(trial)
+    for ours, name in ((idle_before, "idle_before"), (active, "active"), (idle_after, "idle_after")):
+        theirs = trial[name]
+        assert ours["duration_s"] == pytest.approx(theirs["duration_s"], rel=1e-12, abs=0)
+        assert ours["energy_j"] == pytest.approx(theirs["energy_j"], rel=1e-12, abs=0)
+        assert ours["average_power_w"] == pytest.approx(theirs["average_power_w"], rel=1e-12, abs=0)
+        assert ours["start"] == theirs["start"] and ours["end"] == theirs["end"]
+    # The CUDA-event total is not among the raw readings; only its division is checked here.
+    cuda_total = trial["cuda_ms_per_task"] * trial["invocations"]
+    figures = trial_figures(idle_before, active, idle_after, trial["invocations"], cuda_total)
+    for key in ("paired_idle_w", "idle_adjusted_mj_per_task", "unadjusted_mj_per_task", "wall_ms_per_task"):
+        assert figures[key] == pytest.approx(trial[key], rel=REL, abs=0), key
+    assert figures["cuda_ms_per_task"] == pytest.approx(trial["cuda_ms_per_task"], rel=1e-12)
+
+
+def test_record_trial0_headline_figures(run_record):
+    trial = run_record["energy"]["trials"][0]
+    idle_before, active, idle_after = _windows(trial)
+    figures = trial_figures(idle_before, active, idle_after, trial["invocations"], None)
+    assert figures["idle_adjusted_mj_per_task"] == pytest.approx(1030.9487807986357, rel=REL, abs=0)
+    assert figures["unadjusted_mj_per_task"] == pytest.approx(3467.8846153846152, rel=REL, abs=0)
+    assert figures["cuda_ms_per_task"] is None
+    # The adjustment is big here (idle is ~64 W of ~92 W): subtracting only one idle window
+    # instead of the pair would miss the record by far more than the tolerance.
+    one_sided = (active["energy_j"] - idle_before["average_power_w"] * active["duration_s"]) * 1000 / 104
+    assert abs(one_sided - 1030.9487807986357) > 1.0
+
+
+def test_repeats_selection_and_clamp(run_record):
+    e = run_record["energy"]
+    assert repeats_for(e["calibration_ms"], 5.0) == e["repeats_per_trial"] == 104
+    assert repeats_for(62.5, 2.0) == 32  # exact division: no extra repeat
+    assert repeats_for(62.4, 2.0) == 33  # ceil
+    assert repeats_for(10_000.0, 5.0) == 1  # slower than the target: one task
+    assert repeats_for(0.001, 5.0) == 1000  # faster than target/1000: capped
+    assert repeats_for(0.0, 5.0) == 1000
+
+
+def test_summary_of_record_trials(run_record):
+    e = run_record["energy"]
+    ours = summary(e["trials"])
+    for key, theirs in e["summary"].items():
+        assert ours[key]["values"] == theirs["values"]
+        assert ours[key]["mean"] == pytest.approx(theirs["mean"], rel=1e-12)
+        assert ours[key]["sample_sd"] == pytest.approx(theirs["sample_sd"], rel=1e-12)
+    # sample (n-1), not population, SD
+    values = e["summary"]["idle_adjusted_mj_per_task"]["values"]
+    assert ours["idle_adjusted_mj_per_task"]["sample_sd"] != pytest.approx(statistics.pstdev(values))
+
+
+def test_summarize_edges():
+    assert summarize([]) is None and summarize([None, None]) is None
+    one = summarize([2.5])
+    assert one == {"mean": 2.5, "sample_sd": None, "values": [2.5]}
+    assert summarize([1.0, None, 3.0])["mean"] == 2.0
+
+
+def test_timing_stats():
+    stats = timing_stats([4.0, 1.0, 3.0, 2.0])
+    assert stats == {"count": 4, "median": 2.5, "mean": 2.5, "sample_sd": pytest.approx(1.2909944487358056),
+                     "min": 1.0, "max": 4.0}
+    assert timing_stats([]) is None
+    assert timing_stats([7.0])["sample_sd"] is None
+
+
+def test_window_with_zero_duration_has_no_power():
+    w = window({"energy_mj": 5, "time_s": 1.0, "query_latency_s": 0.0},
+               {"energy_mj": 5, "time_s": 1.0, "query_latency_s": 0.0})
+    assert w["average_power_w"] is None
+    figures = trial_figures(w, window({"energy_mj": 0, "time_s": 0.0, "query_latency_s": 0},
+                                      {"energy_mj": 1000, "time_s": 1.0, "query_latency_s": 0}), w, 1, None)
+    assert figures["paired_idle_w"] is None and figures["idle_adjusted_mj_per_task"] is None
+    assert figures["unadjusted_mj_per_task"] == 1000.0
+
+
+# --------------------------------------------------------------------------- simulated meter
+
+
+def test_simulated_meter_integrates_power():
+    m = SimulatedMeter(idle_w=50.0, start_mj=1000, start_s=10.0)
+    r0 = read(m)
+    assert r0.energy_mj == 1000 and r0.time_s == 10.0 and r0.query_latency_s == 0.0
+    m.sleep(2.0)
+    m.advance(0.25, power_w=200.0)
+    r1 = read(m)
+    assert r1.energy_mj == 1000 + 100_000 + 50_000
+    assert r1.time_s == 12.25
+    assert m.power_w() == 200.0
+    with pytest.raises(ValueError):
+        m.advance(-1.0)
+
+
+def test_simulated_counter_update_period():
+    m = SimulatedMeter(idle_w=100.0, start_mj=0, start_s=0.0, update_period_s=0.05)
+    m.advance(0.07)  # last tick at 0.05 s -> 5 J
+    assert m.energy_mj() == 5000
+    m.advance(0.03)  # exactly on the 0.10 s tick
+    assert m.energy_mj() == 10_000
+
+
+def test_idle_baseline_is_a_bounded_median():
+    m = SimulatedMeter(idle_w=10.0)
+    idle = IdleBaseline(capacity=3)
+    assert idle.median_w() is None
+    for watts in (10.0, 90.0, 20.0, 30.0):
+        m.idle_w = watts
+        m.sleep(0.1)
+        idle.sample(m)
+    assert len(idle) == 3
+    assert idle.median_w() == 30.0  # of 90, 20, 30: the oldest (10) fell out
+
+    class Broken:
+        def power_w(self):
+            raise RuntimeError("sensor gone")
+
+    assert idle.sample(Broken()) is None
+    assert "sensor gone" in idle.last_error and len(idle) == 3
+    with pytest.raises(ValueError):
+        IdleBaseline(capacity=0)
+
+
+def test_request_energy_long_window():
+    m = SimulatedMeter(idle_w=60.0, start_mj=7_000_000)
+    idle = IdleBaseline()
+    for _ in range(5):
+        m.sleep(1.0)
+        idle.sample(m)
+
+    def run():
+        m.advance(0.5, power_w=200.0)
+        return "done"
+
+    result, figures = request_energy(m, run, idle)
+    assert result == "done"
+    assert figures["gross_j"] == 100.0
+    assert figures["idle_baseline_w"] == 60.0
+    assert figures["idle_adjusted_j"] == 100.0 - 60.0 * 0.5
+    assert figures["duration_s"] == 0.5
+    assert figures["counter_start_mj"] == 7_000_000 + 300_000
+    assert figures["counter_end_mj"] == figures["counter_start_mj"] + 100_000
+    assert figures["estimate"] is False
+    assert figures["method"] and "tens of ms" in figures["note"]
+
+
+def test_request_energy_short_window_is_an_estimate():
+    m = SimulatedMeter(idle_w=60.0, start_mj=0, start_s=0.0, update_period_s=0.05)
+    m.sleep(0.06)
+    idle = IdleBaseline()  # nothing sampled: no adjusted figure
+
+    _, figures = request_energy(m, lambda: m.advance(0.004, power_w=300.0), idle)
+    assert figures["estimate"] is True
+    assert figures["note"].startswith("estimate: the 4.0 ms window")
+    assert "no idle power sampled" in figures["note"]
+    assert figures["idle_adjusted_j"] is None and figures["idle_baseline_w"] is None
+    # 4 ms inside one counter period: the counter did not move, the true energy was 1.2 J
+    assert figures["gross_j"] == 0.0
+
+
+# --------------------------------------------------------------------------- NVML access degrades here
+
+
+def test_pci_bus_ids_of_the_record_match(run_record):
+    hw = run_record["energy"]["hardware"]
+    assert energy.parse_pci_bus_id(hw["cuda_pci_bus_id"]) == energy.parse_pci_bus_id(hw["nvml_pci_bus_id"])
+    assert energy.parse_pci_bus_id("0000:50:00.0") != energy.parse_pci_bus_id("00000000:51:00.0")
+
+
+def test_meter_and_telemetry_degrade_to_a_reason():
+    nv, reason = energy.nvml()
+    if nv is not None:
+        pytest.skip("NVML works on this machine; the GPU check script covers it")
+    meter, why = energy.open_meter()
+    assert meter is None and why == reason
+    assert any(word in why for word in ("NVML", "nvidia-ml-py", "driver", "GPU"))
+    gpu, why = energy.gpu_telemetry()
+    assert gpu is None and why == reason
+    meter, why = energy.open_meter(0)
+    assert meter is None and why
+
+
+# --------------------------------------------------------------------------- RAPL (CPU package energy)
+
+
+def _zone(root, name, label, energy_uj, max_uj):
+    z = root / name
+    z.mkdir(parents=True)
+    (z / "name").write_text(label + "\n")
+    (z / "energy_uj").write_text(f"{energy_uj}\n")
+    (z / "max_energy_range_uj").write_text(f"{max_uj}\n")
+    return z
+
+
+def test_rapl_packages_and_wrap(tmp_path):
+    root = tmp_path / "powercap"
+    p0 = _zone(root, "intel-rapl:0", "package-0", 1_000_000, 2_000_000)
+    _zone(root, "intel-rapl:0:0", "core", 5, 10)  # a sub-zone: not counted
+    p1 = _zone(root, "intel-rapl:1", "package-1", 1_900_000, 2_000_000)
+    _zone(root, "intel-rapl:2", "psys", 0, 10)  # not a package
+    domains, reason = energy.rapl_packages(root)
+    assert reason is None
+    assert sorted(domains) == ["intel-rapl:0:package-0", "intel-rapl:1:package-1"]
+    start = energy.rapl_read(domains)
+    (p0 / "energy_uj").write_text("1500000\n")  # +0.5 J
+    (p1 / "energy_uj").write_text("100000\n")  # wrapped: +0.2 J
+    end = energy.rapl_read(domains)
+    assert energy.rapl_delta_j(domains, start, end) == pytest.approx(0.7)
+
+
+def test_rapl_absent_or_unreadable(tmp_path):
+    domains, reason = energy.rapl_packages(tmp_path / "missing")
+    assert domains is None and "does not exist" in reason
+    root = tmp_path / "powercap"
+    z = _zone(root, "intel-rapl:0", "package-0", 1, 10)
+    (z / "energy_uj").unlink()
+    domains, reason = energy.rapl_packages(root)
+    assert domains is None and "not readable" in reason
+
+
+def test_every_nvml_name_used_exists_in_pynvml():
+    """The GPU paths cannot run here; at least every pynvml name they use must exist."""
+    import re
+    from pathlib import Path
+
+    pynvml = pytest.importorskip("pynvml")
+    source = Path(energy.__file__).read_text()
+    names = set(re.findall(r"\b(?:nv|pynvml)\.(nvml\w+|NVML\w+)", source))
+    assert {"nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetPciInfo"} <= names
+    missing = sorted(n for n in names if not hasattr(pynvml, n))
+    assert not missing
+
+
+def test_driver_version_degrades_to_none():
+    if energy.nvml()[0] is not None:
+        assert energy.driver_version()
+    else:
+        assert energy.driver_version() is None

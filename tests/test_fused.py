@@ -1,0 +1,280 @@
+"""The fused Triton kernel against the cpu backend, run by triton's CPU interpreter.
+
+TRITON_INTERPRET=1 must be set before the kernel is decorated, and must not leak into
+other test modules, so every kernel run happens in a child process (this file run as a
+script: ``python tests/test_fused.py CASES OUT_DIR``) that writes its outputs as .npy
+files; the tests compare them here with the cpu backend. The interpreter is numpy: it
+ignores ``input_precision`` and the GPU's limits and runs programs one after another, so
+these tests check the kernel's arithmetic, indexing, masking and padding, not its speed,
+its barriers or its compilation for a GPU (scripts/gpu_check_fused.py does those).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAW0_SEED = 2026091400
+DRAW0_PREDICTIONS_SHA256 = "37724115cb2d3242eb4a4f76d3a879ac92d729939320e5f6f2bd046bd631f200"
+
+# Small tasks are slices of the MNIST draw-0 task: (first row, train count, query count).
+# (Random pixels with random labels are no good here: training on noise is so chaotic at
+# depth 2 that a 1-ulp change of the initial weights moves the cpu backend's own final
+# velocity by up to 4e-5, above the tolerance's 2e-5.)
+# name -> (slice, config overrides, backend options)
+SMALL_CASES = {
+    "depth1": ((0, 200, 40), {"depth": 1, "batch_size": 16, "seed": 5}, {}),
+    "depth2": ((0, 200, 40), {"depth": 2, "batch_size": 16, "seed": 5}, {}),
+    # minibatches of 40 (and a short 30) in passes of 16, 16, 8; weight decay and other scalars
+    "chunks_wd": (
+        (200, 190, 33),
+        {"depth": 2, "batch_size": 40, "seed": 6, "weight_decay": 1e-3, "momentum": 0.8, "alpha": 0.7,
+         "learning_rate": 0.05, "epochs": 3},
+        {"chunk": 16},
+    ),
+}
+BATCH_TASKS = [((400, 120, 24), 11), ((600, 120, 24), 11), ((800, 120, 24), 12)]  # (slice, seed)
+BATCH_CONFIG = {"depth": 2, "batch_size": 16}
+
+
+# --------------------------------------------------------------------------- the child process
+
+
+def mnist_slice(full, start: int, n: int, m: int):
+    """Train rows start..start+n and query rows start..start+m of a task, as a new task."""
+    from learner.taskio import validate_task
+
+    return validate_task(full.train_images[start : start + n].copy(), full.train_labels[start : start + n].copy(),
+                         full.test_images[start : start + m].copy())
+
+
+def _save(out_dir: Path, name: str, out) -> None:
+    d = out_dir / name
+    d.mkdir(parents=True)
+    for i, (p, v) in enumerate(zip(out.final_parameters, out.final_velocity)):
+        np.save(d / f"p{i}.npy", p)
+        np.save(d / f"v{i}.npy", v)
+    np.save(d / "scores.npy", out.scores)
+    extra = out.metadata.get("backend_details") if hasattr(out, "metadata") else out.extra
+    (d / "extra.json").write_text(json.dumps(extra))
+
+
+def _child(cases: str, out_dir: Path) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, str(ROOT))
+    from learner.backends.fused import FusedBackend
+    from learner.config import Config, make_config
+    from learner.result import prepare, run_task
+    from learner.taskio import make_task
+
+    full, _ = make_task(ROOT.parent / "shared" / "data" / "mnist", DRAW0_SEED)
+    if cases == "small":
+        for name, (spec, overrides, options) in SMALL_CASES.items():
+            task, config = mnist_slice(full, *spec), make_config(overrides)
+            if name == "depth2":  # through the whole runner, as the CLI and the service call it
+                result = run_task(task, config, FusedBackend("cpu", **options))
+                (out_dir / "run_task.json").write_text(json.dumps(result.metadata, default=str))
+                _save(out_dir, name, result)
+            else:
+                _save(out_dir, name, FusedBackend("cpu", **options).run(task, prepare(task, config)))
+        backend = FusedBackend("cpu")
+        tasks = [mnist_slice(full, *spec) for spec, _ in BATCH_TASKS]
+        prepareds = [prepare(t, make_config({**BATCH_CONFIG, "seed": s})) for t, (_, s) in zip(tasks, BATCH_TASKS)]
+        for i, out in enumerate(backend.run_many(tasks, prepareds)):
+            _save(out_dir, f"batch{i}", out)
+        for i, (task, prep) in enumerate(zip(tasks, prepareds)):
+            _save(out_dir, f"single{i}", backend.run(task, prep))
+    elif cases == "draw0":
+        result = run_task(full, Config(), FusedBackend("cpu"))
+        np.save(out_dir / "predictions.npy", result.predictions)
+        for i, p in enumerate(result.final_parameters):
+            np.save(out_dir / f"p{i}.npy", p)
+        for i, v in enumerate(result.final_velocity):
+            np.save(out_dir / f"v{i}.npy", v)
+        (out_dir / "run_task.json").write_text(json.dumps(result.metadata, default=str))
+    else:
+        raise SystemExit(f"unknown case set {cases!r}")
+
+
+def _run_child(cases: str, out_dir: Path, timeout: float) -> Path:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), cases, str(out_dir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"interpreted fused run failed:\n{proc.stdout}\n{proc.stderr}"
+    return out_dir
+
+
+def _load(d: Path, count: int):
+    params = [np.load(d / f"p{i}.npy") for i in range(count)]
+    velocity = [np.load(d / f"v{i}.npy") for i in range(count)]
+    scores = np.load(d / "scores.npy") if (d / "scores.npy").exists() else None
+    return params, velocity, scores
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory, mnist_dir) -> Path:
+    return _run_child("small", tmp_path_factory.mktemp("fused_small"), timeout=600)
+
+
+def _cpu(task, config):
+    from learner.backends.cpu import CpuBackend
+    from learner.result import prepare
+
+    return CpuBackend().run(task, prepare(task, config))
+
+
+def _assert_close_to_cpu(params, velocity, scores, ref):
+    from learner.reference_check import TOLERANCE, max_violation
+
+    ok_p, err_p = max_violation(params, ref.final_parameters, **TOLERANCE)
+    ok_v, err_v = max_violation(velocity, ref.final_velocity, **TOLERANCE)
+    assert ok_p, f"parameters off the cpu backend by up to {err_p:.3g}"
+    assert ok_v, f"velocity off the cpu backend by up to {err_v:.3g}"
+    assert [p.shape for p in params] == [p.shape for p in ref.final_parameters]
+    assert scores.shape == ref.scores.shape and scores.dtype == np.float32
+    np.testing.assert_array_equal(scores.argmax(1), ref.scores.argmax(1))
+
+
+# --------------------------------------------------------------------------- kernel vs cpu backend
+
+
+@pytest.mark.parametrize("name", list(SMALL_CASES))
+def test_interpreted_kernel_matches_cpu_backend(small_runs, draw0, name):
+    from learner.config import make_config
+
+    spec, overrides, _ = SMALL_CASES[name]
+    config = make_config(overrides)
+    params, velocity, scores = _load(small_runs / name, 2 * config.depth + 2)
+    _assert_close_to_cpu(params, velocity, scores, _cpu(mnist_slice(draw0[0], *spec), config))
+
+
+def test_three_task_launch_equals_three_single_launches(small_runs, draw0):
+    from learner.config import make_config
+
+    for i, (spec, seed) in enumerate(BATCH_TASKS):
+        batched = _load(small_runs / f"batch{i}", 6)
+        single = _load(small_runs / f"single{i}", 6)
+        for a, b in zip(batched[0] + batched[1] + [batched[2]], single[0] + single[1] + [single[2]]):
+            assert a.tobytes() == b.tobytes(), f"task {i} of the 3-task launch differs from its single launch"
+        assert json.loads((small_runs / f"batch{i}" / "extra.json").read_text())["tasks_in_launch"] == 3
+        _assert_close_to_cpu(*batched, _cpu(mnist_slice(draw0[0], *spec), make_config({**BATCH_CONFIG, "seed": seed})))
+    # each task kept its own data and seed: the three results differ
+    assert _load(small_runs / "batch0", 6)[2].tobytes() != _load(small_runs / "batch1", 6)[2].tobytes()
+
+
+def test_run_task_through_fused_backend(small_runs, draw0):
+    from learner.config import make_config
+    from learner.result import run_task
+
+    spec, overrides, _ = SMALL_CASES["depth2"]
+    meta = json.loads((small_runs / "run_task.json").read_text())
+    ref = run_task(mnist_slice(draw0[0], *spec), make_config(overrides), "cpu").metadata
+    assert meta["backend"] == "fused" and meta["device"] == "cpu"
+    assert meta["backend_details"]["interpreted"] is True
+    assert meta["backend_details"]["tasks_in_launch"] == 1
+    assert meta["predictions_sha256"] == ref["predictions_sha256"]
+    for key in ("input_hashes", "epoch_permutation_sha256", "initial_parameter_sha256", "config"):
+        assert meta[key] == ref[key]
+
+
+@pytest.mark.slow
+def test_draw0_interpreted_reproduces_8887(tmp_path, draw0, draw0_cpu_result, mnist_dir):
+    from learner.reference_check import TOLERANCE, max_violation
+
+    out = _run_child("draw0", tmp_path, timeout=900)
+    _, labels = draw0
+    predictions = np.load(out / "predictions.npy")
+    meta = json.loads((out / "run_task.json").read_text())
+    assert int((predictions == labels).sum()) == 8887
+    assert meta["predictions_sha256"] == DRAW0_PREDICTIONS_SHA256
+    params, velocity, _ = _load(out, 6)
+    ok_p, err_p = max_violation(params, draw0_cpu_result.final_parameters, **TOLERANCE)
+    ok_v, err_v = max_violation(velocity, draw0_cpu_result.final_velocity, **TOLERANCE)
+    assert ok_p and ok_v, (err_p, err_v)
+
+
+# --------------------------------------------------------------------------- host side (no kernel run)
+
+
+def test_pack_unpack_roundtrip_and_padding_check():
+    from learner.config import make_config
+    from learner.kernels.fused_train import pack_state, state_size, unpack_state
+    from learner.train import initial_parameters
+
+    for depth in (1, 3):
+        params = [p.numpy() for p in initial_parameters(make_config({"depth": depth}))]
+        state = pack_state(params, depth)
+        assert state.shape == (state_size(depth),) and state.dtype == np.float32
+        assert np.count_nonzero(state) == sum(np.count_nonzero(p) for p in params)
+        for a, b in zip(unpack_state(state, depth), params):
+            assert a.tobytes() == b.tobytes()
+        bad = state.copy()
+        bad[41] = 1e-30  # weights.0 row 0, padded column 41
+        with pytest.raises(RuntimeError, match="padded lane"):
+            unpack_state(bad, depth)
+        bad = state.copy()
+        bad[-1] = 1.0  # padded class bias
+        with pytest.raises(RuntimeError, match="padded lane"):
+            unpack_state(bad, depth)
+
+
+def test_launch_checks_shape_and_config():
+    from learner.backends.fused import check_launch
+    from learner.config import make_config
+    from learner.errors import ConfigError
+    from learner.result import prepare
+
+    from .conftest import small_task
+
+    a, b = small_task(20, 5, 1), small_task(21, 5, 2)
+    cfg = make_config({"batch_size": 8})
+    assert check_launch([a, a], [prepare(a, cfg), prepare(a, cfg.replace(seed=99))]) == cfg
+    with pytest.raises(ValueError, match="one shape"):
+        check_launch([a, b], [prepare(a, cfg), prepare(b, cfg)])
+    with pytest.raises(ValueError, match="one config"):
+        check_launch([a, a], [prepare(a, cfg), prepare(a, cfg.replace(learning_rate=0.2))])
+    with pytest.raises(ValueError, match="at least one"):
+        check_launch([], [])
+    with pytest.raises(ValueError, match="prepared"):
+        check_launch([a], [])
+    deep = make_config({"depth": 33})
+    with pytest.raises(ConfigError, match="depth"):
+        check_launch([a], [prepare(a, deep)])
+
+
+def test_default_chunk():
+    from learner.backends.fused import default_chunk
+
+    assert [default_chunk(b) for b in (1, 16, 17, 100, 128, 129, 5000)] == [16, 16, 32, 128, 128, 128, 128]
+
+
+def test_registry_offers_fused_only_where_it_can_run(monkeypatch):
+    from learner.backends import NAMES, BackendUnavailable, get_backend, resolve
+    from learner.backends.fused import FusedBackend
+
+    assert "fused" in NAMES
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the no-GPU errors cannot be checked here")
+    assert resolve("auto") == "cpu"
+    with pytest.raises(BackendUnavailable, match="needs a CUDA GPU"):
+        get_backend("fused")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET"):
+        FusedBackend("cpu")
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], Path(sys.argv[2]))
