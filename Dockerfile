@@ -23,6 +23,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     XDG_CACHE_HOME=/tmp/rev88-cache \
     TRITON_CACHE_DIR=/tmp/rev88-cache/triton
 
+# A C compiler: Triton (the fused backend) builds its small launcher stubs with the host
+# compiler at first use, into TRITON_CACHE_DIR; versions come with the Debian release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # A fixed numeric, non-root user (Kubernetes' runAsNonRoot can verify a number).
 RUN groupadd --system --gid 10001 rev88 \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/rev88 --create-home --shell /usr/sbin/nologin rev88

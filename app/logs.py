@@ -36,16 +36,26 @@ class JsonFormatter(logging.Formatter):
 _HANDLER_MARK = "_rev88_json"
 
 
-def configure_logging(level: str, loggers: tuple[str, ...] = ("rev88",)) -> None:
-    """JSON to stderr for ``loggers`` (idempotent: one handler each, whatever the call count)."""
-    for name in loggers:
-        logger = logging.getLogger(name)
-        logger.setLevel(level.upper())
-        if not any(getattr(h, _HANDLER_MARK, False) for h in logger.handlers):
-            if name != "rev88":  # uvicorn's own handlers would print the same line twice
-                logger.handlers.clear()
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(JsonFormatter())
-            setattr(handler, _HANDLER_MARK, True)
-            logger.addHandler(handler)
-        logger.propagate = False
+def _json_handler() -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    setattr(handler, _HANDLER_MARK, True)
+    return handler
+
+
+def configure_logging(level: str) -> None:
+    """JSON lines on stderr for the service ("rev88.*") and for uvicorn's own messages.
+
+    uvicorn's access log is switched off: the service logs every request itself, with
+    its request id (app/middleware.py). Idempotent: one JSON handler per logger.
+    """
+    ours = logging.getLogger("rev88")
+    ours.setLevel(level.upper())
+    ours.propagate = False
+    if not any(getattr(h, _HANDLER_MARK, False) for h in ours.handlers):
+        ours.addHandler(_json_handler())
+    server = logging.getLogger("uvicorn")  # "uvicorn.error" propagates here; its level stays uvicorn's
+    if not any(getattr(h, _HANDLER_MARK, False) for h in server.handlers):
+        server.handlers = [_json_handler()]
+    server.propagate = False
+    logging.getLogger("uvicorn.access").disabled = True

@@ -20,6 +20,7 @@ from .metrics import Metrics
 log = logging.getLogger("rev88.app.access")
 
 OPEN_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})  # the health probes
+QUIET_PATHS = OPEN_PATHS | {"/metrics"}  # probes and scrapes: logged at debug level
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -71,7 +72,8 @@ class RequestMiddleware:
         finally:
             seconds = time.perf_counter() - t0
             self.metrics.request(path, seconds)
-            log.info(
+            log.log(
+                logging.DEBUG if path in QUIET_PATHS else logging.INFO,
                 "request",
                 extra={"method": scope.get("method"), "path": path, "status": status["code"],
                        "duration_ms": round(seconds * 1000, 3),

@@ -52,6 +52,16 @@ def warmup_task():
     )
 
 
+def _describe(engine) -> dict:
+    """engine.describe() read from another thread: retry if the device thread changes it meanwhile."""
+    for _ in range(3):
+        try:
+            return engine.describe()
+        except RuntimeError:  # e.g. its graph cache changed size during iteration
+            time.sleep(0.01)
+    return {"backend": engine.name, "device": engine.device, "describe": "busy; retry"}
+
+
 class Energy:
     """The GPU meter (learner.energy) or why there is none; the idle power baseline."""
 
@@ -139,7 +149,7 @@ class Service:
         return time.monotonic() - self._t0
 
     def learner_state(self) -> dict[str, Any]:
-        backends = {name: engine.describe() for name, engine in loaded_backends().items()}
+        backends = {name: _describe(engine) for name, engine in loaded_backends().items()}
         graphs = [
             {"backend": name, **program}
             for name, info in backends.items()

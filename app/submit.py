@@ -22,8 +22,8 @@ from .errors import QueueFull, Unavailable
 from .tasks import (
     DeviceOutcome,
     TaskOptions,
-    measure_budget_s,
     measure_on_device,
+    measure_timeout_s,
     outcome_of,
     parse_options,
     run_on_device,
@@ -54,7 +54,7 @@ def _gate(service: Service) -> None:
 async def handle(request: Request, service: Service) -> Response:
     try:
         response = await _handle(request, service)
-    except BaseException as exc:
+    except Exception as exc:
         service.metrics.outcome(outcome_of(exc))
         raise
     service.metrics.outcome("ok")
@@ -139,7 +139,7 @@ async def _measure(request, service, task, config, options: TaskOptions, task_id
         lambda: measure_on_device(task, config, options.backend, arguments, service.energy),
         kind="measure", label=task_id,
     )
-    timeout = service.settings.task_timeout_s + measure_budget_s(arguments)
+    timeout = measure_timeout_s(arguments, service.settings.task_timeout_s)
     doc = await service.executor.wait(job, timeout)
     service.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
     timing = {

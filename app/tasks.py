@@ -99,9 +99,11 @@ def measure_arguments(raw: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def measure_budget_s(arguments: dict[str, Any]) -> float:
-    """Seconds a measurement's protocol needs at least (its windows), added to the task timeout."""
-    return arguments["trials"] * (arguments["target_seconds"] + 2 * (arguments["settle_seconds"] + arguments["idle_seconds"]))
+def measure_timeout_s(arguments: dict[str, Any], task_timeout_s: float) -> float:
+    """A measurement's timeout: its windows, plus the task timeout for each single run the
+    protocol makes outside them (first, calibration, after) and for each trial's last repeat."""
+    windows = arguments["trials"] * (arguments["target_seconds"] + 2 * (arguments["settle_seconds"] + arguments["idle_seconds"]))
+    return windows + (3 + arguments["trials"]) * task_timeout_s
 
 
 def check_backend(name: str) -> str:

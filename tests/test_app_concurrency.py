@@ -236,7 +236,7 @@ def test_burst_larger_than_the_queue_gets_200s_and_503s_only(burst_server):
 # --------------------------------------------------------------------------- timeouts on a real server
 
 
-TIMEOUT_S = 2
+TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -258,13 +258,23 @@ def _queue(server) -> dict:
         return c.get("/health").json()["queue"]
 
 
+def timeouts_counted(server) -> float:
+    with server.client() as c:
+        for line in c.get("/metrics").text.splitlines():
+            if line.startswith('rev88_tasks_total{outcome="timeout"}'):
+                return float(line.split()[-1])
+    raise AssertionError("no timeout counter in /metrics")
+
+
 def test_timeout_while_queued_is_504_and_the_task_never_runs(timeout_server):
     small = task_to_npz_bytes(small_task(19, 7, seed=2))
     before = _queue(timeout_server)
     results: dict[str, httpx.Response] = {}
     # The blocker: an energy measurement holds the device for about target_seconds whatever the
-    # machine's speed (its own timeout is the task timeout plus the protocol's windows).
-    blocker = threading.Thread(target=_send, args=(timeout_server, results, "blocker", small, {
+    # machine's speed (its own timeout covers the protocol's windows and single runs).
+    # Its task is big enough (tens of ms) that the 1000-repeat cap cannot cut the window short.
+    blocker_body = task_to_npz_bytes(synthetic(2000, 200, 4))
+    blocker = threading.Thread(target=_send, args=(timeout_server, results, "blocker", blocker_body, {
         "measure": "energy", "trials": "1", "target_seconds": "6", "settle_seconds": "0", "idle_seconds": "0"}))
     blocker.start()
     wait_for(lambda: (running_job(timeout_server) or {}).get("kind") == "measure", 60, what="the measurement running")
@@ -289,6 +299,7 @@ def test_timeout_while_running_is_504_once_and_the_late_result_is_discarded(time
     long_body = task_to_npz_bytes(synthetic(10_000, 500, 1))
     small = task_to_npz_bytes(small_task(19, 7, seed=3))
     before = _queue(timeout_server)
+    timeouts_before = timeouts_counted(timeout_server)
     results: dict[str, httpx.Response] = {}
     _send(timeout_server, results, "long", long_body, {"epochs": "20"})
     r = results["long"]
@@ -308,6 +319,5 @@ def test_timeout_while_running_is_504_once_and_the_late_result_is_discarded(time
     assert after["completed"] - before["completed"] == 1  # only the task after: the late result was not an answer
     assert after["depth"] == 0 and after["in_flight"] == 0
     assert after["accepted"] == after["completed"] + after["failed"] + after["expired"] + after["abandoned"]
-    with timeout_server.client() as c:
-        assert 'rev88_tasks_total{outcome="timeout"} 2.0' in c.get("/metrics").text
+    assert timeouts_counted(timeout_server) - timeouts_before == 1
     assert "task finished after it was answered; result discarded" in timeout_server.logs()

@@ -185,6 +185,8 @@ def test_dockerfile_installs_the_pinned_cuda_capable_torch():
     # === : exactly PyPI's release (the CUDA build on Linux x86_64), never a local +cpu build
     assert f'"torch==={version}"' in runs
     assert ".[gpu]" in runs
+    # Triton (the gpu extra) compiles its launcher with the host C compiler at first use
+    assert re.search(r"apt-get install [^&]*\bgcc\b", runs)
     (base,) = instructions("FROM")
     assert base.startswith("python:3.11-") or base.startswith("nvidia/cuda:")
 

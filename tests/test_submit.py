@@ -48,6 +48,7 @@ def small_npz(tmp_path) -> Path:
 # --------------------------------------------------------------------------- real server
 
 
+@pytest.mark.slow
 def test_submit_draw0_scores_8887(server, draw0_npz, tmp_path, capsys):
     out = tmp_path / "result.json"
     code = rev88(["submit", str(draw0_npz), "--url", server.url, "--api-key", API_KEY, "--output", str(out)])
@@ -120,6 +121,15 @@ def test_submit_reads_the_key_from_the_environment(server, small_npz, tmp_path, 
     monkeypatch.setenv("REV88_API_KEY", API_KEY)
     code = rev88(["submit", str(small_npz), "--url", server.url, "--no-progress", "--output", str(tmp_path / "r.json")])
     assert code == 0, capsys.readouterr().err
+
+
+def test_submit_over_the_body_limit_gets_the_servers_413(draw0_npz, tmp_path, capsys):
+    """The server refuses on Content-Length before reading; the client still reports its answer."""
+    with running_server(tmp_path, env={"REV88_BACKEND": "cpu", "REV88_MAX_BODY_BYTES": "1000000"}) as srv:
+        code = rev88(["submit", str(draw0_npz), "--url", srv.url, "--no-progress", "--output", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "refused the task (413)" in err and "1000000" in err
 
 
 def test_submit_no_server_is_a_connection_error(small_npz, tmp_path, capsys):

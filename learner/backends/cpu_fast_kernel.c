@@ -93,11 +93,14 @@ typedef struct {
     float *grad; /* nparams */
     float *gwp;  /* K x WIDTH x PAD: padded partial weight gradients */
     float *ghp;  /* CLASSES x ROW: padded head gradients */
-    /* the current minibatch */
+} Task;
+
+/* One minibatch: its rows (indices into the training set) and their count. */
+typedef struct {
     const int64_t *rows;
     int64_t count;
     float inv_count;
-} Task;
+} Batch;
 
 static void *aligned(size_t floats) {
     size_t bytes = ((floats * sizeof(float) + 63) / 64) * 64;
@@ -160,24 +163,39 @@ INLINE float act(float x, float alpha) {
     return alpha * r;
 }
 
+/* pack_table[m]: the set bits of m as lane numbers, lowest first, one per byte. */
+static uint64_t pack_table[256];
+
+static void init_pack_table(void) {
+    for (unsigned m = 0; m < 256; m++) {
+        uint64_t v = 0;
+        int n = 0;
+        for (unsigned k = 0; k < 8; k++)
+            if (m & (1u << k))
+                v |= (uint64_t)k << (8 * n++);
+        pack_table[m] = v;
+    }
+}
+
 /* One branch's product: a = alpha*relu(x) (written to `a`; x and a are PAD floats with zero
  * padding) and out = a @ W.T = sum_c a[c] * wt[c][:], summed in order of c over nonzero a[c].
  * relu keeps NaN as torch does. */
 INLINE void branch_product(const float *x, float alpha, const float *wt, float *a, vf *out) {
     const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha}, zero = {0};
-    int32_t nonzero[PAD] __attribute__((aligned(32)));
+    const vi lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
+    uint8_t idx[PAD + 8];
+    int cnt = 0;
     for (int u = 0; u < NV; u++) {
         vf xv = ((const vf *)x)[u];
         vi keep = (xv > zero) | (xv != xv);
         vf av = al * (vf)((vi)xv & keep);
         ((vf *)a)[u] = av;
-        ((vi *)nonzero)[u] = av != zero;
-    }
-    int idx[WIDTH];
-    int cnt = 0;
-    for (int c = 0; c < WIDTH; c++) {
-        idx[cnt] = c;
-        cnt -= nonzero[c]; /* -1 where nonzero */
+        /* left-pack the lane numbers of the nonzero lanes (padding lanes are zero) */
+        vi bitv = (av != zero) & lane_bit;
+        unsigned bits = (unsigned)((bitv[0] | bitv[1]) | (bitv[2] | bitv[3]) | ((bitv[4] | bitv[5]) | (bitv[6] | bitv[7])));
+        uint64_t lanes = pack_table[bits] + (uint64_t)(8 * u) * 0x0101010101010101ull;
+        memcpy(idx + cnt, &lanes, 8);
+        cnt += __builtin_popcount(bits);
     }
     vf acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0};
     for (int q = 0; q < cnt; q++) {
@@ -322,9 +340,9 @@ INLINE void lift_row(const float *x, float *st) {
 }
 
 /* One row of a minibatch: forward, loss gradient, reversible backward. */
-INLINE void train_row(const Task *t, int64_t i) {
+INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
     const int64_t K = 2 * t->depth, B = t->batch;
-    const int64_t row = t->rows[i];
+    const int64_t row = bt->rows[i];
     const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
     float *st = t->z + (size_t)i * ROW;
     const vf *src = (const vf *)(t->h + (size_t)row * ROW);
@@ -352,7 +370,7 @@ INLINE void train_row(const Task *t, int64_t i) {
     for (int c = 0; c < CLASSES; c++)
         sum += ev[c];
     float *g = t->gs + (size_t)i * CPAD;
-    const float yf = (float)t->labels[row], inv = t->inv_count;
+    const float yf = (float)t->labels[row], inv = bt->inv_count;
     const vf sumv = {sum, sum, sum, sum, sum, sum, sum, sum}, invv = {inv, inv, inv, inv, inv, inv, inv, inv};
     for (int u = 0; u < 2; u++) {
         vf p = e[u] / sumv;
@@ -402,8 +420,8 @@ INLINE void train_row(const Task *t, int64_t i) {
 
 /* Weight gradient rows [j0, j1) of branch k: gW[j][c] = sum_i gout[i][j] * acts[i][c], summed
  * in order of i. Rows i go in blocks that stay in L1; partial sums wait in t->gwp between blocks. */
-INLINE void weight_grad_rows(const Task *t, int64_t k, int64_t j0, int64_t j1) {
-    const int64_t B = t->batch, n = t->count;
+INLINE void weight_grad_rows(const Task *t, int64_t n, int64_t k, int64_t j0, int64_t j1) {
+    const int64_t B = t->batch;
     const float *A = t->acts + (size_t)k * B * PAD, *G = t->gout + (size_t)k * B * PAD;
     vf *part = (vf *)(t->gwp + (size_t)k * WIDTH * PAD);
     for (int64_t i0 = 0; i0 < n; i0 += IBLOCK) {
@@ -451,8 +469,8 @@ INLINE void weight_grad_rows(const Task *t, int64_t k, int64_t j0, int64_t j1) {
 
 /* Head gradient for class c: ghw[c][:] = sum_i gs[i][c] z[i][:], ghb[c] = sum_i gs[i][c]
  * (in order of i, in L1-sized blocks as above). */
-INLINE void head_grad_class(const Task *t, int c) {
-    const int64_t K = 2 * t->depth, n = t->count;
+INLINE void head_grad_class(const Task *t, int64_t n, int c) {
+    const int64_t K = 2 * t->depth;
     vf *part = (vf *)(t->ghp + (size_t)c * ROW);
     vf p[2 * NV] = {{0}};
     float bias = 0.0f;
@@ -497,26 +515,50 @@ INLINE void sgd_range(const Task *t, int64_t i0, int64_t i1) {
     }
 }
 
-/* Padded working copies of weights [k0, k1) (and the head when head != 0). */
-INLINE void refresh_copies(Task *t, int64_t k0, int64_t k1, int head) {
-    for (int64_t k = k0; k < k1; k++) {
-        const float *w = t->params + (size_t)k * WIDTH * WIDTH;
-        float *wt = t->wt + (size_t)k * WIDTH * PAD, *wn = t->wn + (size_t)k * WIDTH * PAD;
-        for (int j = 0; j < WIDTH; j++)
-            for (int c = 0; c < WIDTH; c++) {
-                wt[(size_t)c * PAD + j] = w[(size_t)j * WIDTH + c];
-                wn[(size_t)j * PAD + c] = w[(size_t)j * WIDTH + c];
-            }
+/* Padded working copies of rows [j0, j1) of weight k: wn rows and wt columns. */
+INLINE void refresh_weight_rows(Task *t, int64_t k, int64_t j0, int64_t j1) {
+    const float *w = t->params + (size_t)k * WIDTH * WIDTH;
+    float *wt = t->wt + (size_t)k * WIDTH * PAD, *wn = t->wn + (size_t)k * WIDTH * PAD;
+    for (int64_t j = j0; j < j1; j++)
+        for (int c = 0; c < WIDTH; c++) {
+            wt[(size_t)c * PAD + j] = w[(size_t)j * WIDTH + c];
+            wn[(size_t)j * PAD + c] = w[(size_t)j * WIDTH + c];
+        }
+}
+
+/* Padded working copies of head class c: the hwt column and the hwp row. */
+INLINE void refresh_head_class(Task *t, int c) {
+    const float *hw = t->params + 2 * t->depth * WIDTH * WIDTH;
+    for (int f = 0; f < FEAT; f++) {
+        int fp = f < WIDTH ? f : PAD + (f - WIDTH);
+        t->hwt[(size_t)fp * CPAD + c] = hw[(size_t)c * FEAT + f];
+        t->hwp[(size_t)c * ROW + fp] = hw[(size_t)c * FEAT + f];
     }
-    if (head) {
-        const int64_t K = 2 * t->depth;
-        const float *hw = t->params + K * WIDTH * WIDTH;
-        for (int c = 0; c < CLASSES; c++)
-            for (int f = 0; f < FEAT; f++) {
-                int fp = f < WIDTH ? f : PAD + (f - WIDTH);
-                t->hwt[(size_t)fp * CPAD + c] = hw[(size_t)c * FEAT + f];
-                t->hwp[(size_t)c * ROW + fp] = hw[(size_t)c * FEAT + f];
-            }
+}
+
+/* The update phase for units [lo, hi): unit k*WIDTH + j is row j of weight k, unit
+ * K*WIDTH + c is head class c (its hw row and hb entry). Each unit's gradient, SGD step and
+ * working copies depend on that unit alone, so units split freely over threads. */
+INLINE void update_units(Task *t, int64_t n, int64_t lo, int64_t hi) {
+    const int64_t K = 2 * t->depth;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t a = lo > k * WIDTH ? lo - k * WIDTH : 0;
+        int64_t b = hi - k * WIDTH < WIDTH ? hi - k * WIDTH : WIDTH;
+        if (a < b) {
+            weight_grad_rows(t, n, k, a, b);
+            sgd_range(t, k * WIDTH * WIDTH + a * WIDTH, k * WIDTH * WIDTH + b * WIDTH);
+            refresh_weight_rows(t, k, a, b);
+        }
+    }
+    for (int c = 0; c < CLASSES; c++) {
+        int64_t u = K * WIDTH + c;
+        if (u >= lo && u < hi) {
+            head_grad_class(t, n, c);
+            int64_t hw0 = K * WIDTH * WIDTH + (int64_t)c * FEAT, hb = K * WIDTH * WIDTH + CLASSES * FEAT + c;
+            sgd_range(t, hw0, hw0 + FEAT);
+            sgd_range(t, hb, hb + 1);
+            refresh_head_class(t, c);
+        }
     }
 }
 
@@ -560,52 +602,42 @@ INLINE void run_worker(Worker *w) {
     const int64_t K = 2 * t->depth;
     int64_t lo, hi;
 
-    /* lift the training rows */
+    /* lift the training rows; working copies of the initial parameters */
     split(t->n, id, P, &lo, &hi);
     for (int64_t r = lo; r < hi; r++)
         lift_row(t->train_x + (size_t)r * PIXELS, t->h + (size_t)r * ROW);
-    if (id == 0)
-        refresh_copies(t, 0, K, 1);
+    const int64_t units = K * WIDTH + CLASSES;
+    int64_t ulo, uhi;
+    split(units, id, P, &ulo, &uhi);
+    for (int64_t k = 0; k < K; k++) {
+        int64_t a = ulo > k * WIDTH ? ulo - k * WIDTH : 0;
+        int64_t b = uhi - k * WIDTH < WIDTH ? uhi - k * WIDTH : WIDTH;
+        if (a < b)
+            refresh_weight_rows(t, k, a, b);
+    }
+    for (int c = 0; c < CLASSES; c++)
+        if (K * WIDTH + c >= ulo && K * WIDTH + c < uhi)
+            refresh_head_class(t, c);
     barrier_wait(w->barrier);
 
     for (int64_t e = 0; e < t->epochs; e++) {
         for (int64_t start = 0; start < t->n; start += t->batch) {
-            if (id == 0) {
-                t->rows = t->perms + e * t->n + start;
-                t->count = t->n - start < t->batch ? t->n - start : t->batch;
-                t->inv_count = 1.0f / (float)t->count;
-            }
-            barrier_wait(w->barrier);
-            split(t->count, id, P, &lo, &hi);
+            Batch bt = {.rows = t->perms + e * t->n + start,
+                        .count = t->n - start < t->batch ? t->n - start : t->batch};
+            bt.inv_count = 1.0f / (float)bt.count;
+            /* rows: forward, loss gradient, reversible backward */
+            split(bt.count, id, P, &lo, &hi);
             for (int64_t i = lo; i < hi; i++) {
                 if (i + PREFETCH < hi)
-                    prefetch_row(t->h + (size_t)t->rows[i + PREFETCH] * ROW);
-                train_row(t, i);
+                    prefetch_row(t->h + (size_t)bt.rows[i + PREFETCH] * ROW);
+                train_row(t, &bt, i);
             }
             barrier_wait(w->barrier);
-            /* weight gradients: K*WIDTH weight rows and CLASSES head rows, split evenly */
-            int64_t units = K * WIDTH + CLASSES;
-            split(units, id, P, &lo, &hi);
-            for (int64_t k = 0; k < K; k++) {
-                int64_t a = lo > k * WIDTH ? lo - k * WIDTH : 0;
-                int64_t b = hi - k * WIDTH < WIDTH ? hi - k * WIDTH : WIDTH;
-                if (a < b)
-                    weight_grad_rows(t, k, a, b);
-            }
-            for (int64_t c = 0; c < CLASSES; c++) {
-                int64_t u = K * WIDTH + c;
-                if (u >= lo && u < hi)
-                    head_grad_class(t, (int)c);
-            }
+            /* weight gradients, SGD and working copies, unit by unit */
+            update_units(t, bt.count, ulo, uhi);
             barrier_wait(w->barrier);
-            split(t->nparams, id, P, &lo, &hi);
-            sgd_range(t, lo, hi);
-            barrier_wait(w->barrier);
-            split(K + 1, id, P, &lo, &hi);
-            refresh_copies(t, lo < K ? lo : K, hi < K ? hi : K, hi > K);
         }
     }
-    barrier_wait(w->barrier);
 
     /* score the queries with the final parameters (plain forward) */
     const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
@@ -811,4 +843,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fast", "The cpu-fast training kernel.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__cpu_fast(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_fast(void) {
+    init_pack_table();
+    return PyModule_Create(&module);
+}

@@ -99,20 +99,20 @@ def _accumulate(base, offs, value, later):
 
 
 @triton.jit
-def _sgd(p_ptrs, v_ptrs, g_ptrs, lr, momentum, weight_decay, HAS_WD: tl.constexpr):
+def _sgd(p_ptrs, v_ptrs, g_ptrs, mask, lr, momentum, weight_decay, HAS_WD: tl.constexpr):
     """torch.optim.SGD with momentum (dampening 0, no nesterov), in place."""
-    p = tl.load(p_ptrs)
-    g = tl.load(g_ptrs)
+    p = tl.load(p_ptrs, mask=mask, other=0.0)
+    g = tl.load(g_ptrs, mask=mask, other=0.0)
     if HAS_WD:
         g = g + weight_decay * p
-    v = tl.load(v_ptrs) * momentum + g
-    tl.store(v_ptrs, v)
-    tl.store(p_ptrs, p - lr * v)
+    v = tl.load(v_ptrs, mask=mask, other=0.0) * momentum + g
+    tl.store(v_ptrs, v, mask=mask)
+    tl.store(p_ptrs, p - lr * v, mask=mask)
 
 
 @triton.jit
 def _core_forward(P, left, right, w_off, alpha, DEPTH: tl.constexpr):
-    for b in tl.static_range(DEPTH):
+    for b in range(DEPTH):  # a loop, not unrolled: one copy of the block's code
         left = left + _branch(right, tl.load(P + (2 * b) * 4096 + w_off), alpha)
         right = right + _branch(left, tl.load(P + (2 * b + 1) * 4096 + w_off), alpha)
     return left, right
@@ -210,8 +210,8 @@ def fused_train_kernel(
             g_right = tl.dot(g, tl.load(P + HEAD + 1024 + h_off), input_precision="ieee")
 
             # reversible backward (model.ReversibleCore.backward), blocks in reverse
-            for i in tl.static_range(DEPTH):
-                b: tl.constexpr = DEPTH - 1 - i
+            for i in range(DEPTH):
+                b = DEPTH - 1 - i
                 w_l = tl.load(P + (2 * b) * 4096 + w_off)
                 w_r = tl.load(P + (2 * b + 1) * 4096 + w_off)
                 # right_out = right_in + branch(left_out, w_r): recover right_in
@@ -228,14 +228,10 @@ def fused_train_kernel(
             tl.debug_barrier()
 
         # SGD-momentum on every parameter, from the minibatch's gradient sums
-        for kk in tl.static_range(2 * DEPTH):
-            o = kk * 4096 + w_off
-            _sgd(P + o, V + o, G + o, lr, momentum, weight_decay, HAS_WD)
-        _sgd(P + HEAD + h_off, V + HEAD + h_off, G + HEAD + h_off, lr, momentum, weight_decay, HAS_WD)
-        o = HEAD + 1024 + h_off
-        _sgd(P + o, V + o, G + o, lr, momentum, weight_decay, HAS_WD)
-        o = HEAD + 2048 + c
-        _sgd(P + o, V + o, G + o, lr, momentum, weight_decay, HAS_WD)
+        # (elementwise over the flat state; padded lanes have p = v = g = 0 and keep 0)
+        for off in range(0, S, 1024):
+            m = off + k < S
+            _sgd(P + off + k, V + off + k, G + off + k, m, lr, momentum, weight_decay, HAS_WD)
         tl.debug_barrier()
 
     # ---- predict: plain forward of every query, scores of the 10 real classes
