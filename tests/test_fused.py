@@ -7,6 +7,9 @@ files; the tests compare them here with the cpu backend. The interpreter is nump
 ignores ``input_precision`` and the GPU's limits and runs programs one after another, so
 these tests check the kernel's arithmetic, indexing, masking and padding, not its speed,
 its barriers or its compilation for a GPU (scripts/gpu_check_fused.py does those).
+
+The whole 10k/10k draw 0 through the interpreter (8,887 correct, the cpu backend's
+predictions hash) runs only with REV88_FUSED_DRAW0=1: it takes minutes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+if __name__ != "__main__":
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAW0_SEED = 2026091400
@@ -191,6 +197,8 @@ def test_run_task_through_fused_backend(small_runs, draw0):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("REV88_FUSED_DRAW0") != "1",
+                    reason="the whole 10k/10k draw in triton's interpreter takes minutes; set REV88_FUSED_DRAW0=1")
 def test_draw0_interpreted_reproduces_8887(tmp_path, draw0, draw0_cpu_result, mnist_dir):
     from learner.reference_check import TOLERANCE, max_violation
 
@@ -258,7 +266,7 @@ def test_launch_checks_shape_and_config():
 def test_default_chunk():
     from learner.backends.fused import default_chunk
 
-    assert [default_chunk(b) for b in (1, 16, 17, 100, 128, 129, 5000)] == [16, 16, 32, 128, 128, 128, 128]
+    assert [default_chunk(b) for b in (1, 16, 17, 33, 64, 128, 5000)] == [16, 16, 32, 64, 64, 64, 64]
 
 
 def test_registry_offers_fused_only_where_it_can_run(monkeypatch):
@@ -268,7 +276,7 @@ def test_registry_offers_fused_only_where_it_can_run(monkeypatch):
     assert "fused" in NAMES
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU; the no-GPU errors cannot be checked here")
-    assert resolve("auto") == "cpu"
+    assert resolve("auto") not in ("fused", "cuda")  # a cpu backend
     with pytest.raises(BackendUnavailable, match="needs a CUDA GPU"):
         get_backend("fused")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

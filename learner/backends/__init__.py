@@ -12,7 +12,7 @@ import torch
 
 from .base import Backend, Prepared, RunOutput
 
-NAMES = ("auto", "cpu", "cuda", "fused")
+NAMES = ("auto", "cpu", "cuda", "fused", "cpu-fast")
 _instances: dict[str, Backend] = {}
 _lock = threading.Lock()
 
@@ -27,11 +27,19 @@ def resolve(name: str) -> str:
         raise BackendUnavailable(f"unknown backend {name!r}; choose one of {', '.join(NAMES)}")
     if name == "auto":
         if not torch.cuda.is_available():
-            return "cpu"
+            return _auto_cpu()
         from .fused import fused_ready  # fused once its self-check has passed in this process
 
         return "fused" if fused_ready() else "cuda"
     return name
+
+
+def _auto_cpu() -> str:
+    """cpu-fast once its self-check (cached, once per process) has passed, else cpu."""
+    from .cpu_fast import cpu_fast_ready
+
+    ok, _reason = cpu_fast_ready()
+    return "cpu-fast" if ok else "cpu"
 
 
 def get_backend(name: str = "auto") -> Backend:
@@ -39,7 +47,13 @@ def get_backend(name: str = "auto") -> Backend:
     with _lock:
         if concrete not in _instances:
             _instances[concrete] = _create(concrete)
-        return _instances[concrete]
+        engine = _instances[concrete]
+    if name == "auto" and concrete == "cpu" and not torch.cuda.is_available():
+        from .cpu_fast import cpu_fast_ready
+
+        # say in describe() why auto did not pick cpu-fast
+        engine.notes["auto_fallback_reason"] = cpu_fast_ready()[1]
+    return engine
 
 
 def loaded_backends() -> dict[str, Backend]:
@@ -63,6 +77,15 @@ def _create(name: str) -> Backend:
         from .fused import FusedBackend
 
         return FusedBackend("cuda")
+    if name == "cpu-fast":
+        from .cpu_fast import KERNEL_ERROR, CpuFastBackend, kernel_available
+
+        if not kernel_available():
+            raise BackendUnavailable(f"backend 'cpu-fast' is unavailable: {KERNEL_ERROR}")
+        try:
+            return CpuFastBackend()
+        except ValueError as exc:  # a bad REV88_THREADS
+            raise BackendUnavailable(f"backend 'cpu-fast': {exc}") from None
     raise BackendUnavailable(f"unknown backend {name!r}")
 
 

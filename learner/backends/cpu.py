@@ -18,11 +18,12 @@ class CpuBackend:
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads
+        self.notes: dict = {}  # e.g. why ``auto`` fell back to this backend
         if threads:
             torch.set_num_threads(threads)
 
     def describe(self) -> dict:
-        return {"backend": self.name, "device": self.device, "threads": torch.get_num_threads()}
+        return {"backend": self.name, "device": self.device, "threads": torch.get_num_threads(), **self.notes}
 
     def run(self, task: TaskArrays, prepared: Prepared) -> RunOutput:
         t0 = time.perf_counter()

@@ -38,7 +38,6 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..model import CLASSES
 from ..taskio import TaskArrays
 from ..train import parameter_count
@@ -71,9 +70,9 @@ def configured_threads(threads: int | None = None) -> int:
         try:
             threads = int(text)
         except ValueError:
-            raise ConfigError(f"{THREADS_ENV} must be a positive integer, got {text!r}") from None
+            raise ValueError(f"{THREADS_ENV} must be a positive integer, got {text!r}") from None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"cpu-fast threads must be a positive integer, got {threads!r}")
+        raise ValueError(f"cpu-fast threads must be a positive integer, got {threads!r}")
     return min(threads, 64)
 
 
@@ -144,3 +143,71 @@ def _split(flat: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
         out.append(flat[offset : offset + size].reshape(shape).copy())
         offset += size
     return out
+
+
+# ----------------------------------------------------------------------------- self-check
+
+SELF_CHECK_TOLERANCE = {"atol": 2e-5, "rtol": 3e-3}
+_check_lock = threading.Lock()
+_check_result: tuple[bool, str] | None = None
+
+
+def self_check_task() -> tuple[TaskArrays, object]:
+    """A tiny synthetic task and config touching every path: two blocks, a short last batch,
+    weight decay, two epochs."""
+    from ..config import Config
+    from ..taskio import validate_task
+
+    rng = np.random.default_rng(20260914)
+    task = validate_task(
+        rng.random((200, 1, 9, 9), dtype=np.float32),
+        rng.integers(0, 10, 200).astype(np.int64),
+        rng.random((37, 1, 9, 9), dtype=np.float32),
+    )
+    return task, Config(depth=2, batch_size=48, epochs=2, weight_decay=1e-4)
+
+
+def compare_outputs(fast: RunOutput, ref: RunOutput, tolerance: dict | None = None) -> list[str]:
+    """Where ``fast`` leaves the tolerance around ``ref`` (empty when it agrees)."""
+    tol = tolerance or SELF_CHECK_TOLERANCE
+    problems = []
+    for what, a, b in (
+        ("parameters", fast.final_parameters, ref.final_parameters),
+        ("velocity", fast.final_velocity, ref.final_velocity),
+    ):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x.shape != y.shape or not np.allclose(x, y, **tol):
+                worst = float(np.max(np.abs(x - y))) if x.shape == y.shape else float("nan")
+                problems.append(f"{what}[{i}] differs (max abs diff {worst:.3g})")
+    if fast.scores.shape != ref.scores.shape or not np.allclose(fast.scores, ref.scores, atol=1e-4, rtol=3e-3):
+        problems.append("scores differ")
+    return problems
+
+
+def cpu_fast_ready() -> tuple[bool, str]:
+    """Once per process: is the kernel built, and does it agree with the cpu backend on a
+    tiny synthetic task? Returns (ok, reason); the reason says what failed."""
+    global _check_result
+    with _check_lock:
+        if _check_result is None:
+            _check_result = _run_self_check()
+        return _check_result
+
+
+def _run_self_check() -> tuple[bool, str]:
+    if _kernel is None:
+        return False, KERNEL_ERROR or "kernel not built"
+    from ..result import prepare
+    from .cpu import CpuBackend
+
+    try:
+        task, config = self_check_task()
+        prepared = prepare(task, config)
+        fast = CpuFastBackend(threads=1).run(task, prepared)
+        ref = CpuBackend().run(task, prepared)
+    except Exception as exc:  # a broken kernel must not take the service down: fall back
+        return False, f"cpu-fast self-check raised {type(exc).__name__}: {exc}"
+    problems = compare_outputs(fast, ref)
+    if problems:
+        return False, "cpu-fast self-check disagrees with the cpu backend: " + "; ".join(problems)
+    return True, "cpu-fast self-check passed (agrees with the cpu backend on a synthetic task)"

@@ -12,28 +12,36 @@
  *   update    g (+= wd*p); v = momentum*v + g; p -= lr*v      (torch.optim.SGD order)
  *
  * Everything is row-local except the weight gradients (sums over the batch), so each
- * minibatch runs as: per row, forward + loss gradient + reversible backward, saving each
- * branch's input activation and output gradient; then the weight gradients as small
- * register-blocked products; then the update. All buffers are allocated once per call;
- * nothing is allocated per step, no BLAS, no autograd.
+ * minibatch runs in two phases:
+ *   rows     per row: forward, loss gradient, reversible backward; each branch's input
+ *            activation, its nonzero mask and its output gradient are saved
+ *   update   per weight column (and head class): gradient, SGD step, working copies
+ * All buffers are allocated once per call; nothing is allocated per step; no BLAS, no
+ * autograd. The weights are trained column-major inside (wp[c][j] = W[j][c]) and written
+ * back in torch's layout at the end.
  *
  * Layout: a 41-wide half state is padded to 48 floats (six 8-float vectors); the padding
  * stays exactly zero (the padded weight columns are zero), so it never changes a result.
- * The forward and reconstruction products skip exactly-zero relu activations (about half);
- * an added 0*w term is an exact zero for finite w, so skipping it changes nothing.
+ * The products and the weight gradients skip exactly-zero relu activations (about half);
+ * an added 0*w term is an exact zero for finite w, so skipping it changes nothing. The
+ * first reconstruction of the backward subtracts the very product the forward added last
+ * (same inputs, same bits), so it is kept rather than recomputed.
  *
  * Summation order differs from MKL's, so results equal the cpu backend's to float32
  * rounding (the tests bound the difference), and they are bit-for-bit repeatable on one
  * machine: every sum runs in a fixed order, whatever the thread count.
  *
- * Threads: with threads > 1, rows of a minibatch (and of the queries) and rows of the
- * weight gradients are split over that many pthreads that meet at a barrier per phase.
- * Each output element is computed by one thread in a fixed order, so the result does
- * not depend on the thread count.
+ * Threads: with threads > 1, rows of a minibatch (and the queries) and the update's
+ * columns are split over that many pthreads that meet at a barrier after each phase (two
+ * per minibatch). Each output element is computed by one thread in a fixed order, so the
+ * result does not depend on the thread count.
  *
- * On x86-64 the entry point is compiled twice (target_clones): for x86-64-v3 (AVX2+FMA)
- * and for the baseline; the loader picks one for the CPU at hand. The two may differ in
- * the last bit (FMA contraction); `isa()` says which one runs.
+ * On x86-64 (GCC) the entry point is compiled three times (target_clones): for x86-64-v3
+ * (AVX2+FMA), for AVX, and for the baseline; the loader picks one for the CPU at hand.
+ * They may differ in the last bit (FMA contraction); `isa()` says which one runs. Measured
+ * on the dev machine (draw-0 task, one thread): v3 ~30 ms, AVX ~30 ms, baseline SSE2 ~290 ms
+ * (GCC splits the 8-lane compares into scalar code there) - still faster than the cpu backend.
+ * Other compilers and CPUs build one portable variant.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -54,13 +62,15 @@
 #define CLASSES 10
 #define CPAD 16
 #define PIXELS 81
+#define LABEL_SLOT (PAD - 1) /* a lifted training row keeps its label in the left half's padding */
 #define IBLOCK 32 /* batch rows per block of the weight-gradient sums */
 
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && \
+    !defined(CPU_FAST_NO_CLONES)
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "avx", "default")))
 #define HAVE_CLONES 1
 #else
 #define CLONES
@@ -91,7 +101,11 @@ typedef struct {
     float *acts; /* K x batch x PAD: each branch's input activation alpha*relu(x) */
     float *gout; /* K x batch x PAD: each branch's output gradient */
     float *grad; /* nparams */
-    float *gwp;  /* K x WIDTH x PAD: padded partial weight gradients */
+    float *wp;   /* K x WIDTH x WIDTH: weights by column, wp[k][c][j] = W_k[j][c] (trained here) */
+    float *wv;   /* K x WIDTH x WIDTH: their velocity, same layout */
+    float *wg;   /* K x WIDTH x WIDTH: their gradient, same layout */
+    uint64_t *masks; /* K x batch: which activations of each row are nonzero */
+    int32_t *lists;  /* K x WIDTH x batch: per column c, the rows whose activation c is nonzero */
     float *ghp;  /* CLASSES x ROW: padded head gradients */
 } Task;
 
@@ -121,7 +135,11 @@ static void free_task(Task *t) {
     free(t->acts);
     free(t->gout);
     free(t->grad);
-    free(t->gwp);
+    free(t->wp);
+    free(t->wv);
+    free(t->wg);
+    free(t->masks);
+    free(t->lists);
     free(t->ghp);
 }
 
@@ -137,10 +155,14 @@ static int alloc_task(Task *t) {
     t->acts = aligned(k * b * PAD);
     t->gout = aligned(k * b * PAD);
     t->grad = aligned((size_t)t->nparams);
-    t->gwp = aligned(k * WIDTH * PAD);
+    t->wp = aligned(k * WIDTH * WIDTH);
+    t->wv = aligned(k * WIDTH * WIDTH);
+    t->wg = aligned(k * WIDTH * WIDTH);
+    t->masks = aligned(k * b * 2);
+    t->lists = aligned(k * WIDTH * b);
     t->ghp = aligned(CLASSES * ROW);
     return t->h && t->wt && t->wn && t->hwt && t->hwp && t->z && t->gs && t->acts && t->gout && t->grad &&
-           t->gwp && t->ghp;
+           t->wp && t->wv && t->wg && t->masks && t->lists && t->ghp;
 }
 
 /* ------------------------------------------------------------------------ row pieces */
@@ -155,12 +177,12 @@ INLINE void prefetch_row(const float *row) {
 #endif
 }
 
-/* relu as torch computes it (NaN stays NaN), then times alpha. */
-INLINE float act(float x, float alpha) {
-    float r = x > 0.0f ? x : 0.0f;
-    if (x != x)
-        r = x;
-    return alpha * r;
+/* acc[0..5] += s * w[0..47] */
+INLINE void axpy6(vf *acc, float s, const float *w) {
+    const vf b = {s, s, s, s, s, s, s, s};
+    const vf *wv = (const vf *)w;
+    for (int u = 0; u < NV; u++)
+        acc[u] += b * wv[u];
 }
 
 /* pack_table[m]: the set bits of m as lane numbers, lowest first, one per byte. */
@@ -178,66 +200,62 @@ static void init_pack_table(void) {
 }
 
 /* One branch's product: a = alpha*relu(x) (written to `a`; x and a are PAD floats with zero
- * padding) and out = a @ W.T = sum_c a[c] * wt[c][:], summed in order of c over nonzero a[c].
- * relu keeps NaN as torch does. */
-INLINE void branch_product(const float *x, float alpha, const float *wt, float *a, vf *out) {
+ * padding) and out = a @ W.T = sum_c a[c] * wt[c][:] over the nonzero a[c], in a fixed order.
+ * relu keeps NaN as torch does. Returns the mask of nonzero a[c] (bit c). */
+INLINE uint64_t branch_product(const float *x, float alpha, const float *wt, float *a, vf *out) {
     const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha}, zero = {0};
+    /* lane k of vector u is activation 8u+k; its nonzero flag goes to bit 8*(u%4)+k of
+     * word u/4, so two horizontal ORs give the whole 48-bit nonzero mask */
     const vi lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
-    uint8_t idx[PAD + 8];
-    int cnt = 0;
+    vi words[2] = {{0}, {0}};
     for (int u = 0; u < NV; u++) {
         vf xv = ((const vf *)x)[u];
         vi keep = (xv > zero) | (xv != xv);
         vf av = al * (vf)((vi)xv & keep);
         ((vf *)a)[u] = av;
-        /* left-pack the lane numbers of the nonzero lanes (padding lanes are zero) */
-        vi bitv = (av != zero) & lane_bit;
-        unsigned bits = (unsigned)((bitv[0] | bitv[1]) | (bitv[2] | bitv[3]) | ((bitv[4] | bitv[5]) | (bitv[6] | bitv[7])));
+        words[u / 4] |= ((av != zero) & lane_bit) << (8 * (u % 4));
+    }
+    uint64_t mask = 0;
+    for (int h = 0; h < 2; h++) {
+        vi v = words[h];
+        uint32_t m = (uint32_t)(((v[0] | v[1]) | (v[2] | v[3])) | ((v[4] | v[5]) | (v[6] | v[7])));
+        mask |= (uint64_t)m << (32 * h);
+    }
+    /* left-pack the numbers of the nonzero activations, eight at a time (padding is zero) */
+    uint8_t idx[PAD + 8];
+    int cnt = 0;
+    for (int u = 0; u < NV; u++) {
+        unsigned bits = (unsigned)(mask >> (8 * u)) & 0xffu;
         uint64_t lanes = pack_table[bits] + (uint64_t)(8 * u) * 0x0101010101010101ull;
         memcpy(idx + cnt, &lanes, 8);
         cnt += __builtin_popcount(bits);
     }
-    vf acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0};
-    for (int q = 0; q < cnt; q++) {
-        int c = idx[q];
-        float s = a[c];
-        vf b = {s, s, s, s, s, s, s, s};
-        const vf *w = (const vf *)(wt + (size_t)c * PAD);
-        acc0 += b * w[0];
-        acc1 += b * w[1];
-        acc2 += b * w[2];
-        acc3 += b * w[3];
-        acc4 += b * w[4];
-        acc5 += b * w[5];
+    /* two interleaved partial sums (even and odd positions in the list): short chains */
+    vf e[NV] = {{0}}, o[NV] = {{0}};
+    int q = 0;
+    for (; q + 1 < cnt; q += 2) {
+        axpy6(e, a[idx[q]], wt + (size_t)idx[q] * PAD);
+        axpy6(o, a[idx[q + 1]], wt + (size_t)idx[q + 1] * PAD);
     }
-    out[0] = acc0;
-    out[1] = acc1;
-    out[2] = acc2;
-    out[3] = acc3;
-    out[4] = acc4;
-    out[5] = acc5;
+    if (q < cnt)
+        axpy6(e, a[idx[q]], wt + (size_t)idx[q] * PAD);
+    for (int u = 0; u < NV; u++)
+        out[u] = e[u] + o[u];
+    return mask;
 }
 
 /* out = sum_j g[j] * wn[j][:]  (g: WIDTH floats; dense). */
 INLINE void matvec_dense(const float *g, const float *wn, vf *out) {
-    vf acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, acc4 = {0}, acc5 = {0};
-    for (int j = 0; j < WIDTH; j++) {
-        float s = g[j];
-        vf b = {s, s, s, s, s, s, s, s};
-        const vf *w = (const vf *)(wn + (size_t)j * PAD);
-        acc0 += b * w[0];
-        acc1 += b * w[1];
-        acc2 += b * w[2];
-        acc3 += b * w[3];
-        acc4 += b * w[4];
-        acc5 += b * w[5];
+    vf e[NV] = {{0}}, o[NV] = {{0}}; /* even and odd j: two short dependency chains */
+    int j = 0;
+    for (; j + 1 < WIDTH; j += 2) {
+        axpy6(e, g[j], wn + (size_t)j * PAD);
+        axpy6(o, g[j + 1], wn + (size_t)(j + 1) * PAD);
     }
-    out[0] = acc0;
-    out[1] = acc1;
-    out[2] = acc2;
-    out[3] = acc3;
-    out[4] = acc4;
-    out[5] = acc5;
+    for (; j < WIDTH; j++)
+        axpy6(e, g[j], wn + (size_t)j * PAD);
+    for (int u = 0; u < NV; u++)
+        out[u] = e[u] + o[u];
 }
 
 /* dst += (alpha * ga) where x > 0 or x is NaN (torch threshold_backward: x <= 0 -> 0). */
@@ -251,8 +269,10 @@ INLINE void add_masked(vf *dst, const vf *ga, const vf *x, float alpha) {
     }
 }
 
-/* Forward through the core for one lifted row: st (ROW floats, 32-aligned) in place. */
-INLINE void core_forward_row(const Task *t, float *st) {
+/* Forward through the core for one lifted row: st (ROW floats, 32-aligned) in place. When
+ * `top_a` is given, the last branch's activation goes there and its nonzero mask and product
+ * to *top_mask and top_t: the backward's first reconstruction needs exactly these. */
+INLINE void core_forward_row(const Task *t, float *st, float *top_a, uint64_t *top_mask, vf *top_t) {
     float a[PAD] __attribute__((aligned(32)));
     vf tv[NV];
     vf *l = (vf *)st, *r = (vf *)(st + PAD);
@@ -260,9 +280,15 @@ INLINE void core_forward_row(const Task *t, float *st) {
         branch_product(st + PAD, t->alpha, t->wt + (size_t)(2 * b) * WIDTH * PAD, a, tv);
         for (int u = 0; u < NV; u++)
             l[u] = l[u] + tv[u];
-        branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, a, tv);
+        const int top = top_a && b == t->depth - 1;
+        uint64_t mask = branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, top ? top_a : a, tv);
         for (int u = 0; u < NV; u++)
             r[u] = r[u] + tv[u];
+        if (top) {
+            *top_mask = mask;
+            for (int u = 0; u < NV; u++)
+                top_t[u] = tv[u];
+        }
     }
 }
 
@@ -348,7 +374,11 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
     const vf *src = (const vf *)(t->h + (size_t)row * ROW);
     for (int u = 0; u < 2 * NV; u++)
         ((vf *)st)[u] = src[u];
-    core_forward_row(t, st);
+    const float yf = st[LABEL_SLOT];
+    st[LABEL_SLOT] = 0.0f;
+    uint64_t top_mask = 0;
+    vf top_t[NV] = {{0}};
+    core_forward_row(t, st, t->acts + ((size_t)(K - 1) * B + i) * PAD, &top_mask, top_t);
 
     /* gradient of the mean cross-entropy w.r.t. the scores: (softmax(s) - onehot(y)) / count */
     float s[CPAD] __attribute__((aligned(32)));
@@ -370,7 +400,7 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
     for (int c = 0; c < CLASSES; c++)
         sum += ev[c];
     float *g = t->gs + (size_t)i * CPAD;
-    const float yf = (float)t->labels[row], inv = bt->inv_count;
+    const float inv = bt->inv_count;
     const vf sumv = {sum, sum, sum, sum, sum, sum, sum, sum}, invv = {inv, inv, inv, inv, inv, inv, inv, inv};
     for (int u = 0; u < 2; u++) {
         vf p = e[u] / sumv;
@@ -398,8 +428,16 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
     for (int64_t b = t->depth - 1; b >= 0; b--) {
         const int64_t kr = 2 * b + 1, kl = 2 * b;
         float *a = t->acts + ((size_t)kr * B + i) * PAD;
-        /* right_out = right_in + (alpha*relu(left_out)) @ W_kr.T */
-        branch_product(state, t->alpha, t->wt + (size_t)kr * WIDTH * PAD, a, tv);
+        /* right_out = right_in + (alpha*relu(left_out)) @ W_kr.T; in the top block left_out is
+         * the endpoint's left half, so the product is the one the forward added (the same
+         * inputs give the same bits: recomputing it would change nothing) */
+        if (b == t->depth - 1) {
+            t->masks[kr * B + i] = top_mask;
+            for (int u = 0; u < NV; u++)
+                tv[u] = top_t[u];
+        } else {
+            t->masks[kr * B + i] = branch_product(state, t->alpha, t->wt + (size_t)kr * WIDTH * PAD, a, tv);
+        }
         for (int u = 0; u < NV; u++)
             r[u] = r[u] - tv[u];
         memcpy(t->gout + ((size_t)kr * B + i) * PAD, gr, PAD * sizeof(float));
@@ -407,7 +445,7 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
         add_masked(gl, ga, l, t->alpha);
         /* left_out = left_in + (alpha*relu(right_in)) @ W_kl.T */
         a = t->acts + ((size_t)kl * B + i) * PAD;
-        branch_product(state + PAD, t->alpha, t->wt + (size_t)kl * WIDTH * PAD, a, tv);
+        t->masks[kl * B + i] = branch_product(state + PAD, t->alpha, t->wt + (size_t)kl * WIDTH * PAD, a, tv);
         for (int u = 0; u < NV; u++)
             l[u] = l[u] - tv[u];
         memcpy(t->gout + ((size_t)kl * B + i) * PAD, gl, PAD * sizeof(float));
@@ -418,53 +456,44 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
     }
 }
 
-/* Weight gradient rows [j0, j1) of branch k: gW[j][c] = sum_i gout[i][j] * acts[i][c], summed
- * in order of i. Rows i go in blocks that stay in L1; partial sums wait in t->gwp between blocks. */
-INLINE void weight_grad_rows(const Task *t, int64_t n, int64_t k, int64_t j0, int64_t j1) {
+/* Weight gradient columns [c0, c1) of branch k: wg[k][c][j] = sum_i acts[i][c] * gout[i][j]
+ * (= dL/dW_k[j][c]), summed in a fixed order over the rows whose activation c is nonzero
+ * (about half: the zero terms are exact zeros). */
+INLINE void weight_grad_columns(const Task *t, int64_t n, int64_t k, int64_t c0, int64_t c1) {
     const int64_t B = t->batch;
     const float *A = t->acts + (size_t)k * B * PAD, *G = t->gout + (size_t)k * B * PAD;
-    vf *part = (vf *)(t->gwp + (size_t)k * WIDTH * PAD);
-    for (int64_t i0 = 0; i0 < n; i0 += IBLOCK) {
-        const int64_t i1 = i0 + IBLOCK < n ? i0 + IBLOCK : n;
-        int64_t j = j0;
-        for (; j + 1 < j1; j += 2) {
-            vf p[NV], q[NV];
-            for (int u = 0; u < NV; u++) {
-                p[u] = i0 ? part[j * NV + u] : (vf){0};
-                q[u] = i0 ? part[(j + 1) * NV + u] : (vf){0};
-            }
-            for (int64_t i = i0; i < i1; i++) {
-                const vf *a = (const vf *)(A + (size_t)i * PAD);
-                float x = G[(size_t)i * PAD + j], y = G[(size_t)i * PAD + j + 1];
-                vf bx = {x, x, x, x, x, x, x, x}, by = {y, y, y, y, y, y, y, y};
-                for (int u = 0; u < NV; u++) {
-                    p[u] += bx * a[u];
-                    q[u] += by * a[u];
-                }
-            }
-            for (int u = 0; u < NV; u++) {
-                part[j * NV + u] = p[u];
-                part[(j + 1) * NV + u] = q[u];
-            }
-        }
-        for (; j < j1; j++) {
-            vf p[NV];
-            for (int u = 0; u < NV; u++)
-                p[u] = i0 ? part[j * NV + u] : (vf){0};
-            for (int64_t i = i0; i < i1; i++) {
-                const vf *a = (const vf *)(A + (size_t)i * PAD);
-                float x = G[(size_t)i * PAD + j];
-                vf bx = {x, x, x, x, x, x, x, x};
-                for (int u = 0; u < NV; u++)
-                    p[u] += bx * a[u];
-            }
-            for (int u = 0; u < NV; u++)
-                part[j * NV + u] = p[u];
+    const uint64_t *M = t->masks + k * B;
+    int32_t *lists = t->lists + (size_t)k * WIDTH * B;
+    int32_t count[WIDTH] = {0};
+    const uint64_t sel = ((c1 >= 64 ? 0 : (1ull << c1)) - 1) & ~((1ull << c0) - 1);
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t m = M[i] & sel;
+        while (m) {
+            int c = __builtin_ctzll(m);
+            m &= m - 1;
+            lists[(size_t)c * B + count[c]++] = (int32_t)i;
         }
     }
-    float *out = t->grad + (size_t)k * WIDTH * WIDTH;
-    for (int64_t jj = j0; jj < j1; jj++)
-        memcpy(out + (size_t)jj * WIDTH, part + jj * NV, WIDTH * sizeof(float));
+    float tmp[PAD] __attribute__((aligned(32)));
+    for (int64_t c = c0; c < c1; c++) {
+        const int32_t *rows = lists + (size_t)c * B;
+        vf e[NV] = {{0}}, o[NV] = {{0}}; /* alternate rows: two short dependency chains */
+        int32_t q = 0;
+        for (; q + 1 < count[c]; q += 2) {
+            const size_t i0 = (size_t)rows[q], i1 = (size_t)rows[q + 1];
+            axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
+            axpy6(o, A[i1 * PAD + c], G + i1 * PAD);
+        }
+        if (q < count[c]) {
+            const size_t i0 = (size_t)rows[q];
+            axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
+        }
+        vf acc[NV];
+        for (int u = 0; u < NV; u++)
+            acc[u] = e[u] + o[u];
+        memcpy(tmp, acc, sizeof tmp);
+        memcpy(t->wg + ((size_t)k * WIDTH + c) * WIDTH, tmp, WIDTH * sizeof(float));
+    }
 }
 
 /* Head gradient for class c: ghw[c][:] = sum_i gs[i][c] z[i][:], ghb[c] = sum_i gs[i][c]
@@ -494,9 +523,7 @@ INLINE void head_grad_class(const Task *t, int64_t n, int c) {
  * v = v*momentum rounded on its own (torch: v.mul_(momentum)), then v + g where
  * g = g + wd*p when wd != 0 (torch: g.add(p, alpha=wd)), then p = p + (-lr)*v (torch:
  * p.add_(v, alpha=-lr)). The first pass stores v*momentum so it is never fused with + g. */
-INLINE void sgd_range(const Task *t, int64_t i0, int64_t i1) {
-    float *p = t->params, *v = t->velocity;
-    const float *g = t->grad;
+INLINE void sgd_range(const Task *t, float *p, float *v, const float *g, int64_t i0, int64_t i1) {
     const float mom = t->momentum, neg_lr = -t->lr, wd = t->wd;
     for (int64_t i = i0; i < i1; i++)
         v[i] = v[i] * mom;
@@ -515,14 +542,14 @@ INLINE void sgd_range(const Task *t, int64_t i0, int64_t i1) {
     }
 }
 
-/* Padded working copies of rows [j0, j1) of weight k: wn rows and wt columns. */
-INLINE void refresh_weight_rows(Task *t, int64_t k, int64_t j0, int64_t j1) {
-    const float *w = t->params + (size_t)k * WIDTH * WIDTH;
+/* Padded working copies of columns [c0, c1) of weight k: wt rows and wn columns. */
+INLINE void refresh_weight_columns(Task *t, int64_t k, int64_t c0, int64_t c1) {
+    const float *w = t->wp + (size_t)k * WIDTH * WIDTH;
     float *wt = t->wt + (size_t)k * WIDTH * PAD, *wn = t->wn + (size_t)k * WIDTH * PAD;
-    for (int64_t j = j0; j < j1; j++)
-        for (int c = 0; c < WIDTH; c++) {
-            wt[(size_t)c * PAD + j] = w[(size_t)j * WIDTH + c];
-            wn[(size_t)j * PAD + c] = w[(size_t)j * WIDTH + c];
+    for (int64_t c = c0; c < c1; c++)
+        for (int j = 0; j < WIDTH; j++) {
+            wt[(size_t)c * PAD + j] = w[(size_t)c * WIDTH + j];
+            wn[(size_t)j * PAD + c] = w[(size_t)c * WIDTH + j];
         }
 }
 
@@ -536,7 +563,7 @@ INLINE void refresh_head_class(Task *t, int c) {
     }
 }
 
-/* The update phase for units [lo, hi): unit k*WIDTH + j is row j of weight k, unit
+/* The update phase for units [lo, hi): unit k*WIDTH + c is column c of weight k, unit
  * K*WIDTH + c is head class c (its hw row and hb entry). Each unit's gradient, SGD step and
  * working copies depend on that unit alone, so units split freely over threads. */
 INLINE void update_units(Task *t, int64_t n, int64_t lo, int64_t hi) {
@@ -545,9 +572,9 @@ INLINE void update_units(Task *t, int64_t n, int64_t lo, int64_t hi) {
         int64_t a = lo > k * WIDTH ? lo - k * WIDTH : 0;
         int64_t b = hi - k * WIDTH < WIDTH ? hi - k * WIDTH : WIDTH;
         if (a < b) {
-            weight_grad_rows(t, n, k, a, b);
-            sgd_range(t, k * WIDTH * WIDTH + a * WIDTH, k * WIDTH * WIDTH + b * WIDTH);
-            refresh_weight_rows(t, k, a, b);
+            weight_grad_columns(t, n, k, a, b);
+            sgd_range(t, t->wp, t->wv, t->wg, k * WIDTH * WIDTH + a * WIDTH, k * WIDTH * WIDTH + b * WIDTH);
+            refresh_weight_columns(t, k, a, b);
         }
     }
     for (int c = 0; c < CLASSES; c++) {
@@ -555,8 +582,8 @@ INLINE void update_units(Task *t, int64_t n, int64_t lo, int64_t hi) {
         if (u >= lo && u < hi) {
             head_grad_class(t, n, c);
             int64_t hw0 = K * WIDTH * WIDTH + (int64_t)c * FEAT, hb = K * WIDTH * WIDTH + CLASSES * FEAT + c;
-            sgd_range(t, hw0, hw0 + FEAT);
-            sgd_range(t, hb, hb + 1);
+            sgd_range(t, t->params, t->velocity, t->grad, hw0, hw0 + FEAT);
+            sgd_range(t, t->params, t->velocity, t->grad, hb, hb + 1);
             refresh_head_class(t, c);
         }
     }
@@ -604,16 +631,23 @@ INLINE void run_worker(Worker *w) {
 
     /* lift the training rows; working copies of the initial parameters */
     split(t->n, id, P, &lo, &hi);
-    for (int64_t r = lo; r < hi; r++)
+    for (int64_t r = lo; r < hi; r++) {
         lift_row(t->train_x + (size_t)r * PIXELS, t->h + (size_t)r * ROW);
+        t->h[(size_t)r * ROW + LABEL_SLOT] = (float)t->labels[r]; /* read with the row */
+    }
     const int64_t units = K * WIDTH + CLASSES;
     int64_t ulo, uhi;
     split(units, id, P, &ulo, &uhi);
     for (int64_t k = 0; k < K; k++) {
         int64_t a = ulo > k * WIDTH ? ulo - k * WIDTH : 0;
         int64_t b = uhi - k * WIDTH < WIDTH ? uhi - k * WIDTH : WIDTH;
+        for (int64_t c = a; c < b; c++) /* columns of the initial weights, zero velocity */
+            for (int j = 0; j < WIDTH; j++) {
+                t->wp[((size_t)k * WIDTH + c) * WIDTH + j] = t->params[((size_t)k * WIDTH + j) * WIDTH + c];
+                t->wv[((size_t)k * WIDTH + c) * WIDTH + j] = 0.0f;
+            }
         if (a < b)
-            refresh_weight_rows(t, k, a, b);
+            refresh_weight_columns(t, k, a, b);
     }
     for (int c = 0; c < CLASSES; c++)
         if (K * WIDTH + c >= ulo && K * WIDTH + c < uhi)
@@ -638,6 +672,16 @@ INLINE void run_worker(Worker *w) {
             barrier_wait(w->barrier);
         }
     }
+    /* final weights and velocity back in torch's layout, W_k[j][c] */
+    for (int64_t k = 0; k < K; k++) {
+        int64_t a = ulo > k * WIDTH ? ulo - k * WIDTH : 0;
+        int64_t b = uhi - k * WIDTH < WIDTH ? uhi - k * WIDTH : WIDTH;
+        for (int64_t c = a; c < b; c++)
+            for (int j = 0; j < WIDTH; j++) {
+                t->params[((size_t)k * WIDTH + j) * WIDTH + c] = t->wp[((size_t)k * WIDTH + c) * WIDTH + j];
+                t->velocity[((size_t)k * WIDTH + j) * WIDTH + c] = t->wv[((size_t)k * WIDTH + c) * WIDTH + j];
+            }
+    }
 
     /* score the queries with the final parameters (plain forward) */
     const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
@@ -645,7 +689,7 @@ INLINE void run_worker(Worker *w) {
     float st[ROW] __attribute__((aligned(32)));
     for (int64_t r = lo; r < hi; r++) {
         lift_row(t->test_x + (size_t)r * PIXELS, st);
-        core_forward_row(t, st);
+        core_forward_row(t, st, NULL, NULL, NULL);
         float s[CPAD] __attribute__((aligned(32)));
         head_row(t, st, hb, s);
         memcpy(t->scores + (size_t)r * CLASSES, s, CLASSES * sizeof(float));
@@ -825,7 +869,9 @@ static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2"))
         return PyUnicode_FromString("x86-64-v3");
-    return PyUnicode_FromString("x86-64 baseline");
+    if (__builtin_cpu_supports("avx"))
+        return PyUnicode_FromString("avx");
+    return PyUnicode_FromString("x86-64 baseline (no AVX: about 10x slower)");
 #else
     return PyUnicode_FromString("generic");
 #endif

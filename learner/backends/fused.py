@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 # The kernel unrolls the core (depth is a compile-time constant): bound the code size.
 MAX_DEPTH = 32
-# Rows per forward/backward pass; a minibatch larger than this runs in several passes.
-MAX_CHUNK = 128
+# Default rows per forward/backward pass; a larger minibatch runs in several passes
+# (the default batch of 128 in two). See default_warps for why.
+MAX_CHUNK = 64
 
 
 def interpreting() -> bool:
@@ -59,9 +60,11 @@ def default_chunk(batch_size: int) -> int:
 
 
 def default_warps(chunk: int) -> int:
-    # A guess to be tuned on the GPU (bench/bench_fused.py --sweep): 128 x 64 fp32 tiles
-    # need 8 warps to stay in registers; smaller chunks are fine with 4.
-    return 8 if chunk >= 128 else 4
+    # From compiling the depth-2 kernel for sm_90a here (ptxas -v; no GPU to time it):
+    # chunk 64 / 8 warps spills 20 bytes per thread, chunk 128 / 8 warps 400 bytes,
+    # chunk 128 / 16 warps 352 bytes, chunk 64 / 4 warps 752 bytes, chunk 16 / 4 warps 8.
+    # The run-time choice is for bench/bench_fused.py --sweep on a GPU to confirm.
+    return 8 if chunk >= 64 else 4
 
 
 def _launch_config(config: Config) -> Config:
@@ -130,8 +133,8 @@ class FusedBackend:
             raise BackendUnavailable(
                 f"backend 'fused' needs triton (pip install 'rev88[gpu]'): {exc}"
             ) from None
-        if chunk is not None and (chunk < 16 or chunk > 1024 or chunk & (chunk - 1)):
-            raise ValueError(f"chunk must be a power of two in [16, 1024], got {chunk}")
+        if chunk is not None and (chunk < 16 or chunk > 256 or chunk & (chunk - 1)):
+            raise ValueError(f"chunk must be a power of two in [16, 256], got {chunk}")
         if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
         self.kernel = fused_train
@@ -174,22 +177,27 @@ class FusedBackend:
         chunk = self.chunk or default_chunk(config.batch_size)
         warps = self.num_warps or default_warps(chunk)
 
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_device)
-
         f32 = dict(dtype=torch.float32, device=self.torch_device)
+        i32 = dict(dtype=torch.int32, device=self.torch_device)
         size = k.state_size(depth)
         args = dict(
-            train=to_device(np.stack([t.train_images.reshape(n, 81) for t in tasks])),
-            labels=to_device(np.stack([t.train_labels for t in tasks]).astype(np.int32)),
-            perms=to_device(np.stack([np.stack(p.permutations) for p in prepareds]).astype(np.int32)),
-            test=to_device(np.stack([t.test_images.reshape(m, 81) for t in tasks])),
-            init=to_device(np.stack([k.pack_state(p.initial, depth) for p in prepareds])),
+            train=torch.empty((count, n, 81), **f32),
+            labels=torch.empty((count, n), **i32),
+            perms=torch.empty((count, config.epochs, n), **i32),
+            test=torch.empty((count, m, 81), **f32),
+            init=torch.empty((count, size), **f32),
             params=torch.empty((count, size), **f32),  # written by the kernel's reset
             velocity=torch.empty((count, size), **f32),
             grads=torch.empty((count, size), **f32),  # scratch, written before it is read
+            scratch=torch.empty((count, k.scratch_size(chunk)), **f32),  # staged operands
             scores=torch.full((count, m, 10), float("nan"), **f32),  # NaN shows any row left unwritten
         )
+        for i, (task, prep) in enumerate(zip(tasks, prepareds)):  # task by task: no host-side stacking
+            args["train"][i].copy_(torch.from_numpy(task.train_images.reshape(n, 81)))
+            args["labels"][i].copy_(torch.from_numpy(task.train_labels.astype(np.int32)))
+            args["perms"][i].copy_(torch.from_numpy(np.stack(prep.permutations).astype(np.int32)))
+            args["test"][i].copy_(torch.from_numpy(task.test_images.reshape(m, 81)))
+            args["init"][i].copy_(torch.from_numpy(k.pack_state(prep.initial, depth)))
         meta = dict(
             n_train=n, n_test=m, n_epochs=config.epochs, batch_size=config.batch_size,
             alpha=config.alpha, learning_rate=config.learning_rate, momentum=config.momentum,

@@ -7,7 +7,7 @@ Program ``t`` of a launch with grid ``(T,)`` owns task ``t``:
         for each CHUNK rows of the minibatch:
             lift       h = [4*x - 0.5, 0];  L = h[:, :41], R = h[:, 41:]   (gathered by perm, on load)
             forward    L += alpha*relu(R) @ W[2b].T ;  R += alpha*relu(L) @ W[2b+1].T      b = 0..d-1
-            head       s = L @ HL.T + R @ HR.T + bias ;  g = (softmax(s) - onehot(y)) / B
+            head       s = L @ HL.T + R @ HR.T + bias ;  g = softmax(s)/B - onehot(y)/B
             backward   head grads, then for b = d-1..0 the reversible reconstruction of
                        model.ReversibleCore.backward: subtract each branch to recover the
                        block input, and take that branch's weight and input gradients
@@ -16,8 +16,7 @@ Program ``t`` of a launch with grid ``(T,)`` owns task ``t``:
     predict    plain forward of every query row, scores -> S[t]
 
 Padded layout (``pack_state``): each half of the 82 features is padded 41 -> 64 lanes and
-the 10 classes to 16, so every product is a ``tl.dot`` with all dims >= 16 and a power of
-two. One task's state is a flat float32 vector of ``state_size(depth)`` values:
+the 10 classes to 16. One task's state is a flat float32 vector of ``state_size(depth)``:
 
     W[k]   k = 0..2d-1   (64, 64)   W[k][i, j] = weights.k[i, j]          for i, j < 41
     HL                   (16, 64)   HL[c, j]   = head.weight[c, j]        for c < 10, j < 41
@@ -28,18 +27,27 @@ Why the padded lanes stay exactly zero: padded input lanes are loaded as 0 (not 
 padded weight row/column multiplies or produces only zero lanes, so every gradient of a
 padded entry is a sum of products with a zero factor (exactly 0), its velocity stays 0 and
 so does the entry. Padded classes get score -inf before the softmax, hence probability 0
-and gradient 0. ``unpack_state`` checks this on every run and fails loudly if not.
+and gradient 0. Padded rows of a chunk are lifted as zeros and get gradient 0.
+``unpack_state`` checks the padded lanes on every run and fails loudly if one is not 0.
 
-Where the state lives: parameters, velocity and the gradient sums are the program's own
-slices of P, V and G in global memory. Only one program (one SM) ever touches a slice, so
-after the first step they are served from that SM's L1 / the L2 (about 3 x 68 KB at depth
-2, too much for the register file next to a 128 x 64 batch). The batch, activations and
-activation gradients live in registers. ``tl.debug_barrier()`` orders the phases that
-exchange state between the program's threads (reset -> steps, backward -> update, update ->
-next step / predict). Every ``tl.dot`` is fp32 with ``input_precision="ieee"`` (never TF32).
+Products: every matrix product is ``_mm``, a loop of ``tl.dot`` over 16-wide slices of
+the reduction dimension (fp32, ``input_precision="ieee"``, never TF32), reading both
+operands from memory: weights from the state, activations and gradients from the
+program's scratch (``_stage``). Over features the loop stops at 48 lanes (41 real + zero
+padding); over batch rows at the chunk's real rows rounded up to 16. Slicing matters: a
+plain 128x64 @ 64x64 ``tl.dot`` with fp32 operands is lowered to FMAs that hold the whole
+reduction dimension in registers (255 registers and spills for one product on sm_90, and
+a 16 KB stack frame per thread for the whole kernel), while K = 16 slices need ~85.
+
+Where the state lives: parameters, velocity, the gradient sums and the staging scratch
+are the program's own slices of global memory. Only one program (one SM) ever touches a
+slice, so they are served from that SM's L1 and the L2. The batch activations L, R and
+their gradients live in registers. ``tl.debug_barrier()`` orders the phases in which the
+program's threads exchange data through memory (reset -> steps, staging -> products,
+products -> next staging, backward -> update, update -> next step / predict).
 
 The kernel must be launched with ``num_stages=1``: the software pipeliner would otherwise
-be free to prefetch next-iteration loads of W across this iteration's update stores.
+be free to prefetch next-iteration loads across this iteration's stores.
 """
 
 from __future__ import annotations
@@ -61,6 +69,11 @@ def state_size(depth: int) -> int:
     return 2 * depth * W_SIZE + 2 * H_SIZE + CLASS_PAD
 
 
+def scratch_size(chunk: int) -> int:
+    """Per-program staging: two (chunk, 64) activation/gradient tiles and one (chunk, 16)."""
+    return 2 * chunk * HALF + chunk * CLASS_PAD
+
+
 # --------------------------------------------------------------------------- the kernel
 
 
@@ -80,15 +93,28 @@ def _lift(img_ptr, rows, ok, j):
 
 
 @triton.jit
-def _branch(x, w, alpha):
-    """alpha * relu(x) @ w.T   (model.branch; alpha applied first, as specified)."""
-    return tl.dot(alpha * tl.maximum(x, 0.0), tl.trans(w), input_precision="ieee")
+def _mm(a_ptr, a_sm, a_sk, b_ptr, b_sk, b_sn, k_end, M: tl.constexpr, N: tl.constexpr):
+    """C[m, n] = sum_{k < k_end} A[m, k] * B[k, n], A and B read from memory by strides.
+
+    16 values of k per ``tl.dot`` (k_end is a multiple of 16); fp32 IEEE products.
+    """
+    m = tl.arange(0, M)
+    n = tl.arange(0, N)
+    kk = tl.arange(0, 16)
+    acc = tl.zeros([M, N], dtype=tl.float32)
+    for k0 in range(0, k_end, 16):
+        a = tl.load(a_ptr + m[:, None] * a_sm + (k0 + kk)[None, :] * a_sk)
+        b = tl.load(b_ptr + (k0 + kk)[:, None] * b_sk + n[None, :] * b_sn)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
-def _branch_input_grad(x, w, g, alpha):
-    """d/dx of sum(g * branch(x, w)) = relu'(x) * alpha * (g @ w)."""
-    return tl.where(x > 0.0, tl.dot(g, w, input_precision="ieee") * alpha, 0.0)
+def _stage(ptr, x, r, lanes, LANES: tl.constexpr):
+    """Write a (CHUNK, LANES) register tile row-major to scratch for the products to read."""
+    tl.debug_barrier()  # everyone has finished reading the previous contents
+    tl.store(ptr + r[:, None] * LANES + lanes[None, :], x)
+    tl.debug_barrier()  # the whole tile is written before anyone reads it
 
 
 @triton.jit
@@ -111,19 +137,27 @@ def _sgd(p_ptrs, v_ptrs, g_ptrs, mask, lr, momentum, weight_decay, HAS_WD: tl.co
 
 
 @triton.jit
-def _core_forward(P, left, right, w_off, alpha, DEPTH: tl.constexpr):
+def _core_forward(P, XA, left, right, r, j, alpha, DEPTH: tl.constexpr, CHUNK: tl.constexpr):
+    """left += alpha*relu(right) @ W[2b].T ; right += alpha*relu(left) @ W[2b+1].T  (model.core_forward)."""
     for b in range(DEPTH):  # a loop, not unrolled: one copy of the block's code
-        left = left + _branch(right, tl.load(P + (2 * b) * 4096 + w_off), alpha)
-        right = right + _branch(left, tl.load(P + (2 * b + 1) * 4096 + w_off), alpha)
+        # (x @ W.T)[m, n] = sum_k x[m, k] * W[n, k]: B[k, n] at W + n*64 + k
+        _stage(XA, alpha * tl.maximum(right, 0.0), r, j, 64)
+        left = left + _mm(XA, 64, 1, P + (2 * b) * 4096, 1, 64, 48, CHUNK, 64)
+        _stage(XA, alpha * tl.maximum(left, 0.0), r, j, 64)
+        right = right + _mm(XA, 64, 1, P + (2 * b + 1) * 4096, 1, 64, 48, CHUNK, 64)
     return left, right
 
 
 @triton.jit
-def _head(P, left, right, h_off, c, DEPTH: tl.constexpr):
-    """scores (CHUNK, 16) = [left, right] @ head.weight.T + head.bias (padded classes: 0)."""
+def _head(P, XA, XB, left, right, r, j, c, DEPTH: tl.constexpr, CHUNK: tl.constexpr):
+    """scores (CHUNK, 16) = left @ HL.T + right @ HR.T + bias; leaves left in XA, right in XB."""
     HEAD: tl.constexpr = 2 * DEPTH * 4096
-    s = tl.dot(left, tl.trans(tl.load(P + HEAD + h_off)), input_precision="ieee")
-    s = s + tl.dot(right, tl.trans(tl.load(P + HEAD + 1024 + h_off)), input_precision="ieee")
+    tl.debug_barrier()
+    tl.store(XA + r[:, None] * 64 + j[None, :], left)
+    tl.store(XB + r[:, None] * 64 + j[None, :], right)
+    tl.debug_barrier()
+    s = _mm(XA, 64, 1, P + HEAD, 1, 64, 48, CHUNK, 16)
+    s = s + _mm(XB, 64, 1, P + HEAD + 1024, 1, 64, 48, CHUNK, 16)
     return s + tl.load(P + HEAD + 2048 + c)[None, :]
 
 
@@ -137,6 +171,7 @@ def fused_train_kernel(
     param_ptr,  # (T, S) float32 out: final parameters (padded)
     vel_ptr,  # (T, S) float32 out: final velocity (padded)
     grad_ptr,  # (T, S) float32 scratch: one minibatch's gradient sums
+    scratch_ptr,  # (T, scratch_size(CHUNK)) float32 scratch: staged operands of the products
     scores_ptr,  # (T, M, 10) float32 out: query scores
     n_train,
     n_test,
@@ -160,6 +195,9 @@ def fused_train_kernel(
     P = param_ptr + t * S
     V = vel_ptr + t * S
     G = grad_ptr + t * S
+    XA = scratch_ptr + t * (CHUNK * 144)  # (CHUNK, 64)
+    XB = XA + CHUNK * 64  # (CHUNK, 64)
+    XG = XB + CHUNK * 64  # (CHUNK, 16)
     scores = scores_ptr + t * n_test * 10
 
     r = tl.arange(0, CHUNK)  # row within a chunk
@@ -186,13 +224,14 @@ def fused_train_kernel(
         order = perm + epoch * n_train + start
         for c0 in range(0, rows_in_batch, CHUNK):
             ok = c0 + r < rows_in_batch
+            k_rows = tl.cdiv(tl.minimum(rows_in_batch - c0, CHUNK), 16) * 16  # row reductions stop here
             idx = tl.load(order + c0 + r, mask=ok, other=0)  # gather by the epoch's permutation
             y = tl.load(labels + idx, mask=ok, other=0)
             left, right = _lift(train, idx, ok, j)
 
             # forward; only the endpoint (left, right) is kept
-            left, right = _core_forward(P, left, right, w_off, alpha, DEPTH)
-            s = tl.where(cls_ok, _head(P, left, right, h_off, c, DEPTH), float("-inf"))
+            left, right = _core_forward(P, XA, left, right, r, j, alpha, DEPTH, CHUNK)
+            s = tl.where(cls_ok, _head(P, XA, XB, left, right, r, j, c, DEPTH, CHUNK), float("-inf"))
 
             # cross-entropy gradient: softmax(s)/B - onehot(y)/B on real rows, 0 elsewhere
             e = tl.exp(s - tl.max(s, axis=1)[:, None])
@@ -200,31 +239,42 @@ def fused_train_kernel(
             onehot = c[None, :] == y[:, None]
             g = prob * inv_b - tl.where(onehot, inv_b, 0.0)
             g = tl.where(ok[:, None] & cls_ok, g, 0.0)
+            _stage(XG, g, r, c, 16)
 
-            # head: dHL = g.T @ left, dHR = g.T @ right, dbias = sum(g); gradients into the core
+            # head: dHL = g.T @ left, dHR = g.T @ right (left, right staged by _head), dbias = sum(g)
             later = c0 > 0
-            _accumulate(G + HEAD, h_off, tl.dot(tl.trans(g), left, input_precision="ieee"), later)
-            _accumulate(G + HEAD + 1024, h_off, tl.dot(tl.trans(g), right, input_precision="ieee"), later)
+            _accumulate(G + HEAD, h_off, _mm(XG, 1, 16, XA, 64, 1, k_rows, 16, 64), later)
+            _accumulate(G + HEAD + 1024, h_off, _mm(XG, 1, 16, XB, 64, 1, k_rows, 16, 64), later)
             _accumulate(G + HEAD + 2048, c, tl.sum(g, axis=0), later)
-            g_left = tl.dot(g, tl.load(P + HEAD + h_off), input_precision="ieee")
-            g_right = tl.dot(g, tl.load(P + HEAD + 1024 + h_off), input_precision="ieee")
+            # gradients into the core: g @ HL, g @ HR  (B[k, n] = H[k, n] at k*64 + n)
+            g_left = _mm(XG, 16, 1, P + HEAD, 64, 1, 16, CHUNK, 64)
+            g_right = _mm(XG, 16, 1, P + HEAD + 1024, 64, 1, 16, CHUNK, 64)
 
             # reversible backward (model.ReversibleCore.backward), blocks in reverse
             for i in range(DEPTH):
                 b = DEPTH - 1 - i
-                w_l = tl.load(P + (2 * b) * 4096 + w_off)
-                w_r = tl.load(P + (2 * b + 1) * 4096 + w_off)
-                # right_out = right_in + branch(left_out, w_r): recover right_in
-                a = alpha * tl.maximum(left, 0.0)
-                right = right - tl.dot(a, tl.trans(w_r), input_precision="ieee")
-                _accumulate(G + (2 * b + 1) * 4096, w_off, tl.dot(tl.trans(g_right), a, input_precision="ieee"), later)
-                g_left = g_left + _branch_input_grad(left, w_r, g_right, alpha)
-                # left_out = left_in + branch(right_in, w_l)
-                a = alpha * tl.maximum(right, 0.0)
-                _accumulate(G + (2 * b) * 4096, w_off, tl.dot(tl.trans(g_left), a, input_precision="ieee"), later)
+                w_l = P + (2 * b) * 4096
+                w_r = P + (2 * b + 1) * 4096
+                # right_out = right_in + branch(left_out, w_r): recover right_in, then
+                # dW_r = g_right.T @ a (a = alpha*relu(left)), d left += relu'(left)*alpha*(g_right @ W_r)
+                tl.debug_barrier()
+                tl.store(XA + r[:, None] * 64 + j[None, :], alpha * tl.maximum(left, 0.0))
+                tl.store(XB + r[:, None] * 64 + j[None, :], g_right)
+                tl.debug_barrier()
+                right = right - _mm(XA, 64, 1, w_r, 1, 64, 48, CHUNK, 64)
+                _accumulate(G + (2 * b + 1) * 4096, w_off, _mm(XB, 1, 64, XA, 64, 1, k_rows, 64, 64), later)
+                g_left = g_left + tl.where(left > 0.0, _mm(XB, 64, 1, w_r, 64, 1, 48, CHUNK, 64) * alpha, 0.0)
+                # left_out = left_in + branch(right_in, w_l): the same with the roles swapped
+                tl.debug_barrier()
+                tl.store(XA + r[:, None] * 64 + j[None, :], alpha * tl.maximum(right, 0.0))
+                tl.store(XB + r[:, None] * 64 + j[None, :], g_left)
+                tl.debug_barrier()
+                _accumulate(G + (2 * b) * 4096, w_off, _mm(XB, 1, 64, XA, 64, 1, k_rows, 64, 64), later)
                 if b > 0:  # block 0's input (the lifted batch) needs neither value nor gradient
-                    left = left - tl.dot(a, tl.trans(w_l), input_precision="ieee")
-                    g_right = g_right + _branch_input_grad(right, w_l, g_left, alpha)
+                    left = left - _mm(XA, 64, 1, w_l, 1, 64, 48, CHUNK, 64)
+                    g_right = g_right + tl.where(
+                        right > 0.0, _mm(XB, 64, 1, w_l, 64, 1, 48, CHUNK, 64) * alpha, 0.0
+                    )
             tl.debug_barrier()
 
         # SGD-momentum on every parameter, from the minibatch's gradient sums
@@ -239,8 +289,8 @@ def fused_train_kernel(
         rows = q0 + r
         ok = rows < n_test
         left, right = _lift(test, rows, ok, j)
-        left, right = _core_forward(P, left, right, w_off, alpha, DEPTH)
-        s = _head(P, left, right, h_off, c, DEPTH)
+        left, right = _core_forward(P, XA, left, right, r, j, alpha, DEPTH, CHUNK)
+        s = _head(P, XA, XB, left, right, r, j, c, DEPTH, CHUNK)
         tl.store(scores + rows[:, None] * 10 + c[None, :], s, mask=ok[:, None] & cls_ok)
 
 
@@ -295,16 +345,17 @@ def unpack_state(state: np.ndarray, depth: int, what: str = "state") -> list[np.
 
 
 def launch(
-    train, labels, perms, test, init, params, velocity, grads, scores, *,
+    train, labels, perms, test, init, params, velocity, grads, scratch, scores, *,
     n_train: int, n_test: int, n_epochs: int, batch_size: int,
     alpha: float, learning_rate: float, momentum: float, weight_decay: float,
     depth: int, chunk: int, num_warps: int, warmup: bool = False,
 ):
     """Launch (or with ``warmup`` only compile) one program per task: grid = (T,)."""
     grid = (int(train.shape[0]),)
-    args = (train, labels, perms, test, init, params, velocity, grads, scores,
+    args = (train, labels, perms, test, init, params, velocity, grads, scratch, scores,
             n_train, n_test, n_epochs, batch_size, alpha, learning_rate, momentum, weight_decay)
-    meta = dict(DEPTH=depth, CHUNK=chunk, HAS_WD=weight_decay != 0.0, num_warps=num_warps, num_stages=1)
+    meta = dict(DEPTH=depth, CHUNK=chunk, HAS_WD=weight_decay != 0.0, num_warps=num_warps, num_stages=1,
+                enable_fp_fusion=True)
     if warmup:
         return fused_train_kernel.warmup(*args, grid=grid, **meta)
     return fused_train_kernel[grid](*args, **meta)
