@@ -124,14 +124,14 @@ def cuda_section(mnist_dir: Path) -> dict:
     return report
 
 
-def external_section(name: str, out_dir: Path) -> dict:
+def external_section(name: str, out_dir: Path, mnist_dir: Path) -> dict:
     path = ROOT / "scripts" / f"gpu_check_{name}.py"
     if not path.exists():
         return {"skipped": f"{path.name} not present"}
     spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.run(out_dir)
+    return module.run(out_dir, mnist_dir=mnist_dir)
 
 
 def main() -> int:
@@ -148,7 +148,7 @@ def main() -> int:
     for section in args.sections.split(","):
         t = time.perf_counter()
         try:
-            results[section] = cuda_section(args.mnist_dir) if section == "cuda" else external_section(section, args.out)
+            results[section] = cuda_section(args.mnist_dir) if section == "cuda" else external_section(section, args.out, args.mnist_dir)
         except Exception:
             results[section] = {"passed": False, "error": traceback.format_exc()}
         results[section]["seconds"] = time.perf_counter() - t

@@ -7,24 +7,29 @@ backward (earlier states rebuilt from the core's endpoint by subtraction) as
 ``learner/train.py`` + ``learner/model.py``, written out by hand on buffers allocated once per
 task. No autograd, no BLAS, no per-step allocation, no Python per step.
 
-Why a C extension (measured on the 2-core AMD EPYC dev machine, draw-0 10k/10k task, one
-thread; see bench/bench_cpu.py and the README for the table):
+Why a C extension: measured on the 2-core AMD EPYC (Zen 3, AVX2) dev machine, draw-0 10k/10k
+task, one thread, seconds per task (bench/bench_cpu.py has the full table):
 
-    plain autograd eager (train_predict, reversible=False)   ~190-250 ms
-    cpu backend (reversible autograd)                        ~500 ms
-    NumPy with out= buffers, same algorithm                  ~130 ms  (per-call overhead:
-                                                                       ~70 small ops per step)
-    numba njit, per-row fused loops                          ~500 ms  (LLVM fully unrolls the
-        41-wide loops to scalar code); with runtime widths the core product reaches only
-        ~14 GFLOP/s (accumulators stay in memory: numba cannot say arrays don't alias)
-    this C kernel                                            ~30 ms
+    plain autograd eager (train_predict, reversible=False)   0.20-0.25
+    cpu backend (reversible autograd)                        0.45-0.50
+    NumPy with out= buffers, the same algorithm              0.13   (~70 small NumPy calls
+                                                                     per minibatch: overhead)
+    numba 0.68 njit, per-row fused loops                     0.51   (LLVM fully unrolls the
+        41-wide loops into scalar code); with runtime loop bounds the 41x41 products reach
+        ~14 GFLOP/s against ~45-60 for the same loop in C with vector types (numba cannot
+        tell LLVM that arrays do not alias, so accumulators stay in memory)
+    this C kernel                                            0.029-0.037 (quiet vs busy host)
+
+The kernel needs no dependency beyond a C compiler at install time (pyproject.toml builds it
+as an optional extension; without one, cpu-fast reports itself unavailable and ``auto``
+falls back to the cpu backend).
 
 Results equal the cpu backend's to float32 rounding (summation order differs from MKL's);
 the tests bound the difference on parameters and velocity and require identical draw-0
 predictions. Repeat runs are byte-identical, and so are runs on different thread counts.
 
-Threads: the kernel runs on ``threads`` threads (rows of a minibatch and parameter rows of
-the update split across them, meeting at a barrier twice per minibatch); nothing else runs
+Threads: the kernel runs on ``threads`` threads (rows of a minibatch and the update's weight
+columns split across them, meeting at a barrier twice per minibatch); nothing else runs
 in the hot path, so there is no BLAS or OpenMP pool to oversubscribe. The count comes from
 the constructor, else REV88_THREADS, else 1: on a machine whose cores are shared, one thread
 is the reliable choice (a second one waits at every barrier for a busy core).
@@ -37,6 +42,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from ..model import CLASSES
 from ..taskio import TaskArrays
@@ -204,7 +210,14 @@ def _run_self_check() -> tuple[bool, str]:
         task, config = self_check_task()
         prepared = prepare(task, config)
         fast = CpuFastBackend(threads=1).run(task, prepared)
-        ref = CpuBackend().run(task, prepared)
+        # The reference on one torch thread: a task this small gains nothing from threads, and
+        # on a busy machine torch's pool made it take ~4 s instead of ~20 ms (measured).
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            ref = CpuBackend().run(task, prepared)
+        finally:
+            torch.set_num_threads(previous)
     except Exception as exc:  # a broken kernel must not take the service down: fall back
         return False, f"cpu-fast self-check raised {type(exc).__name__}: {exc}"
     problems = compare_outputs(fast, ref)

@@ -63,7 +63,6 @@
 #define CPAD 16
 #define PIXELS 81
 #define LABEL_SLOT (PAD - 1) /* a lifted training row keeps its label in the left half's padding */
-#define IBLOCK 32 /* batch rows per block of the weight-gradient sums */
 
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
@@ -106,7 +105,6 @@ typedef struct {
     float *wg;   /* K x WIDTH x WIDTH: their gradient, same layout */
     uint64_t *masks; /* K x batch: which activations of each row are nonzero */
     int32_t *lists;  /* K x WIDTH x batch: per column c, the rows whose activation c is nonzero */
-    float *ghp;  /* CLASSES x ROW: padded head gradients */
 } Task;
 
 /* One minibatch: its rows (indices into the training set) and their count. */
@@ -140,7 +138,6 @@ static void free_task(Task *t) {
     free(t->wg);
     free(t->masks);
     free(t->lists);
-    free(t->ghp);
 }
 
 static int alloc_task(Task *t) {
@@ -160,9 +157,8 @@ static int alloc_task(Task *t) {
     t->wg = aligned(k * WIDTH * WIDTH);
     t->masks = aligned(k * b * 2);
     t->lists = aligned(k * WIDTH * b);
-    t->ghp = aligned(CLASSES * ROW);
     return t->h && t->wt && t->wn && t->hwt && t->hwp && t->z && t->gs && t->acts && t->gout && t->grad &&
-           t->wp && t->wv && t->wg && t->masks && t->lists && t->ghp;
+           t->wp && t->wv && t->wg && t->masks && t->lists;
 }
 
 /* ------------------------------------------------------------------------ row pieces */
@@ -497,10 +493,10 @@ INLINE void weight_grad_columns(const Task *t, int64_t n, int64_t k, int64_t c0,
 }
 
 /* Head gradient for class c: ghw[c][:] = sum_i gs[i][c] z[i][:], ghb[c] = sum_i gs[i][c]
- * (in order of i, in L1-sized blocks as above). */
+ * (in order of i). */
 INLINE void head_grad_class(const Task *t, int64_t n, int c) {
     const int64_t K = 2 * t->depth;
-    vf *part = (vf *)(t->ghp + (size_t)c * ROW);
+    float part[ROW] __attribute__((aligned(32)));
     vf p[2 * NV] = {{0}};
     float bias = 0.0f;
     for (int64_t i = 0; i < n; i++) {
@@ -511,11 +507,10 @@ INLINE void head_grad_class(const Task *t, int64_t n, int c) {
             p[u] += b * zr[u];
         bias += x;
     }
-    for (int u = 0; u < 2 * NV; u++)
-        part[u] = p[u];
+    memcpy(part, p, sizeof part);
     float *ghw = t->grad + K * WIDTH * WIDTH + (size_t)c * FEAT;
     memcpy(ghw, part, WIDTH * sizeof(float));
-    memcpy(ghw + WIDTH, (const float *)part + PAD, WIDTH * sizeof(float));
+    memcpy(ghw + WIDTH, part + PAD, WIDTH * sizeof(float));
     t->grad[K * WIDTH * WIDTH + CLASSES * FEAT + c] = bias;
 }
 
@@ -867,7 +862,8 @@ static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     (void)noargs;
 #if HAVE_CLONES
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2"))
+    /* the same tests the loader's resolver makes for the clones above */
+    if (__builtin_cpu_supports("x86-64-v3"))
         return PyUnicode_FromString("x86-64-v3");
     if (__builtin_cpu_supports("avx"))
         return PyUnicode_FromString("avx");
