@@ -42,6 +42,8 @@ SERVE_ENV = {
     "api_key": "REV88_API_KEY",
     "log_level": "REV88_LOG_LEVEL",
     "threads": "REV88_THREADS",
+    "batch_max": "REV88_BATCH_MAX",
+    "batch_wait_ms": "REV88_BATCH_WAIT_MS",
 }
 
 
@@ -150,6 +152,11 @@ def add_serve(sub) -> None:
                    "[REV88_API_KEY; prefer the variable: a flag shows in the process list]")
     p.add_argument("--log-level", help=f"{' | '.join(LOG_LEVELS)} [REV88_LOG_LEVEL, default info]")
     p.add_argument("--threads", type=int, help="torch/BLAS threads [REV88_THREADS, default: library default]")
+    p.add_argument("--batch-max", type=int,
+                   help="most tasks of one shape and config in one launch on a backend with batched launches "
+                   "(fused); 1 turns batching off [REV88_BATCH_MAX, default 32]")
+    p.add_argument("--batch-wait-ms", type=float,
+                   help="milliseconds a launch waits for more matching tasks [REV88_BATCH_WAIT_MS, default 5]")
     p.add_argument("--workers", type=int, default=1, help="must be 1: one process owns the device")
     p.set_defaults(func=cmd_serve)
 

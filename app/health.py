@@ -33,7 +33,7 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
     doc: dict[str, Any] = {
         "status": service.status,
         "ready": service.ready,
-        "device": "cuda" if service.backend == "cuda" else "cpu",
+        "device": "cuda" if service.backend in ("cuda", "fused") else "cpu",
         "backend": service.backend,
         "gpu": gpu,
     }

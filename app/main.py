@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from learner import __version__
-from learner.backends import BackendUnavailable
+from learner.backends import NAMES, BackendUnavailable
 from learner.config import FIELDS
 from learner.errors import TaskError
 
@@ -57,7 +58,7 @@ def error_response(request: Request, status: int, message: str, headers: dict[st
 def _task_params() -> list[dict[str, Any]]:
     params: list[dict[str, Any]] = [
         {"name": "backend", "in": "query", "required": False,
-         "schema": {"type": "string", "enum": ["auto", "cpu", "cuda"]},
+         "schema": {"type": "string", "enum": list(NAMES)},
          "description": "backend to run on (default: the server's REV88_BACKEND)"},
         {"name": "include", "in": "query", "required": False, "schema": {"type": "string", "enum": ["scores"]},
          "description": "include=scores adds the (M, 10) float32 scores to the JSON answer"},
@@ -102,10 +103,13 @@ TASK_OPENAPI = {
 }
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engines: Callable[[str], Any] | None = None) -> FastAPI:
+    """The app. ``engines`` (backend name -> backend object; default: the learner's
+    registry ``learner.backends.get_backend``) lets code that embeds the service supply
+    its own backend objects; it is not reachable from HTTP or the environment."""
     settings = settings or Settings.from_env()
     configure_logging(settings.log_level)
-    service = Service(settings)
+    service = Service(settings, engines)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

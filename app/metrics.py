@@ -5,6 +5,7 @@
     rev88_parse_seconds                   npz read + validation (worker threads)
     rev88_queue_wait_seconds              accepted -> device start
     rev88_run_seconds                     the learner's own run time (CUDA events where present)
+    rev88_launch_tasks                    tasks per device launch (> 1: a batched launch)
     rev88_queue_depth                     tasks waiting for the device
     rev88_tasks_in_flight                 tasks accepted and not yet off the device (queued + running)
     rev88_device_busy                     1 while a job holds the device
@@ -37,6 +38,7 @@ OUTCOMES = (
     "queue_full", "unavailable", "timeout", "error",
 )
 ROUTES = ("/tasks", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "other")
+LAUNCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -91,6 +93,10 @@ class Metrics:
         self.run_seconds = Histogram(
             "rev88_run_seconds", "The learner's run time per task (device-timed where possible)",
             buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.launch_tasks = Histogram(
+            "rev88_launch_tasks", "Jobs per device launch (more than one: a batched launch)",
+            buckets=LAUNCH_BUCKETS, registry=r,
         )
         self.queue_depth = Gauge("rev88_queue_depth", "Tasks waiting for the device", registry=r)
         self.in_flight = Gauge("rev88_tasks_in_flight", "Tasks accepted and not yet off the device", registry=r)

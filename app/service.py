@@ -28,13 +28,13 @@ import numpy as np
 from learner.backends import get_backend, loaded_backends
 from learner.config import Config
 from learner.result import run_task, versions
-from learner.taskio import validate_task
+from learner.taskio import TaskArrays, validate_task
 from learner.validate import cached_validation
 
-from .executor import DeviceExecutor
+from .executor import Batch, DeviceExecutor
 from .metrics import Metrics
 from .settings import Settings
-from .tasks import check_backend
+from .tasks import Engines, check_backend, has_run_many, launch_key, run_many_on_device
 
 log = logging.getLogger("rev88.app.service")
 
@@ -104,8 +104,14 @@ class Energy:
 
 
 class Service:
-    def __init__(self, settings: Settings) -> None:
+    """``engines`` maps a backend name to the backend object that runs it; the default,
+    ``learner.backends.get_backend``, is the registry every other path uses. Embedding
+    code may pass its own (the tests use it to observe batched launches); it is a Python
+    argument only, never reachable from HTTP or the environment."""
+
+    def __init__(self, settings: Settings, engines: Engines | None = None) -> None:
         self.settings = settings
+        self.engines: Engines = engines or get_backend
         self.backend = check_backend(settings.backend)  # "cuda" without a GPU stops startup here
         self.started_at = time.time()
         self._t0 = time.monotonic()
@@ -118,7 +124,9 @@ class Service:
         self.energy = Energy()
         self.metrics = Metrics()
         self.executor = DeviceExecutor(
-            settings.queue_size, idle_hook=self.energy.sample_idle, idle_interval_s=IDLE_SAMPLE_INTERVAL_S
+            settings.queue_size, idle_hook=self.energy.sample_idle, idle_interval_s=IDLE_SAMPLE_INTERVAL_S,
+            batch_max=settings.batch_max, batch_wait_s=settings.batch_wait_ms / 1000.0,
+            on_launch=self.metrics.launch_tasks.observe,
         )
         self.metrics.bind(
             depth=lambda: self.executor.depth,
@@ -174,6 +182,19 @@ class Service:
     def versions(self) -> dict[str, Any]:
         return versions()
 
+    def task_batch(self, task: TaskArrays, config: Config, backend: str) -> Batch | None:
+        """How a task job may share a launch with queued tasks of its launch key
+        (None when REV88_BATCH_MAX is 1). Whether it does is decided on the device
+        thread: only when the backend object has ``run_many``."""
+        if self.settings.batch_max <= 1:
+            return None
+        return Batch(
+            key=launch_key(task, config, backend),
+            item=(task, config),
+            run=lambda items: run_many_on_device(items, backend, self.energy, self.engines),
+            ready=lambda: has_run_many(self.engines(backend)),
+        )
+
     # ------------------------------------------------------------------ admission of uploads
     def admit_upload(self) -> bool:
         """At most queue_size + 1 requests read/parse bodies at once (bounds memory)."""
@@ -216,7 +237,7 @@ class Service:
             failed = [f"{c['dtype']} depth {c['depth']}" for c in validation.get("checks", []) if not c.get("passed")]
             raise RuntimeError(f"learner validation failed: {', '.join(failed) or 'see /health'}")
         t1 = time.perf_counter()
-        result = run_task(warmup_task(), Config(), get_backend(self.backend))
+        result = run_task(warmup_task(), Config(), self.engines(self.backend))
         t2 = time.perf_counter()
         return {
             "backend": self.backend,

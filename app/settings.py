@@ -2,7 +2,7 @@
 
     REV88_HOST              bind address                           127.0.0.1
     REV88_PORT              bind port                              8000
-    REV88_BACKEND           auto | cpu | cuda                      auto
+    REV88_BACKEND           auto | cpu | cuda | fused | cpu-fast   auto
     REV88_QUEUE_SIZE        tasks that may wait for the device     8
     REV88_MAX_BODY_BYTES    largest accepted request body          67108864 (64 MiB)
     REV88_TASK_TIMEOUT_S    queue wait + run, per task             300
@@ -11,6 +11,11 @@
                             health probes
     REV88_LOG_LEVEL         debug | info | warning | error         info
     REV88_THREADS           torch/BLAS threads                     (unset: library default)
+    REV88_BATCH_MAX         most tasks in one batched launch       32
+                            (backends with run_many: fused);
+                            1 turns batching off
+    REV88_BATCH_WAIT_MS     how long a launch waits for more       5
+                            tasks of its shape and config
 
 A bad value stops the service at startup with a message naming the variable.
 """
@@ -22,7 +27,10 @@ import math
 import os
 from collections.abc import Mapping
 
-BACKENDS = ("auto", "cpu", "cuda")
+from learner.backends import NAMES
+
+BACKENDS = NAMES  # learner.backends.NAMES: the registry is the one list
+MAX_BATCH_WAIT_MS = 1000.0
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -42,6 +50,8 @@ class Settings:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     log_level: str = "info"
     threads: int | None = None
+    batch_max: int = 32
+    batch_wait_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -61,6 +71,12 @@ class Settings:
             raise SettingsError(f"REV88_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.threads is not None and self.threads < 1:
             raise SettingsError(f"REV88_THREADS must be >= 1, got {self.threads}")
+        if self.batch_max < 1:
+            raise SettingsError(f"REV88_BATCH_MAX must be >= 1 (1 turns batching off), got {self.batch_max}")
+        if not (math.isfinite(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS):
+            raise SettingsError(
+                f"REV88_BATCH_WAIT_MS must be a number of milliseconds in [0, {MAX_BATCH_WAIT_MS:g}], got {self.batch_wait_ms}"
+            )
 
     @property
     def auth_enabled(self) -> bool:
@@ -83,14 +99,14 @@ class Settings:
             except ValueError:
                 raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
 
-        def number(name: str, default: float) -> float:
+        def number(name: str, default: float, unit: str = "seconds") -> float:
             raw = text(name, None)
             if raw is None:
                 return default
             try:
                 return float(raw)
             except ValueError:
-                raise SettingsError(f"{name} must be a number of seconds, got {raw!r}") from None
+                raise SettingsError(f"{name} must be a number of {unit}, got {raw!r}") from None
 
         defaults = cls()
         api_key = env.get("REV88_API_KEY") or None  # empty means unset (compose files often pass "")
@@ -105,4 +121,6 @@ class Settings:
             api_key=api_key,
             log_level=text("REV88_LOG_LEVEL", defaults.log_level).lower(),
             threads=integer("REV88_THREADS", None),
+            batch_max=integer("REV88_BATCH_MAX", defaults.batch_max),
+            batch_wait_ms=number("REV88_BATCH_WAIT_MS", defaults.batch_wait_ms, "milliseconds"),
         )

@@ -94,7 +94,8 @@ async def _handle(request: Request, service: Service) -> Response:
         return await _measure(request, service, task, config, options, task_id, request_id, t0, t_recv, t_parse, parse_s)
 
     job = service.executor.submit(
-        lambda: run_on_device(task, config, options.backend, service.energy), kind="task", label=task_id
+        lambda: run_on_device(task, config, options.backend, service.energy, service.engines),
+        kind="task", label=task_id, batch=service.task_batch(task, config, options.backend),
     )
     outcome: DeviceOutcome = await service.executor.wait(job, service.settings.task_timeout_s)
     run_ms, clock = run_timing(outcome.result)
@@ -109,6 +110,7 @@ async def _handle(request: Request, service: Service) -> Response:
         "run_ms": round(run_ms, 3),
         "run_clock": clock,
         "device_ms": _ms(job.device_s or 0.0),
+        "tasks_in_launch": job.launch_size,
         "total_ms": _ms(time.perf_counter() - t0),
     }
     log.info(
@@ -136,7 +138,7 @@ async def _handle(request: Request, service: Service) -> Response:
 async def _measure(request, service, task, config, options: TaskOptions, task_id, request_id, t0, t_recv, t_parse, parse_s):
     arguments = options.measure
     job = service.executor.submit(
-        lambda: measure_on_device(task, config, options.backend, arguments, service.energy),
+        lambda: measure_on_device(task, config, options.backend, arguments, service.energy, service.engines),
         kind="measure", label=task_id,
     )
     timeout = measure_timeout_s(arguments, service.settings.task_timeout_s)

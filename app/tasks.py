@@ -4,12 +4,21 @@ The task path is the CLI's: ``learner.taskio.load_task`` (safe reader +
 validation), ``learner.config.make_config`` and ``learner.result.run_task``;
 the service adds only HTTP concerns, so the same npz and backend give the same
 predictions and hashes as ``rev88 run``.
+
+Batched launches: on a backend with ``run_many`` (fused), queued tasks of one
+shape and config (seeds may differ) can share one launch (app/executor.py gathers
+them); ``run_many_on_device`` then prepares each task as ``run_task`` does and
+builds each task's result with ``learner.result.finish_task``, the same code that
+``run_task`` uses, so each answer has its own predictions, hashes and metadata.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,9 +32,13 @@ from learner.errors import (
     TaskError,
     TrainingDivergedError,
 )
-from learner.result import TaskResult, run_task
+from learner.result import TaskResult, finish_task, prepare, run_task
+from learner.taskio import TaskArrays
+from learner.validate import cached_validation
 
 from .errors import InvalidRequest, ServiceError
+
+Engines = Callable[[str], Backend]  # backend name -> backend object (learner.backends.get_backend)
 
 SERVICE_PARAMS = ("backend", "include", "measure")
 MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
@@ -41,7 +54,7 @@ NPZ_TYPE = "application/x-npz"
 @dataclasses.dataclass(frozen=True)
 class TaskOptions:
     config_overrides: dict[str, Any]  # from the query, already type-coerced and checked
-    backend: str  # concrete: "cpu" or "cuda"
+    backend: str  # concrete: a name from learner.backends.NAMES other than "auto"
     include_scores: bool = False
     measure: dict[str, Any] | None = None  # protocol arguments for ?measure=energy
 
@@ -107,10 +120,23 @@ def measure_timeout_s(arguments: dict[str, Any], task_timeout_s: float) -> float
 
 
 def check_backend(name: str) -> str:
-    """'auto' | 'cpu' | 'cuda' -> a concrete backend this machine can run, else BackendUnavailable (422)."""
+    """A name from learner.backends.NAMES -> a concrete backend this machine can run,
+    else BackendUnavailable (422 for a request; at startup it stops the service)."""
     concrete = resolve(name)
-    if concrete == "cuda" and not torch.cuda.is_available():
-        raise BackendUnavailable("backend 'cuda' needs a CUDA GPU and none is available on this server; use backend=cpu")
+    if concrete in ("cuda", "fused") and not torch.cuda.is_available():
+        raise BackendUnavailable(
+            f"backend {concrete!r} needs a CUDA GPU and none is available on this server; use backend=cpu"
+        )
+    if concrete == "fused" and importlib.util.find_spec("triton") is None:
+        raise BackendUnavailable(
+            "backend 'fused' needs triton, which is not installed on this server (pip install 'rev88[gpu]'); "
+            "use backend=cuda"
+        )
+    if concrete == "cpu-fast":
+        from learner.backends.cpu_fast import KERNEL_ERROR, kernel_available
+
+        if not kernel_available():
+            raise BackendUnavailable(f"backend 'cpu-fast' is unavailable on this server: {KERNEL_ERROR}; use backend=cpu")
     return concrete
 
 
@@ -160,9 +186,9 @@ class DeviceOutcome:
     energy_reason: str | None
 
 
-def run_on_device(task, config: Config, backend: str, energy: Any) -> DeviceOutcome:
+def run_on_device(task, config: Config, backend: str, energy: Any, engines: Engines = get_backend) -> DeviceOutcome:
     """The executor's job for one task: the learner's run, metered where a GPU meter exists."""
-    engine = get_backend(backend)
+    engine = engines(backend)
     meter, reason = energy.meter_for(engine)
     if meter is None:
         return DeviceOutcome(run_task(task, config, engine), None, reason)
@@ -171,13 +197,101 @@ def run_on_device(task, config: Config, backend: str, energy: Any) -> DeviceOutc
     return DeviceOutcome(result, metered.energy, None)
 
 
-def measure_on_device(task, config: Config, backend: str, arguments: dict[str, Any], energy: Any) -> dict:
+def measure_on_device(task, config: Config, backend: str, arguments: dict[str, Any], energy: Any,
+                      engines: Engines = get_backend) -> dict:
     """The executor's job for ?measure=energy: learner.measure's protocol, device held throughout."""
     from learner.measure import measure_task
 
-    engine = get_backend(backend)
+    engine = engines(backend)
     meter, _ = energy.meter_for(engine)
     return measure_task(task, config, engine, meter=meter, **arguments)
+
+
+# --------------------------------------------------------------------------- batched launches
+
+BATCH_METHOD = "batched launch, divided equally by task count"
+
+
+def launch_key(task: TaskArrays, config: Config, backend: str) -> tuple:
+    """Tasks with equal keys may share one ``run_many`` launch: one backend, one
+    (train_count, test_count) shape, one config except the seed (each task's
+    seed-derived initial parameters and permutations are its own)."""
+    shared = tuple((k, v) for k, v in config.as_dict().items() if k != "seed")
+    return (backend, task.train_count, task.test_count, shared)
+
+
+def has_run_many(engine: Any) -> bool:
+    """Whether the backend object can train several tasks in one launch."""
+    return callable(getattr(engine, "run_many", None))
+
+
+def share_energy(reading: dict, tasks: int) -> dict:
+    """One launch's energy reading, divided equally among the ``tasks`` it trained.
+
+    The NVML counter sees the launch as a whole; an equal share is the honest split
+    for tasks of one shape and config (the same work each). The launch's own figures
+    stay beside the shares (``launch_gross_j``, ``launch_idle_adjusted_j``)."""
+    if tasks == 1:
+        return reading
+    out = dict(reading)
+    for name in ("gross_j", "idle_adjusted_j"):
+        value = reading.get(name)
+        out[name] = None if value is None else value / tasks
+        out[f"launch_{name}"] = value
+    out["tasks_in_launch"] = tasks
+    out["method"] = f"{reading.get('method')}; {BATCH_METHOD}"
+    out["note"] = (
+        f"{BATCH_METHOD}: this task shared one launch with {tasks - 1} other task(s); gross_j and "
+        f"idle_adjusted_j are the launch's figures / {tasks} (launch_gross_j, launch_idle_adjusted_j: the "
+        "whole launch); duration_s and the counter readings are the launch's. " + str(reading.get("note", ""))
+    )
+    return out
+
+
+def run_many_on_device(
+    items: list[tuple[TaskArrays, Config]], backend: str, energy: Any, engines: Engines = get_backend
+) -> list[DeviceOutcome | BaseException]:
+    """The executor's call for gathered tasks of one launch key: one ``run_many`` launch,
+    metered as a whole where a GPU meter exists; one outcome per item, in order.
+
+    A task whose preparation or result fails (say, its training diverged) is answered
+    with its own error; the others are unaffected. An error of the launch itself is
+    raised, and the executor answers every task of the launch with it."""
+    engine = engines(backend)
+    cached_validation()  # as run_task: computed once per process, before the first run
+    outcomes: list[DeviceOutcome | BaseException | None] = [None] * len(items)
+    slots, tasks, prepareds, host_prep = [], [], [], []
+    for i, (task, config) in enumerate(items):
+        t0 = time.perf_counter()
+        try:
+            prepared = prepare(task, config)
+        except Exception as exc:  # noqa: BLE001 - this task's answer
+            outcomes[i] = exc
+            continue
+        slots.append(i)
+        tasks.append(task)
+        prepareds.append(prepared)
+        host_prep.append(time.perf_counter() - t0)
+    if not tasks:
+        return outcomes
+    meter, reason = energy.meter_for(engine)
+    reading = None
+    if meter is None:
+        outs = engine.run_many(tasks, prepareds)
+    else:
+        outs, reading = energy.request_energy(meter, lambda: engine.run_many(tasks, prepareds), energy.idle)
+    if len(outs) != len(tasks):
+        raise RuntimeError(f"backend {engine.name!r} returned {len(outs)} outputs for a launch of {len(tasks)} tasks")
+    share = None if reading is None else share_energy(reading, len(tasks))
+    for k, i in enumerate(slots):
+        try:
+            result = finish_task(tasks[k], items[i][1], engine, prepareds[k], outs[k], host_prep[k],
+                                 tasks_in_launch=len(tasks))
+        except Exception as exc:  # noqa: BLE001 - e.g. TrainingDivergedError: this task's answer
+            outcomes[i] = exc
+            continue
+        outcomes[i] = DeviceOutcome(result, share, None if share is not None else reason)
+    return outcomes
 
 
 # --------------------------------------------------------------------------- answers

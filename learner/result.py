@@ -126,11 +126,31 @@ def run_task(task: TaskArrays, config: Config | None = None, backend: str | Back
     """Train fresh on ``task`` and predict its queries; every path (CLI, service) calls this."""
     config = config or Config()
     engine = get_backend(backend) if isinstance(backend, str) else backend
-    validation = cached_validation()
+    cached_validation()  # computed once per process, before the first run
     t0 = time.perf_counter()
     prepared = prepare(task, config)
     host_prep = time.perf_counter() - t0
     out = engine.run(task, prepared)
+    return finish_task(task, config, engine, prepared, out, host_prep)
+
+
+def finish_task(
+    task: TaskArrays,
+    config: Config,
+    engine: Backend,
+    prepared: Prepared,
+    out: RunOutput,
+    host_prep: float,
+    tasks_in_launch: int | None = None,
+) -> TaskResult:
+    """Check one task's run output and assemble its result and metadata.
+
+    Shared by ``run_task`` (one task, ``engine.run``) and batched launches
+    (``engine.run_many``: one ``out`` per task; ``tasks_in_launch`` then says how many
+    tasks shared the launch and is recorded in the metadata). ``host_prep`` is this
+    task's own host-side preparation time (``prepare``).
+    """
+    validation = cached_validation()
     check_finite(out)
     predictions = out.scores.argmax(axis=1).astype(np.int64)
     with _count_lock:
@@ -166,6 +186,8 @@ def run_task(task: TaskArrays, config: Config | None = None, backend: str | Back
         "dtype": "float32",
         "versions": versions(),
     }
+    if tasks_in_launch is not None:
+        metadata["tasks_in_launch"] = tasks_in_launch
     if out.cuda_ms is not None:
         metadata["cuda_ms"] = out.cuda_ms
     if out.extra:

@@ -25,14 +25,24 @@ def parameter_count(depth: int) -> int:
 
 
 def initial_parameters(config: Config) -> list[torch.Tensor]:
-    """float32 CPU tensors, from the seed alone (the global RNG is left untouched)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        weights = [torch.empty(WIDTH, WIDTH) for _ in range(2 * config.depth)]
-        for w in weights:
-            nn.init.normal_(w, 0.0, 0.05 / math.sqrt(WIDTH))
-        head = nn.Linear(FEATURES, CLASSES)
-    return [w.detach() for w in weights] + [head.weight.detach().clone(), head.bias.detach().clone()]
+    """float32 CPU tensors, from the seed alone, drawn from a generator of their own.
+
+    The same draws, in the same order, as seeding torch's global CPU generator and
+    building ``nn.Linear(FEATURES, CLASSES)`` (its ``reset_parameters``: kaiming-uniform
+    weight with a=sqrt(5), then a uniform bias in +-1/sqrt(fan_in)) -- byte-identical,
+    but without touching global state, so threads may prepare tasks at the same time
+    (the service's device thread and a backend self-check in another thread did race
+    on the global generator when this used ``fork_rng`` + ``manual_seed``).
+    """
+    gen = torch.Generator().manual_seed(config.seed)
+    weights = [torch.empty(WIDTH, WIDTH) for _ in range(2 * config.depth)]
+    for w in weights:
+        nn.init.normal_(w, 0.0, 0.05 / math.sqrt(WIDTH), generator=gen)
+    head_weight, head_bias = torch.empty(CLASSES, FEATURES), torch.empty(CLASSES)
+    nn.init.kaiming_uniform_(head_weight, a=math.sqrt(5), generator=gen)
+    bound = 1.0 / math.sqrt(FEATURES)
+    nn.init.uniform_(head_bias, -bound, bound, generator=gen)
+    return weights + [head_weight, head_bias]
 
 
 def epoch_permutations(config: Config, n: int) -> list[np.ndarray]:

@@ -297,12 +297,14 @@ def test_repeated_query_parameter_is_422(client):
     assert_error(post_task(client, data, params=[("epochs", "1"), ("epochs", "2")]), 422, "more than once", "epochs")
 
 
-def test_cuda_backend_without_a_gpu_is_422(client):
+@pytest.mark.parametrize("backend", ["cuda", "fused"])
+def test_gpu_backend_without_a_gpu_is_422(client, backend):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert_error(post_task(client, task_to_npz_bytes(small_task(19, 7)), params={"backend": "cuda"}), 422, "CUDA GPU")
+    r = post_task(client, task_to_npz_bytes(small_task(19, 7)), params={"backend": backend})
+    assert_error(r, 422, f"backend '{backend}' needs a CUDA GPU", "use backend=cpu")
 
 
 def test_multipart_unknown_config_key_is_422(client):

@@ -132,6 +132,18 @@ def test_divergence_reported_like_cpu():
         run_task(task, config, backend="cpu-fast")
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_diverging_runs_stay_memory_safe_and_thread_independent(depth):
+    """Overflow to inf/NaN must neither crash the kernel nor depend on the thread count
+    (padding lanes turn NaN once inf*0 appears; the kernel must never count them)."""
+    task = small_task(150, 23, seed=depth)
+    for lr in (1e2, 1e8):
+        prepared = prepare(task, Config(depth=depth, learning_rate=lr, batch_size=7, weight_decay=1e-3))
+        one, two = (CpuFastBackend(threads=t).run(task, prepared) for t in (1, 2))
+        assert one.scores.tobytes() == two.scores.tobytes()
+        assert not np.isfinite(one.scores).all() or not all(np.isfinite(p).all() for p in one.final_parameters)
+
+
 # ---------------------------------------------------------------------------- threads, errors
 
 

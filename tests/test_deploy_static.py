@@ -219,7 +219,8 @@ def test_serve_flags_cover_every_settings_variable():
     """The env names the deploy files and `rev88 serve` use are the ones app.settings reads."""
     samples = {"REV88_HOST": "0.0.0.0", "REV88_PORT": "9", "REV88_BACKEND": "cpu", "REV88_QUEUE_SIZE": "3",
                "REV88_MAX_BODY_BYTES": "5", "REV88_TASK_TIMEOUT_S": "7", "REV88_DRAIN_TIMEOUT_S": "11",
-               "REV88_API_KEY": "k", "REV88_LOG_LEVEL": "debug", "REV88_THREADS": "2"}
+               "REV88_API_KEY": "k", "REV88_LOG_LEVEL": "debug", "REV88_THREADS": "2",
+               "REV88_BATCH_MAX": "4", "REV88_BATCH_WAIT_MS": "20"}
     assert set(samples) == ENV_NAMES
     for name, value in samples.items():
         assert Settings.from_env({name: value}) != DEFAULTS, f"{name} is not read by app.settings"

@@ -100,3 +100,30 @@ def test_repeat_runs_byte_identical():
                 "predictions_sha256", "scores_sha256", "input_hashes"):
         assert a.metadata[key] == b.metadata[key], key
     assert a.scores.tobytes() == b.scores.tobytes()
+
+
+def _literal_spec_init(config):
+    """Issue 2's wording, literally: fork_rng, manual_seed, normal_ each weight, nn.Linear."""
+    import math
+
+    from torch import nn
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        weights = [torch.empty(41, 41) for _ in range(2 * config.depth)]
+        for w in weights:
+            nn.init.normal_(w, 0.0, 0.05 / math.sqrt(41))
+        head = nn.Linear(82, 10)
+    return weights + [head.weight.detach(), head.bias.detach()]
+
+
+def test_private_generator_init_equals_the_literal_spec():
+    for seed in (1, 11, 781, 2**31 + 5):
+        for depth in (1, 2, 3):
+            config = make_config({"seed": seed, "depth": depth})
+            ours = initial_parameters(config)
+            spec = _literal_spec_init(config)
+            assert len(ours) == len(spec) == 2 * depth + 2
+            for a, b in zip(ours, spec):
+                assert a.dtype == b.dtype == torch.float32
+                assert a.numpy().tobytes() == b.numpy().tobytes()

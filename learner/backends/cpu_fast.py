@@ -18,7 +18,7 @@ task, one thread, seconds per task (bench/bench_cpu.py has the full table):
         41-wide loops into scalar code); with runtime loop bounds the 41x41 products reach
         ~14 GFLOP/s against ~45-60 for the same loop in C with vector types (numba cannot
         tell LLVM that arrays do not alias, so accumulators stay in memory)
-    this C kernel                                            0.029-0.037 (quiet vs busy host)
+    this C kernel                                            0.023-0.032 (quiet vs busy host)
 
 The kernel needs no dependency beyond a C compiler at install time (pyproject.toml builds it
 as an optional extension; without one, cpu-fast reports itself unavailable and ``auto``

@@ -13,8 +13,9 @@
  *
  * Everything is row-local except the weight gradients (sums over the batch), so each
  * minibatch runs in two phases:
- *   rows     per row: forward, loss gradient, reversible backward; each branch's input
- *            activation, its nonzero mask and its output gradient are saved
+ *   rows     per row (lifted as it is read): forward, loss gradient, reversible backward;
+ *            each branch's input activation and output gradient are saved, and the row
+ *            joins per-input lists of the rows where that input was active
  *   update   per weight column (and head class): gradient, SGD step, working copies
  * All buffers are allocated once per call; nothing is allocated per step; no BLAS, no
  * autograd. The weights are trained column-major inside (wp[c][j] = W[j][c]) and written
@@ -22,10 +23,12 @@
  *
  * Layout: a 41-wide half state is padded to 48 floats (six 8-float vectors); the padding
  * stays exactly zero (the padded weight columns are zero), so it never changes a result.
- * The products and the weight gradients skip exactly-zero relu activations (about half);
- * an added 0*w term is an exact zero for finite w, so skipping it changes nothing. The
- * first reconstruction of the backward subtracts the very product the forward added last
- * (same inputs, same bits), so it is kept rather than recomputed.
+ * relu zeroes about half of each branch's inputs, and the kernel skips them everywhere: the
+ * products and weight gradients leave out exact-zero terms (0*w is an exact zero for finite
+ * w), and the gradient to a branch's input is computed only where relu passes it (as dot
+ * products with the columns of W; elsewhere it is zero by the mask). The first
+ * reconstruction of the backward subtracts the very product the forward added last (same
+ * inputs, same bits), so it is kept rather than recomputed.
  *
  * Summation order differs from MKL's, so results equal the cpu backend's to float32
  * rounding (the tests bound the difference), and they are bit-for-bit repeatable on one
@@ -39,9 +42,10 @@
  * On x86-64 (GCC) the entry point is compiled three times (target_clones): for x86-64-v3
  * (AVX2+FMA), for AVX, and for the baseline; the loader picks one for the CPU at hand.
  * They may differ in the last bit (FMA contraction); `isa()` says which one runs. Measured
- * on the dev machine (draw-0 task, one thread): v3 ~30 ms, AVX ~30 ms, baseline SSE2 ~290 ms
- * (GCC splits the 8-lane compares into scalar code there) - still faster than the cpu backend.
- * Other compilers and CPUs build one portable variant.
+ * on the dev machine (draw-0 task, one thread, an earlier version of this file): v3 ~30 ms,
+ * AVX ~30 ms, baseline SSE2 ~290 ms (GCC splits the 8-lane compares into scalar code there),
+ * still faster than the cpu backend. Other compilers and CPUs build one portable variant
+ * (checked here only with GCC 12 on x86-64).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,8 +65,8 @@
 #define ROW 96 /* padded state: left at [0, 48), right at [48, 96) */
 #define CLASSES 10
 #define CPAD 16
+#define MAX_THREADS 64
 #define PIXELS 81
-#define LABEL_SLOT (PAD - 1) /* a lifted training row keeps its label in the left half's padding */
 
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
@@ -90,21 +94,21 @@ typedef struct {
     /* outputs (params in/out, velocity out, scores out) */
     float *params, *velocity, *scores;
     /* work buffers (allocated once) */
-    float *h;    /* n x ROW: lifted training rows */
     float *wt;   /* K x WIDTH x PAD: wt[k][c][j] = W_k[j][c] (row c: what input c adds) */
-    float *wn;   /* K x WIDTH x PAD: wn[k][j][c] = W_k[j][c] (row j: grad of output j) */
     float *hwt;  /* ROW x CPAD: hwt[f][c] = hw[c][f'] (f padded position, f' real index) */
     float *hwp;  /* CLASSES x ROW: hw rows in padded positions */
     float *z;    /* batch x ROW: core endpoints */
     float *gs;   /* batch x CPAD: score gradients */
     float *acts; /* K x batch x PAD: each branch's input activation alpha*relu(x) */
     float *gout; /* K x batch x PAD: each branch's output gradient */
-    float *grad; /* nparams */
+    float *grad; /* nparams: used at the head's offsets (the weights use wg) */
     float *wp;   /* K x WIDTH x WIDTH: weights by column, wp[k][c][j] = W_k[j][c] (trained here) */
     float *wv;   /* K x WIDTH x WIDTH: their velocity, same layout */
     float *wg;   /* K x WIDTH x WIDTH: their gradient, same layout */
-    uint64_t *masks; /* K x batch: which activations of each row are nonzero */
-    int32_t *lists;  /* K x WIDTH x batch: per column c, the rows whose activation c is nonzero */
+    int32_t *lists;  /* K x threads x WIDTH x batch: per branch, thread and input c, the rows
+                        (ascending) whose input c was active */
+    int32_t *counts; /* K x threads x WIDTH: their lengths */
+    int32_t *merged; /* threads x batch: one column's rows from all threads, in order */
 } Task;
 
 /* One minibatch: its rows (indices into the training set) and their count. */
@@ -123,9 +127,7 @@ static void *aligned(size_t floats) {
 }
 
 static void free_task(Task *t) {
-    free(t->h);
     free(t->wt);
-    free(t->wn);
     free(t->hwt);
     free(t->hwp);
     free(t->z);
@@ -136,15 +138,14 @@ static void free_task(Task *t) {
     free(t->wp);
     free(t->wv);
     free(t->wg);
-    free(t->masks);
     free(t->lists);
+    free(t->counts);
+    free(t->merged);
 }
 
 static int alloc_task(Task *t) {
     size_t k = (size_t)(2 * t->depth), b = (size_t)t->batch;
-    t->h = aligned((size_t)t->n * ROW);
     t->wt = aligned(k * WIDTH * PAD);
-    t->wn = aligned(k * WIDTH * PAD);
     t->hwt = aligned(ROW * CPAD);
     t->hwp = aligned(CLASSES * ROW);
     t->z = aligned(b * ROW);
@@ -155,20 +156,25 @@ static int alloc_task(Task *t) {
     t->wp = aligned(k * WIDTH * WIDTH);
     t->wv = aligned(k * WIDTH * WIDTH);
     t->wg = aligned(k * WIDTH * WIDTH);
-    t->masks = aligned(k * b * 2);
-    t->lists = aligned(k * WIDTH * b);
-    return t->h && t->wt && t->wn && t->hwt && t->hwp && t->z && t->gs && t->acts && t->gout && t->grad &&
-           t->wp && t->wv && t->wg && t->masks && t->lists;
+    size_t p = (size_t)(t->threads < 1 ? 1 : t->threads);
+    t->lists = aligned(k * p * WIDTH * b);
+    t->counts = aligned(k * p * WIDTH);
+    t->merged = aligned(p * b);
+    return t->wt && t->hwt && t->hwp && t->z && t->gs && t->acts && t->gout && t->grad &&
+           t->wp && t->wv && t->wg && t->lists && t->counts && t->merged;
 }
 
 /* ------------------------------------------------------------------------ row pieces */
 
-#define PREFETCH 2 /* rows ahead: the lifted training rows are read in shuffled order */
-INLINE void prefetch_row(const float *row) {
+#define PREFETCH 2 /* rows ahead: training rows are read in shuffled order */
+INLINE void prefetch_row(const Task *t, int64_t row) {
 #if defined(__GNUC__)
-    for (int off = 0; off < ROW; off += 16)
-        __builtin_prefetch(row + off, 0, 3);
+    const char *x = (const char *)(t->train_x + (size_t)row * PIXELS);
+    for (int off = 0; off < PIXELS * 4 + 64; off += 64)
+        __builtin_prefetch(x + off, 0, 3);
+    __builtin_prefetch(t->labels + row, 0, 3);
 #else
+    (void)t;
     (void)row;
 #endif
 }
@@ -195,21 +201,29 @@ static void init_pack_table(void) {
     }
 }
 
+/* The inputs x[c] of a branch that relu lets through (x > 0, or NaN as in torch): their
+ * numbers, ascending, and as a bit mask. Only these give a nonzero activation (the rare
+ * exception, alpha*x underflowing to zero, adds an exact zero) and only these pass a
+ * gradient back. */
+typedef struct {
+    uint64_t mask;
+    int cnt;
+    uint8_t idx[PAD + 8];
+} Active;
+
 /* One branch's product: a = alpha*relu(x) (written to `a`; x and a are PAD floats with zero
- * padding) and out = a @ W.T = sum_c a[c] * wt[c][:] over the nonzero a[c], in a fixed order.
- * relu keeps NaN as torch does. Returns the mask of nonzero a[c] (bit c). */
-INLINE uint64_t branch_product(const float *x, float alpha, const float *wt, float *a, vf *out) {
+ * padding), out = a @ W.T = sum_c a[c] * wt[c][:] over the active c, in a fixed order. */
+INLINE void branch_product(const float *x, float alpha, const float *wt, float *a, vf *out, Active *act) {
     const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha}, zero = {0};
-    /* lane k of vector u is activation 8u+k; its nonzero flag goes to bit 8*(u%4)+k of
-     * word u/4, so two horizontal ORs give the whole 48-bit nonzero mask */
+    /* lane k of vector u is input 8u+k; its flag goes to bit 8*(u%4)+k of word u/4, so two
+     * horizontal ORs give the whole 48-bit mask */
     const vi lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
     vi words[2] = {{0}, {0}};
     for (int u = 0; u < NV; u++) {
         vf xv = ((const vf *)x)[u];
         vi keep = (xv > zero) | (xv != xv);
-        vf av = al * (vf)((vi)xv & keep);
-        ((vf *)a)[u] = av;
-        words[u / 4] |= ((av != zero) & lane_bit) << (8 * (u % 4));
+        ((vf *)a)[u] = al * (vf)((vi)xv & keep);
+        words[u / 4] |= (keep & lane_bit) << (8 * (u % 4));
     }
     uint64_t mask = 0;
     for (int h = 0; h < 2; h++) {
@@ -217,16 +231,21 @@ INLINE uint64_t branch_product(const float *x, float alpha, const float *wt, flo
         uint32_t m = (uint32_t)(((v[0] | v[1]) | (v[2] | v[3])) | ((v[4] | v[5]) | (v[6] | v[7])));
         mask |= (uint64_t)m << (32 * h);
     }
-    /* left-pack the numbers of the nonzero activations, eight at a time (padding is zero) */
-    uint8_t idx[PAD + 8];
+    /* padding lanes are zero while training is finite; once it has diverged they may hold
+     * NaN (inf * 0): never count them */
+    mask &= (1ull << WIDTH) - 1;
+    /* left-pack the active numbers, eight at a time */
     int cnt = 0;
     for (int u = 0; u < NV; u++) {
         unsigned bits = (unsigned)(mask >> (8 * u)) & 0xffu;
         uint64_t lanes = pack_table[bits] + (uint64_t)(8 * u) * 0x0101010101010101ull;
-        memcpy(idx + cnt, &lanes, 8);
+        memcpy(act->idx + cnt, &lanes, 8);
         cnt += __builtin_popcount(bits);
     }
+    act->mask = mask;
+    act->cnt = cnt;
     /* two interleaved partial sums (even and odd positions in the list): short chains */
+    const uint8_t *idx = act->idx;
     vf e[NV] = {{0}}, o[NV] = {{0}};
     int q = 0;
     for (; q + 1 < cnt; q += 2) {
@@ -237,54 +256,85 @@ INLINE uint64_t branch_product(const float *x, float alpha, const float *wt, flo
         axpy6(e, a[idx[q]], wt + (size_t)idx[q] * PAD);
     for (int u = 0; u < NV; u++)
         out[u] = e[u] + o[u];
-    return mask;
 }
 
-/* out = sum_j g[j] * wn[j][:]  (g: WIDTH floats; dense). */
-INLINE void matvec_dense(const float *g, const float *wn, vf *out) {
-    vf e[NV] = {{0}}, o[NV] = {{0}}; /* even and odd j: two short dependency chains */
-    int j = 0;
-    for (; j + 1 < WIDTH; j += 2) {
-        axpy6(e, g[j], wn + (size_t)j * PAD);
-        axpy6(o, g[j + 1], wn + (size_t)(j + 1) * PAD);
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define HAVE_SHUFFLE 1
+#else
+#define HAVE_SHUFFLE 0
+#endif
+
+/* Lane k of the result is the sum of the eight lanes of s[k], added as
+ * ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)). */
+INLINE vf sum8(const vf *s) {
+#if HAVE_SHUFFLE
+    vf p[4], q[2];
+    for (int k = 0; k < 4; k++)
+        p[k] = __builtin_shufflevector(s[2 * k], s[2 * k + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(s[2 * k], s[2 * k + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int k = 0; k < 2; k++)
+        q[k] = __builtin_shufflevector(p[2 * k], p[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(p[2 * k], p[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+    float r[8], x[8];
+    for (int k = 0; k < 8; k++) {
+        memcpy(x, &s[k], sizeof x);
+        r[k] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
     }
-    for (; j < WIDTH; j++)
-        axpy6(e, g[j], wn + (size_t)j * PAD);
-    for (int u = 0; u < NV; u++)
-        out[u] = e[u] + o[u];
+    vf out;
+    memcpy(&out, r, sizeof out);
+    return out;
+#endif
 }
 
-/* dst += (alpha * ga) where x > 0 or x is NaN (torch threshold_backward: x <= 0 -> 0). */
-INLINE void add_masked(vf *dst, const vf *ga, const vf *x, float alpha) {
-    vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
-    vf zero = {0};
-    for (int u = 0; u < NV; u++) {
-        vi keep = ~(x[u] <= zero);
-        vf g = ga[u] * al;
-        dst[u] = dst[u] + (vf)((vi)g & keep);
+/* The gradient through one branch to its input, added to dst (PAD floats):
+ * dst[c] += alpha * (g @ W)[c] for the active c, where (g @ W)[c] = sum_j g[j] W[j][c] is
+ * the dot product of g with wt[c] (column c of W); relu gives the other c no gradient, so
+ * they are not computed (torch: threshold_backward(alpha * (g @ W), x, 0)). */
+INLINE void grad_input(const vf *g, const float *wt, const Active *act, float alpha, float *dst) {
+    for (int q = 0; q < act->cnt; q += 8) {
+        const int n = act->cnt - q < 8 ? act->cnt - q : 8;
+        vf s[8];
+        for (int k = 0; k < 8; k++) {
+            const int c = act->idx[q + (k < n ? k : n - 1)]; /* a short group repeats its last */
+            const vf *w = (const vf *)(wt + (size_t)c * PAD);
+            vf e = g[0] * w[0], o = g[1] * w[1];
+            e += g[2] * w[2];
+            o += g[3] * w[3];
+            e += g[4] * w[4];
+            o += g[5] * w[5];
+            s[k] = e + o;
+        }
+        float r[8];
+        vf sums = sum8(s);
+        memcpy(r, &sums, sizeof r);
+        for (int k = 0; k < n; k++)
+            dst[act->idx[q + k]] += alpha * r[k];
     }
 }
 
 /* Forward through the core for one lifted row: st (ROW floats, 32-aligned) in place. When
- * `top_a` is given, the last branch's activation goes there and its nonzero mask and product
- * to *top_mask and top_t: the backward's first reconstruction needs exactly these. */
-INLINE void core_forward_row(const Task *t, float *st, float *top_a, uint64_t *top_mask, vf *top_t) {
+ * `top_a` is given, the last branch's activation goes there and its active inputs and product
+ * to *top_act and top_t: the backward's first reconstruction needs exactly these. */
+INLINE void core_forward_row(const Task *t, float *st, float *top_a, Active *top_act, vf *top_t) {
     float a[PAD] __attribute__((aligned(32)));
     vf tv[NV];
+    Active act;
     vf *l = (vf *)st, *r = (vf *)(st + PAD);
     for (int64_t b = 0; b < t->depth; b++) {
-        branch_product(st + PAD, t->alpha, t->wt + (size_t)(2 * b) * WIDTH * PAD, a, tv);
+        branch_product(st + PAD, t->alpha, t->wt + (size_t)(2 * b) * WIDTH * PAD, a, tv, &act);
         for (int u = 0; u < NV; u++)
             l[u] = l[u] + tv[u];
         const int top = top_a && b == t->depth - 1;
-        uint64_t mask = branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, top ? top_a : a, tv);
+        branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, top ? top_a : a, tv,
+                       top ? top_act : &act);
         for (int u = 0; u < NV; u++)
             r[u] = r[u] + tv[u];
-        if (top) {
-            *top_mask = mask;
+        if (top)
             for (int u = 0; u < NV; u++)
                 top_t[u] = tv[u];
-        }
     }
 }
 
@@ -350,7 +400,7 @@ INLINE void head_row(const Task *t, const float *st, const float *hb, float *s) 
 }
 
 /* Lift one raw row (81 pixels) into a padded state: 4*x - 0.5, zero at 81 and in padding. */
-INLINE void lift_row(const float *x, float *st) {
+INLINE void lift_row(const float *restrict x, float *restrict st) {
     for (int c = 0; c < WIDTH; c++)
         st[c] = x[c] * 4.0f - 0.5f;
     for (int c = WIDTH; c < PAD; c++)
@@ -362,27 +412,39 @@ INLINE void lift_row(const float *x, float *st) {
 }
 
 /* One row of a minibatch: forward, loss gradient, reversible backward. */
-INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
+/* Row i joins the lists of branch k (thread tid's part) for each active input. */
+INLINE void note_active(const Task *t, int64_t k, int tid, int64_t i, const Active *act) {
+    const int64_t B = t->batch;
+    int32_t *lists = t->lists + ((size_t)k * t->threads + tid) * WIDTH * B;
+    int32_t *counts = t->counts + ((size_t)k * t->threads + tid) * WIDTH;
+    for (int q = 0; q < act->cnt; q++) {
+        const int c = act->idx[q];
+        lists[(size_t)c * B + counts[c]++] = (int32_t)i;
+    }
+}
+
+INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
     const int64_t K = 2 * t->depth, B = t->batch;
     const int64_t row = bt->rows[i];
     const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
     float *st = t->z + (size_t)i * ROW;
-    const vf *src = (const vf *)(t->h + (size_t)row * ROW);
-    for (int u = 0; u < 2 * NV; u++)
-        ((vf *)st)[u] = src[u];
-    const float yf = st[LABEL_SLOT];
-    st[LABEL_SLOT] = 0.0f;
-    uint64_t top_mask = 0;
+    lift_row(t->train_x + (size_t)row * PIXELS, st); /* lifted as the row is used */
+    const float yf = (float)t->labels[row];
+    Active top_act;
     vf top_t[NV] = {{0}};
-    core_forward_row(t, st, t->acts + ((size_t)(K - 1) * B + i) * PAD, &top_mask, top_t);
+    core_forward_row(t, st, t->acts + ((size_t)(K - 1) * B + i) * PAD, &top_act, top_t);
 
     /* gradient of the mean cross-entropy w.r.t. the scores: (softmax(s) - onehot(y)) / count */
     float s[CPAD] __attribute__((aligned(32)));
     head_row(t, st, hb, s);
-    float mx = s[0];
-    for (int c = 1; c < CLASSES; c++)
-        mx = s[c] > mx || s[c] != s[c] ? s[c] : mx;
-    const vf lanes = {0, 1, 2, 3, 4, 5, 6, 7}, zero = {0};
+    /* the max as a tree (short chain); a NaN score makes every probability NaN anyway */
+    float m4[5];
+    for (int c = 0; c < 5; c++)
+        m4[c] = s[2 * c] > s[2 * c + 1] ? s[2 * c] : s[2 * c + 1];
+    float m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
+    float m03 = m01 > m23 ? m01 : m23;
+    float mx = m03 > m4[4] ? m03 : m4[4];
+    const vf lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     const vf mxv = {mx, mx, mx, mx, mx, mx, mx, mx};
     vf e[2];
     for (int u = 0; u < 2; u++) {
@@ -403,7 +465,6 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
         vf hit = (vf)((vi)invv & (lanes + (float)(8 * u) == (vf){yf, yf, yf, yf, yf, yf, yf, yf}));
         ((vf *)g)[u] = p * invv - hit;
     }
-    (void)zero;
 
     /* gradient of the endpoint: gz = gs @ hw */
     vf gz[2 * NV] = {{0}};
@@ -420,67 +481,69 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
     float state[ROW] __attribute__((aligned(32)));
     memcpy(state, st, sizeof state);
     vf *l = (vf *)state, *r = (vf *)(state + PAD);
-    vf tv[NV], ga[NV];
+    vf tv[NV];
+    Active act;
     for (int64_t b = t->depth - 1; b >= 0; b--) {
         const int64_t kr = 2 * b + 1, kl = 2 * b;
         float *a = t->acts + ((size_t)kr * B + i) * PAD;
         /* right_out = right_in + (alpha*relu(left_out)) @ W_kr.T; in the top block left_out is
          * the endpoint's left half, so the product is the one the forward added (the same
          * inputs give the same bits: recomputing it would change nothing) */
+        const Active *ar = &act;
         if (b == t->depth - 1) {
-            t->masks[kr * B + i] = top_mask;
+            ar = &top_act;
             for (int u = 0; u < NV; u++)
                 tv[u] = top_t[u];
         } else {
-            t->masks[kr * B + i] = branch_product(state, t->alpha, t->wt + (size_t)kr * WIDTH * PAD, a, tv);
+            branch_product(state, t->alpha, t->wt + (size_t)kr * WIDTH * PAD, a, tv, &act);
         }
+        note_active(t, kr, tid, i, ar);
         for (int u = 0; u < NV; u++)
             r[u] = r[u] - tv[u];
         memcpy(t->gout + ((size_t)kr * B + i) * PAD, gr, PAD * sizeof(float));
-        matvec_dense((const float *)gr, t->wn + (size_t)kr * WIDTH * PAD, ga);
-        add_masked(gl, ga, l, t->alpha);
+        grad_input(gr, t->wt + (size_t)kr * WIDTH * PAD, ar, t->alpha, (float *)gl);
         /* left_out = left_in + (alpha*relu(right_in)) @ W_kl.T */
         a = t->acts + ((size_t)kl * B + i) * PAD;
-        t->masks[kl * B + i] = branch_product(state + PAD, t->alpha, t->wt + (size_t)kl * WIDTH * PAD, a, tv);
+        branch_product(state + PAD, t->alpha, t->wt + (size_t)kl * WIDTH * PAD, a, tv, &act);
+        note_active(t, kl, tid, i, &act);
         for (int u = 0; u < NV; u++)
             l[u] = l[u] - tv[u];
         memcpy(t->gout + ((size_t)kl * B + i) * PAD, gl, PAD * sizeof(float));
-        if (b > 0) {
-            matvec_dense((const float *)gl, t->wn + (size_t)kl * WIDTH * PAD, ga);
-            add_masked(gr, ga, r, t->alpha);
-        }
+        if (b > 0)
+            grad_input(gl, t->wt + (size_t)kl * WIDTH * PAD, &act, t->alpha, (float *)gr);
     }
 }
 
 /* Weight gradient columns [c0, c1) of branch k: wg[k][c][j] = sum_i acts[i][c] * gout[i][j]
- * (= dL/dW_k[j][c]), summed in a fixed order over the rows whose activation c is nonzero
- * (about half: the zero terms are exact zeros). */
-INLINE void weight_grad_columns(const Task *t, int64_t n, int64_t k, int64_t c0, int64_t c1) {
+ * (= dL/dW_k[j][c]), summed in a fixed order over the rows whose input c was active (about
+ * half: the others have a zero activation, an exact zero term). */
+INLINE void weight_grad_columns(const Task *t, int tid, int64_t k, int64_t c0, int64_t c1) {
     const int64_t B = t->batch;
     const float *A = t->acts + (size_t)k * B * PAD, *G = t->gout + (size_t)k * B * PAD;
-    const uint64_t *M = t->masks + k * B;
-    int32_t *lists = t->lists + (size_t)k * WIDTH * B;
-    int32_t count[WIDTH] = {0};
-    const uint64_t sel = ((c1 >= 64 ? 0 : (1ull << c1)) - 1) & ~((1ull << c0) - 1);
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t m = M[i] & sel;
-        while (m) {
-            int c = __builtin_ctzll(m);
-            m &= m - 1;
-            lists[(size_t)c * B + count[c]++] = (int32_t)i;
-        }
-    }
+    const int P = t->threads;
+    int32_t *merged = t->merged + (size_t)tid * B;
     float tmp[PAD] __attribute__((aligned(32)));
     for (int64_t c = c0; c < c1; c++) {
-        const int32_t *rows = lists + (size_t)c * B;
+        /* the rows of column c, ascending: thread by thread (each thread's rows ascend) */
+        const int32_t *rows = t->lists + ((size_t)k * P * WIDTH + c) * B;
+        int32_t count = t->counts[(size_t)k * P * WIDTH + c];
+        if (P > 1) {
+            count = 0;
+            for (int p = 0; p < P; p++) {
+                const int32_t n_p = t->counts[((size_t)k * P + p) * WIDTH + c];
+                memcpy(merged + count, t->lists + (((size_t)k * P + p) * WIDTH + c) * B, n_p * sizeof(int32_t));
+                count += n_p;
+            }
+            rows = merged;
+        }
         vf e[NV] = {{0}}, o[NV] = {{0}}; /* alternate rows: two short dependency chains */
         int32_t q = 0;
-        for (; q + 1 < count[c]; q += 2) {
+        for (; q + 1 < count; q += 2) {
             const size_t i0 = (size_t)rows[q], i1 = (size_t)rows[q + 1];
             axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
             axpy6(o, A[i1 * PAD + c], G + i1 * PAD);
         }
-        if (q < count[c]) {
+        if (q < count) {
             const size_t i0 = (size_t)rows[q];
             axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
         }
@@ -537,14 +600,13 @@ INLINE void sgd_range(const Task *t, float *p, float *v, const float *g, int64_t
     }
 }
 
-/* Padded working copies of columns [c0, c1) of weight k: wt rows and wn columns. */
+/* Padded working copies of columns [c0, c1) of weight k: rows of wt. */
 INLINE void refresh_weight_columns(Task *t, int64_t k, int64_t c0, int64_t c1) {
     const float *w = t->wp + (size_t)k * WIDTH * WIDTH;
-    float *wt = t->wt + (size_t)k * WIDTH * PAD, *wn = t->wn + (size_t)k * WIDTH * PAD;
+    float *wt = t->wt + (size_t)k * WIDTH * PAD;
     for (int64_t c = c0; c < c1; c++)
         for (int j = 0; j < WIDTH; j++) {
             wt[(size_t)c * PAD + j] = w[(size_t)c * WIDTH + j];
-            wn[(size_t)j * PAD + c] = w[(size_t)c * WIDTH + j];
         }
 }
 
@@ -561,13 +623,13 @@ INLINE void refresh_head_class(Task *t, int c) {
 /* The update phase for units [lo, hi): unit k*WIDTH + c is column c of weight k, unit
  * K*WIDTH + c is head class c (its hw row and hb entry). Each unit's gradient, SGD step and
  * working copies depend on that unit alone, so units split freely over threads. */
-INLINE void update_units(Task *t, int64_t n, int64_t lo, int64_t hi) {
+INLINE void update_units(Task *t, int64_t n, int tid, int64_t lo, int64_t hi) {
     const int64_t K = 2 * t->depth;
     for (int64_t k = 0; k < K; k++) {
         int64_t a = lo > k * WIDTH ? lo - k * WIDTH : 0;
         int64_t b = hi - k * WIDTH < WIDTH ? hi - k * WIDTH : WIDTH;
         if (a < b) {
-            weight_grad_columns(t, n, k, a, b);
+            weight_grad_columns(t, tid, k, a, b);
             sgd_range(t, t->wp, t->wv, t->wg, k * WIDTH * WIDTH + a * WIDTH, k * WIDTH * WIDTH + b * WIDTH);
             refresh_weight_columns(t, k, a, b);
         }
@@ -624,12 +686,7 @@ INLINE void run_worker(Worker *w) {
     const int64_t K = 2 * t->depth;
     int64_t lo, hi;
 
-    /* lift the training rows; working copies of the initial parameters */
-    split(t->n, id, P, &lo, &hi);
-    for (int64_t r = lo; r < hi; r++) {
-        lift_row(t->train_x + (size_t)r * PIXELS, t->h + (size_t)r * ROW);
-        t->h[(size_t)r * ROW + LABEL_SLOT] = (float)t->labels[r]; /* read with the row */
-    }
+    /* working copies of the initial parameters */
     const int64_t units = K * WIDTH + CLASSES;
     int64_t ulo, uhi;
     split(units, id, P, &ulo, &uhi);
@@ -655,15 +712,17 @@ INLINE void run_worker(Worker *w) {
                         .count = t->n - start < t->batch ? t->n - start : t->batch};
             bt.inv_count = 1.0f / (float)bt.count;
             /* rows: forward, loss gradient, reversible backward */
+            for (int64_t k = 0; k < K; k++)
+                memset(t->counts + ((size_t)k * P + id) * WIDTH, 0, WIDTH * sizeof(int32_t));
             split(bt.count, id, P, &lo, &hi);
             for (int64_t i = lo; i < hi; i++) {
                 if (i + PREFETCH < hi)
-                    prefetch_row(t->h + (size_t)bt.rows[i + PREFETCH] * ROW);
-                train_row(t, &bt, i);
+                    prefetch_row(t, bt.rows[i + PREFETCH]);
+                train_row(t, &bt, i, id);
             }
             barrier_wait(w->barrier);
             /* weight gradients, SGD and working copies, unit by unit */
-            update_units(t, bt.count, ulo, uhi);
+            update_units(t, bt.count, id, ulo, uhi);
             barrier_wait(w->barrier);
         }
     }
@@ -693,7 +752,6 @@ INLINE void run_worker(Worker *w) {
 
 CLONES static void run_worker_entry(Worker *w) { run_worker(w); }
 
-#define MAX_THREADS 64
 
 typedef struct {
     Worker worker;
@@ -789,7 +847,7 @@ static PyObject *py_train_predict(PyObject *self, PyObject *args) {
     t.lr = lr;
     t.momentum = momentum;
     t.wd = wd;
-    t.threads = threads;
+    t.threads = threads < MAX_THREADS ? threads : MAX_THREADS;
 
     Py_buffer b[7];
     int got = 0;
