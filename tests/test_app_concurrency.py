@@ -10,7 +10,6 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import pytest
 
 from app.errors import QueueFull, TaskTimeout, Unavailable
@@ -18,20 +17,10 @@ from app.executor import DeviceExecutor
 from learner.config import make_config
 from learner.hashing import array_sha256
 from learner.result import run_task
-from learner.taskio import task_to_npz_bytes, validate_task
+from learner.taskio import task_to_npz_bytes
 
 from .conftest import small_task
 from .server import post_task, running_job, running_server, wait_for
-
-
-def synthetic(n: int, m: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return validate_task(
-        rng.random((n, 1, 9, 9), dtype=np.float32),
-        rng.integers(0, 10, n).astype(np.int64),
-        rng.random((m, 1, 9, 9), dtype=np.float32),
-    )
-
 
 # --------------------------------------------------------------------------- the executor alone
 
@@ -194,7 +183,7 @@ def burst_server(tmp_path_factory):
 
 def test_burst_larger_than_the_queue_gets_200s_and_503s_only(burst_server):
     config = make_config({"epochs": 2})
-    tasks = [synthetic(1500, 200, seed) for seed in range(BURST)]  # every request a different task
+    tasks = [small_task(1500, 200, seed) for seed in range(BURST)]  # every request a different task
     bodies = [task_to_npz_bytes(t) for t in tasks]
     barrier = threading.Barrier(BURST)
 
@@ -273,7 +262,7 @@ def test_timeout_while_queued_is_504_and_the_task_never_runs(timeout_server):
     # The blocker: an energy measurement holds the device for about target_seconds whatever the
     # machine's speed (its own timeout covers the protocol's windows and single runs).
     # Its task is big enough (tens of ms) that the 1000-repeat cap cannot cut the window short.
-    blocker_body = task_to_npz_bytes(synthetic(2000, 200, 4))
+    blocker_body = task_to_npz_bytes(small_task(2000, 200, 4))
     blocker = threading.Thread(target=_send, args=(timeout_server, results, "blocker", blocker_body, {
         "measure": "energy", "trials": "1", "target_seconds": "6", "settle_seconds": "0", "idle_seconds": "0"}))
     blocker.start()
@@ -296,7 +285,7 @@ def test_timeout_while_queued_is_504_and_the_task_never_runs(timeout_server):
 
 def test_timeout_while_running_is_504_once_and_the_late_result_is_discarded(timeout_server):
     # Far longer than the timeout on any machine: 10,000 examples x 20 epochs.
-    long_body = task_to_npz_bytes(synthetic(10_000, 500, 1))
+    long_body = task_to_npz_bytes(small_task(10_000, 500, 1))
     small = task_to_npz_bytes(small_task(19, 7, seed=3))
     before = _queue(timeout_server)
     timeouts_before = timeouts_counted(timeout_server)

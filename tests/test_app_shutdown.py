@@ -10,26 +10,16 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import pytest
 
 from app.main import create_app
 from app.settings import Settings
 from learner.config import make_config
 from learner.result import run_task
-from learner.taskio import task_to_npz_bytes, validate_task
+from learner.taskio import task_to_npz_bytes
 
 from .conftest import small_task
 from .server import inprocess_server, post_task, running_job, running_server, wait_for
-
-
-def synthetic(n: int, m: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return validate_task(
-        rng.random((n, 1, 9, 9), dtype=np.float32),
-        rng.integers(0, 10, n).astype(np.int64),
-        rng.random((m, 1, 9, 9), dtype=np.float32),
-    )
 
 
 def log_records(server) -> list[dict]:
@@ -41,7 +31,7 @@ def exited(proc) -> bool:
 
 
 def test_sigterm_drains_the_in_flight_task_then_exits(tmp_path):
-    task = synthetic(3000, 300, 1)
+    task = small_task(3000, 300, 1)
     config = make_config({"epochs": 3})
     env = {"REV88_BACKEND": "cpu", "REV88_DRAIN_TIMEOUT_S": "300", "REV88_THREADS": "1"}
     with running_server(tmp_path, env=env) as server:
@@ -74,7 +64,7 @@ def test_sigterm_drains_the_in_flight_task_then_exits(tmp_path):
 
 def test_drain_timeout_answers_what_is_left_with_503_then_exits(tmp_path):
     env = {"REV88_BACKEND": "cpu", "REV88_DRAIN_TIMEOUT_S": "2", "REV88_THREADS": "1"}
-    long_body = task_to_npz_bytes(synthetic(10_000, 500, 2))  # x 20 epochs: far longer than 2 s
+    long_body = task_to_npz_bytes(small_task(10_000, 500, 2))  # x 20 epochs: far longer than 2 s
     small = task_to_npz_bytes(small_task(19, 7, seed=4))
     with running_server(tmp_path, env=env) as server:
         results: dict[str, httpx.Response] = {}
