@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import email.utils
-import json
 import math
 import os
 import signal
@@ -252,14 +251,13 @@ def error_message(response) -> str:
 
 def config_params(path: str) -> dict[str, str]:
     """A JSON object of config overrides -> query parameters (the server validates them)."""
+    from learner.config import read_config_json
+    from learner.errors import ConfigError
+
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CliError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as exc:
-        raise CliError(f"config file {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CliError(f"config file {path} must hold a JSON object of config keys, e.g. {{\"batch_size\": 64}}")
+        data = read_config_json(path)
+    except ConfigError as exc:
+        raise CliError(exc.message) from None
     params = {}
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):

@@ -83,18 +83,18 @@ def coerce_config_strings(raw: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def load_config_file(path: str | Path) -> Config:
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object of a config file, unvalidated (clients that let a server validate use it)."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
-    return parse_config_object(data, source=str(path))
-
-
-def parse_config_object(data: Any, source: str = "config") -> Config:
     if not isinstance(data, dict):
-        raise ConfigError(f"{source} must be a JSON object of config keys")
-    # Accept a whole result/metadata object's "config" too? No: be strict, one shape.
-    return make_config(data)
+        raise ConfigError(f'config file {path} must be a JSON object of config keys, e.g. {{"batch_size": 64}}')
+    return data
+
+
+def load_config_file(path: str | Path) -> Config:
+    return make_config(read_config_json(path))
