@@ -35,9 +35,13 @@ def assert_close_to_cpu(fast, ref):
     np.testing.assert_allclose(fast.scores, ref.scores, atol=1e-4, rtol=3e-3)
 
 
-def run_both(task, config, threads=1):
+def run_both(task, config, threads=1, isa="auto"):
     prepared = prepare(task, config)
-    return CpuFastBackend(threads=threads).run(task, prepared), CpuBackend().run(task, prepared)
+    return CpuFastBackend(threads=threads, isa=isa).run(task, prepared), CpuBackend().run(task, prepared)
+
+
+# every compiled variant this CPU runs (generic, and x86-64-v3 where the CPU has AVX2 + FMA)
+VARIANTS = cpu_fast._kernel.variants()
 
 
 # ---------------------------------------------------------------------------- MNIST draw 0
@@ -54,6 +58,13 @@ def test_draw0_predictions_equal_cpu(draw0, draw0_cpu_result, draw0_fast_result)
     np.testing.assert_array_equal(fast.predictions, draw0_cpu_result.predictions)
     assert int((fast.predictions == query_labels).sum()) == 8887
     assert fast.predictions_sha256 == draw0_cpu_result.predictions_sha256
+
+
+def test_draw0_generic_variant_predictions_equal_cpu(draw0, draw0_cpu_result):
+    """The portable variant (what a CPU without AVX2 + FMA runs) on the whole task."""
+    task = draw0[0]
+    out = CpuFastBackend(isa="generic").run(task, prepare(task, Config()))
+    np.testing.assert_array_equal(out.scores.argmax(axis=1), draw0_cpu_result.predictions)
 
 
 def test_draw0_parameters_and_velocity_close_to_cpu(draw0_cpu_result, draw0_fast_result):
@@ -84,9 +95,11 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_parameters_and_velocity_close_to_cpu(name):
-    fast, ref = run_both(small_task(150, 23, seed=3), CONFIGS[name])
+def test_parameters_and_velocity_close_to_cpu(name, isa):
+    fast, ref = run_both(small_task(150, 23, seed=3), CONFIGS[name], isa=isa)
+    assert fast.extra["isa"] == isa
     assert_close_to_cpu(fast, ref)
 
 
@@ -95,10 +108,11 @@ def test_tiny_task_close_to_cpu(small):
     assert_close_to_cpu(fast, ref)
 
 
-def test_repeat_runs_and_thread_counts_byte_identical():
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_repeat_runs_and_thread_counts_byte_identical(isa):
     task = small_task(300, 41, seed=8)
     prepared = prepare(task, Config(batch_size=32, weight_decay=1e-3))
-    runs = [CpuFastBackend(threads=t).run(task, prepared) for t in (1, 1, 2, 3)]
+    runs = [CpuFastBackend(threads=t, isa=isa).run(task, prepared) for t in (1, 1, 2, 3)]
     first = runs[0]
     for other in runs[1:]:
         assert other.scores.tobytes() == first.scores.tobytes()
@@ -144,6 +158,14 @@ def test_diverging_runs_stay_memory_safe_and_thread_independent(depth):
         assert not np.isfinite(one.scores).all() or not all(np.isfinite(p).all() for p in one.final_parameters)
 
 
+def test_auto_variant_is_the_best_this_cpu_runs():
+    assert VARIANTS[0] == "generic"
+    assert cpu_fast._kernel.isa() == VARIANTS[-1]
+    assert CpuFastBackend().describe()["isa"] == VARIANTS[-1]
+    with pytest.raises(ValueError, match="isa must be 'auto' or one of"):
+        CpuFastBackend(isa="avx512")
+
+
 # ---------------------------------------------------------------------------- threads, errors
 
 
@@ -173,12 +195,15 @@ def test_kernel_rejects_bad_buffers_by_name():
         velocity=np.zeros(nparams, np.float32), scores=np.zeros((m, 10), np.float32),
     )
 
-    def call(**changes):
+    def call(isa="auto", **changes):
         a = {**good, **changes}
-        kernel.train_predict(a["train_x"], a["labels"], a["perms"], a["test_x"], a["params"], a["velocity"],
-                             a["scores"], n, m, 1, 2, depth, 0.5, 0.1, 0.9, 0.0, 1)
+        return kernel.train_predict(a["train_x"], a["labels"], a["perms"], a["test_x"], a["params"],
+                                    a["velocity"], a["scores"], n, m, 1, 2, depth, 0.5, 0.1, 0.9, 0.0, 1, isa)
 
-    call()
+    assert call() == kernel.isa()
+    assert call("generic") == "generic"
+    with pytest.raises(ValueError, match="isa must be 'auto', 'generic'"):
+        call("sse9")
     with pytest.raises(ValueError, match="labels must be int64"):
         call(labels=np.zeros(n, np.float64))
     with pytest.raises(ValueError, match="params must hold"):

@@ -18,9 +18,11 @@ task, one thread, seconds per task (bench/bench_cpu.py has the full table):
         41-wide loops into scalar code); with runtime loop bounds the 41x41 products reach
         ~14 GFLOP/s against ~45-60 for the same loop in C with vector types (numba cannot
         tell LLVM that arrays do not alias, so accumulators stay in memory)
-    this C kernel                                            0.023-0.032 (quiet vs busy host)
+    this C kernel (x86-64-v3 variant)                        0.025-0.032 (quiet vs busy host)
 
-The kernel needs no dependency beyond a C compiler at install time (pyproject.toml builds it
+The kernel is compiled twice, a generic variant and (GCC on x86-64) an AVX2 + FMA one; the
+CPU at hand picks (``isa="auto"``), or the constructor names one (the tests run both).
+It needs no dependency beyond a C compiler at install time (pyproject.toml builds it
 as an optional extension; without one, cpu-fast reports itself unavailable and ``auto``
 falls back to the cpu backend).
 
@@ -86,10 +88,13 @@ class CpuFastBackend:
     name = "cpu-fast"
     device = "cpu"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
         if _kernel is None:
             raise RuntimeError(KERNEL_ERROR)
         self.threads = configured_threads(threads)
+        if isa != "auto" and isa not in _kernel.variants():
+            raise ValueError(f"cpu-fast isa must be 'auto' or one of {_kernel.variants()}, got {isa!r}")
+        self.isa = _kernel.isa() if isa == "auto" else isa
         self.lock = threading.Lock()  # the kernel's buffers are per call; one task at a time still
 
     def describe(self) -> dict:
@@ -98,7 +103,7 @@ class CpuFastBackend:
             "device": self.device,
             "threads": self.threads,
             "kernel": "learner.backends._cpu_fast (C)",
-            "isa": _kernel.isa(),
+            "isa": self.isa,
         }
 
     def run(self, task: TaskArrays, prepared: Prepared) -> RunOutput:
@@ -125,11 +130,11 @@ class CpuFastBackend:
         prepared_at = time.perf_counter()
         with self.lock:
             t1 = time.perf_counter()
-            _kernel.train_predict(
+            ran = _kernel.train_predict(
                 train_x, labels, perms, test_x, params, velocity, scores,
                 n, m, config.epochs, config.batch_size, config.depth,
                 config.alpha, config.learning_rate, config.momentum, config.weight_decay,
-                self.threads,
+                self.threads, self.isa,
             )
             t2 = time.perf_counter()
         return RunOutput(
@@ -138,7 +143,7 @@ class CpuFastBackend:
             scores=scores,
             training_prediction_seconds=t2 - t1,
             preparation_seconds=prepared_at - t0,
-            extra={"threads": self.threads, "isa": _kernel.isa()},
+            extra={"threads": self.threads, "isa": ran},
         )
 
 

@@ -1,801 +1,56 @@
 /*
- * The cpu-fast kernel: one call trains one rev88 task end to end and scores its queries.
- *
- * Same math as learner/train.py + learner/model.py (the cpu backend), written out by hand:
- *
- *   lift      h = [4*x - 0.5, 0]; left = h[:41], right = h[41:]
- *   block b   left  += (alpha*relu(right)) @ W[2b].T
- *             right += (alpha*relu(left))  @ W[2b+1].T
- *   head      s = [left, right] @ hw.T + hb;  loss = mean cross-entropy
- *   backward  reversible: only the core's endpoint is kept; each earlier state is rebuilt by
- *             subtracting the branch it added (as learner.model.ReversibleCore does)
- *   update    g (+= wd*p); v = momentum*v + g; p -= lr*v      (torch.optim.SGD order)
- *
- * Everything is row-local except the weight gradients (sums over the batch), so each
- * minibatch runs in two phases:
- *   rows     per row (lifted as it is read): forward, loss gradient, reversible backward;
- *            each branch's input activation and output gradient are saved, and the row
- *            joins per-input lists of the rows where that input was active
- *   update   per weight column (and head class): gradient, SGD step, working copies
- * All buffers are allocated once per call; nothing is allocated per step; no BLAS, no
- * autograd. The weights are trained column-major inside (wp[c][j] = W[j][c]) and written
- * back in torch's layout at the end.
- *
- * Layout: a 41-wide half state is padded to 48 floats (six 8-float vectors); the padding
- * stays exactly zero (the padded weight columns are zero), so it never changes a result.
- * relu zeroes about half of each branch's inputs, and the kernel skips them everywhere: the
- * products and weight gradients leave out exact-zero terms (0*w is an exact zero for finite
- * w), and the gradient to a branch's input is computed only where relu passes it (as dot
- * products with the columns of W; elsewhere it is zero by the mask). The first
- * reconstruction of the backward subtracts the very product the forward added last (same
- * inputs, same bits), so it is kept rather than recomputed.
- *
- * Summation order differs from MKL's, so results equal the cpu backend's to float32
- * rounding (the tests bound the difference), and they are bit-for-bit repeatable on one
- * machine: every sum runs in a fixed order, whatever the thread count.
- *
- * Threads: with threads > 1, rows of a minibatch (and the queries) and the update's
- * columns are split over that many pthreads that meet at a barrier after each phase (two
- * per minibatch). Each output element is computed by one thread in a fixed order, so the
- * result does not depend on the thread count.
- *
- * On x86-64 (GCC) the entry point is compiled three times (target_clones): for x86-64-v3
- * (AVX2+FMA), for AVX, and for the baseline; the loader picks one for the CPU at hand.
- * They may differ in the last bit (FMA contraction); `isa()` says which one runs. Measured
- * on the dev machine (draw-0 task, one thread, an earlier version of this file): v3 ~30 ms,
- * AVX ~30 ms, baseline SSE2 ~290 ms (GCC splits the 8-lane compares into scalar code there),
- * still faster than the cpu backend. Other compilers and CPUs build one portable variant
- * (checked here only with GCC 12 on x86-64).
+ * The cpu-fast kernel's Python module, learner.backends._cpu_fast: argument checks, the choice
+ * of compiled variant for the CPU at hand, and the call. The kernel itself (the math, buffers,
+ * threads) is cpu_fast_train.h, compiled twice: cpu_fast_generic.c for any CPU and, with GCC
+ * on x86-64, cpu_fast_x86_64_v3.c for AVX2 + FMA, the variant picked whenever the CPU has it.
+ * The two differ in the last bits (FMA contraction); each is repeatable on its own.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
+#include <errno.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
-#define WIDTH 41
-#define PAD 48 /* padded half state */
-#define NV 6   /* 8-float vectors per padded half */
-#define FEAT 82
-#define ROW 96 /* padded state: left at [0, 48), right at [48, 96) */
-#define CLASSES 10
-#define CPAD 16
-#define MAX_THREADS 64
+#include "cpu_fast.h"
+
 #define PIXELS 81
+#define CLASSES 10
+#define WIDTH 41
+#define FEAT 82
 
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
+typedef int (*Kernel)(const KernelArgs *);
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && \
-    !defined(CPU_FAST_NO_CLONES)
-#define CLONES __attribute__((target_clones("arch=x86-64-v3", "avx", "default")))
-#define HAVE_CLONES 1
+/* Does this CPU have what the x86-64-v3 variant was compiled for? */
+static int cpu_has_v3(void) {
+#if CPU_FAST_HAVE_V3
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v3");
 #else
-#define CLONES
-#define HAVE_CLONES 0
-#endif
-#define INLINE static inline __attribute__((always_inline))
-
-/* ------------------------------------------------------------------------ task state */
-
-typedef struct {
-    /* sizes and config */
-    int64_t n, m, epochs, batch, depth, nparams;
-    float alpha, lr, momentum, wd;
-    int threads;
-    /* inputs */
-    const float *train_x, *test_x;
-    const int64_t *labels, *perms;
-    /* outputs (params in/out, velocity out, scores out) */
-    float *params, *velocity, *scores;
-    /* work buffers (allocated once) */
-    float *wt;   /* K x WIDTH x PAD: wt[k][c][j] = W_k[j][c] (row c: what input c adds) */
-    float *hwt;  /* ROW x CPAD: hwt[f][c] = hw[c][f'] (f padded position, f' real index) */
-    float *hwp;  /* CLASSES x ROW: hw rows in padded positions */
-    float *z;    /* batch x ROW: core endpoints */
-    float *gs;   /* batch x CPAD: score gradients */
-    float *acts; /* K x batch x PAD: each branch's input activation alpha*relu(x) */
-    float *gout; /* K x batch x PAD: each branch's output gradient */
-    float *grad; /* nparams: used at the head's offsets (the weights use wg) */
-    float *wp;   /* K x WIDTH x WIDTH: weights by column, wp[k][c][j] = W_k[j][c] (trained here) */
-    float *wv;   /* K x WIDTH x WIDTH: their velocity, same layout */
-    float *wg;   /* K x WIDTH x WIDTH: their gradient, same layout */
-    int32_t *lists;  /* K x threads x WIDTH x batch: per branch, thread and input c, the rows
-                        (ascending) whose input c was active */
-    int32_t *counts; /* K x threads x WIDTH: their lengths */
-    int32_t *merged; /* threads x batch: one column's rows from all threads, in order */
-} Task;
-
-/* One minibatch: its rows (indices into the training set) and their count. */
-typedef struct {
-    const int64_t *rows;
-    int64_t count;
-    float inv_count;
-} Batch;
-
-static void *aligned(size_t floats) {
-    size_t bytes = ((floats * sizeof(float) + 63) / 64) * 64;
-    void *p = aligned_alloc(64, bytes ? bytes : 64);
-    if (p)
-        memset(p, 0, bytes ? bytes : 64);
-    return p;
-}
-
-static void free_task(Task *t) {
-    free(t->wt);
-    free(t->hwt);
-    free(t->hwp);
-    free(t->z);
-    free(t->gs);
-    free(t->acts);
-    free(t->gout);
-    free(t->grad);
-    free(t->wp);
-    free(t->wv);
-    free(t->wg);
-    free(t->lists);
-    free(t->counts);
-    free(t->merged);
-}
-
-static int alloc_task(Task *t) {
-    size_t k = (size_t)(2 * t->depth), b = (size_t)t->batch;
-    t->wt = aligned(k * WIDTH * PAD);
-    t->hwt = aligned(ROW * CPAD);
-    t->hwp = aligned(CLASSES * ROW);
-    t->z = aligned(b * ROW);
-    t->gs = aligned(b * CPAD);
-    t->acts = aligned(k * b * PAD);
-    t->gout = aligned(k * b * PAD);
-    t->grad = aligned((size_t)t->nparams);
-    t->wp = aligned(k * WIDTH * WIDTH);
-    t->wv = aligned(k * WIDTH * WIDTH);
-    t->wg = aligned(k * WIDTH * WIDTH);
-    size_t p = (size_t)(t->threads < 1 ? 1 : t->threads);
-    t->lists = aligned(k * p * WIDTH * b);
-    t->counts = aligned(k * p * WIDTH);
-    t->merged = aligned(p * b);
-    return t->wt && t->hwt && t->hwp && t->z && t->gs && t->acts && t->gout && t->grad &&
-           t->wp && t->wv && t->wg && t->lists && t->counts && t->merged;
-}
-
-/* ------------------------------------------------------------------------ row pieces */
-
-#define PREFETCH 2 /* rows ahead: training rows are read in shuffled order */
-INLINE void prefetch_row(const Task *t, int64_t row) {
-#if defined(__GNUC__)
-    const char *x = (const char *)(t->train_x + (size_t)row * PIXELS);
-    for (int off = 0; off < PIXELS * 4 + 64; off += 64)
-        __builtin_prefetch(x + off, 0, 3);
-    __builtin_prefetch(t->labels + row, 0, 3);
-#else
-    (void)t;
-    (void)row;
+    return 0;
 #endif
 }
 
-/* acc[0..5] += s * w[0..47] */
-INLINE void axpy6(vf *acc, float s, const float *w) {
-    const vf b = {s, s, s, s, s, s, s, s};
-    const vf *wv = (const vf *)w;
-    for (int u = 0; u < NV; u++)
-        acc[u] += b * wv[u];
-}
-
-/* pack_table[m]: the set bits of m as lane numbers, lowest first, one per byte. */
-static uint64_t pack_table[256];
-
-static void init_pack_table(void) {
-    for (unsigned m = 0; m < 256; m++) {
-        uint64_t v = 0;
-        int n = 0;
-        for (unsigned k = 0; k < 8; k++)
-            if (m & (1u << k))
-                v |= (uint64_t)k << (8 * n++);
-        pack_table[m] = v;
+/* The variant for `name` ("auto", "generic" or "x86-64-v3"), or NULL with an exception. */
+static Kernel pick_kernel(const char *name, const char **picked) {
+    if (strcmp(name, "auto") == 0)
+        name = cpu_has_v3() ? "x86-64-v3" : "generic";
+    *picked = name;
+    if (strcmp(name, "generic") == 0)
+        return cpu_fast_train_generic;
+#if CPU_FAST_HAVE_V3
+    if (strcmp(name, "x86-64-v3") == 0) {
+        if (!cpu_has_v3()) {
+            PyErr_SetString(PyExc_ValueError, "this CPU lacks x86-64-v3 (AVX2, FMA): use isa='generic'");
+            return NULL;
+        }
+        return cpu_fast_train_x86_64_v3;
     }
-}
-
-/* The inputs x[c] of a branch that relu lets through (x > 0, or NaN as in torch): their
- * numbers, ascending, and as a bit mask. Only these give a nonzero activation (the rare
- * exception, alpha*x underflowing to zero, adds an exact zero) and only these pass a
- * gradient back. */
-typedef struct {
-    uint64_t mask;
-    int cnt;
-    uint8_t idx[PAD + 8];
-} Active;
-
-/* One branch's product: a = alpha*relu(x) (written to `a`; x and a are PAD floats with zero
- * padding), out = a @ W.T = sum_c a[c] * wt[c][:] over the active c, in a fixed order. */
-INLINE void branch_product(const float *x, float alpha, const float *wt, float *a, vf *out, Active *act) {
-    const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha}, zero = {0};
-    /* lane k of vector u is input 8u+k; its flag goes to bit 8*(u%4)+k of word u/4, so two
-     * horizontal ORs give the whole 48-bit mask */
-    const vi lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
-    vi words[2] = {{0}, {0}};
-    for (int u = 0; u < NV; u++) {
-        vf xv = ((const vf *)x)[u];
-        vi keep = (xv > zero) | (xv != xv);
-        ((vf *)a)[u] = al * (vf)((vi)xv & keep);
-        words[u / 4] |= (keep & lane_bit) << (8 * (u % 4));
-    }
-    uint64_t mask = 0;
-    for (int h = 0; h < 2; h++) {
-        vi v = words[h];
-        uint32_t m = (uint32_t)(((v[0] | v[1]) | (v[2] | v[3])) | ((v[4] | v[5]) | (v[6] | v[7])));
-        mask |= (uint64_t)m << (32 * h);
-    }
-    /* padding lanes are zero while training is finite; once it has diverged they may hold
-     * NaN (inf * 0): never count them */
-    mask &= (1ull << WIDTH) - 1;
-    /* left-pack the active numbers, eight at a time */
-    int cnt = 0;
-    for (int u = 0; u < NV; u++) {
-        unsigned bits = (unsigned)(mask >> (8 * u)) & 0xffu;
-        uint64_t lanes = pack_table[bits] + (uint64_t)(8 * u) * 0x0101010101010101ull;
-        memcpy(act->idx + cnt, &lanes, 8);
-        cnt += __builtin_popcount(bits);
-    }
-    act->mask = mask;
-    act->cnt = cnt;
-    /* two interleaved partial sums (even and odd positions in the list): short chains */
-    const uint8_t *idx = act->idx;
-    vf e[NV] = {{0}}, o[NV] = {{0}};
-    int q = 0;
-    for (; q + 1 < cnt; q += 2) {
-        axpy6(e, a[idx[q]], wt + (size_t)idx[q] * PAD);
-        axpy6(o, a[idx[q + 1]], wt + (size_t)idx[q + 1] * PAD);
-    }
-    if (q < cnt)
-        axpy6(e, a[idx[q]], wt + (size_t)idx[q] * PAD);
-    for (int u = 0; u < NV; u++)
-        out[u] = e[u] + o[u];
-}
-
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-#define HAVE_SHUFFLE 1
-#else
-#define HAVE_SHUFFLE 0
 #endif
-
-/* Lane k of the result is the sum of the eight lanes of s[k], added as
- * ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)). */
-INLINE vf sum8(const vf *s) {
-#if HAVE_SHUFFLE
-    vf p[4], q[2];
-    for (int k = 0; k < 4; k++)
-        p[k] = __builtin_shufflevector(s[2 * k], s[2 * k + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(s[2 * k], s[2 * k + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int k = 0; k < 2; k++)
-        q[k] = __builtin_shufflevector(p[2 * k], p[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(p[2 * k], p[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return __builtin_shufflevector(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
-#else
-    float r[8], x[8];
-    for (int k = 0; k < 8; k++) {
-        memcpy(x, &s[k], sizeof x);
-        r[k] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
-    }
-    vf out;
-    memcpy(&out, r, sizeof out);
-    return out;
-#endif
-}
-
-/* The gradient through one branch to its input, added to dst (PAD floats):
- * dst[c] += alpha * (g @ W)[c] for the active c, where (g @ W)[c] = sum_j g[j] W[j][c] is
- * the dot product of g with wt[c] (column c of W); relu gives the other c no gradient, so
- * they are not computed (torch: threshold_backward(alpha * (g @ W), x, 0)). */
-INLINE void grad_input(const vf *g, const float *wt, const Active *act, float alpha, float *dst) {
-    for (int q = 0; q < act->cnt; q += 8) {
-        const int n = act->cnt - q < 8 ? act->cnt - q : 8;
-        vf s[8];
-        for (int k = 0; k < 8; k++) {
-            const int c = act->idx[q + (k < n ? k : n - 1)]; /* a short group repeats its last */
-            const vf *w = (const vf *)(wt + (size_t)c * PAD);
-            vf e = g[0] * w[0], o = g[1] * w[1];
-            e += g[2] * w[2];
-            o += g[3] * w[3];
-            e += g[4] * w[4];
-            o += g[5] * w[5];
-            s[k] = e + o;
-        }
-        float r[8];
-        vf sums = sum8(s);
-        memcpy(r, &sums, sizeof r);
-        for (int k = 0; k < n; k++)
-            dst[act->idx[q + k]] += alpha * r[k];
-    }
-}
-
-/* Forward through the core for one lifted row: st (ROW floats, 32-aligned) in place. When
- * `top_a` is given, the last branch's activation goes there and its active inputs and product
- * to *top_act and top_t: the backward's first reconstruction needs exactly these. */
-INLINE void core_forward_row(const Task *t, float *st, float *top_a, Active *top_act, vf *top_t) {
-    float a[PAD] __attribute__((aligned(32)));
-    vf tv[NV];
-    Active act;
-    vf *l = (vf *)st, *r = (vf *)(st + PAD);
-    for (int64_t b = 0; b < t->depth; b++) {
-        branch_product(st + PAD, t->alpha, t->wt + (size_t)(2 * b) * WIDTH * PAD, a, tv, &act);
-        for (int u = 0; u < NV; u++)
-            l[u] = l[u] + tv[u];
-        const int top = top_a && b == t->depth - 1;
-        branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, top ? top_a : a, tv,
-                       top ? top_act : &act);
-        for (int u = 0; u < NV; u++)
-            r[u] = r[u] + tv[u];
-        if (top)
-            for (int u = 0; u < NV; u++)
-                top_t[u] = tv[u];
-    }
-}
-
-/* mask ? a : b, lane by lane (mask lanes are all ones or all zeros). */
-INLINE vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* exp(x) for 8 lanes: x = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-7 Taylor-like
- * polynomial (the classic single-precision minimax coefficients), times 2^n. Relative error
- * about 1e-7 (1-2 ulp) on the softmax range x <= 0; NaN stays NaN; below -87.3 it returns
- * about 1e-38 instead of an underflow (a probability that small changes no sum). */
-INLINE vf vexp(vf x) {
-    const vf lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const vf hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
-    x = pick(x < lo, lo, x); /* NaN compares false and passes through */
-    x = pick(x > hi, hi, x);
-    const vf log2e = {1.44269504f, 1.44269504f, 1.44269504f, 1.44269504f,
-                      1.44269504f, 1.44269504f, 1.44269504f, 1.44269504f};
-    const vf magic = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
-                      12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f}; /* 1.5 * 2^23 */
-    vf n = (x * log2e + magic) - magic; /* nearest integer to x/ln2 */
-    const vf c1 = {0.693359375f, 0.693359375f, 0.693359375f, 0.693359375f,
-                   0.693359375f, 0.693359375f, 0.693359375f, 0.693359375f};
-    const vf c2 = {-2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f,
-                   -2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f, -2.12194440e-4f};
-    vf r = x - n * c1;
-    r = r - n * c2;
-    const float k[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                        4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-    vf y = {k[0], k[0], k[0], k[0], k[0], k[0], k[0], k[0]};
-    for (int q = 1; q < 6; q++)
-        y = y * r + (vf){k[q], k[q], k[q], k[q], k[q], k[q], k[q], k[q]};
-    const vf one = {1, 1, 1, 1, 1, 1, 1, 1};
-    y = y * (r * r) + r + one;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return y * (vf)bits;
-}
-
-/* Head scores of one padded endpoint into s[CPAD]: s[c] = sum_f z[f] hw[c][f] + hb[c]
- * (four interleaved partial sums over f, added at the end: short dependency chains). */
-INLINE void head_row(const Task *t, const float *st, const float *hb, float *s) {
-    vf lo[4] = {{0}}, hi[4] = {{0}};
-    for (int half = 0; half < 2; half++) {
-        const float *x = st + half * PAD;
-        const vf *w = (const vf *)(t->hwt + (size_t)half * PAD * CPAD);
-        for (int c = 0; c < 40; c += 4) {
-            for (int u = 0; u < 4; u++) {
-                vf b = {x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u]};
-                lo[u] += b * w[2 * (c + u)];
-                hi[u] += b * w[2 * (c + u) + 1];
-            }
-        }
-        vf b = {x[40], x[40], x[40], x[40], x[40], x[40], x[40], x[40]};
-        lo[0] += b * w[80];
-        hi[0] += b * w[81];
-    }
-    vf l = (lo[0] + lo[1]) + (lo[2] + lo[3]), h = (hi[0] + hi[1]) + (hi[2] + hi[3]);
-    memcpy(s, &l, sizeof l);
-    memcpy(s + 8, &h, sizeof h);
-    for (int c = 0; c < CLASSES; c++)
-        s[c] = s[c] + hb[c];
-    for (int c = CLASSES; c < CPAD; c++)
-        s[c] = 0.0f;
-}
-
-/* Lift one raw row (81 pixels) into a padded state: 4*x - 0.5, zero at 81 and in padding. */
-INLINE void lift_row(const float *restrict x, float *restrict st) {
-    for (int c = 0; c < WIDTH; c++)
-        st[c] = x[c] * 4.0f - 0.5f;
-    for (int c = WIDTH; c < PAD; c++)
-        st[c] = 0.0f;
-    for (int c = 0; c < WIDTH - 1; c++)
-        st[PAD + c] = x[WIDTH + c] * 4.0f - 0.5f;
-    for (int c = WIDTH - 1; c < PAD; c++)
-        st[PAD + c] = 0.0f;
-}
-
-/* One row of a minibatch: forward, loss gradient, reversible backward. */
-/* Row i joins the lists of branch k (thread tid's part) for each active input. */
-INLINE void note_active(const Task *t, int64_t k, int tid, int64_t i, const Active *act) {
-    const int64_t B = t->batch;
-    int32_t *lists = t->lists + ((size_t)k * t->threads + tid) * WIDTH * B;
-    int32_t *counts = t->counts + ((size_t)k * t->threads + tid) * WIDTH;
-    for (int q = 0; q < act->cnt; q++) {
-        const int c = act->idx[q];
-        lists[(size_t)c * B + counts[c]++] = (int32_t)i;
-    }
-}
-
-INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
-    const int64_t K = 2 * t->depth, B = t->batch;
-    const int64_t row = bt->rows[i];
-    const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
-    float *st = t->z + (size_t)i * ROW;
-    lift_row(t->train_x + (size_t)row * PIXELS, st); /* lifted as the row is used */
-    const float yf = (float)t->labels[row];
-    Active top_act;
-    vf top_t[NV] = {{0}};
-    core_forward_row(t, st, t->acts + ((size_t)(K - 1) * B + i) * PAD, &top_act, top_t);
-
-    /* gradient of the mean cross-entropy w.r.t. the scores: (softmax(s) - onehot(y)) / count */
-    float s[CPAD] __attribute__((aligned(32)));
-    head_row(t, st, hb, s);
-    /* the max as a tree (short chain); a NaN score makes every probability NaN anyway */
-    float m4[5];
-    for (int c = 0; c < 5; c++)
-        m4[c] = s[2 * c] > s[2 * c + 1] ? s[2 * c] : s[2 * c + 1];
-    float m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
-    float m03 = m01 > m23 ? m01 : m23;
-    float mx = m03 > m4[4] ? m03 : m4[4];
-    const vf lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    const vf mxv = {mx, mx, mx, mx, mx, mx, mx, mx};
-    vf e[2];
-    for (int u = 0; u < 2; u++) {
-        e[u] = vexp(((const vf *)s)[u] - mxv);
-        e[u] = (vf)((vi)e[u] & (lanes + (float)(8 * u) < (vf){CLASSES, CLASSES, CLASSES, CLASSES, CLASSES,
-                                                                    CLASSES, CLASSES, CLASSES}));
-    }
-    float ev[CPAD] __attribute__((aligned(32)));
-    memcpy(ev, e, sizeof ev);
-    float sum = 0.0f;
-    for (int c = 0; c < CLASSES; c++)
-        sum += ev[c];
-    float *g = t->gs + (size_t)i * CPAD;
-    const float inv = bt->inv_count;
-    const vf sumv = {sum, sum, sum, sum, sum, sum, sum, sum}, invv = {inv, inv, inv, inv, inv, inv, inv, inv};
-    for (int u = 0; u < 2; u++) {
-        vf p = e[u] / sumv;
-        vf hit = (vf)((vi)invv & (lanes + (float)(8 * u) == (vf){yf, yf, yf, yf, yf, yf, yf, yf}));
-        ((vf *)g)[u] = p * invv - hit;
-    }
-
-    /* gradient of the endpoint: gz = gs @ hw */
-    vf gz[2 * NV] = {{0}};
-    for (int c = 0; c < CLASSES; c++) {
-        float x = g[c];
-        vf b = {x, x, x, x, x, x, x, x};
-        const vf *w = (const vf *)(t->hwp + (size_t)c * ROW);
-        for (int u = 0; u < 2 * NV; u++)
-            gz[u] += b * w[u];
-    }
-    vf *gl = gz, *gr = gz + NV;
-
-    /* reversible backward: rebuild each state from the endpoint by subtraction */
-    float state[ROW] __attribute__((aligned(32)));
-    memcpy(state, st, sizeof state);
-    vf *l = (vf *)state, *r = (vf *)(state + PAD);
-    vf tv[NV];
-    Active act;
-    for (int64_t b = t->depth - 1; b >= 0; b--) {
-        const int64_t kr = 2 * b + 1, kl = 2 * b;
-        float *a = t->acts + ((size_t)kr * B + i) * PAD;
-        /* right_out = right_in + (alpha*relu(left_out)) @ W_kr.T; in the top block left_out is
-         * the endpoint's left half, so the product is the one the forward added (the same
-         * inputs give the same bits: recomputing it would change nothing) */
-        const Active *ar = &act;
-        if (b == t->depth - 1) {
-            ar = &top_act;
-            for (int u = 0; u < NV; u++)
-                tv[u] = top_t[u];
-        } else {
-            branch_product(state, t->alpha, t->wt + (size_t)kr * WIDTH * PAD, a, tv, &act);
-        }
-        note_active(t, kr, tid, i, ar);
-        for (int u = 0; u < NV; u++)
-            r[u] = r[u] - tv[u];
-        memcpy(t->gout + ((size_t)kr * B + i) * PAD, gr, PAD * sizeof(float));
-        grad_input(gr, t->wt + (size_t)kr * WIDTH * PAD, ar, t->alpha, (float *)gl);
-        /* left_out = left_in + (alpha*relu(right_in)) @ W_kl.T */
-        a = t->acts + ((size_t)kl * B + i) * PAD;
-        branch_product(state + PAD, t->alpha, t->wt + (size_t)kl * WIDTH * PAD, a, tv, &act);
-        note_active(t, kl, tid, i, &act);
-        for (int u = 0; u < NV; u++)
-            l[u] = l[u] - tv[u];
-        memcpy(t->gout + ((size_t)kl * B + i) * PAD, gl, PAD * sizeof(float));
-        if (b > 0)
-            grad_input(gl, t->wt + (size_t)kl * WIDTH * PAD, &act, t->alpha, (float *)gr);
-    }
-}
-
-/* Weight gradient columns [c0, c1) of branch k: wg[k][c][j] = sum_i acts[i][c] * gout[i][j]
- * (= dL/dW_k[j][c]), summed in a fixed order over the rows whose input c was active (about
- * half: the others have a zero activation, an exact zero term). */
-INLINE void weight_grad_columns(const Task *t, int tid, int64_t k, int64_t c0, int64_t c1) {
-    const int64_t B = t->batch;
-    const float *A = t->acts + (size_t)k * B * PAD, *G = t->gout + (size_t)k * B * PAD;
-    const int P = t->threads;
-    int32_t *merged = t->merged + (size_t)tid * B;
-    float tmp[PAD] __attribute__((aligned(32)));
-    for (int64_t c = c0; c < c1; c++) {
-        /* the rows of column c, ascending: thread by thread (each thread's rows ascend) */
-        const int32_t *rows = t->lists + ((size_t)k * P * WIDTH + c) * B;
-        int32_t count = t->counts[(size_t)k * P * WIDTH + c];
-        if (P > 1) {
-            count = 0;
-            for (int p = 0; p < P; p++) {
-                const int32_t n_p = t->counts[((size_t)k * P + p) * WIDTH + c];
-                memcpy(merged + count, t->lists + (((size_t)k * P + p) * WIDTH + c) * B, n_p * sizeof(int32_t));
-                count += n_p;
-            }
-            rows = merged;
-        }
-        vf e[NV] = {{0}}, o[NV] = {{0}}; /* alternate rows: two short dependency chains */
-        int32_t q = 0;
-        for (; q + 1 < count; q += 2) {
-            const size_t i0 = (size_t)rows[q], i1 = (size_t)rows[q + 1];
-            axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
-            axpy6(o, A[i1 * PAD + c], G + i1 * PAD);
-        }
-        if (q < count) {
-            const size_t i0 = (size_t)rows[q];
-            axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
-        }
-        vf acc[NV];
-        for (int u = 0; u < NV; u++)
-            acc[u] = e[u] + o[u];
-        memcpy(tmp, acc, sizeof tmp);
-        memcpy(t->wg + ((size_t)k * WIDTH + c) * WIDTH, tmp, WIDTH * sizeof(float));
-    }
-}
-
-/* Head gradient for class c: ghw[c][:] = sum_i gs[i][c] z[i][:], ghb[c] = sum_i gs[i][c]
- * (in order of i). */
-INLINE void head_grad_class(const Task *t, int64_t n, int c) {
-    const int64_t K = 2 * t->depth;
-    float part[ROW] __attribute__((aligned(32)));
-    vf p[2 * NV] = {{0}};
-    float bias = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        float x = t->gs[(size_t)i * CPAD + c];
-        vf b = {x, x, x, x, x, x, x, x};
-        const vf *zr = (const vf *)(t->z + (size_t)i * ROW);
-        for (int u = 0; u < 2 * NV; u++)
-            p[u] += b * zr[u];
-        bias += x;
-    }
-    memcpy(part, p, sizeof part);
-    float *ghw = t->grad + K * WIDTH * WIDTH + (size_t)c * FEAT;
-    memcpy(ghw, part, WIDTH * sizeof(float));
-    memcpy(ghw + WIDTH, part + PAD, WIDTH * sizeof(float));
-    t->grad[K * WIDTH * WIDTH + CLASSES * FEAT + c] = bias;
-}
-
-/* SGD with momentum over params[i0, i1), in torch.optim.SGD's order of operations:
- * v = v*momentum rounded on its own (torch: v.mul_(momentum)), then v + g where
- * g = g + wd*p when wd != 0 (torch: g.add(p, alpha=wd)), then p = p + (-lr)*v (torch:
- * p.add_(v, alpha=-lr)). The first pass stores v*momentum so it is never fused with + g. */
-INLINE void sgd_range(const Task *t, float *p, float *v, const float *g, int64_t i0, int64_t i1) {
-    const float mom = t->momentum, neg_lr = -t->lr, wd = t->wd;
-    for (int64_t i = i0; i < i1; i++)
-        v[i] = v[i] * mom;
-    if (wd != 0.0f) {
-        for (int64_t i = i0; i < i1; i++) {
-            float vi = v[i] + (g[i] + p[i] * wd);
-            v[i] = vi;
-            p[i] = p[i] + vi * neg_lr;
-        }
-    } else {
-        for (int64_t i = i0; i < i1; i++) {
-            float vi = v[i] + g[i];
-            v[i] = vi;
-            p[i] = p[i] + vi * neg_lr;
-        }
-    }
-}
-
-/* Padded working copies of columns [c0, c1) of weight k: rows of wt. */
-INLINE void refresh_weight_columns(Task *t, int64_t k, int64_t c0, int64_t c1) {
-    const float *w = t->wp + (size_t)k * WIDTH * WIDTH;
-    float *wt = t->wt + (size_t)k * WIDTH * PAD;
-    for (int64_t c = c0; c < c1; c++)
-        for (int j = 0; j < WIDTH; j++) {
-            wt[(size_t)c * PAD + j] = w[(size_t)c * WIDTH + j];
-        }
-}
-
-/* Padded working copies of head class c: the hwt column and the hwp row. */
-INLINE void refresh_head_class(Task *t, int c) {
-    const float *hw = t->params + 2 * t->depth * WIDTH * WIDTH;
-    for (int f = 0; f < FEAT; f++) {
-        int fp = f < WIDTH ? f : PAD + (f - WIDTH);
-        t->hwt[(size_t)fp * CPAD + c] = hw[(size_t)c * FEAT + f];
-        t->hwp[(size_t)c * ROW + fp] = hw[(size_t)c * FEAT + f];
-    }
-}
-
-/* The update phase for units [lo, hi): unit k*WIDTH + c is column c of weight k, unit
- * K*WIDTH + c is head class c (its hw row and hb entry). Each unit's gradient, SGD step and
- * working copies depend on that unit alone, so units split freely over threads. */
-INLINE void update_units(Task *t, int64_t n, int tid, int64_t lo, int64_t hi) {
-    const int64_t K = 2 * t->depth;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t a = lo > k * WIDTH ? lo - k * WIDTH : 0;
-        int64_t b = hi - k * WIDTH < WIDTH ? hi - k * WIDTH : WIDTH;
-        if (a < b) {
-            weight_grad_columns(t, tid, k, a, b);
-            sgd_range(t, t->wp, t->wv, t->wg, k * WIDTH * WIDTH + a * WIDTH, k * WIDTH * WIDTH + b * WIDTH);
-            refresh_weight_columns(t, k, a, b);
-        }
-    }
-    for (int c = 0; c < CLASSES; c++) {
-        int64_t u = K * WIDTH + c;
-        if (u >= lo && u < hi) {
-            head_grad_class(t, n, c);
-            int64_t hw0 = K * WIDTH * WIDTH + (int64_t)c * FEAT, hb = K * WIDTH * WIDTH + CLASSES * FEAT + c;
-            sgd_range(t, t->params, t->velocity, t->grad, hw0, hw0 + FEAT);
-            sgd_range(t, t->params, t->velocity, t->grad, hb, hb + 1);
-            refresh_head_class(t, c);
-        }
-    }
-}
-
-/* ------------------------------------------------------------------------ threads */
-
-typedef struct {
-    atomic_int arrived;
-    atomic_int generation;
-    int parties;
-} Barrier;
-
-static void barrier_wait(Barrier *b) {
-    int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) + 1 == b->parties) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->generation, 1, memory_order_acq_rel);
-        return;
-    }
-    /* spin briefly, then yield the core: never burn a core another thread needs */
-    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == gen; spins++) {
-        if (spins > 2000)
-            sched_yield();
-    }
-}
-
-typedef struct {
-    Task *task;
-    Barrier *barrier;
-    int id, parties;
-} Worker;
-
-static void split(int64_t total, int id, int parties, int64_t *lo, int64_t *hi) {
-    *lo = total * id / parties;
-    *hi = total * (id + 1) / parties;
-}
-
-/* The whole task, as seen by worker `id` of `parties` (phases end at a barrier). */
-INLINE void run_worker(Worker *w) {
-    Task *t = w->task;
-    const int id = w->id, P = w->parties;
-    const int64_t K = 2 * t->depth;
-    int64_t lo, hi;
-
-    /* working copies of the initial parameters */
-    const int64_t units = K * WIDTH + CLASSES;
-    int64_t ulo, uhi;
-    split(units, id, P, &ulo, &uhi);
-    for (int64_t k = 0; k < K; k++) {
-        int64_t a = ulo > k * WIDTH ? ulo - k * WIDTH : 0;
-        int64_t b = uhi - k * WIDTH < WIDTH ? uhi - k * WIDTH : WIDTH;
-        for (int64_t c = a; c < b; c++) /* columns of the initial weights, zero velocity */
-            for (int j = 0; j < WIDTH; j++) {
-                t->wp[((size_t)k * WIDTH + c) * WIDTH + j] = t->params[((size_t)k * WIDTH + j) * WIDTH + c];
-                t->wv[((size_t)k * WIDTH + c) * WIDTH + j] = 0.0f;
-            }
-        if (a < b)
-            refresh_weight_columns(t, k, a, b);
-    }
-    for (int c = 0; c < CLASSES; c++)
-        if (K * WIDTH + c >= ulo && K * WIDTH + c < uhi)
-            refresh_head_class(t, c);
-    barrier_wait(w->barrier);
-
-    for (int64_t e = 0; e < t->epochs; e++) {
-        for (int64_t start = 0; start < t->n; start += t->batch) {
-            Batch bt = {.rows = t->perms + e * t->n + start,
-                        .count = t->n - start < t->batch ? t->n - start : t->batch};
-            bt.inv_count = 1.0f / (float)bt.count;
-            /* rows: forward, loss gradient, reversible backward */
-            for (int64_t k = 0; k < K; k++)
-                memset(t->counts + ((size_t)k * P + id) * WIDTH, 0, WIDTH * sizeof(int32_t));
-            split(bt.count, id, P, &lo, &hi);
-            for (int64_t i = lo; i < hi; i++) {
-                if (i + PREFETCH < hi)
-                    prefetch_row(t, bt.rows[i + PREFETCH]);
-                train_row(t, &bt, i, id);
-            }
-            barrier_wait(w->barrier);
-            /* weight gradients, SGD and working copies, unit by unit */
-            update_units(t, bt.count, id, ulo, uhi);
-            barrier_wait(w->barrier);
-        }
-    }
-    /* final weights and velocity back in torch's layout, W_k[j][c] */
-    for (int64_t k = 0; k < K; k++) {
-        int64_t a = ulo > k * WIDTH ? ulo - k * WIDTH : 0;
-        int64_t b = uhi - k * WIDTH < WIDTH ? uhi - k * WIDTH : WIDTH;
-        for (int64_t c = a; c < b; c++)
-            for (int j = 0; j < WIDTH; j++) {
-                t->params[((size_t)k * WIDTH + j) * WIDTH + c] = t->wp[((size_t)k * WIDTH + c) * WIDTH + j];
-                t->velocity[((size_t)k * WIDTH + j) * WIDTH + c] = t->wv[((size_t)k * WIDTH + c) * WIDTH + j];
-            }
-    }
-
-    /* score the queries with the final parameters (plain forward) */
-    const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
-    split(t->m, id, P, &lo, &hi);
-    float st[ROW] __attribute__((aligned(32)));
-    for (int64_t r = lo; r < hi; r++) {
-        lift_row(t->test_x + (size_t)r * PIXELS, st);
-        core_forward_row(t, st, NULL, NULL, NULL);
-        float s[CPAD] __attribute__((aligned(32)));
-        head_row(t, st, hb, s);
-        memcpy(t->scores + (size_t)r * CLASSES, s, CLASSES * sizeof(float));
-    }
-}
-
-CLONES static void run_worker_entry(Worker *w) { run_worker(w); }
-
-
-typedef struct {
-    Worker worker;
-    atomic_int *gate; /* 0: wait, 1: run, 2: give up */
-} Start;
-
-static void *thread_main(void *arg) {
-    Start *s = arg;
-    int gate;
-    while ((gate = atomic_load_explicit(s->gate, memory_order_acquire)) == 0)
-        sched_yield();
-    if (gate == 1)
-        run_worker_entry(&s->worker);
+    PyErr_Format(PyExc_ValueError, "isa must be 'auto', 'generic'%s, got '%s'",
+                 CPU_FAST_HAVE_V3 ? " or 'x86-64-v3'" : "", name);
     return NULL;
 }
-
-/* Runs the task on t->threads threads (this one included). Returns 0, or the pthread error
- * when a worker thread could not be started (then nothing has run). */
-static int run_task(Task *t) {
-    int parties = t->threads < 1 ? 1 : (t->threads > MAX_THREADS ? MAX_THREADS : t->threads);
-    Barrier barrier = {.parties = parties};
-    atomic_init(&barrier.arrived, 0);
-    atomic_init(&barrier.generation, 0);
-    atomic_int gate;
-    atomic_init(&gate, 0);
-    Start starts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    for (int i = 0; i < parties; i++)
-        starts[i] = (Start){.worker = {.task = t, .barrier = &barrier, .id = i, .parties = parties}, .gate = &gate};
-    int started = 1, rc = 0;
-    for (; started < parties; started++) {
-        rc = pthread_create(&ids[started], NULL, thread_main, &starts[started]);
-        if (rc != 0)
-            break;
-    }
-    atomic_store_explicit(&gate, rc == 0 ? 1 : 2, memory_order_release);
-    if (rc == 0)
-        run_worker_entry(&starts[0].worker);
-    for (int i = 1; i < started; i++)
-        pthread_join(ids[i], NULL);
-    return rc;
-}
-
-/* ------------------------------------------------------------------------ Python glue */
 
 /* A C-contiguous buffer of `count` items of kind 'f' (float32) or 'i' (int64). */
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind, Py_ssize_t count, const char *name) {
@@ -829,25 +84,20 @@ static PyObject *py_train_predict(PyObject *self, PyObject *args) {
     long long n, m, epochs, batch, depth;
     float alpha, lr, momentum, wd;
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLLLLLffffi", &otx, &olab, &operm, &otest, &oparams, &ovel, &oscores, &n, &m,
-                          &epochs, &batch, &depth, &alpha, &lr, &momentum, &wd, &threads))
+    const char *isa = "auto", *picked = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLLLLLffffi|s", &otx, &olab, &operm, &otest, &oparams, &ovel, &oscores, &n,
+                          &m, &epochs, &batch, &depth, &alpha, &lr, &momentum, &wd, &threads, &isa))
         return NULL;
     if (n < 1 || m < 1 || epochs < 1 || batch < 1 || depth < 1 || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "n, m, epochs, batch, depth and threads must be >= 1");
         return NULL;
     }
-    Task t = {0};
-    t.n = n;
-    t.m = m;
-    t.epochs = epochs;
-    t.batch = batch < n ? batch : n;
-    t.depth = depth;
-    t.nparams = 2 * depth * WIDTH * WIDTH + CLASSES * FEAT + CLASSES;
-    t.alpha = alpha;
-    t.lr = lr;
-    t.momentum = momentum;
-    t.wd = wd;
-    t.threads = threads < MAX_THREADS ? threads : MAX_THREADS;
+    Kernel kernel = pick_kernel(isa, &picked);
+    if (kernel == NULL)
+        return NULL;
+    const Py_ssize_t nparams = 2 * depth * WIDTH * WIDTH + CLASSES * FEAT + CLASSES;
+    KernelArgs a = {.n = n, .m = m, .epochs = epochs, .batch = batch, .depth = depth, .alpha = alpha,
+                    .lr = lr, .momentum = momentum, .wd = wd, .threads = threads < 64 ? threads : 64};
 
     Py_buffer b[7];
     int got = 0;
@@ -864,51 +114,47 @@ static PyObject *py_train_predict(PyObject *self, PyObject *args) {
     if (get_buffer(otest, &b[got], 0, 'f', m * PIXELS, "test_x") < 0)
         goto done;
     got++;
-    if (get_buffer(oparams, &b[got], 1, 'f', t.nparams, "params") < 0)
+    if (get_buffer(oparams, &b[got], 1, 'f', nparams, "params") < 0)
         goto done;
     got++;
-    if (get_buffer(ovel, &b[got], 1, 'f', t.nparams, "velocity") < 0)
+    if (get_buffer(ovel, &b[got], 1, 'f', nparams, "velocity") < 0)
         goto done;
     got++;
     if (get_buffer(oscores, &b[got], 1, 'f', m * CLASSES, "scores") < 0)
         goto done;
     got++;
-    t.train_x = b[0].buf;
-    t.labels = b[1].buf;
-    t.perms = b[2].buf;
-    t.test_x = b[3].buf;
-    t.params = b[4].buf;
-    t.velocity = b[5].buf;
-    t.scores = b[6].buf;
+    a.train_x = b[0].buf;
+    a.labels = b[1].buf;
+    a.perms = b[2].buf;
+    a.test_x = b[3].buf;
+    a.params = b[4].buf;
+    a.velocity = b[5].buf;
+    a.scores = b[6].buf;
     for (int64_t i = 0; i < n; i++)
-        if (t.labels[i] < 0 || t.labels[i] >= CLASSES) {
+        if (a.labels[i] < 0 || a.labels[i] >= CLASSES) {
             PyErr_Format(PyExc_ValueError, "labels[%lld] = %lld is not a class in 0..9", (long long)i,
-                         (long long)t.labels[i]);
+                         (long long)a.labels[i]);
             goto done;
         }
     for (int64_t i = 0; i < epochs * n; i++)
-        if (t.perms[i] < 0 || t.perms[i] >= n) {
+        if (a.perms[i] < 0 || a.perms[i] >= n) {
             PyErr_Format(PyExc_ValueError, "permutation entry %lld = %lld is outside 0..%lld", (long long)i,
-                         (long long)t.perms[i], (long long)(n - 1));
+                         (long long)a.perms[i], (long long)(n - 1));
             goto done;
         }
-    if (!alloc_task(&t)) {
-        free_task(&t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kernel(&a);
+    Py_END_ALLOW_THREADS
+    if (rc == ENOMEM) {
         PyErr_NoMemory();
         goto done;
     }
-    memset(t.velocity, 0, (size_t)t.nparams * sizeof(float));
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = run_task(&t);
-    Py_END_ALLOW_THREADS
-    free_task(&t);
     if (rc != 0) {
-        PyErr_Format(PyExc_OSError, "could not start %d kernel threads (error %d)", threads, rc);
+        PyErr_Format(PyExc_OSError, "could not start %d kernel threads (error %d)", a.threads, rc);
         goto done;
     }
-    result = Py_None;
-    Py_INCREF(result);
+    result = PyUnicode_FromString(picked);
 done:
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&b[i]);
@@ -918,32 +164,29 @@ done:
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-#if HAVE_CLONES
-    __builtin_cpu_init();
-    /* the same tests the loader's resolver makes for the clones above */
-    if (__builtin_cpu_supports("x86-64-v3"))
-        return PyUnicode_FromString("x86-64-v3");
-    if (__builtin_cpu_supports("avx"))
-        return PyUnicode_FromString("avx");
-    return PyUnicode_FromString("x86-64 baseline (no AVX: about 10x slower)");
-#else
-    return PyUnicode_FromString("generic");
-#endif
+    return PyUnicode_FromString(cpu_has_v3() ? "x86-64-v3" : "generic");
+}
+
+static PyObject *py_variants(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    if (cpu_has_v3())
+        return Py_BuildValue("(ss)", "generic", "x86-64-v3");
+    return Py_BuildValue("(s)", "generic");
 }
 
 static PyMethodDef methods[] = {
     {"train_predict", py_train_predict, METH_VARARGS,
      "train_predict(train_x, labels, permutations, test_x, params, velocity, scores, n, m, epochs, "
-     "batch, depth, alpha, lr, momentum, weight_decay, threads) -> None. Trains params in place from "
-     "their initial values, writes the final velocity and the query scores."},
-    {"isa", py_isa, METH_NOARGS, "Which compiled variant the loader picked for this CPU."},
+     "batch, depth, alpha, lr, momentum, weight_decay, threads, isa='auto') -> str. Trains params in "
+     "place from their initial values, writes the final velocity and the query scores; returns the "
+     "compiled variant that ran ('generic' or 'x86-64-v3'; 'auto' picks the best this CPU runs)."},
+    {"isa", py_isa, METH_NOARGS, "The compiled variant 'auto' picks on this CPU."},
+    {"variants", py_variants, METH_NOARGS, "The compiled variants this CPU can run."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fast", "The cpu-fast training kernel.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__cpu_fast(void) {
-    init_pack_table();
-    return PyModule_Create(&module);
-}
+PyMODINIT_FUNC PyInit__cpu_fast(void) { return PyModule_Create(&module); }
