@@ -305,11 +305,13 @@ INLINE vf sum8(const vf *s) {
 #endif
 }
 
-/* The gradient through one branch to its input, added to dst (PAD floats):
+/* The gradient through one branch to its input, added to dst (NV vectors):
  * dst[c] += alpha * (g @ W)[c] for the active c, where (g @ W)[c] = sum_j g[j] W[j][c] is
  * the dot product of g with wt[c] (column c of W); relu gives the other c no gradient, so
  * they are not computed (torch: threshold_backward(alpha * (g @ W), x, 0)). */
-INLINE void grad_input(const vf *g, const float *wt, const Active *act, float alpha, float *dst) {
+INLINE void grad_input(const vf *g, const float *wt, const Active *act, float alpha, vf *dst) {
+    const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
+    float *out = (float *)dst;
     for (int q = 0; q < act->cnt; q += 8) {
         const int n = act->cnt - q < 8 ? act->cnt - q : 8;
         vf s[8];
@@ -324,10 +326,10 @@ INLINE void grad_input(const vf *g, const float *wt, const Active *act, float al
             s[k] = e + o;
         }
         float r[8];
-        vf sums = sum8(s);
-        memcpy(r, &sums, sizeof r);
+        vf terms = al * sum8(s);
+        memcpy(r, &terms, sizeof r);
         for (int k = 0; k < n; k++)
-            dst[act->idx[q + k]] += alpha * r[k];
+            out[act->idx[q + k]] += r[k];
     }
 }
 
@@ -517,7 +519,7 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
         for (int u = 0; u < NV; u++)
             r[u] = r[u] - tv[u];
         memcpy(t->gout + ((size_t)kr * B + i) * PAD, gr, PAD * sizeof(float));
-        grad_input(gr, t->wt + (size_t)kr * WIDTH * PAD, ar, t->alpha, (float *)gl);
+        grad_input(gr, t->wt + (size_t)kr * WIDTH * PAD, ar, t->alpha, gl);
         /* left_out = left_in + (alpha*relu(right_in)) @ W_kl.T */
         a = t->acts + ((size_t)kl * B + i) * PAD;
         if (b > 0) {
@@ -531,7 +533,7 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
         note_active(t, kl, tid, i, &act);
         memcpy(t->gout + ((size_t)kl * B + i) * PAD, gl, PAD * sizeof(float));
         if (b > 0)
-            grad_input(gl, t->wt + (size_t)kl * WIDTH * PAD, &act, t->alpha, (float *)gr);
+            grad_input(gl, t->wt + (size_t)kl * WIDTH * PAD, &act, t->alpha, gr);
     }
 }
 
