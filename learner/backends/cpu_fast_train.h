@@ -163,19 +163,6 @@ static int alloc_task(Task *t) {
 
 /* ------------------------------------------------------------------------ row pieces */
 
-#define PREFETCH 2 /* rows ahead: training rows are read in shuffled order */
-INLINE void prefetch_row(const Task *t, int64_t row) {
-#if defined(__GNUC__)
-    const char *x = (const char *)(t->train_x + (size_t)row * PIXELS);
-    for (int off = 0; off < PIXELS * 4 + 64; off += 64)
-        __builtin_prefetch(x + off, 0, 3);
-    __builtin_prefetch(t->labels + row, 0, 3);
-#else
-    (void)t;
-    (void)row;
-#endif
-}
-
 /* acc[0..5] += s * w[0..47] */
 INLINE void axpy6(vf *acc, float s, const float *w) {
     const vf b = {s, s, s, s, s, s, s, s};
@@ -305,32 +292,82 @@ INLINE vf sum8(const vf *s) {
 #endif
 }
 
+/* Lanes 0-3 of the result: the sums of the eight lanes of s[0..3], added in sum8's order. */
+INLINE vf sum4(const vf *s) {
+#if HAVE_SHUFFLE
+    vf p0 = __builtin_shufflevector(s[0], s[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(s[0], s[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    vf p1 = __builtin_shufflevector(s[2], s[3], 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(s[2], s[3], 1, 9, 3, 11, 5, 13, 7, 15);
+    vf q = __builtin_shufflevector(p0, p1, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(p0, p1, 2, 3, 10, 11, 6, 7, 14, 15);
+    return q + __builtin_shufflevector(q, q, 4, 5, 6, 7, 0, 1, 2, 3);
+#else
+    vf t[8] = {s[0], s[1], s[2], s[3], s[0], s[1], s[2], s[3]};
+    return sum8(t);
+#endif
+}
+
+/* The sum of the eight lanes of v, added in sum8's order. */
+INLINE float sum1(vf v) {
+#if HAVE_SHUFFLE
+    vf p = v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    vf q = p + __builtin_shufflevector(p, p, 2, 3, 0, 1, 6, 7, 4, 5);
+    vf r = q + __builtin_shufflevector(q, q, 4, 5, 6, 7, 0, 1, 2, 3);
+    return r[0];
+#else
+    float x[8];
+    memcpy(x, &v, sizeof x);
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+#endif
+}
+
+/* The dot product of g with wt[c] over the padded width, as a vector of partial sums. */
+INLINE vf dot_partial(const vf *g, const float *wt, int c) {
+    const vf *w = (const vf *)(wt + (size_t)c * PAD);
+    vf e = g[0] * w[0], o = g[1] * w[1];
+    e += g[2] * w[2];
+    o += g[3] * w[3];
+    e += g[4] * w[4];
+    o += g[5] * w[5];
+    return e + o;
+}
+
 /* The gradient through one branch to its input, added to dst (NV vectors):
  * dst[c] += alpha * (g @ W)[c] for the active c, where (g @ W)[c] = sum_j g[j] W[j][c] is
  * the dot product of g with wt[c] (column c of W); relu gives the other c no gradient, so
- * they are not computed (torch: threshold_backward(alpha * (g @ W), x, 0)). */
+ * they are not computed (torch: threshold_backward(alpha * (g @ W), x, 0)). The active c go
+ * eight, then four, then one at a time; every dot product ends with the same sum of lanes,
+ * so a c's result does not depend on its group. */
 INLINE void grad_input(const vf *g, const float *wt, const Active *act, float alpha, vf *dst) {
     const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
     float *out = (float *)dst;
-    for (int q = 0; q < act->cnt; q += 8) {
-        const int n = act->cnt - q < 8 ? act->cnt - q : 8;
+    const uint8_t *idx = act->idx;
+    const int cnt = act->cnt;
+    int q = 0;
+    for (; q + 8 <= cnt; q += 8) {
         vf s[8];
-        for (int k = 0; k < 8; k++) {
-            const int c = act->idx[q + (k < n ? k : n - 1)]; /* a short group repeats its last */
-            const vf *w = (const vf *)(wt + (size_t)c * PAD);
-            vf e = g[0] * w[0], o = g[1] * w[1];
-            e += g[2] * w[2];
-            o += g[3] * w[3];
-            e += g[4] * w[4];
-            o += g[5] * w[5];
-            s[k] = e + o;
-        }
+        for (int k = 0; k < 8; k++)
+            s[k] = dot_partial(g, wt, idx[q + k]);
         float r[8];
         vf terms = al * sum8(s);
         memcpy(r, &terms, sizeof r);
-        for (int k = 0; k < n; k++)
-            out[act->idx[q + k]] += r[k];
+        for (int k = 0; k < 8; k++)
+            out[idx[q + k]] += r[k];
     }
+    if (q + 4 <= cnt) {
+        vf s[4];
+        for (int k = 0; k < 4; k++)
+            s[k] = dot_partial(g, wt, idx[q + k]);
+        float r[8];
+        vf terms = al * sum4(s);
+        memcpy(r, &terms, sizeof r);
+        for (int k = 0; k < 4; k++)
+            out[idx[q + k]] += r[k];
+        q += 4;
+    }
+    for (; q < cnt; q++)
+        out[idx[q]] += alpha * sum1(dot_partial(g, wt, idx[q]));
 }
 
 /* Forward through the core for one lifted row: st (ROW floats, 32-aligned) in place. When
@@ -390,10 +427,30 @@ INLINE vf vexp(vf x) {
     return y * (vf)bits;
 }
 
-/* Head scores of one padded endpoint into s[CPAD]: s[c] = sum_f z[f] hw[c][f] + hb[c]
- * (four interleaved partial sums over f, added at the end: short dependency chains). */
+/* The sums of the eight lanes of a and of b, into out[0] and out[1]. */
+INLINE void sum2(vf a, vf b, float *out) {
+#if HAVE_SHUFFLE
+    vf p = __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11) +
+           __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
+    vf q = p + __builtin_shufflevector(p, p, 4, 5, 6, 7, 0, 1, 2, 3);
+    vf r = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5);
+    out[0] = r[0];
+    out[1] = r[1];
+#else
+    float x[8], y[8];
+    memcpy(x, &a, sizeof x);
+    memcpy(y, &b, sizeof y);
+    out[0] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+    out[1] = ((y[0] + y[4]) + (y[2] + y[6])) + ((y[1] + y[5]) + (y[3] + y[7]));
+#endif
+}
+
+/* Head scores of one padded endpoint into s[CPAD]: s[c] = sum_f z[f] hw[c][f] + hb[c].
+ * Classes 0-7 fill one vector: each feature times its hwt row (four interleaved partial
+ * sums over f, added at the end: short dependency chains); classes 8 and 9 are dot products
+ * with their hw rows. */
 INLINE void head_row(const Task *t, const float *st, const float *hb, float *s) {
-    vf lo[4] = {{0}}, hi[4] = {{0}};
+    vf lo[4] = {{0}};
     for (int half = 0; half < 2; half++) {
         const float *x = st + half * PAD;
         const vf *w = (const vf *)(t->hwt + (size_t)half * PAD * CPAD);
@@ -401,16 +458,24 @@ INLINE void head_row(const Task *t, const float *st, const float *hb, float *s) 
             for (int u = 0; u < 4; u++) {
                 vf b = {x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u], x[c + u]};
                 lo[u] += b * w[2 * (c + u)];
-                hi[u] += b * w[2 * (c + u) + 1];
             }
         }
         vf b = {x[40], x[40], x[40], x[40], x[40], x[40], x[40], x[40]};
         lo[0] += b * w[80];
-        hi[0] += b * w[81];
     }
-    vf l = (lo[0] + lo[1]) + (lo[2] + lo[3]), h = (hi[0] + hi[1]) + (hi[2] + hi[3]);
+    vf l = (lo[0] + lo[1]) + (lo[2] + lo[3]);
+    vf d[2];
+    for (int c = 8; c < CLASSES; c++) {
+        const vf *z = (const vf *)st, *w = (const vf *)(t->hwp + (size_t)c * ROW);
+        vf e = z[0] * w[0], o = z[1] * w[1];
+        for (int u = 2; u < 2 * NV; u += 2) {
+            e += z[u] * w[u];
+            o += z[u + 1] * w[u + 1];
+        }
+        d[c - 8] = e + o;
+    }
     memcpy(s, &l, sizeof l);
-    memcpy(s + 8, &h, sizeof h);
+    sum2(d[0], d[1], s + 8);
     for (int c = 0; c < CLASSES; c++)
         s[c] = s[c] + hb[c];
     for (int c = CLASSES; c < CPAD; c++)
@@ -446,7 +511,6 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
     const int64_t row = bt->rows[i];
     const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
     float *st = t->z + (size_t)i * ROW;
-    lift_row(t->train_x + (size_t)row * PIXELS, st); /* lifted as the row is used */
     const float yf = (float)t->labels[row];
     Active top_act;
     vf top_t[NV] = {{0}};
@@ -738,11 +802,12 @@ INLINE void run_worker(Worker *w) {
             for (int64_t k = 0; k < K; k++)
                 memset(t->counts + ((size_t)k * P + id) * WIDTH, 0, WIDTH * sizeof(int32_t));
             split(bt.count, id, P, &lo, &hi);
-            for (int64_t i = lo; i < hi; i++) {
-                if (i + PREFETCH < hi)
-                    prefetch_row(t, bt.rows[i + PREFETCH]);
+            /* the rows are read in shuffled order: lift them all first, so that their cache
+             * misses overlap instead of each stalling a row's long chain of work */
+            for (int64_t i = lo; i < hi; i++)
+                lift_row(t->train_x + (size_t)bt.rows[i] * PIXELS, t->z + (size_t)i * ROW);
+            for (int64_t i = lo; i < hi; i++)
                 train_row(t, &bt, i, id);
-            }
             barrier_wait(w->barrier);
             /* weight gradients, SGD and working copies, unit by unit */
             update_units(t, bt.count, id, ulo, uhi);
