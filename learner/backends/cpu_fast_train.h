@@ -96,6 +96,7 @@ typedef struct {
     float *hwp;  /* CLASSES x ROW: hw rows in padded positions */
     float *z;    /* batch x ROW: core endpoints */
     float *gs;   /* batch x CPAD: score gradients */
+    float *ys;   /* batch: the rows' labels (as floats) */
     float *acts; /* K x batch x PAD: each branch's input activation alpha*relu(x) */
     float *gout; /* K x batch x PAD: each branch's output gradient */
     float *grad; /* nparams: used at the head's offsets (the weights use wg) */
@@ -129,6 +130,7 @@ static void free_task(Task *t) {
     free(t->hwp);
     free(t->z);
     free(t->gs);
+    free(t->ys);
     free(t->acts);
     free(t->gout);
     free(t->grad);
@@ -147,6 +149,7 @@ static int alloc_task(Task *t) {
     t->hwp = aligned(CLASSES * ROW);
     t->z = aligned(b * ROW);
     t->gs = aligned(b * CPAD);
+    t->ys = aligned(b);
     t->acts = aligned(k * b * PAD);
     t->gout = aligned(k * b * PAD);
     t->grad = aligned((size_t)t->nparams);
@@ -157,11 +160,24 @@ static int alloc_task(Task *t) {
     t->lists = aligned(k * p * WIDTH * b);
     t->counts = aligned(k * p * WIDTH);
     t->merged = aligned(p * b);
-    return t->wt && t->hwt && t->hwp && t->z && t->gs && t->acts && t->gout && t->grad &&
+    return t->wt && t->hwt && t->hwp && t->z && t->gs && t->ys && t->acts && t->gout && t->grad &&
            t->wp && t->wv && t->wg && t->lists && t->counts && t->merged;
 }
 
 /* ------------------------------------------------------------------------ row pieces */
+
+/* Asks for a training row and its label ahead of use (rows are read in shuffled order). */
+INLINE void prefetch_row(const Task *t, int64_t row) {
+#if defined(__GNUC__)
+    const char *x = (const char *)(t->train_x + (size_t)row * PIXELS);
+    for (int off = 0; off < PIXELS * 4 + 64; off += 64)
+        __builtin_prefetch(x + off, 0, 2);
+    __builtin_prefetch(t->labels + row, 0, 2);
+#else
+    (void)t;
+    (void)row;
+#endif
+}
 
 /* acc[0..5] += s * w[0..47] */
 INLINE void axpy6(vf *acc, float s, const float *w) {
@@ -508,10 +524,9 @@ INLINE void note_active(const Task *t, int64_t k, int tid, int64_t i, const Acti
 
 INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
     const int64_t K = 2 * t->depth, B = t->batch;
-    const int64_t row = bt->rows[i];
     const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
     float *st = t->z + (size_t)i * ROW;
-    const float yf = (float)t->labels[row];
+    const float yf = t->ys[i];
     Active top_act;
     vf top_t[NV] = {{0}};
     core_forward_row(t, st, t->acts + ((size_t)(K - 1) * B + i) * PAD, &top_act, top_t);
@@ -646,21 +661,25 @@ INLINE void weight_grad_columns(const Task *t, int tid, int64_t k, int64_t c0, i
  * (in order of i). */
 INLINE void head_grad_class(const Task *t, int64_t n, int c) {
     const int64_t K = 2 * t->depth;
-    float part[ROW] __attribute__((aligned(32)));
-    vf p[2 * NV] = {{0}};
-    float bias = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        float x = t->gs[(size_t)i * CPAD + c];
-        vf b = {x, x, x, x, x, x, x, x};
-        const vf *zr = (const vf *)(t->z + (size_t)i * ROW);
-        for (int u = 0; u < 2 * NV; u++)
-            p[u] += b * zr[u];
-        bias += x;
-    }
-    memcpy(part, p, sizeof part);
     float *ghw = t->grad + K * WIDTH * WIDTH + (size_t)c * FEAT;
-    memcpy(ghw, part, WIDTH * sizeof(float));
-    memcpy(ghw + WIDTH, part + PAD, WIDTH * sizeof(float));
+    float bias = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        bias += t->gs[(size_t)i * CPAD + c];
+    /* one half of the features at a time: six accumulators stay in registers (twelve did not) */
+    for (int half = 0; half < 2; half++) {
+        float part[PAD] __attribute__((aligned(32)));
+        vf p[NV] = {{0}};
+        for (int64_t i = 0; i < n; i++) {
+            float x = t->gs[(size_t)i * CPAD + c];
+            vf b = {x, x, x, x, x, x, x, x};
+            const vf *zr = (const vf *)(t->z + (size_t)i * ROW + half * PAD);
+            for (int u = 0; u < NV; u++)
+                p[u] += b * zr[u];
+        }
+        for (int u = 0; u < NV; u++)
+            ((vf *)part)[u] = p[u];
+        memcpy(ghw + half * WIDTH, part, WIDTH * sizeof(float));
+    }
     t->grad[K * WIDTH * WIDTH + CLASSES * FEAT + c] = bias;
 }
 
@@ -802,12 +821,20 @@ INLINE void run_worker(Worker *w) {
             for (int64_t k = 0; k < K; k++)
                 memset(t->counts + ((size_t)k * P + id) * WIDTH, 0, WIDTH * sizeof(int32_t));
             split(bt.count, id, P, &lo, &hi);
-            /* the rows are read in shuffled order: lift them all first, so that their cache
-             * misses overlap instead of each stalling a row's long chain of work */
-            for (int64_t i = lo; i < hi; i++)
+            /* the rows are read in shuffled order: lift them (and fetch their labels) all
+             * first, so that cache misses overlap instead of each stalling a row's long chain
+             * of work; while training on them, ask for the next minibatch's rows */
+            for (int64_t i = lo; i < hi; i++) {
                 lift_row(t->train_x + (size_t)bt.rows[i] * PIXELS, t->z + (size_t)i * ROW);
-            for (int64_t i = lo; i < hi; i++)
+                t->ys[i] = (float)t->labels[bt.rows[i]];
+            }
+            const int64_t next = start + t->batch < t->n ? e * t->n + start + t->batch
+                                 : e + 1 < t->epochs ? (e + 1) * t->n : -1;
+            for (int64_t i = lo; i < hi; i++) {
+                if (next >= 0 && next + i < t->epochs * t->n)
+                    prefetch_row(t, t->perms[next + i]);
                 train_row(t, &bt, i, id);
+            }
             barrier_wait(w->barrier);
             /* weight gradients, SGD and working copies, unit by unit */
             update_units(t, bt.count, id, ulo, uhi);
