@@ -564,19 +564,23 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
     }
 
     /* gradient of the endpoint: gz = gs @ hw */
-    vf gz[2 * NV] = {{0}};
+    vf acc[2 * NV] = {{0}}; /* (accumulated here, in registers, then stored to gz) */
     for (int c = 0; c < CLASSES; c++) {
         float x = g[c];
         vf b = {x, x, x, x, x, x, x, x};
         const vf *w = (const vf *)(t->hwp + (size_t)c * ROW);
         for (int u = 0; u < 2 * NV; u++)
-            gz[u] += b * w[u];
+            acc[u] += b * w[u];
     }
+    vf gz[2 * NV];
+    for (int u = 0; u < 2 * NV; u++)
+        gz[u] = acc[u];
     vf *gl = gz, *gr = gz + NV;
 
     /* reversible backward: rebuild each state from the endpoint by subtraction */
     float state[ROW] __attribute__((aligned(32)));
-    memcpy(state, st, sizeof state);
+    for (int u = 0; u < 2 * NV; u++)
+        ((vf *)state)[u] = ((const vf *)st)[u];
     vf *l = (vf *)state, *r = (vf *)(state + PAD);
     vf tv[NV];
     Active act;
