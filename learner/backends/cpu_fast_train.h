@@ -14,8 +14,8 @@
  * Everything is row-local except the weight gradients (sums over the batch), so each
  * minibatch runs in two phases:
  *   rows     per row (lifted as it is read): forward, loss gradient, reversible backward;
- *            each branch's input activation and output gradient are saved, and the row
- *            joins per-input lists of the rows where that input was active
+ *            each branch's input activation, output gradient and active inputs (as bits)
+ *            are saved
  *   update   per weight column (and head class): gradient, SGD step, working copies
  * All buffers are allocated once per call; nothing is allocated per step; no BLAS, no
  * autograd. The weights are trained column-major inside (wp[c][j] = W[j][c]) and written
@@ -103,10 +103,9 @@ typedef struct {
     float *wp;   /* K x WIDTH x WIDTH: weights by column, wp[k][c][j] = W_k[j][c] (trained here) */
     float *wv;   /* K x WIDTH x WIDTH: their velocity, same layout */
     float *wg;   /* K x WIDTH x WIDTH: their gradient, same layout */
-    int32_t *lists;  /* K x threads x WIDTH x batch: per branch, thread and input c, the rows
-                        (ascending) whose input c was active */
-    int32_t *counts; /* K x threads x WIDTH: their lengths */
-    int32_t *merged; /* threads x batch: one column's rows from all threads, in order */
+    uint64_t *masks;   /* K x batch: per branch and row, the active inputs as bits */
+    uint64_t *colbits; /* threads x PAD x words: per thread, column c's active rows as bits */
+    int64_t words;     /* 64-bit words for a minibatch's rows */
 } Task;
 
 /* One minibatch: its rows (indices into the training set) and their count. */
@@ -137,9 +136,8 @@ static void free_task(Task *t) {
     free(t->wp);
     free(t->wv);
     free(t->wg);
-    free(t->lists);
-    free(t->counts);
-    free(t->merged);
+    free(t->masks);
+    free(t->colbits);
 }
 
 static int alloc_task(Task *t) {
@@ -156,12 +154,11 @@ static int alloc_task(Task *t) {
     t->wp = aligned(k * WIDTH * WIDTH);
     t->wv = aligned(k * WIDTH * WIDTH);
     t->wg = aligned(k * WIDTH * WIDTH);
-    size_t p = (size_t)(t->threads < 1 ? 1 : t->threads);
-    t->lists = aligned(k * p * WIDTH * b);
-    t->counts = aligned(k * p * WIDTH);
-    t->merged = aligned(p * b);
+    t->words = (t->batch + 63) / 64;
+    t->masks = aligned(2 * k * b); /* (aligned() counts floats: two per 64-bit word) */
+    t->colbits = aligned(2 * (size_t)t->threads * PAD * (size_t)t->words);
     return t->wt && t->hwt && t->hwp && t->z && t->gs && t->ys && t->acts && t->gout && t->grad &&
-           t->wp && t->wv && t->wg && t->lists && t->counts && t->merged;
+           t->wp && t->wv && t->wg && t->masks && t->colbits;
 }
 
 /* ------------------------------------------------------------------------ row pieces */
@@ -511,18 +508,12 @@ INLINE void lift_row(const float *restrict x, float *restrict st) {
 }
 
 /* One row of a minibatch: forward, loss gradient, reversible backward. */
-/* Row i joins the lists of branch k (thread tid's part) for each active input. */
-INLINE void note_active(const Task *t, int64_t k, int tid, int64_t i, const Active *act) {
-    const int64_t B = t->batch;
-    int32_t *lists = t->lists + ((size_t)k * t->threads + tid) * WIDTH * B;
-    int32_t *counts = t->counts + ((size_t)k * t->threads + tid) * WIDTH;
-    for (int q = 0; q < act->cnt; q++) {
-        const int c = act->idx[q];
-        lists[(size_t)c * B + counts[c]++] = (int32_t)i;
-    }
+/* Row i's active inputs of branch k, for the weight gradients. */
+INLINE void note_active(const Task *t, int64_t k, int64_t i, const Active *act) {
+    t->masks[(size_t)k * t->batch + i] = act->mask;
 }
 
-INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
+INLINE void train_row(const Task *t, const Batch *bt, int64_t i) {
     const int64_t K = 2 * t->depth, B = t->batch;
     const float *hb = t->params + K * WIDTH * WIDTH + CLASSES * FEAT;
     float *st = t->z + (size_t)i * ROW;
@@ -598,7 +589,7 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
         } else {
             branch_product(state, t->alpha, t->wt + (size_t)kr * WIDTH * PAD, a, tv, &act);
         }
-        note_active(t, kr, tid, i, ar);
+        note_active(t, kr, i, ar);
         for (int u = 0; u < NV; u++)
             r[u] = r[u] - tv[u];
         memcpy(t->gout + ((size_t)kr * B + i) * PAD, gr, PAD * sizeof(float));
@@ -613,50 +604,52 @@ INLINE void train_row(const Task *t, const Batch *bt, int64_t i, int tid) {
             /* the lifted input itself is never needed: only this branch's activation */
             activate(state + PAD, t->alpha, a, &act);
         }
-        note_active(t, kl, tid, i, &act);
+        note_active(t, kl, i, &act);
         memcpy(t->gout + ((size_t)kl * B + i) * PAD, gl, PAD * sizeof(float));
         if (b > 0)
             grad_input(gl, t->wt + (size_t)kl * WIDTH * PAD, &act, t->alpha, gr);
     }
 }
 
+/* Transposes a 64 x 64 bit matrix in place: afterwards bit i of a[c] is what bit c of a[i]
+ * was (swapping ever smaller blocks: 32 x 32, then 16 x 16, ...). */
+INLINE void transpose64(uint64_t a[64]) {
+    uint64_t m = 0x00000000FFFFFFFFull;
+    for (int j = 32; j != 0; j >>= 1, m ^= m << j)
+        for (int k = 0; k < 64; k = ((k | j) + 1) & ~j) {
+            uint64_t x = ((a[k] >> j) ^ a[k | j]) & m;
+            a[k] ^= x << j;
+            a[k | j] ^= x;
+        }
+}
+
 /* Weight gradient columns [c0, c1) of branch k: wg[k][c][j] = sum_i acts[i][c] * gout[i][j]
- * (= dL/dW_k[j][c]), summed in a fixed order over the rows whose input c was active (about
- * half: the others have a zero activation, an exact zero term). */
-INLINE void weight_grad_columns(const Task *t, int tid, int64_t k, int64_t c0, int64_t c1) {
-    const int64_t B = t->batch;
+ * (= dL/dW_k[j][c]), summed in order of i over the rows whose input c was active (the others
+ * have a zero activation, an exact zero term). The rows' masks, transposed 64 rows at a time,
+ * give each column's rows as bits. */
+INLINE void weight_grad_columns(const Task *t, int tid, int64_t n, int64_t k, int64_t c0, int64_t c1) {
+    const int64_t B = t->batch, W = (n + 63) / 64;
     const float *A = t->acts + (size_t)k * B * PAD, *G = t->gout + (size_t)k * B * PAD;
-    const int P = t->threads;
-    int32_t *merged = t->merged + (size_t)tid * B;
+    uint64_t *bits = t->colbits + (size_t)tid * PAD * t->words; /* bits[c * words + w] */
+    for (int64_t w = 0; w < W; w++) {
+        uint64_t block[64];
+        const int64_t rows = n - 64 * w < 64 ? n - 64 * w : 64;
+        memcpy(block, t->masks + (size_t)k * B + 64 * w, (size_t)rows * sizeof(uint64_t));
+        memset(block + rows, 0, (size_t)(64 - rows) * sizeof(uint64_t));
+        transpose64(block);
+        for (int64_t c = c0; c < c1; c++)
+            bits[c * t->words + w] = block[c];
+    }
     float tmp[PAD] __attribute__((aligned(32)));
     for (int64_t c = c0; c < c1; c++) {
-        /* the rows of column c, ascending: thread by thread (each thread's rows ascend) */
-        const int32_t *rows = t->lists + ((size_t)k * P * WIDTH + c) * B;
-        int32_t count = t->counts[(size_t)k * P * WIDTH + c];
-        if (P > 1) {
-            count = 0;
-            for (int p = 0; p < P; p++) {
-                const int32_t n_p = t->counts[((size_t)k * P + p) * WIDTH + c];
-                memcpy(merged + count, t->lists + (((size_t)k * P + p) * WIDTH + c) * B, n_p * sizeof(int32_t));
-                count += n_p;
+        vf acc[NV] = {{0}};
+        for (int64_t w = 0; w < W; w++)
+            for (uint64_t x = bits[c * t->words + w]; x != 0; x &= x - 1) {
+                const size_t i = (size_t)(64 * w + __builtin_ctzll(x));
+                axpy6(acc, A[i * PAD + c], G + i * PAD);
             }
-            rows = merged;
-        }
-        vf e[NV] = {{0}}, o[NV] = {{0}}; /* alternate rows: two short dependency chains */
-        int32_t q = 0;
-        for (; q + 1 < count; q += 2) {
-            const size_t i0 = (size_t)rows[q], i1 = (size_t)rows[q + 1];
-            axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
-            axpy6(o, A[i1 * PAD + c], G + i1 * PAD);
-        }
-        if (q < count) {
-            const size_t i0 = (size_t)rows[q];
-            axpy6(e, A[i0 * PAD + c], G + i0 * PAD);
-        }
-        vf acc[NV];
         for (int u = 0; u < NV; u++)
-            acc[u] = e[u] + o[u];
-        memcpy(tmp, acc, sizeof tmp);
+            ((vf *)tmp)[u] = acc[u];
         memcpy(t->wg + ((size_t)k * WIDTH + c) * WIDTH, tmp, WIDTH * sizeof(float));
     }
 }
@@ -739,7 +732,7 @@ INLINE void update_units(Task *t, int64_t n, int tid, int64_t lo, int64_t hi) {
         int64_t a = lo > k * WIDTH ? lo - k * WIDTH : 0;
         int64_t b = hi - k * WIDTH < WIDTH ? hi - k * WIDTH : WIDTH;
         if (a < b) {
-            weight_grad_columns(t, tid, k, a, b);
+            weight_grad_columns(t, tid, n, k, a, b);
             sgd_range(t, t->wp, t->wv, t->wg, k * WIDTH * WIDTH + a * WIDTH, k * WIDTH * WIDTH + b * WIDTH);
             refresh_weight_columns(t, k, a, b);
         }
@@ -822,8 +815,6 @@ INLINE void run_worker(Worker *w) {
                         .count = t->n - start < t->batch ? t->n - start : t->batch};
             bt.inv_count = 1.0f / (float)bt.count;
             /* rows: forward, loss gradient, reversible backward */
-            for (int64_t k = 0; k < K; k++)
-                memset(t->counts + ((size_t)k * P + id) * WIDTH, 0, WIDTH * sizeof(int32_t));
             split(bt.count, id, P, &lo, &hi);
             /* the rows are read in shuffled order: lift them (and fetch their labels) all
              * first, so that cache misses overlap instead of each stalling a row's long chain
@@ -837,7 +828,7 @@ INLINE void run_worker(Worker *w) {
             for (int64_t i = lo; i < hi; i++) {
                 if (next >= 0 && next + i < t->epochs * t->n)
                     prefetch_row(t, t->perms[next + i]);
-                train_row(t, &bt, i, id);
+                train_row(t, &bt, i);
             }
             barrier_wait(w->barrier);
             /* weight gradients, SGD and working copies, unit by unit */
