@@ -184,26 +184,12 @@ INLINE void axpy6(vf *acc, float s, const float *w) {
         acc[u] += b * wv[u];
 }
 
-/* pack_table[m]: the set bits of m as lane numbers, lowest first, one per byte (a constant:
- * lane k of m, when set, goes to byte popcount(m & (2^k - 1))). */
-#define PACK_LANE(m, k) \
-    ((((m) >> (k)) & 1u) ? (uint64_t)(k) << (8 * __builtin_popcount((m) & ((1u << (k)) - 1u))) : 0u)
-#define PACK(m)                                                                                 \
-    (PACK_LANE(m, 0) | PACK_LANE(m, 1) | PACK_LANE(m, 2) | PACK_LANE(m, 3) | PACK_LANE(m, 4) | \
-     PACK_LANE(m, 5) | PACK_LANE(m, 6) | PACK_LANE(m, 7))
-#define PACK4(m) PACK(m), PACK(m + 1), PACK(m + 2), PACK(m + 3)
-#define PACK16(m) PACK4(m), PACK4(m + 4), PACK4(m + 8), PACK4(m + 12)
-#define PACK64(m) PACK16(m), PACK16(m + 16), PACK16(m + 32), PACK16(m + 48)
-static const uint64_t pack_table[256] = {PACK64(0u), PACK64(64u), PACK64(128u), PACK64(192u)};
-
-/* The inputs x[c] of a branch that relu lets through (x > 0, or NaN as in torch): their
- * numbers, ascending, and as a bit mask. Only these give a nonzero activation (the rare
- * exception, alpha*x underflowing to zero, adds an exact zero) and only these pass a
- * gradient back. */
+/* The inputs x[c] of a branch that relu lets through (x > 0, or NaN as in torch), as bit c
+ * of a mask. Only these give a nonzero activation (the rare exception, alpha*x underflowing to
+ * zero, adds an exact zero) and only these pass a gradient back. Everything that skips the
+ * others walks the mask's set bits in ascending order. */
 typedef struct {
     uint64_t mask;
-    int cnt;
-    uint8_t idx[PAD + 8];
 } Active;
 
 /* One branch's input activation: a = alpha*relu(x) (x and a are PAD floats with zero
@@ -238,32 +224,24 @@ INLINE void activate(const float *x, float alpha, float *a, Active *act) {
 #endif
     /* padding lanes are zero while training is finite; once it has diverged they may hold
      * NaN (inf * 0): never count them */
-    mask &= (1ull << WIDTH) - 1;
-    /* left-pack the active numbers, eight at a time */
-    int cnt = 0;
-    for (int u = 0; u < NV; u++) {
-        unsigned bits = (unsigned)(mask >> (8 * u)) & 0xffu;
-        uint64_t lanes = pack_table[bits] + (uint64_t)(8 * u) * 0x0101010101010101ull;
-        memcpy(act->idx + cnt, &lanes, 8);
-        cnt += __builtin_popcount(bits);
-    }
-    act->mask = mask;
-    act->cnt = cnt;
+    act->mask = mask & ((1ull << WIDTH) - 1);
 }
 
 /* out = a @ W.T = sum_c a[c] * wt[c][:] over the active c, in a fixed order. */
 INLINE void product(const float *a, const float *wt, const Active *act, vf *out) {
-    /* two interleaved partial sums (even and odd positions in the list): short chains */
-    const uint8_t *idx = act->idx;
-    const int cnt = act->cnt;
+    /* two interleaved partial sums (even and odd positions among the active c): short chains */
     vf e[NV] = {{0}}, o[NV] = {{0}};
-    int q = 0;
-    for (; q + 1 < cnt; q += 2) {
-        axpy6(e, a[idx[q]], wt + (size_t)idx[q] * PAD);
-        axpy6(o, a[idx[q + 1]], wt + (size_t)idx[q + 1] * PAD);
+    uint64_t m = act->mask;
+    while (m != 0) {
+        const int c0 = __builtin_ctzll(m);
+        m &= m - 1;
+        axpy6(e, a[c0], wt + (size_t)c0 * PAD);
+        if (m == 0)
+            break;
+        const int c1 = __builtin_ctzll(m);
+        m &= m - 1;
+        axpy6(o, a[c1], wt + (size_t)c1 * PAD);
     }
-    if (q < cnt)
-        axpy6(e, a[idx[q]], wt + (size_t)idx[q] * PAD);
     for (int u = 0; u < NV; u++)
         out[u] = e[u] + o[u];
 }
@@ -355,32 +333,41 @@ INLINE vf dot_partial(const vf *g, const float *wt, int c) {
 INLINE void grad_input(const vf *g, const float *wt, const Active *act, float alpha, vf *dst) {
     const vf al = {alpha, alpha, alpha, alpha, alpha, alpha, alpha, alpha};
     float *out = (float *)dst;
-    const uint8_t *idx = act->idx;
-    const int cnt = act->cnt;
-    int q = 0;
-    for (; q + 8 <= cnt; q += 8) {
+    uint64_t m = act->mask;
+    int left = __builtin_popcountll(m);
+    while (left >= 8) {
+        int idx[8];
         vf s[8];
-        for (int k = 0; k < 8; k++)
-            s[k] = dot_partial(g, wt, idx[q + k]);
+        for (int k = 0; k < 8; k++) {
+            idx[k] = __builtin_ctzll(m);
+            m &= m - 1;
+            s[k] = dot_partial(g, wt, idx[k]);
+        }
         float r[8];
         vf terms = al * sum8(s);
         memcpy(r, &terms, sizeof r);
         for (int k = 0; k < 8; k++)
-            out[idx[q + k]] += r[k];
+            out[idx[k]] += r[k];
+        left -= 8;
     }
-    if (q + 4 <= cnt) {
+    if (left >= 4) {
+        int idx[4];
         vf s[4];
-        for (int k = 0; k < 4; k++)
-            s[k] = dot_partial(g, wt, idx[q + k]);
+        for (int k = 0; k < 4; k++) {
+            idx[k] = __builtin_ctzll(m);
+            m &= m - 1;
+            s[k] = dot_partial(g, wt, idx[k]);
+        }
         float r[8];
         vf terms = al * sum4(s);
         memcpy(r, &terms, sizeof r);
         for (int k = 0; k < 4; k++)
-            out[idx[q + k]] += r[k];
-        q += 4;
+            out[idx[k]] += r[k];
     }
-    for (; q < cnt; q++)
-        out[idx[q]] += alpha * sum1(dot_partial(g, wt, idx[q]));
+    for (; m != 0; m &= m - 1) {
+        const int c = __builtin_ctzll(m);
+        out[c] += alpha * sum1(dot_partial(g, wt, c));
+    }
 }
 
 /* Forward through the core for one lifted row: st (ROW floats, 32-aligned) in place. When
