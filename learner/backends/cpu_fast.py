@@ -1,7 +1,7 @@
 """The cpu-fast backend: the cpu backend's math in one compiled call per task.
 
-``learner/backends/cpu_fast_kernel.c`` (built into ``learner.backends._cpu_fast`` by the
-package's own install) trains one task end to end: the same lift, initialization (from the
+``learner/backends/cpu_fast_train.h`` (with its glue ``cpu_fast_kernel.c``, built into
+``learner.backends._cpu_fast`` by the package's own install) trains one task end to end: the same lift, initialization (from the
 ``Prepared`` object), minibatch order, mean cross-entropy, SGD-momentum update and reversible
 backward (earlier states rebuilt from the core's endpoint by subtraction) as
 ``learner/train.py`` + ``learner/model.py``, written out by hand on buffers allocated once per
@@ -18,7 +18,7 @@ task, one thread, seconds per task (bench/bench_cpu.py has the full table):
         41-wide loops into scalar code); with runtime loop bounds the 41x41 products reach
         ~14 GFLOP/s against ~45-60 for the same loop in C with vector types (numba cannot
         tell LLVM that arrays do not alias, so accumulators stay in memory)
-    this C kernel (x86-64-v3 variant)                        0.025-0.032 (quiet vs busy host)
+    this C kernel (x86-64-v3 variant)                        0.017-0.030 (quiet vs busy host)
 
 The kernel is compiled twice, a generic variant and (GCC on x86-64) an AVX2 + FMA one; the
 CPU at hand picks (``isa="auto"``), or the constructor names one (the tests run both).
