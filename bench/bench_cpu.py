@@ -6,7 +6,7 @@ shape when the MNIST files are absent) and the default config, this times in one
     plain autograd eager   learner.train.train_predict(..., reversible=False): the loop as
                            written, autograd keeping every activation
     cpu backend            the reference backend (reversible core, autograd per branch)
-    cpu-fast               the compiled kernel (learner/backends/cpu_fast_kernel.c)
+    cpu-fast               the compiled kernel (learner/backends/cpu_fast_train.h)
 
 each on 1 and on 2 threads (torch intra-op threads for the first two, kernel threads for
 cpu-fast), interleaved round by round so that load from other processes falls on all of
