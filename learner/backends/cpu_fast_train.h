@@ -331,6 +331,22 @@ INLINE vf dot_partial(const vf *g, const float *wt, int c) {
     return e + o;
 }
 
+/* The next N (8 or 4) active c of *m, taken off it: out[c] += alpha * (g @ W)[c]. */
+INLINE void grad_group(const vf *g, const float *wt, uint64_t *m, const int N, vf al, float *out) {
+    int idx[8];
+    vf s[8];
+    for (int k = 0; k < N; k++) {
+        idx[k] = __builtin_ctzll(*m);
+        *m &= *m - 1;
+        s[k] = dot_partial(g, wt, idx[k]);
+    }
+    float r[8];
+    vf terms = al * (N == 8 ? sum8(s) : sum4(s));
+    memcpy(r, &terms, sizeof r);
+    for (int k = 0; k < N; k++)
+        out[idx[k]] += r[k];
+}
+
 /* The gradient through one branch to its input, added to dst (NV vectors):
  * dst[c] += alpha * (g @ W)[c] for the active c, where (g @ W)[c] = sum_j g[j] W[j][c] is
  * the dot product of g with wt[c] (column c of W); relu gives the other c no gradient, so
@@ -342,35 +358,10 @@ INLINE void grad_input(const vf *g, const float *wt, const Active *act, float al
     float *out = (float *)dst;
     uint64_t m = act->mask;
     int left = __builtin_popcountll(m);
-    while (left >= 8) {
-        int idx[8];
-        vf s[8];
-        for (int k = 0; k < 8; k++) {
-            idx[k] = __builtin_ctzll(m);
-            m &= m - 1;
-            s[k] = dot_partial(g, wt, idx[k]);
-        }
-        float r[8];
-        vf terms = al * sum8(s);
-        memcpy(r, &terms, sizeof r);
-        for (int k = 0; k < 8; k++)
-            out[idx[k]] += r[k];
-        left -= 8;
-    }
-    if (left >= 4) {
-        int idx[4];
-        vf s[4];
-        for (int k = 0; k < 4; k++) {
-            idx[k] = __builtin_ctzll(m);
-            m &= m - 1;
-            s[k] = dot_partial(g, wt, idx[k]);
-        }
-        float r[8];
-        vf terms = al * sum4(s);
-        memcpy(r, &terms, sizeof r);
-        for (int k = 0; k < 4; k++)
-            out[idx[k]] += r[k];
-    }
+    for (; left >= 8; left -= 8)
+        grad_group(g, wt, &m, 8, al, out);
+    if (left >= 4)
+        grad_group(g, wt, &m, 4, al, out);
     for (; m != 0; m &= m - 1) {
         const int c = __builtin_ctzll(m);
         out[c] += alpha * sum1(dot_partial(g, wt, c));
