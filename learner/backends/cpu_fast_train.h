@@ -376,19 +376,25 @@ INLINE void core_forward_row(const Task *t, float *st, float *top_a, Active *top
     vf tv[NV];
     Active act;
     vf *l = (vf *)st, *r = (vf *)(st + PAD);
-    for (int64_t b = 0; b < t->depth; b++) {
+    const int64_t last = t->depth - 1;
+    for (int64_t b = 0; b <= last; b++) {
         branch_product(st + PAD, t->alpha, t->wt + (size_t)(2 * b) * WIDTH * PAD, a, tv, &act);
         for (int u = 0; u < NV; u++)
             l[u] = l[u] + tv[u];
-        const int top = top_a && b == t->depth - 1;
-        branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, top ? top_a : a, tv,
-                       top ? top_act : &act);
+        if (b == last)
+            break; /* the top block's right branch is below */
+        branch_product(st, t->alpha, t->wt + (size_t)(2 * b + 1) * WIDTH * PAD, a, tv, &act);
         for (int u = 0; u < NV; u++)
             r[u] = r[u] + tv[u];
-        if (top)
-            for (int u = 0; u < NV; u++)
-                top_t[u] = tv[u];
     }
+    /* (top_a is a constant wherever this is inlined: NULL for the queries) */
+    branch_product(st, t->alpha, t->wt + (size_t)(2 * last + 1) * WIDTH * PAD, top_a ? top_a : a, tv,
+                   top_a ? top_act : &act);
+    for (int u = 0; u < NV; u++)
+        r[u] = r[u] + tv[u];
+    if (top_a)
+        for (int u = 0; u < NV; u++)
+            top_t[u] = tv[u];
 }
 
 /* mask ? a : b, lane by lane (mask lanes are all ones or all zeros). */
