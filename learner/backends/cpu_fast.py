@@ -18,7 +18,7 @@ task, one thread, seconds per task (bench/bench_cpu.py has the full table):
         41-wide loops into scalar code); with runtime loop bounds the 41x41 products reach
         ~14 GFLOP/s against ~45-60 for the same loop in C with vector types (numba cannot
         tell LLVM that arrays do not alias, so accumulators stay in memory)
-    this C kernel (x86-64-v3 variant)                        0.017-0.030 (quiet vs busy host)
+    this C kernel (x86-64-v3 variant)                        0.016-0.036 (quiet vs busy host)
 
 The kernel is compiled twice, a generic variant and (GCC on x86-64) an AVX2 + FMA one; the
 CPU at hand picks (``isa="auto"``), or the constructor names one (the tests run both).

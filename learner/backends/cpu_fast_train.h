@@ -45,7 +45,7 @@
  * defining KERNEL_ENTRY; the Python glue (cpu_fast_kernel.c) picks the variant for the CPU at
  * hand. Where __AVX2__ is defined (the x86-64-v3 variant) relu's mask is taken with AVX2
  * compares and movemask; elsewhere with portable vector code. Measured on the dev machine
- * (draw-0 task, one thread): x86-64-v3 ~17-30 ms depending on the host's load; the generic
+ * (draw-0 task, one thread): x86-64-v3 ~16-36 ms depending on the host's load; the generic
  * variant on x86-64 is SSE2 only and several times slower, still faster than the cpu backend.
  *
  * How it was tuned: instructions per draw-0 call counted exactly with valgrind's callgrind
@@ -54,7 +54,8 @@
  * reductions in grad_input, keeping loop accumulators out of the stack (GCC spilled twelve
  * accumulators over a long inlined loop; six per loop stay in registers), lifting and
  * prefetching rows a minibatch at a time (their cache misses had stalled each row).
- * What did not: pairing rows in lockstep, dense products, a dense weight gradient.
+ * What did not: pairing rows in lockstep, dense products, a dense weight gradient, a
+ * branch-free odd tail in the products (more instructions and mispredictions, measured).
  */
 #include <errno.h>
 #include <math.h>
