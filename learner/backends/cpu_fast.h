@@ -8,6 +8,13 @@
 
 #include <stdint.h>
 
+/* The task's fixed sizes, shared by the glue and the kernel. */
+#define PIXELS 81  /* a 9x9 image */
+#define WIDTH 41   /* a half state */
+#define FEAT 82    /* the head's input: both halves */
+#define CLASSES 10
+#define MAX_THREADS 64
+
 /* One task: sizes, config, inputs and outputs (params in/out, velocity and scores out). The
  * glue has checked every size, label and permutation entry before a kernel sees them. */
 typedef struct {

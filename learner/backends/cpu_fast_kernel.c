@@ -14,11 +14,6 @@
 
 #include "cpu_fast.h"
 
-#define PIXELS 81
-#define CLASSES 10
-#define WIDTH 41
-#define FEAT 82
-
 typedef int (*Kernel)(const KernelArgs *);
 
 /* Does this CPU have what the x86-64-v3 variant was compiled for? */
@@ -97,7 +92,7 @@ static PyObject *py_train_predict(PyObject *self, PyObject *args) {
         return NULL;
     const Py_ssize_t nparams = 2 * depth * WIDTH * WIDTH + CLASSES * FEAT + CLASSES;
     KernelArgs a = {.n = n, .m = m, .epochs = epochs, .batch = batch, .depth = depth, .alpha = alpha,
-                    .lr = lr, .momentum = momentum, .wd = wd, .threads = threads < 64 ? threads : 64};
+                    .lr = lr, .momentum = momentum, .wd = wd, .threads = threads < MAX_THREADS ? threads : MAX_THREADS};
 
     Py_buffer b[7];
     int got = 0;

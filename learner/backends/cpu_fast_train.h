@@ -72,15 +72,10 @@
 #include <immintrin.h>
 #endif
 
-#define WIDTH 41
 #define PAD 48 /* padded half state */
 #define NV 6   /* 8-float vectors per padded half */
-#define FEAT 82
 #define ROW 96 /* padded state: left at [0, 48), right at [48, 96) */
-#define CLASSES 10
 #define CPAD 16
-#define MAX_THREADS 64
-#define PIXELS 81
 
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
