@@ -32,8 +32,9 @@ from learner.errors import (
     TaskError,
     TrainingDivergedError,
 )
-from learner.result import TaskResult, finish_task, prepare, run_task
+from learner.result import TaskResult, finish_task, run_task
 from learner.taskio import TaskArrays
+from learner.train import prepare
 from learner.validate import cached_validation
 
 from .errors import InvalidRequest, ServiceError

@@ -40,11 +40,11 @@ import torch  # noqa: E402
 from learner.backends.cpu import CpuBackend  # noqa: E402
 from learner.backends.cpu_fast import CpuFastBackend  # noqa: E402
 from learner.config import Config  # noqa: E402
-from learner.result import prepare  # noqa: E402
+from learner.data import bundled_mnist_dir  # noqa: E402
 from learner.taskio import TaskArrays, make_task, validate_task  # noqa: E402
-from learner.train import train_predict  # noqa: E402
+from learner.train import prepare, train_predict  # noqa: E402
 
-MNIST = ROOT.parent / "shared" / "data" / "mnist"
+MNIST = bundled_mnist_dir()
 DRAW0_SEED = 2026091400
 METHODS = ("plain autograd eager", "cpu backend", "cpu-fast")
 

@@ -1,6 +1,6 @@
 """Fused kernel vs the cuda-graph backend on one GPU: ms and mJ per task, and their ratios.
 
-    python bench/bench_fused.py --mnist-dir ../shared/data/mnist [--tasks-per-launch N]
+    python bench/bench_fused.py [--tasks-per-launch N]
                                 [--trials 3 --target-seconds 5 --settle-seconds 3 --idle-seconds 3]
                                 [--sweep] [--json out.json]
 
@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import learner  # noqa: E402,F401  (sets CUBLAS_WORKSPACE_CONFIG before CUDA starts)
+from learner.data import bundled_mnist_dir  # noqa: E402
 
 DRAW0_SEED = 2026091400
 GOAL_SPEEDUP = 20.0
@@ -66,8 +67,8 @@ def sm_count() -> int:
 
 def batch_tasks(task, config, count: int):
     """``count`` tasks of draw 0's shape: task 0 is ``task`` itself, the others its rows reordered."""
-    from learner.result import prepare
     from learner.taskio import validate_task
+    from learner.train import prepare
 
     tasks, prepareds = [task], [prepare(task, config)]
     for t in range(1, count):
@@ -153,7 +154,7 @@ def measure(task, config, tasks_per_launch: int | None = None, timing_repeats: i
     """ms and mJ per task of cuda, fused and fused-T on ``task``; raises on any failure."""
     from learner.backends.cuda import GraphBackend
     from learner.backends.fused import FusedBackend
-    from learner.result import prepare
+    from learner.train import prepare
 
     count = tasks_per_launch or sm_count()
     cuda, fused = GraphBackend("cuda"), FusedBackend("cuda", chunk=chunk, num_warps=num_warps)
@@ -213,7 +214,7 @@ def measure(task, config, tasks_per_launch: int | None = None, timing_repeats: i
 def sweep(task, config, tasks_per_launch: int, repeats: int = 5, log=print) -> list[dict]:
     """CUDA ms of the fused kernel for several (chunk, num_warps), single and T-task launches."""
     from learner.backends.fused import FusedBackend
-    from learner.result import prepare
+    from learner.train import prepare
 
     prepared = prepare(task, config)
     tasks, prepareds = batch_tasks(task, config, tasks_per_launch)
@@ -232,7 +233,7 @@ def sweep(task, config, tasks_per_launch: int, repeats: int = 5, log=print) -> l
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
+    parser.add_argument("--mnist-dir", type=Path, default=bundled_mnist_dir())
     parser.add_argument("--tasks-per-launch", type=int, default=None, help="T (default: the SM count)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--trials", type=int, default=3)

@@ -34,10 +34,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from learner.data import bundled_mnist_dir  # noqa: E402
 from learner.taskio import TaskArrays, make_task, task_to_npz_bytes, validate_task  # noqa: E402
 from tests.server import post_task, running_server  # noqa: E402
 
-MNIST = ROOT.parent / "shared" / "data" / "mnist"
+MNIST = bundled_mnist_dir()
 DRAW0_SEED = 2026091400
 ROWS = (
     ("client end-to-end", "client_ms"),

@@ -1,6 +1,7 @@
-"""``rev88`` command line: run, make-task, score (and the commands other modules add).
+"""The learner's own commands: ``rev88 run``, ``make-task`` and ``score``.
 
-Exit status: 0 success, 2 bad input or usage (the message says why), 1 anything else.
+The command line itself (the parser, ``main`` and exit statuses) is ``rev88/cli.py``, which
+collects these with the commands of ``learner.evaluate``, ``learner.measure`` and ``app.commands``.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def cmd_make_task(args: argparse.Namespace) -> int:
 
 def add_make_task(sub) -> None:
     p = sub.add_parser("make-task", help="build an MNIST-medium draw from raw MNIST idx files")
-    p.add_argument("--mnist-dir", required=True, help="folder with train-images/train-labels idx[.gz]")
+    p.add_argument("--mnist-dir", help="folder with train-images/train-labels idx[.gz] "
+                   "[default: $REV88_MNIST_DIR, else the checkout's data/mnist]")
     p.add_argument("--dataset-seed", required=True, type=int, help="e.g. 2026091400 for draw 0")
     p.add_argument("--output", required=True, help="task npz to write")
     p.add_argument("--labels-output", help="where to write the held-back query labels (.npy)")
@@ -133,66 +135,3 @@ def add_score(sub) -> None:
     p.add_argument("--predictions", required=True)
     p.add_argument("--labels", required=True)
     p.set_defaults(func=cmd_score)
-
-
-# --------------------------------------------------------------------------- main
-
-COMMANDS = [add_run, add_make_task, add_score]
-# Commands that live in other modules ("module:function"); app's are web code and are
-# imported only when the CLI is built, never by the learner itself.
-EXTRA_COMMANDS = [
-    "learner.evaluate:add_evaluate",
-    "learner.measure:add_measure",
-    "app.commands:add_serve",
-    "app.commands:add_submit",
-]
-
-
-def _extra_commands():
-    import importlib
-
-    for spec in EXTRA_COMMANDS:
-        module_name, func = spec.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:  # not built yet in this checkout
-                continue
-            raise
-        yield getattr(module, func)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
-    parser = argparse.ArgumentParser(prog="rev88", description="The rev88 learner and service.")
-    parser.add_argument("--version", action="version", version=f"rev88 {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add in [*COMMANDS, *_extra_commands()]:
-        add(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except TaskError as exc:
-        print(f"rev88 {args.command}: error: {exc.message}", file=sys.stderr)
-        return 2
-    except CliError as exc:
-        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
-        return exc.code
-    except RuntimeError as exc:  # e.g. a backend that cannot start here
-        from .backends import BackendUnavailable
-
-        if isinstance(exc, BackendUnavailable):
-            print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
-            return 2
-        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -39,6 +39,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .cli import CliError
+from .data import bundled_mnist_dir
 
 DRAW_SEED_BASE = 2026091400
 PUBLISHED_DRAWS = range(0, 11)
@@ -545,7 +546,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .config import Config, load_config_file
 
     draws = parse_draws(args.draws)
-    mnist_dir = Path(args.mnist_dir)
+    mnist_dir = Path(args.mnist_dir) if args.mnist_dir else bundled_mnist_dir()
     if not mnist_dir.is_dir():
         raise CliError(
             f"--mnist-dir {mnist_dir} is not a folder (it needs train-images/train-labels idx[.gz])"
@@ -587,7 +588,8 @@ def add_evaluate(sub) -> None:
         description="Build each draw (dataset seed 2026091400 + k), run it in process or through a "
         "service, score it against the held-back query labels and write a report folder.",
     )
-    p.add_argument("--mnist-dir", required=True, help="folder with train-images/train-labels idx[.gz]")
+    p.add_argument("--mnist-dir", help="folder with train-images/train-labels idx[.gz] "
+                   "[default: $REV88_MNIST_DIR, else the checkout's data/mnist]")
     p.add_argument(
         "--draws",
         default="0-10",

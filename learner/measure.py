@@ -49,8 +49,9 @@ from . import energy as energy_mod
 from .backends import Backend, get_backend
 from .config import Config
 from .errors import TaskError
-from .result import TaskResult, prepare, run_task
+from .result import TaskResult, run_task
 from .taskio import TaskArrays
+from .train import prepare
 
 MIN_REPEATS, MAX_REPEATS = 1, 1000
 STATE_HASH_KEYS = (

@@ -22,7 +22,7 @@ from .errors import TrainingDivergedError
 from .hashing import array_sha256, named_sha256, state_vector
 from .model import FEATURES
 from .taskio import TaskArrays
-from .train import epoch_permutations, initial_parameters, parameter_count, parameter_names
+from .train import parameter_count, parameter_names, prepare
 from .validate import cached_validation
 
 DESCRIPTION = {
@@ -69,12 +69,6 @@ class TaskResult:
             "scores_sha256": self.scores_sha256,
             "metadata": self.metadata,
         }
-
-
-def prepare(task: TaskArrays, config: Config) -> Prepared:
-    """Seed-derived initial parameters and epoch permutations (identical on every backend)."""
-    initial = [p.numpy().copy() for p in initial_parameters(config)]
-    return Prepared(config, initial, epoch_permutations(config, task.train_count))
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import hashlib
 import io
 import struct
 import zipfile
@@ -18,6 +19,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from .data import MNIST_SHA256, bundled_mnist_dir, official_name
 from .errors import ArchiveError, ArchiveMemberError, ArchiveTooLargeError, InputError
 
 ALLOWED_MEMBERS = ("train_images", "train_labels", "test_images")
@@ -284,12 +286,28 @@ def save_task(path: str | Path, task: TaskArrays) -> None:
 _IDX_DTYPES = {0x08: np.uint8}
 
 
-def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (optionally .gz): big-endian header, uint8 payload."""
+def read_idx(path: str | Path, verify: bool = True) -> np.ndarray:
+    """Read an IDX file (optionally .gz): big-endian header, uint8 payload.
+
+    A file with an official MNIST name is checked against its known SHA-256
+    (``learner.data.MNIST_SHA256``, of the uncompressed bytes) unless ``verify`` is False."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        raw = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raise InputError(f"MNIST file not found: {path}") from None
+    except (OSError, EOFError) as exc:  # e.g. a truncated or non-gzip .gz
+        raise InputError(f"cannot read {path}: {exc}") from None
+    name = official_name(path)
+    if verify and name is not None:
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest != MNIST_SHA256[name]:
+            raise InputError(
+                f"{path}: SHA-256 of its IDX bytes is {digest}, not the official {name}'s "
+                f"{MNIST_SHA256[name]}; the file is damaged or not the official MNIST file"
+            )
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise InputError(f"{path} is not an IDX file (bad magic)")
     dtype_code, ndim = raw[2], raw[3]
@@ -304,6 +322,8 @@ def read_idx(path: str | Path) -> np.ndarray:
 
 
 def _find(mnist_dir: Path, stem: str) -> Path:
+    if not mnist_dir.is_dir():
+        raise InputError(f"MNIST folder not found: {mnist_dir} (pass --mnist-dir DIR with the official idx[.gz] files)")
     for name in (stem, stem + ".gz", stem.replace(".idx", "-idx"), stem.replace(".idx", "-idx") + ".gz"):
         candidate = mnist_dir / name
         if candidate.exists():
@@ -311,8 +331,9 @@ def _find(mnist_dir: Path, stem: str) -> Path:
     raise InputError(f"MNIST file {stem}[.gz] not found in {mnist_dir}")
 
 
-def load_mnist_train(mnist_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    d = Path(mnist_dir)
+def load_mnist_train(mnist_dir: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The official 60,000-row training split; ``mnist_dir`` None: the bundled ``data/mnist``."""
+    d = Path(mnist_dir) if mnist_dir is not None else bundled_mnist_dir()
     images = read_idx(_find(d, "train-images.idx3-ubyte"))
     labels = read_idx(_find(d, "train-labels.idx1-ubyte"))
     if images.shape != (60000, 28, 28) or labels.shape != (60000,):
@@ -351,7 +372,7 @@ def draw_order(dataset_seed: int, n: int = 60000) -> np.ndarray:
 
 
 def make_task(
-    mnist_dir: str | Path, dataset_seed: int, train_count: int = 10000, test_count: int = 10000
+    mnist_dir: str | Path | None, dataset_seed: int, train_count: int = 10000, test_count: int = 10000
 ) -> tuple[TaskArrays, np.ndarray]:
     """An MNIST-medium draw: (task, held-back query labels)."""
     images, labels = load_mnist_train(mnist_dir)

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backends.base import Prepared
 from .config import Config
 from .model import CLASSES, FEATURES, WIDTH, lift, scores
+from .taskio import TaskArrays
 
 
 def parameter_names(depth: int) -> list[str]:
@@ -126,3 +128,9 @@ def train_predict(
     train_h, test_h = lift(train_images), lift(test_images)
     velocity = train(params, train_h, train_labels, orders, config, reversible)
     return params, velocity, predict_scores(params, test_h, config)
+
+
+def prepare(task: TaskArrays, config: Config) -> Prepared:
+    """Seed-derived initial parameters and epoch permutations (identical on every backend)."""
+    initial = [p.numpy().copy() for p in initial_parameters(config)]
+    return Prepared(config, initial, epoch_permutations(config, task.train_count))

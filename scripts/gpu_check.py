@@ -38,9 +38,9 @@ def cuda_section(mnist_dir: Path) -> dict:
     from learner.config import Config, make_config
     from learner.model import core_forward, head, lift, reversible_core
     from learner.reference_check import TOLERANCE, max_violation, ordinary_sgd
-    from learner.result import prepare, run_task
+    from learner.result import run_task
     from learner.taskio import make_task, validate_task
-    from learner.train import initial_parameters
+    from learner.train import initial_parameters, prepare
 
     report: dict = {"device": torch.cuda.get_device_name(0), "cases": []}
     rng = np.random.default_rng(781)

@@ -44,7 +44,7 @@ def per_request_check(task) -> dict:
     from learner.backends import get_backend
     from learner.config import Config
     from learner.energy import IdleBaseline, open_meter, request_energy
-    from learner.result import prepare
+    from learner.train import prepare
 
     meter, reason = open_meter()
     if meter is None:

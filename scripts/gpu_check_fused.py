@@ -82,8 +82,9 @@ def run(out_dir: Path, mnist_dir: Path | None = None, log=print) -> dict:
     from learner.backends.cuda import GraphBackend
     from learner.backends.fused import FusedBackend, fused_ready, readiness
     from learner.config import Config
-    from learner.result import prepare, run_task
+    from learner.result import run_task
     from learner.taskio import make_task
+    from learner.train import prepare
 
     mnist_dir = mnist_dir or ROOT.parent / "shared" / "data" / "mnist"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -8,16 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from learner.data import DATA_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-MNIST_DIR = SHARED / "data" / "mnist"
-REFERENCE_DIR = SHARED / "reference"
+MNIST_DIR = DATA_DIR / "mnist"  # the repository's own copy (data/README.md)
+REFERENCE_DIR = DATA_DIR / "reference"
 DRAW0_SEED = 2026091400
 
 
 def _need(path: Path, what: str) -> None:
+    # The data is part of the repository: a missing file is a broken checkout, not a reason to skip.
     if not path.exists():
-        pytest.skip(f"{what} not found at {path} (tests expect ../shared beside the checkout)")
+        pytest.fail(f"{what} not found at {path}: data/ is part of the repository (see data/README.md)")
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def test_draw0_matches_rev88_run_byte_for_byte(client, draw0_npz, tmp_path):
     """Same npz, same backend: the service and `rev88 run` agree on every prediction and hash."""
     out = tmp_path / "cli.json"
     cli = subprocess.run(
-        [sys.executable, "-m", "learner.cli", "run", "--input", str(draw0_npz), "--backend", "cpu",
+        [sys.executable, "-m", "rev88", "run", "--input", str(draw0_npz), "--backend", "cpu",
          "--output", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )

@@ -13,7 +13,8 @@ from learner.backends.cpu import CpuBackend
 from learner.backends.cpu_fast import CpuFastBackend, compare_outputs, configured_threads
 from learner.config import Config
 from learner.errors import TrainingDivergedError
-from learner.result import prepare, run_task
+from learner.result import run_task
+from learner.train import prepare
 
 from .conftest import small_task
 

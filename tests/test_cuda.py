@@ -11,7 +11,7 @@ import torch
 
 from learner.config import make_config
 from learner.reference_check import TOLERANCE, max_violation, ordinary_sgd
-from learner.result import prepare
+from learner.train import prepare
 
 from .conftest import small_task
 

@@ -78,10 +78,12 @@ def _child(cases: str, out_dir: Path) -> None:
     sys.path.insert(0, str(ROOT))
     from learner.backends.fused import FusedBackend
     from learner.config import Config, make_config
-    from learner.result import prepare, run_task
+    from learner.result import run_task
     from learner.taskio import make_task
+    from learner.train import prepare
 
-    full, _ = make_task(ROOT.parent / "shared" / "data" / "mnist", DRAW0_SEED)
+    from learner.data import bundled_mnist_dir
+    full, _ = make_task(bundled_mnist_dir(), DRAW0_SEED)
     if cases == "small":
         for name, (spec, overrides, options) in SMALL_CASES.items():
             task, config = mnist_slice(full, *spec), make_config(overrides)
@@ -137,7 +139,7 @@ def small_runs(tmp_path_factory, mnist_dir) -> Path:
 
 def _cpu(task, config):
     from learner.backends.cpu import CpuBackend
-    from learner.result import prepare
+    from learner.train import prepare
 
     return CpuBackend().run(task, prepare(task, config))
 
@@ -243,7 +245,7 @@ def test_launch_checks_shape_and_config():
     from learner.backends.fused import check_launch
     from learner.config import make_config
     from learner.errors import ConfigError
-    from learner.result import prepare
+    from learner.train import prepare
 
     from .conftest import small_task
 

@@ -184,7 +184,7 @@ def test_cli_rejects_labels_archive_with_status_2(tmp_path):
     a["test_labels"] = np.zeros(3, np.int64)
     path = tmp_path / "bad.npz"
     path.write_bytes(npz_bytes(a))
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "run", "--input", str(path), "--backend", "cpu",
+    r = subprocess.run([sys.executable, "-m", "rev88", "run", "--input", str(path), "--backend", "cpu",
                         "--output", str(tmp_path / "r.json")], capture_output=True, text=True)
     assert r.returncode == 2
     assert "query/test labels must never be uploaded" in r.stderr
@@ -196,13 +196,13 @@ def test_cli_bad_config_and_bad_array_status_2(tmp_path):
     good.write_bytes(task_to_npz_bytes(small_task()))
     cfg = tmp_path / "c.json"
     cfg.write_text('{"depth": 0}')
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "run", "--input", str(good), "--config", str(cfg),
+    r = subprocess.run([sys.executable, "-m", "rev88", "run", "--input", str(good), "--config", str(cfg),
                         "--output", str(tmp_path / "r.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "config.depth must be > 0" in r.stderr
     a = arrays()
     a["train_images"] = a["train_images"] * 2
     bad = tmp_path / "b.npz"
     bad.write_bytes(npz_bytes(a))
-    r = subprocess.run([sys.executable, "-m", "learner.cli", "run", "--input", str(bad), "--output",
+    r = subprocess.run([sys.executable, "-m", "rev88", "run", "--input", str(bad), "--output",
                         str(tmp_path / "r.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "train_images pixels must lie in [0, 1]" in r.stderr

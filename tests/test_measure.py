@@ -179,7 +179,7 @@ def test_protocol_arguments_are_checked(args, words):
 
 
 def _rev88(*args):
-    return subprocess.run([sys.executable, "-m", "learner.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rev88", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_rev88_measure_on_cpu(tmp_path):
@@ -212,7 +212,7 @@ def test_rev88_measure_on_cpu(tmp_path):
 def test_rev88_measure_rejects_bad_arguments(tmp_path, capsys, extra, words):
     import torch
 
-    from learner.cli import main
+    from rev88.cli import main
 
     if extra[0] == "--backend" and torch.cuda.is_available():
         pytest.skip("a GPU is present here")

@@ -74,7 +74,7 @@ def test_cli_make_task_run_score(mnist_dir, tmp_path):
     out = tmp_path / "result.json"
 
     def rev88(*args):
-        return subprocess.run([sys.executable, "-m", "learner.cli", *args], capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "rev88", *args], capture_output=True, text=True)
 
     r = rev88("make-task", "--mnist-dir", str(mnist_dir), "--dataset-seed", "2026091400",
               "--output", str(task), "--labels-output", str(labels))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from app import commands
-from learner.cli import main as rev88
+from rev88.cli import main as rev88
 from tests.conftest import small_task
 from tests.server import ROOT, free_port, running_server
 
@@ -359,7 +359,7 @@ def test_serve_process_finishes_a_running_task_on_sigterm(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REV88_")}
-    cmd = [sys.executable, "-m", "learner.cli", "serve", "--port", str(port), "--backend", "cpu",
+    cmd = [sys.executable, "-m", "rev88", "serve", "--port", str(port), "--backend", "cpu",
            "--drain-timeout", "60", "--threads", "1", "--log-level", "warning"]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)

@@ -12,8 +12,8 @@ from learner.backends.cuda import GraphBackend
 from learner.config import make_config
 from learner.model import lift
 from learner.reference_check import ordinary_sgd
-from learner.result import prepare, run_task
-from learner.train import batch_sizes, epoch_permutations, initial_parameters, train
+from learner.result import run_task
+from learner.train import batch_sizes, epoch_permutations, initial_parameters, prepare, train
 from learner.validate import run_validation
 
 from .conftest import small_task

@@ -208,7 +208,7 @@ def cpu_fast_ready() -> tuple[bool, str]:
 def _run_self_check() -> tuple[bool, str]:
     if _kernel is None:
         return False, KERNEL_ERROR or "kernel not built"
-    from ..result import prepare
+    from ..train import prepare
     from .cpu import CpuBackend
 
     try:

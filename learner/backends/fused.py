@@ -260,8 +260,8 @@ def self_check(device: str = "cuda") -> tuple[bool, str]:
     kernel variant the service runs most), so it also compiles that variant.
     """
     from ..reference_check import TOLERANCE, max_violation
-    from ..result import prepare
     from ..taskio import validate_task
+    from ..train import prepare
     from .cpu import CpuBackend
 
     try:

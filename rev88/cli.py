@@ -1,0 +1,51 @@
+"""``rev88 ...``: every command of the learner and the service behind one parser.
+
+Exit status: 0 success, 2 bad input or usage (the message says why), 1 anything else.
+This module sits above ``learner`` and ``app`` and imports both; neither imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.commands import add_serve, add_submit
+from learner import __version__
+from learner.backends import BackendUnavailable
+from learner.cli import CliError, add_make_task, add_run, add_score
+from learner.errors import TaskError
+from learner.evaluate import add_evaluate
+from learner.measure import add_measure
+
+COMMANDS = [add_run, add_make_task, add_score, add_evaluate, add_measure, add_serve, add_submit]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rev88", description="The rev88 learner and service.")
+    parser.add_argument("--version", action="version", version=f"rev88 {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TaskError as exc:
+        print(f"rev88 {args.command}: error: {exc.message}", file=sys.stderr)
+        return 2
+    except CliError as exc:
+        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except BackendUnavailable as exc:  # e.g. backend=cuda without a GPU
+        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
