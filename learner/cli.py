@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-
-from .errors import TaskError
 
 
 class CliError(Exception):

@@ -78,11 +78,10 @@ def _child(cases: str, out_dir: Path) -> None:
     sys.path.insert(0, str(ROOT))
     from learner.backends.fused import FusedBackend
     from learner.config import Config, make_config
+    from learner.data import bundled_mnist_dir
     from learner.result import run_task
     from learner.taskio import make_task
     from learner.train import prepare
-
-    from learner.data import bundled_mnist_dir
     full, _ = make_task(bundled_mnist_dir(), DRAW0_SEED)
     if cases == "small":
         for name, (spec, overrides, options) in SMALL_CASES.items():
