@@ -14,9 +14,14 @@ energy of a window only a few periods long is an estimate; ``request_energy``
 says so in its note, and the paired-idle protocol (``rev88 measure``) repeats
 the task inside a window of seconds to get a figure worth comparing.
 
+The NVML handle of a CUDA device is chosen by its PCI bus id, else by its UUID
+(torch's device uuid against ``nvmlDeviceGetUUID``); the choice is recorded as
+``nvml_handle_selected_by`` in ``hardware()``. The selection is tested with a fake
+pynvml (tests/test_energy.py).
+
 Not verifiable on the development machine (no GPU, no NVML library): every
 code path of ``NvmlMeter``, ``open_meter`` and ``gpu_telemetry`` past NVML's
-initialization. scripts/gpu_check_energy.py exercises them on a GPU.
+initialization against a real driver. scripts/gpu_check_energy.py exercises them on a GPU.
 """
 
 from __future__ import annotations
@@ -151,6 +156,28 @@ def cuda_pci_bus_id(cuda_index: int) -> str | None:
     return f"{domain:04x}:{bus:02x}:{device:02x}.0"
 
 
+def normalize_uuid(text: Any) -> str | None:
+    """A GPU UUID as bare lower-case hex: NVML's 'GPU-6a0b...-...' and torch's '6a0b...-...'
+    (or without dashes) compare equal."""
+    if text is None:
+        return None
+    value = _text(text).strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if value.startswith(prefix):
+            value = value[len(prefix):]
+    value = value.replace("-", "")
+    return value or None
+
+
+def cuda_uuid(cuda_index: int) -> str | None:
+    """The CUDA device's UUID as torch reports it (normalized), or None where torch has none."""
+    import torch
+
+    props = torch.cuda.get_device_properties(cuda_index)
+    uuid = getattr(props, "uuid", None)
+    return None if uuid is None else normalize_uuid(str(uuid))
+
+
 @dataclasses.dataclass
 class _Device:
     handle: Any
@@ -158,33 +185,81 @@ class _Device:
     cuda_pci_bus_id: str | None
     nvml_pci_bus_id: str
     selected_by_cuda_pci_bus_id: bool
+    # how the handle was chosen: "pci_bus_id", "uuid" (the bus id did not match), "index"
+    # (torch sees no CUDA device, or gives neither id: NVML's first device), or
+    # "pci_bus_id_unverified" (the bus-id lookup answered a device whose id differs and the UUID
+    # did not match either)
+    selected_by: str = "pci_bus_id"
+    cuda_uuid: str | None = None
+
+
+def _by_uuid(pynvml: Any, uuid: str | None) -> Any:
+    """The NVML handle whose UUID is ``uuid`` (normalized), or None."""
+    if uuid is None:
+        return None
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        handle = _try(lambda i=i: pynvml.nvmlDeviceGetHandleByIndex(i))
+        if handle is not None and normalize_uuid(_try(lambda h=handle: pynvml.nvmlDeviceGetUUID(h))) == uuid:
+            return handle
+    return None
 
 
 def _select(pynvml: Any, cuda_index: int | None) -> tuple[_Device | None, str | None]:
     """The NVML handle of the CUDA device, chosen by its PCI bus id (CUDA and NVML
-    number devices differently, e.g. under CUDA_VISIBLE_DEVICES)."""
+    number devices differently, e.g. under CUDA_VISIBLE_DEVICES), else by its UUID
+    (torch's device uuid against nvmlDeviceGetUUID), so that a bus-id format or lookup
+    difference does not lose the meter."""
     import torch
 
-    cuda_bus = None
+    cuda_bus = uuid = None
     if torch.cuda.is_available():
         if cuda_index is None:
             cuda_index = torch.cuda.current_device()
         if not 0 <= cuda_index < torch.cuda.device_count():
             return None, f"CUDA device {cuda_index} does not exist (torch sees {torch.cuda.device_count()})"
         cuda_bus = cuda_pci_bus_id(cuda_index)
+        try:
+            uuid = cuda_uuid(cuda_index)
+        except Exception:  # noqa: BLE001 - an old torch, or a property it cannot read: no UUID fallback
+            uuid = None
     elif cuda_index is not None:
         return None, f"CUDA device {cuda_index} was asked for but torch sees no CUDA device"
-    try:
-        if cuda_bus is not None:
+
+    handle, how, bus_error = None, None, None
+    if cuda_bus is not None:
+        try:
             handle = pynvml.nvmlDeviceGetHandleByPciBusId(cuda_bus)
-        else:  # torch without CUDA (or without PCI fields): NVML's first device, and say so
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            nvml_bus = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
+            how = "pci_bus_id" if parse_pci_bus_id(cuda_bus) == parse_pci_bus_id(nvml_bus) else None
+        except (pynvml.NVMLError, ValueError) as exc:
+            handle, bus_error = None, exc
+    if how is None and uuid is not None:
+        try:
+            by_uuid = _by_uuid(pynvml, uuid)
+        except pynvml.NVMLError:
+            by_uuid = None
+        if by_uuid is not None:
+            handle, how = by_uuid, "uuid"
+    if how is None and handle is not None:
+        how = "pci_bus_id_unverified"  # the lookup's answer, as before the UUID fallback
+    if handle is None and cuda_bus is None and uuid is None:
+        try:  # torch without CUDA (or without PCI fields and uuid): NVML's first device, and say so
+            handle, how = pynvml.nvmlDeviceGetHandleByIndex(0), "index"
+        except pynvml.NVMLError as exc:
+            return None, f"NVML has no usable device at index 0: {exc}"
+    if handle is None:
+        tried = []
+        if cuda_bus is not None:
+            tried.append(f"CUDA's PCI bus id {cuda_bus}" + (f" ({bus_error})" if bus_error else ""))
+        if uuid is not None:
+            tried.append(f"CUDA's UUID {uuid}")
+        return None, f"NVML has no usable device matching {' or '.join(tried)}"
+    try:
         nvml_bus = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
     except pynvml.NVMLError as exc:
-        where = f"at CUDA's PCI bus id {cuda_bus}" if cuda_bus else "at index 0"
-        return None, f"NVML has no usable device {where}: {exc}"
-    matched = cuda_bus is not None and parse_pci_bus_id(cuda_bus) == parse_pci_bus_id(nvml_bus)
-    return _Device(handle, cuda_index, cuda_bus, nvml_bus, matched), None
+        return None, f"NVML device chosen by {how} has no readable PCI info: {exc}"
+    matched = how == "pci_bus_id"
+    return _Device(handle, cuda_index, cuda_bus, nvml_bus, matched, how, uuid), None
 
 
 class NvmlMeter:
@@ -246,6 +321,8 @@ def _hardware(nv: Any, device: _Device) -> dict:
         "cuda_pci_bus_id": device.cuda_pci_bus_id,
         "nvml_pci_bus_id": device.nvml_pci_bus_id,
         "nvml_handle_selected_by_cuda_pci_bus_id": device.selected_by_cuda_pci_bus_id,
+        "nvml_handle_selected_by": device.selected_by,
+        "cuda_uuid": device.cuda_uuid,
     }
 
 
@@ -353,6 +430,7 @@ class SimulatedMeter:
             "cuda_pci_bus_id": None,
             "nvml_pci_bus_id": None,
             "nvml_handle_selected_by_cuda_pci_bus_id": False,
+            "nvml_handle_selected_by": None,
         }
 
     def advance(self, seconds: float, power_w: float | None = None) -> None:

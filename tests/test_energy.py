@@ -261,3 +261,112 @@ def test_driver_version_degrades_to_none():
         assert energy.driver_version()
     else:
         assert energy.driver_version() is None
+
+
+# --------------------------------------------------------------------------- NVML handle selection (fake pynvml)
+
+
+class _FakeNvml:
+    """Just enough of pynvml for ``energy._select``: devices as (bus id, uuid) pairs."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, devices, bus_lookup_fails=False, bus_answer=None):
+        self.devices = devices  # list of (nvml bus id, nvml uuid)
+        self.bus_lookup_fails = bus_lookup_fails
+        self.bus_answer = bus_answer  # index answered by the bus lookup, whatever was asked
+
+    def __getattr__(self, name):  # any other NVML query: not supported on this fake GPU
+        if not name.startswith("nvml"):
+            raise AttributeError(name)
+
+        def unsupported(*args):
+            raise self.NVMLError("Not Supported")
+
+        return unsupported
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        if self.bus_lookup_fails:
+            raise self.NVMLError("Not Found")
+        if self.bus_answer is not None:
+            return self.bus_answer
+        for i, (b, _) in enumerate(self.devices):
+            if energy.parse_pci_bus_id(b) == energy.parse_pci_bus_id(bus):
+                return i
+        raise self.NVMLError("Not Found")
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        return type("PciInfo", (), {"busId": self.devices[handle][0].encode()})()
+
+    def nvmlDeviceGetCount(self):
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if not 0 <= i < len(self.devices):
+            raise self.NVMLError("Invalid Argument")
+        return i
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self.devices[handle][1]
+
+
+UUID_A = "GPU-6a0b3c2e-1111-2222-3333-444455556666"
+UUID_B = "GPU-0f0e0d0c-aaaa-bbbb-cccc-ddddeeeeffff"
+
+
+@pytest.fixture
+def one_cuda_device(monkeypatch):
+    """torch sees one CUDA device at 0000:50:00.0 whose uuid is UUID_B's (torch's spelling)."""
+    import torch
+
+    props = type("Props", (), {"pci_domain_id": 0, "pci_bus_id": 0x50, "pci_device_id": 0,
+                                "uuid": UUID_B[4:], "total_memory": 1})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    return props
+
+
+def test_uuid_spellings_compare_equal():
+    assert energy.normalize_uuid(UUID_A) == energy.normalize_uuid(UUID_A[4:].upper())
+    assert energy.normalize_uuid(UUID_A.replace("-", "")[3:]) == energy.normalize_uuid(UUID_A)
+    assert energy.normalize_uuid(b"GPU-ab") == "ab" and energy.normalize_uuid(None) is None
+
+
+def test_handle_chosen_by_pci_bus_id_when_it_matches(one_cuda_device):
+    nv = _FakeNvml([("00000000:4F:00.0", UUID_A), ("00000000:50:00.0", UUID_B)])
+    device, reason = energy._select(nv, None)
+    assert reason is None and device.handle == 1
+    assert device.selected_by == "pci_bus_id" and device.selected_by_cuda_pci_bus_id
+
+
+def test_handle_falls_back_to_uuid_when_the_bus_lookup_fails(one_cuda_device):
+    nv = _FakeNvml([("00000000:4F:00.0", UUID_A), ("00000000:51:00.0", UUID_B)], bus_lookup_fails=True)
+    device, reason = energy._select(nv, None)
+    assert reason is None and device.handle == 1 and device.selected_by == "uuid"
+    assert not device.selected_by_cuda_pci_bus_id
+    assert device.cuda_uuid == energy.normalize_uuid(UUID_B)
+    assert energy._hardware(nv, device)["nvml_handle_selected_by"] == "uuid"
+
+
+def test_handle_falls_back_to_uuid_when_the_bus_answer_differs(one_cuda_device):
+    nv = _FakeNvml([("00000000:4F:00.0", UUID_A), ("00000000:51:00.0", UUID_B)], bus_answer=0)
+    device, reason = energy._select(nv, None)
+    assert reason is None and device.handle == 1 and device.selected_by == "uuid"
+
+
+def test_no_match_by_bus_id_or_uuid_is_a_reason(one_cuda_device):
+    nv = _FakeNvml([("00000000:4F:00.0", UUID_A)], bus_lookup_fails=True)
+    device, reason = energy._select(nv, None)
+    assert device is None
+    assert "0000:50:00.0" in reason and energy.normalize_uuid(UUID_B) in reason
+
+
+def test_without_cuda_nvml_index_0_is_named_as_such(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device, reason = energy._select(_FakeNvml([("00000000:4F:00.0", UUID_A)]), None)
+    assert reason is None and device.handle == 0 and device.selected_by == "index"
