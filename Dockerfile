@@ -8,8 +8,8 @@
 # come with it as nvidia-* wheels), so a slim Python base is enough: the host needs only the
 # NVIDIA driver (>= 580 for CUDA 13) and the NVIDIA Container Toolkit. `===` asks for exactly
 # "2.13.0", never a local CPU build such as "2.13.0+cpu" that a build machine's pip may hold.
-# Not built here: no Docker engine was available where this file was written; it is checked
-# statically (tests/test_deploy_static.py) against the app's routes, port and settings.
+# Checked statically by tests/test_deploy_static.py (routes, port, settings) and built and run
+# for real by `make image-check` (deploy/image_check.sh; deploy/README.md has its figures).
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -42,11 +42,19 @@ RUN pip install "torch===2.13.0"
 COPY pyproject.toml README.md ./
 COPY learner ./learner
 COPY app ./app
-# Same torch pin again so resolving the package cannot move it; then a smoke import.
+COPY rev88 ./rev88
+# Same torch pin again so resolving the package cannot move it; then a smoke test of the
+# *installed* package, run from / so that the source copy here cannot stand in for it: the
+# compiled cpu-fast kernel must have been built (gcc above) or the build fails.
 # The project itself (".") carries its dependency ranges in pyproject.toml.
-# hadolint ignore=DL3013
+# hadolint ignore=DL3003,DL3013
 RUN pip install "torch===2.13.0" ".[gpu]" \
- && python -c "import learner, app.main, app.commands; print('rev88', learner.__version__)"
+ && rm -rf build ./*.egg-info \
+ && cd / \
+ && python -c "import learner, app.main, app.commands, rev88.cli; from learner.backends import cpu_fast; \
+assert not learner.__file__.startswith('/opt/rev88/'), learner.__file__; \
+assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; \
+print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel built')"
 
 USER 10001:10001
 

@@ -49,3 +49,19 @@ lint: install-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# Not part of `make test` (the image build downloads several GB and takes minutes):
+#   make image-check        build the Dockerfile (podman or docker) and run the image for real:
+#                           read-only, ready time, draw-0 hash vs the host, non-root, SIGTERM drain
+#                           (deploy/image_check.py; IMAGE_CHECK_ARGS="--no-cache" for a cold build)
+#   make compose-cpu-check  compose.yaml + compose.cpu.yaml up, one task, stop (needs podman-compose
+#                           or docker compose; deploy/compose_cpu_check.py)
+IMAGE_CHECK_ARGS ?=
+.PHONY: image-check compose-cpu-check
+image-check:
+	@test -x $(BIN)/rev88 || $(MAKE) install
+	$(BIN)/python deploy/image_check.py $(IMAGE_CHECK_ARGS)
+
+compose-cpu-check:
+	@test -x $(BIN)/rev88 || $(MAKE) install
+	$(BIN)/python deploy/compose_cpu_check.py

@@ -86,8 +86,38 @@ def probe_url(text: str) -> tuple[int, str]:
     return int(found[0][0]), found[0][1]
 
 
+class Reset:
+    """Compose's `!reset` tag: the override file removes the value it stands on."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, Reset) and other.value == self.value
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """Safe YAML plus the Compose specification's merge tags (!reset, !override)."""
+
+
+def _tagged(kind):
+    def construct(loader, node):
+        if isinstance(node, yaml.MappingNode):
+            value = loader.construct_mapping(node, deep=True)
+        elif isinstance(node, yaml.SequenceNode):
+            value = loader.construct_sequence(node, deep=True)
+        else:
+            value = loader.construct_scalar(node)
+        return Reset(value) if kind == "reset" else value
+    return construct
+
+
+ComposeLoader.add_constructor("!reset", _tagged("reset"))
+ComposeLoader.add_constructor("!override", _tagged("override"))
+
+
 def load_yaml(path: Path) -> list:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    return [doc for doc in yaml.load_all(path.read_text(), Loader=ComposeLoader) if doc is not None]
 
 
 def k8s_docs() -> dict[str, dict]:
@@ -197,11 +227,35 @@ def test_dockerignore_keeps_what_the_image_copies():
     copied = []
     for args in instructions("COPY"):
         copied += args.split()[:-1]
-    assert set(copied) >= {"pyproject.toml", "README.md", "learner", "app"}
+    # the packages pyproject.toml installs, the CLI's front door (rev88/) included
+    assert set(copied) >= {"pyproject.toml", "README.md", "learner", "app", "rev88"}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = re.search(r'^include = \[(.*)\]$', pyproject, re.M)[1]
+    assert {p.strip(' "*') for p in packages.split(",")} <= set(copied)
     for src in copied:
         assert not any(fnmatch.fnmatch(src, p) for p in patterns), f"{src} is copied but .dockerignore drops it"
     for heavy in (".venv", ".git", "tests"):
         assert heavy in patterns
+    # a kernel compiled on the host must not reach the image (it would hide a failed build there)
+    assert "**/*.so" in patterns
+
+
+def test_dockerfile_smoke_tests_the_installed_package_and_its_kernel():
+    """The build's smoke test imports the *installed* package (from /, not the source copy in
+    WORKDIR) and fails when the cpu-fast kernel was not compiled."""
+    (workdir,) = instructions("WORKDIR")
+    install = [r for r in instructions("RUN") if '".[gpu]"' in r]
+    assert len(install) == 1
+    steps = [step.strip() for step in install[0].split("&&")]
+    cd = [i for i, step in enumerate(steps) if step.startswith("cd ")]
+    smoke = [i for i, step in enumerate(steps) if step.startswith("python -c")]
+    assert cd and smoke and cd[0] < smoke[0], "the smoke test runs after a cd away from the sources"
+    target = steps[cd[0]].split()[1]
+    assert not target.startswith(workdir) and target != ".", target
+    code = steps[smoke[0]].split(None, 2)[2].strip('"')
+    compile(code, "<smoke>", "exec")
+    for needed in ("import learner", "app.main", "rev88.cli", "cpu_fast.kernel_available()", workdir):
+        assert needed in code, needed
 
 
 # --------------------------------------------------------------------------- YAML
@@ -209,7 +263,7 @@ def test_dockerignore_keeps_what_the_image_copies():
 
 def test_every_yaml_under_deploy_parses():
     files = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
-    assert len(files) >= 6
+    assert len(files) >= 7
     for path in files:
         docs = load_yaml(path)
         assert docs and all(isinstance(d, dict) for d in docs), path
@@ -235,6 +289,22 @@ def compose_service() -> dict:
     return service
 
 
+def compose_merge(base, override):
+    """The Compose specification's merge of an override file (mappings merge, `!reset`
+    removes the key, sequences append) -- enough for compose.cpu.yaml."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            if isinstance(v, Reset):
+                out.pop(k, None)
+            else:
+                out[k] = compose_merge(base[k], v) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(override, list):
+        return base + [v for v in override if v not in base]
+    return override
+
+
 def test_compose_reserves_one_nvidia_gpu():
     devices = compose_service()["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
@@ -257,6 +327,35 @@ def test_compose_healthcheck_port_env_and_grace(routes):
     assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == ROOT / "Dockerfile"
     if service.get("read_only"):
         assert "/tmp" in service["tmpfs"]
+
+
+def test_compose_cpu_override_drops_only_the_gpu_reservation():
+    (base,) = load_yaml(DEPLOY / "compose.yaml")
+    (cpu,) = load_yaml(DEPLOY / "compose.cpu.yaml")
+    assert set(cpu["services"]) == set(base["services"]), "the override names the same service"
+    (override,) = cpu["services"].values()
+    assert set(override) <= {"environment", "deploy"}
+    assert override["deploy"]["resources"]["reservations"]["devices"] == Reset([])
+    merged = compose_merge(compose_service(), override)
+    assert "devices" not in merged["deploy"]["resources"]["reservations"]
+    assert merged["environment"]["REV88_BACKEND"] in {"cpu", "cpu-fast"}
+    assert set(merged["environment"]) <= ENV_NAMES
+    # everything else is compose.yaml's: same image, health check, grace, read-only root
+    for field in ("image", "build", "healthcheck", "stop_grace_period", "read_only", "tmpfs", "ports"):
+        assert merged[field] == compose_service()[field], field
+
+
+def test_image_checks_are_make_targets_outside_make_test():
+    makefile = (ROOT / "Makefile").read_text()
+    for target, script in (("image-check", "deploy/image_check.py"),
+                           ("compose-cpu-check", "deploy/compose_cpu_check.py")):
+        rule = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M)
+        assert rule and script in rule[1], target
+        compile((ROOT / script).read_text(), script, "exec")
+    # never part of `make test` (the build downloads several GB)
+    test_rule = re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M)[1]
+    assert "image" not in test_rule and "compose" not in test_rule
+    assert (DEPLOY / "bootstrap_base_image.sh").stat().st_mode & 0o111, "bootstrap_base_image.sh is executable"
 
 
 # --------------------------------------------------------------------------- Kubernetes
