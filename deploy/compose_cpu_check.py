@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--rev88", default=str(Path(sys.executable).with_name("rev88")))
+    parser.add_argument("--git-ref", metavar="REF",
+                        help="run the host's reference from the committed tree at REF (git archive)")
     parser.add_argument("--output", type=Path, default=ROOT / "out" / "compose-cpu-check.json")
     args = parser.parse_args(argv)
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         figures["config_has_devices"] = "devices" in config or "nvidia" in config
         ic.check(not figures["config_has_devices"], "the merged config has no GPU device reservation")
 
-        task, host_sha, _ = ic.host_reference(args.rev88, work)
+        source = ic.git_context(args.git_ref, work) if args.git_ref else None
+        task, host_sha, _ = ic.host_reference(args.rev88, work, source)
         figures["host_predictions_sha256"] = host_sha
         try:
             ic.http("GET", f"http://127.0.0.1:{PORT}/v2/health/live", timeout=1)

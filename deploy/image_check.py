@@ -19,7 +19,8 @@ What it does, in order (each step prints its figure; any failed check exits 1):
    filesystem uid all non-zero; `id -u` agrees) and that the root filesystem refuses writes;
 8. starts a longer task (more epochs), sends SIGTERM (`stop --time GRACE`) while it runs, and
    checks that the task is still answered 200 and that the container exits 0 well within the
-   grace period (compose.yaml's stop_grace_period).
+   grace period (compose.yaml's stop_grace_period); then starts the container again and
+   stops it idle (exit 0 again, and the stop time without work to drain).
 
 Figures go to stdout and to --output (JSON, default out/image-check.json). Not part of
 `make test`: the build downloads several GB (PyPI's CUDA torch) and takes minutes.
@@ -148,11 +149,19 @@ def image_size_bytes(engine: str, tag: str) -> int:
     return int(sh(engine, "image", "inspect", tag, "--format", "{{.Size}}").stdout.strip())
 
 
-def host_reference(rev88: str, work: Path) -> tuple[Path, str, float]:
+def host_reference(rev88: str, work: Path, source: Path | None = None) -> tuple[Path, str, float]:
+    """Draw 0 made and trained on the host (cpu backend). With SOURCE (a git-archive tree),
+    the host runs that tree's code (python -m rev88, PYTHONPATH=SOURCE), the same commit as
+    the image, instead of the installed package."""
     task, labels, run = work / "task.npz", work / "labels.npy", work / "run.json"
-    sh(rev88, "make-task", "--dataset-seed", str(DRAW0_SEED), "--output", str(task), "--labels-output", str(labels))
+    cmd, env = [rev88], None
+    if source is not None:
+        cmd = [str(Path(rev88).with_name("python")), "-m", "rev88"]
+        env = {**os.environ, "PYTHONPATH": str(source)}
+    sh(*cmd, "make-task", "--dataset-seed", str(DRAW0_SEED), "--output", str(task), "--labels-output", str(labels),
+       env=env)
     start = time.monotonic()
-    sh(rev88, "run", "--input", str(task), "--backend", "cpu", "--output", str(run))
+    sh(*cmd, "run", "--input", str(task), "--backend", "cpu", "--output", str(run), env=env)
     seconds = time.monotonic() - start
     return task, json.loads(run.read_text())["predictions_sha256"], seconds
 
@@ -230,10 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true", help="build every layer afresh")
     parser.add_argument("--skip-build", action="store_true", help="run the image already tagged --tag")
     parser.add_argument("--git-ref", metavar="REF",
-                        help="build the committed tree at REF (git archive) instead of the working tree")
+                        help="build (and run on the host) the committed tree at REF (git archive) "
+                             "instead of the working tree")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
-    parser.add_argument("--drain-epochs", type=int, default=12,
-                        help="epochs of the task that is running when SIGTERM arrives [12]")
+    parser.add_argument("--drain-epochs", type=int, default=4,
+                        help="epochs of the (cpu backend) task that is running when SIGTERM arrives: "
+                             "it must finish within the 30 s drain [4]")
     parser.add_argument("--rev88", default=str(Path(sys.executable).with_name("rev88")),
                         help="the host's rev88 command [the one beside this Python]")
     parser.add_argument("--output", type=Path, default=ROOT / "out" / "image-check.json")
@@ -245,14 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     log(figures["engine"])
     name = f"rev88-image-check-{os.getpid()}"
     work = Path(tempfile.mkdtemp(prefix="rev88-image-check-"))
+    context = None
     try:
         if not args.skip_build:
             figures["base_image"] = f"{base_image()}: {ensure_base(engine, args.base)}"
-            context = git_context(args.git_ref, work) if args.git_ref else ROOT
+            context = git_context(args.git_ref, work) if args.git_ref else None
             figures["build_context"] = f"git archive {args.git_ref}" if args.git_ref else "working tree"
             if args.git_ref:
                 figures["build_commit"] = sh("git", "-C", str(ROOT), "rev-parse", args.git_ref).stdout.strip()
-            figures["build_s"] = round(build(engine, args.tag, args.build_arg, args.no_cache, context), 1)
+            figures["build_s"] = round(build(engine, args.tag, args.build_arg, args.no_cache, context or ROOT), 1)
             figures["build_args"] = args.build_arg
             figures["build_no_cache"] = args.no_cache
             log(f"build: {figures['build_s']} s")
@@ -261,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         figures["image_size"] = f"{size / 1e9:.2f} GB"
         log(f"image size: {figures['image_size']} ({size} bytes)")
 
-        task, host_sha, host_s = host_reference(args.rev88, work)
+        if args.git_ref and context is None:
+            context = git_context(args.git_ref, work)
+        task, host_sha, host_s = host_reference(args.rev88, work, context if args.git_ref else None)
         figures["host_predictions_sha256"] = host_sha
         figures["host_run_s"] = round(host_s, 2)
         log(f"host rev88 run --backend cpu: {host_sha} ({host_s:.1f} s)")
@@ -313,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         def long_task() -> None:
             try:
                 result["answer"] = post_task(base, body, f"backend=cpu&epochs={args.drain_epochs}")
+                result["answered_at"] = time.monotonic()
             except Exception as exc:  # reported below
                 result["error"] = repr(exc)
 
@@ -332,8 +347,23 @@ def main(argv: list[str] | None = None) -> int:
         log(f"stop with a task in flight: {stop_s:.2f} s, exit code {exit_code}")
         check("answer" in result, f"the in-flight task was answered 200 during the drain ({result.get('error', 'ok')})")
         figures["drained_task_run_ms"] = result["answer"].get("timing", {}).get("run_ms")
+        after = figures["drained_task_answered_after_sigterm_s"] = round(result["answered_at"] - start, 2)
+        check(after > 0, f"the task was answered {after} s after `stop` began (it ran during the drain)")
         check(exit_code == 0, f"exit code {exit_code} after SIGTERM")
         check(stop_s < grace, f"exited in {stop_s:.2f} s, within the {grace} s grace period (no SIGKILL)")
+
+        # And an idle stop: start the same container again, wait until ready, SIGTERM.
+        started = time.monotonic()
+        sh(engine, "start", name)
+        figures["restart_ready_s"] = round(wait_ready(base, engine, name, started, args.ready_timeout), 2)
+        start = time.monotonic()
+        sh(engine, "stop", "--time", str(grace), name, timeout=grace + 30)
+        figures["idle_stop_s"] = round(time.monotonic() - start, 2)
+        idle_code = int(sh(engine, "inspect", name, "--format", "{{.State.ExitCode}}").stdout.strip())
+        figures["idle_exit_code"] = idle_code
+        check(idle_code == 0 and figures["idle_stop_s"] < grace,
+              f"restarted (ready in {figures['restart_ready_s']} s), idle stop: {figures['idle_stop_s']} s, "
+              f"exit code {idle_code}")
         figures["passed"] = True
     except CheckFailed as exc:
         figures["passed"] = False
