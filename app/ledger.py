@@ -1,0 +1,729 @@
+"""The task ledger: every task the service accepts, in an embedded SQLite database (issue #15).
+
+Plain Python, no web code. One ``Ledger`` per replica, in ``REV88_DATA_DIR``:
+
+    <data_dir>/ledger.sqlite3        the database (WAL mode, synchronous=FULL)
+    <data_dir>/uploads/<id>.npz      the body of an asynchronous task until it finishes
+
+A row records a task from the moment it is accepted (``queued``) through ``running`` to one of
+the finished states (``succeeded``, ``failed``, ``cancelled``): its shape, config, backend,
+options (whatever else re-running it needs), input hashes and, once done, the whole JSON answer
+(stored as zlib-compressed JSON) or the error.
+
+Durability. ``create(body=...)`` writes the upload (temp file, fsync, rename, fsync of the
+folder) before it commits the row, and the commit itself is synchronous=FULL: once ``create``
+has returned, a crash or ``kill -9`` loses neither. ``unfinished()`` lists what a restart must
+re-queue. ``finish`` commits the result first and deletes the upload after, so a crash between
+the two leaves at most an orphaned file, which the next open deletes.
+
+Retention. After each ``finish`` (and at open), while more than ``retain_tasks`` finished tasks
+are stored or their stored answers take more than ``retain_bytes``, the task that finished
+longest ago is deleted. Queued and running tasks are never deleted, nor is the task that has
+just finished (its result stays readable at least until the next finish).
+
+Failures are never silent. Opening a database that is corrupt, newer than this code, or in a
+folder that cannot be created or written raises ``LedgerError`` naming the file and the problem
+(the service refuses to start). A write that fails at run time (disk full, I/O error) raises
+``LedgerUnavailable``, which the service answers as a 503 naming it.
+
+Schema. ``PRAGMA user_version`` holds the schema version; ``MIGRATIONS`` are applied in order,
+each in one transaction together with its version bump.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import math
+import os
+import sqlite3
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rev88.app.ledger")
+
+DB_NAME = "ledger.sqlite3"
+UPLOADS = "uploads"
+UPLOAD_SUFFIX = ".npz"
+TMP_SUFFIX = ".tmp"
+
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINISHED = ("succeeded", "failed", "cancelled")
+UNFINISHED = ("queued", "running")
+KINDS = ("task", "measure")
+MODES = ("sync", "async")
+
+ANSWER_CODEC = "zlib+json"
+BUSY_TIMEOUT_MS = 10_000
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+        CREATE TABLE tasks (
+            id                 TEXT PRIMARY KEY,
+            status             TEXT NOT NULL CHECK (status IN
+                                   ('queued', 'running', 'succeeded', 'failed', 'cancelled')),
+            kind               TEXT NOT NULL,
+            mode               TEXT NOT NULL,
+            created_at         REAL NOT NULL,
+            started_at         REAL,
+            finished_at        REAL,
+            attempts           INTEGER NOT NULL DEFAULT 0,
+            backend            TEXT NOT NULL,
+            config             TEXT NOT NULL,
+            options            TEXT NOT NULL,
+            train_count        INTEGER NOT NULL,
+            test_count         INTEGER NOT NULL,
+            input_hashes       TEXT,
+            body_sha256        TEXT NOT NULL,
+            body_bytes         INTEGER NOT NULL,
+            has_upload         INTEGER NOT NULL DEFAULT 0,
+            idempotency_key    TEXT UNIQUE,
+            device             TEXT,
+            answer             BLOB,
+            answer_codec       TEXT,
+            answer_bytes       INTEGER NOT NULL DEFAULT 0,
+            answer_json_bytes  INTEGER NOT NULL DEFAULT 0,
+            error              TEXT,
+            predictions_sha256 TEXT,
+            run_ms             REAL,
+            energy_j           REAL
+        );
+        CREATE INDEX tasks_newest ON tasks (created_at DESC, id DESC);
+        CREATE INDEX tasks_status_newest ON tasks (status, created_at DESC, id DESC);
+        CREATE INDEX tasks_finished ON tasks (finished_at, id) WHERE finished_at IS NOT NULL;
+        """,
+    ),
+]
+SCHEMA_VERSION: int = MIGRATIONS[-1][0]
+assert [v for v, _ in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1)), "migrations must be numbered 1..N"
+
+# Every column but the answer blob: what lists and recovery read.
+_SUMMARY_COLUMNS = (
+    "id, status, kind, mode, created_at, started_at, finished_at, attempts, backend, config, options, "
+    "train_count, test_count, input_hashes, body_sha256, body_bytes, idempotency_key, device, error, "
+    "predictions_sha256, run_ms, energy_j, answer_bytes"
+)
+_ALL_COLUMNS = _SUMMARY_COLUMNS + ", answer, answer_codec"
+
+
+class LedgerError(Exception):
+    """The ledger cannot be used: the message names the file and the problem."""
+
+
+class LedgerUnavailable(LedgerError):
+    """A read or write of the ledger failed at run time (disk full, I/O error, ...): answer 503."""
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key is already in the ledger for a task with another body or options."""
+
+    def __init__(self, key: str, task_id: str, message: str | None = None):
+        self.key = key
+        self.task_id = task_id
+        super().__init__(
+            message
+            or f"Idempotency-Key {key!r} was already used for task {task_id} with a different body or options"
+        )
+
+
+class AlreadyFinished(ValueError):
+    """``mark_running`` or ``finish`` on a task that has already finished; ``record`` is it."""
+
+    def __init__(self, record: TaskRecord):
+        self.record = record
+        super().__init__(f"task {record.id} has already finished ({record.status})")
+
+
+@dataclasses.dataclass
+class TaskRecord:
+    id: str
+    status: str
+    kind: str
+    mode: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    backend: str
+    config: dict
+    options: dict
+    train_count: int
+    test_count: int
+    input_hashes: dict | None
+    body_sha256: str
+    body_bytes: int
+    idempotency_key: str | None
+    device: str | None
+    answer: dict | None
+    error: dict | None
+    predictions_sha256: str | None
+    run_ms: float | None
+    energy_j: float | None
+    attempts: int = 0  # times it was marked running (more than 1: re-run after a restart)
+    answer_bytes: int = 0  # the stored (compressed) answer's size
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+    def summary(self) -> dict:
+        """JSON-able, without the answer or error (for lists)."""
+        return {
+            "id": self.id,
+            "status": self.status,
+            "kind": self.kind,
+            "mode": self.mode,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "attempts": self.attempts,
+            "backend": self.backend,
+            "device": self.device,
+            "config": self.config,
+            "options": self.options,
+            "train_count": self.train_count,
+            "test_count": self.test_count,
+            "input_hashes": self.input_hashes,
+            "body_sha256": self.body_sha256,
+            "body_bytes": self.body_bytes,
+            "idempotency_key": self.idempotency_key,
+            "predictions_sha256": self.predictions_sha256,
+            "run_ms": self.run_ms,
+            "energy_j": self.energy_j,
+        }
+
+    def document(self) -> dict:
+        """JSON-able status document: the summary, plus the answer (succeeded) or the error."""
+        doc = self.summary()
+        doc["answer"] = self.answer
+        doc["error"] = self.error
+        return doc
+
+
+def _dumps(value: Any) -> str:
+    # Canonical (sorted keys, no spaces): equal values give equal text, which idempotency compares.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def encode_answer(answer: dict) -> tuple[bytes, int]:
+    """(stored blob, length of the JSON text) of an answer: zlib-compressed canonical JSON."""
+    text = _dumps(answer).encode("utf-8")
+    return zlib.compress(text, 6), len(text)
+
+
+def decode_answer(blob: bytes | None, codec: str | None) -> dict | None:
+    if blob is None:
+        return None
+    if codec != ANSWER_CODEC:
+        raise LedgerError(f"stored answer has an unknown encoding {codec!r}")
+    return json.loads(zlib.decompress(blob))
+
+
+def _encode_cursor(created_at: float, task_id: str) -> str:
+    raw = json.dumps([created_at, task_id], separators=(",", ":")).encode("utf-8")
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        created_at, task_id = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not isinstance(task_id, str):
+            raise ValueError
+        if not math.isfinite(created_at):
+            raise ValueError
+    except (ValueError, TypeError, UnicodeError, binascii.Error):
+        raise ValueError(
+            f"bad cursor {cursor[:80]!r}: pass the next_cursor of a previous page unchanged"
+        ) from None
+    return float(created_at), task_id
+
+
+def _split_sql(script: str) -> list[str]:
+    """A migration's statements, one by one (executescript would commit the open transaction)."""
+    statements, current = [], ""
+    for line in script.splitlines(keepends=True):
+        current += line
+        if sqlite3.complete_statement(current):
+            if current.strip():
+                statements.append(current.strip())
+            current = ""
+    if current.strip():
+        raise ValueError(f"incomplete SQL statement in a migration: {current.strip()[:80]!r}")
+    return statements
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Ledger:
+    """The task ledger of one replica. Thread-safe: one connection, guarded by a lock."""
+
+    def __init__(self, data_dir: str | Path, retain_tasks: int = 10_000, retain_bytes: int = 1 << 30,
+                 *, max_db_bytes: int | None = None):
+        """``max_db_bytes``: an optional hard cap on the database file (SQLite's max_page_count);
+        writes beyond it fail as a full disk would, with ``LedgerUnavailable``."""
+        if retain_tasks < 0 or retain_bytes < 0:
+            raise ValueError(f"retain_tasks and retain_bytes must be >= 0, got {retain_tasks}, {retain_bytes}")
+        self.data_dir = Path(data_dir)
+        self.path = self.data_dir / DB_NAME
+        self.uploads_dir = self.data_dir / UPLOADS
+        self.retain_tasks = retain_tasks
+        self.retain_bytes = retain_bytes
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | None = None
+        for folder in (self.data_dir, self.uploads_dir):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise LedgerError(f"cannot create the ledger folder {folder}: {exc.strerror or exc}") from exc
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise LedgerError(f"the ledger folder {folder} is not writable")
+        try:
+            self._conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000.0, isolation_level=None,
+                                         check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot open the task ledger {self.path}: {exc}") from exc
+        try:
+            self._open(max_db_bytes)
+        except BaseException:
+            self._conn.close()
+            self._conn = None
+            raise
+
+    # ------------------------------------------------------------------ open, migrations
+
+    def _open(self, max_db_bytes: int | None) -> None:
+        conn = self._conn
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+            if [r[0] for r in rows] != ["ok"]:
+                problems = "; ".join(str(r[0]) for r in rows[:5])
+                raise LedgerError(f"the task ledger {self.path} is corrupt (quick_check: {problems}); "
+                                  f"move it aside to start with an empty ledger")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise LedgerError(f"the task ledger {self.path} cannot use WAL mode (journal_mode is {mode!r})")
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            if max_db_bytes is not None:
+                page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+                conn.execute(f"PRAGMA max_page_count = {max(1, int(max_db_bytes) // page_size)}")
+            self._migrate()
+            with self._write("clean up at open"):
+                self._apply_retention(conn, keep=None)
+            self._clean_uploads()
+        except LedgerError:
+            raise
+        except sqlite3.Error as exc:
+            raise LedgerError(self._describe(exc, "cannot open the task ledger")) from exc
+        except OSError as exc:
+            raise LedgerError(f"cannot open the task ledger in {self.data_dir}: {exc}") from exc
+
+    def _migrate(self) -> None:
+        conn = self._conn
+        current = conn.execute("PRAGMA user_version").fetchone()[0]
+        if current > SCHEMA_VERSION:
+            raise LedgerError(
+                f"the task ledger {self.path} has schema version {current}, newer than this code's "
+                f"{SCHEMA_VERSION}: run a newer rev88, or move the file aside"
+            )
+        for version, sql in MIGRATIONS:
+            if version <= current:
+                continue
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _split_sql(sql):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {int(version)}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def _clean_uploads(self) -> None:
+        """Delete temp files and uploads whose task is finished or gone (a crash between a
+        finish's commit and its file deletion, or during a create before its commit)."""
+        keep = {row[0] for row in self._conn.execute(
+            "SELECT id FROM tasks WHERE status IN ('queued', 'running') AND has_upload = 1")}
+        for entry in self.uploads_dir.iterdir():
+            name = entry.name
+            if name.endswith(TMP_SUFFIX) or (name.endswith(UPLOAD_SUFFIX) and name[: -len(UPLOAD_SUFFIX)] not in keep):
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _describe(self, exc: BaseException, doing: str) -> str:
+        text = str(exc)
+        hint = ""
+        low = text.lower()
+        if "full" in low:
+            hint = " (free space in the data dir or raise its size)"
+        elif "not a database" in low or "malformed" in low:
+            hint = " (the file is corrupt: move it aside to start with an empty ledger)"
+        elif "readonly" in low or "read-only" in low or "permission" in low or "unable to open" in low:
+            hint = " (check the data dir's permissions)"
+        return f"{doing}: {text} — task ledger {self.path} in data dir {self.data_dir}{hint}"
+
+    def _conn_or_fail(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise LedgerUnavailable(f"the task ledger {self.path} is closed")
+        return self._conn
+
+    @contextlib.contextmanager
+    def _write(self, doing: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE .. COMMIT) under the lock; sqlite errors
+        become LedgerUnavailable naming the data dir."""
+        with self._lock:
+            conn = self._conn_or_fail()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise LedgerUnavailable(self._describe(exc, f"cannot {doing}")) from exc
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+                    raise LedgerUnavailable(self._describe(exc, f"cannot {doing}")) from exc
+                raise
+
+    @contextlib.contextmanager
+    def _read(self, doing: str) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._conn_or_fail()
+            try:
+                yield conn
+            except sqlite3.Error as exc:
+                raise LedgerUnavailable(self._describe(exc, f"cannot {doing}")) from exc
+
+    def _record(self, row: sqlite3.Row | tuple, with_answer: bool) -> TaskRecord:
+        (task_id, status, kind, mode, created_at, started_at, finished_at, attempts, backend, config, options,
+         train_count, test_count, input_hashes, body_sha256, body_bytes, idempotency_key, device, error,
+         predictions_sha256, run_ms, energy_j, answer_bytes) = row[:23]
+        answer = decode_answer(row[23], row[24]) if with_answer else None
+        return TaskRecord(
+            id=task_id, status=status, kind=kind, mode=mode, created_at=created_at, started_at=started_at,
+            finished_at=finished_at, backend=backend, config=_loads(config), options=_loads(options),
+            train_count=train_count, test_count=test_count, input_hashes=_loads(input_hashes),
+            body_sha256=body_sha256, body_bytes=body_bytes, idempotency_key=idempotency_key, device=device,
+            answer=answer, error=_loads(error), predictions_sha256=predictions_sha256, run_ms=run_ms,
+            energy_j=energy_j, attempts=attempts, answer_bytes=answer_bytes,
+        )
+
+    def _get(self, conn: sqlite3.Connection, task_id: str, with_answer: bool = True) -> TaskRecord | None:
+        columns = _ALL_COLUMNS if with_answer else _SUMMARY_COLUMNS
+        row = conn.execute(f"SELECT {columns} FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        return None if row is None else self._record(row, with_answer)
+
+    def _by_key(self, conn: sqlite3.Connection, key: str) -> TaskRecord | None:
+        row = conn.execute(f"SELECT {_ALL_COLUMNS} FROM tasks WHERE idempotency_key = ?", (key,)).fetchone()
+        return None if row is None else self._record(row, True)
+
+    def upload_path(self, task_id: str) -> Path:
+        if not task_id or "/" in task_id or "\\" in task_id or task_id.startswith("."):
+            raise ValueError(f"task id {task_id!r} cannot name an upload file")
+        return self.uploads_dir / f"{task_id}{UPLOAD_SUFFIX}"
+
+    def _write_upload(self, task_id: str, body: bytes) -> Path:
+        final = self.upload_path(task_id)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(self.uploads_dir)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            with contextlib.suppress(OSError):
+                final.unlink()
+            what = "no space left on the device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror or exc
+            raise LedgerUnavailable(
+                f"cannot store the upload of task {task_id} at {final}: {what} (data dir {self.data_dir})"
+            ) from exc
+        return final
+
+    @staticmethod
+    def _same_request(existing: TaskRecord, kind: str, backend: str, config: dict, options: dict,
+                      body_sha256: str) -> bool:
+        return (existing.body_sha256 == body_sha256 and existing.kind == kind and existing.backend == backend
+                and _dumps(existing.config) == _dumps(config) and _dumps(existing.options) == _dumps(options))
+
+    # ------------------------------------------------------------------ the interface
+
+    def create(self, *, task_id: str, kind: str, mode: str, backend: str, config: dict, options: dict,
+               train_count: int, test_count: int, body_sha256: str, body_bytes: int,
+               input_hashes: dict | None = None, body: bytes | None = None,
+               idempotency_key: str | None = None) -> tuple[TaskRecord, bool]:
+        """Record a new task as queued: (record, True). With ``body`` its upload is durable on disk
+        before the row is committed. With an ``idempotency_key`` already in the ledger: the same
+        body and options give (that task, False); anything else raises IdempotencyConflict."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if body is not None and len(body) != body_bytes:
+            raise ValueError(f"body_bytes is {body_bytes} but the body has {len(body)} bytes")
+        if idempotency_key is not None and not idempotency_key:
+            raise ValueError("idempotency_key must be a non-empty string or None")
+        self.upload_path(task_id)  # validates the id
+        texts = (_dumps(config), _dumps(options), None if input_hashes is None else _dumps(input_hashes))
+
+        def existing_for_key(conn) -> TaskRecord | None:
+            if idempotency_key is None:
+                return None
+            found = self._by_key(conn, idempotency_key)
+            if found is not None and not self._same_request(found, kind, backend, config, options, body_sha256):
+                raise IdempotencyConflict(idempotency_key, found.id)
+            return found
+
+        # First look (cheap, no file written), then write the upload outside the write
+        # transaction, then look again inside it (another thread may have won meanwhile).
+        with self._read("look up the task"):
+            conn = self._conn
+            found = existing_for_key(conn)
+            if found is not None:
+                return found, False
+            if conn.execute("SELECT 1 FROM tasks WHERE id = ?", (task_id,)).fetchone():
+                raise ValueError(f"task id {task_id} is already in the ledger")
+        upload = self._write_upload(task_id, body) if body is not None else None
+        committed = False
+        try:
+            with self._write(f"record task {task_id}") as conn:
+                found = existing_for_key(conn)
+                if found is not None:
+                    return found, False
+                conn.execute(
+                    "INSERT INTO tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
+                    " test_count, input_hashes, body_sha256, body_bytes, has_upload, idempotency_key)"
+                    " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (task_id, kind, mode, time.time(), backend, texts[0], texts[1], int(train_count),
+                     int(test_count), texts[2], body_sha256, int(body_bytes), int(upload is not None),
+                     idempotency_key),
+                )
+                record = self._get(conn, task_id)
+            committed = True
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"task id {task_id} is already in the ledger ({exc})") from exc
+        finally:
+            if upload is not None and not committed:
+                with contextlib.suppress(OSError):
+                    upload.unlink()
+        return record, True
+
+    def mark_running(self, task_id: str, device: str | None = None) -> None:
+        """queued (or running, after a restart re-queued it) -> running; sets started_at."""
+        with self._write(f"mark task {task_id} running") as conn:
+            record = self._get(conn, task_id, with_answer=False)
+            if record is None:
+                raise KeyError(task_id)
+            if record.finished:
+                raise AlreadyFinished(record)
+            conn.execute(
+                "UPDATE tasks SET status = 'running', started_at = ?, device = COALESCE(?, device),"
+                " attempts = attempts + 1 WHERE id = ?",
+                (time.time(), device, task_id),
+            )
+
+    def finish(self, task_id: str, status: str, answer: dict | None = None,
+               error: dict | None = None) -> TaskRecord:
+        """Record the outcome (succeeded: the answer; failed: the error; cancelled: the error if
+        any), delete the upload, then apply retention. KeyError for an unknown task,
+        AlreadyFinished for a finished one."""
+        if status not in FINISHED:
+            raise ValueError(f"finish status must be one of {', '.join(FINISHED)}, got {status!r}")
+        if status == "succeeded" and (answer is None or error is not None):
+            raise ValueError("a succeeded task needs its answer and no error")
+        if status != "succeeded" and answer is not None:
+            raise ValueError(f"a {status} task has no answer")
+        if status == "failed" and error is None:
+            raise ValueError("a failed task needs its error")
+        blob, json_bytes = encode_answer(answer) if answer is not None else (None, 0)
+        error_text = None if error is None else _dumps(error)
+        sha = run_ms = energy_j = None
+        if answer is not None:
+            sha = answer.get("predictions_sha256") if isinstance(answer.get("predictions_sha256"), str) else None
+            timing = answer.get("timing")
+            run_ms = _number(timing.get("run_ms")) if isinstance(timing, dict) else None
+            energy = answer.get("energy")
+            energy_j = _number(energy.get("gross_j")) if isinstance(energy, dict) else None
+        with self._write(f"record the result of task {task_id}") as conn:
+            record = self._get(conn, task_id, with_answer=False)
+            if record is None:
+                raise KeyError(task_id)
+            if record.finished:
+                raise AlreadyFinished(record)
+            conn.execute(
+                "UPDATE tasks SET status = ?, finished_at = ?, answer = ?, answer_codec = ?, answer_bytes = ?,"
+                " answer_json_bytes = ?, error = ?, predictions_sha256 = ?, run_ms = ?, energy_j = ?,"
+                " has_upload = 0 WHERE id = ?",
+                (status, time.time(), blob, ANSWER_CODEC if blob is not None else None, len(blob or b""),
+                 json_bytes, error_text, sha, run_ms, energy_j, task_id),
+            )
+            record = self._get(conn, task_id)
+        # After the commit: a crash (or a failed unlink) before it leaves an orphan, deleted at open.
+        upload = self.upload_path(task_id)
+        try:
+            upload.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot delete the upload %s of finished task %s: %s (deleted at the next start)",
+                        upload, task_id, exc)
+        # The result is committed: a retention that fails (a full disk can refuse even a delete)
+        # loses nothing, so it is reported and retried after the next finish, not raised.
+        try:
+            with self._write("apply retention") as conn:
+                self._apply_retention(conn, keep=task_id)
+        except LedgerUnavailable as exc:
+            log.warning("task ledger retention skipped: %s", exc)
+        return record
+
+    def _apply_retention(self, conn: sqlite3.Connection, keep: str | None) -> int:
+        count, stored = conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(answer_bytes), 0) FROM tasks WHERE finished_at IS NOT NULL"
+        ).fetchone()
+        if count <= self.retain_tasks and stored <= self.retain_bytes:
+            return 0
+        doomed = []
+        for task_id, size in conn.execute(
+            "SELECT id, answer_bytes FROM tasks WHERE finished_at IS NOT NULL ORDER BY finished_at, id"
+        ):
+            if count <= self.retain_tasks and stored <= self.retain_bytes:
+                break
+            if task_id == keep:
+                continue
+            doomed.append((task_id,))
+            count -= 1
+            stored -= size
+        conn.executemany("DELETE FROM tasks WHERE id = ?", doomed)
+        return len(doomed)
+
+    def get(self, task_id: str) -> TaskRecord | None:
+        with self._read(f"read task {task_id}") as conn:
+            return self._get(conn, task_id)
+
+    def list(self, limit: int = 50, cursor: str | None = None,
+             status: str | None = None) -> tuple[list[TaskRecord], str | None]:
+        """Newest first (created_at, then id). Returns (records without their answers, the cursor
+        of the next page or None at the end)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, got {limit!r}")
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        where, args = [], []
+        if status is not None:
+            where.append("status = ?")
+            args.append(status)
+        if cursor is not None:
+            created_at, last_id = _decode_cursor(cursor)
+            where.append("(created_at < ? OR (created_at = ? AND id < ?))")
+            args += [created_at, created_at, last_id]
+        sql = f"SELECT {_SUMMARY_COLUMNS} FROM tasks"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
+        args.append(limit + 1)
+        with self._read("list tasks") as conn:
+            rows = conn.execute(sql, args).fetchall()
+        records = [self._record(row, with_answer=False) for row in rows[:limit]]
+        next_cursor = None
+        if len(rows) > limit:
+            last = records[-1]
+            next_cursor = _encode_cursor(last.created_at, last.id)
+        return records, next_cursor
+
+    def unfinished(self) -> list[TaskRecord]:
+        """Queued and running tasks, oldest first: what a restart re-queues."""
+        with self._read("list unfinished tasks") as conn:
+            rows = conn.execute(
+                f"SELECT {_SUMMARY_COLUMNS} FROM tasks WHERE status IN ('queued', 'running')"
+                " ORDER BY created_at, id"
+            ).fetchall()
+        return [self._record(row, with_answer=False) for row in rows]
+
+    def load_upload(self, task_id: str) -> bytes:
+        path = self.upload_path(task_id)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise LedgerError(f"the upload of task {task_id} is missing: {path} does not exist") from None
+        except OSError as exc:
+            raise LedgerUnavailable(f"cannot read the upload of task {task_id} at {path}: {exc}") from exc
+
+    def counts(self) -> dict:
+        """Tasks per status, stored answer bytes, file sizes, schema version."""
+        with self._read("count tasks") as conn:
+            per_status = dict(conn.execute("SELECT status, COUNT(*) FROM tasks GROUP BY status").fetchall())
+            stored, json_bytes = conn.execute(
+                "SELECT COALESCE(SUM(answer_bytes), 0), COALESCE(SUM(answer_json_bytes), 0) FROM tasks"
+            ).fetchone()
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+
+        def size(path: Path) -> int:
+            try:
+                return path.stat().st_size
+            except OSError:
+                return 0
+
+        uploads = [p for p in self.uploads_dir.glob(f"*{UPLOAD_SUFFIX}")] if self.uploads_dir.is_dir() else []
+        return {
+            "tasks": {name: per_status.get(name, 0) for name in STATUSES},
+            "total": sum(per_status.values()),
+            "answer_bytes": stored,
+            "answer_json_bytes": json_bytes,
+            "db_bytes": size(self.path),
+            "wal_bytes": size(self.path.with_name(self.path.name + "-wal")),
+            "upload_files": len(uploads),
+            "upload_bytes": sum(size(p) for p in uploads),
+            "schema_version": version,
+            "path": str(self.path),
+            "retain_tasks": self.retain_tasks,
+            "retain_bytes": self.retain_bytes,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

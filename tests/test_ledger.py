@@ -1,0 +1,590 @@
+"""The task ledger (app/ledger.py) against a real SQLite file in tmp_path: round trips, uploads,
+paging, idempotency, restarts, a real SIGKILL, retention, corrupt / newer / full databases."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app import ledger as ledger_mod
+from app.ledger import (
+    FINISHED,
+    SCHEMA_VERSION,
+    STATUSES,
+    AlreadyFinished,
+    IdempotencyConflict,
+    Ledger,
+    LedgerError,
+    LedgerUnavailable,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {"epochs": 2, "batch_size": 128, "learning_rate": 0.1, "momentum": 0.9, "seed": 11}
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def create(ledger: Ledger, *, body: bytes | None = None, key: str | None = None, mode: str | None = None,
+           options: dict | None = None, task_id: str | None = None, **extra):
+    body_bytes = len(body) if body is not None else 1234
+    sha = hashlib.sha256(body).hexdigest() if body is not None else "ab" * 32
+    return ledger.create(
+        task_id=task_id or new_id(), kind=extra.pop("kind", "task"),
+        mode=mode or ("async" if body is not None else "sync"), backend=extra.pop("backend", "cpu"),
+        config=extra.pop("config", CONFIG), options={"include_scores": False} if options is None else options,
+        train_count=extra.pop("train_count", 100), test_count=extra.pop("test_count", 50),
+        body_sha256=extra.pop("body_sha256", sha), body_bytes=body_bytes,
+        input_hashes=extra.pop("input_hashes", {"train_images_sha256": "cd" * 32}),
+        body=body, idempotency_key=key, **extra,
+    )
+
+
+def answer_for(task_id: str, n: int = 50, seed: int = 0) -> dict:
+    predictions = np.random.default_rng(seed).integers(0, 10, n).tolist()
+    return {
+        "id": task_id,
+        "request_id": "req-1",
+        "predictions": predictions,
+        "predictions_sha256": hashlib.sha256(np.asarray(predictions, np.int64).tobytes()).hexdigest(),
+        "scores_sha256": "ef" * 32,
+        "metadata": {"backend": "cpu", "device": "cpu", "train_count": 100, "test_count": n,
+                     "training_prediction_seconds": 0.45, "versions": {"torch": "2.13.0"}},
+        "timing": {"receive_ms": 1.0, "parse_ms": 2.0, "queue_wait_ms": 0.5, "run_ms": 450.125,
+                   "run_clock": "perf_counter", "total_ms": 460.0},
+        "energy": {"gross_j": 3.5, "idle_adjusted_j": 1.1, "method": "nvml-total-energy-counter-delta"},
+        "device": "cpu",
+        "versions": {"torch": "2.13.0"},
+    }
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = Ledger(tmp_path / "data")
+    yield led
+    led.close()
+
+
+def test_fresh_database_is_wal_at_the_current_schema(tmp_path):
+    led = Ledger(tmp_path / "data")
+    assert led.path == tmp_path / "data" / "ledger.sqlite3" and led.path.is_file()
+    assert (tmp_path / "data" / "uploads").is_dir()
+    counts = led.counts()
+    assert counts["schema_version"] == SCHEMA_VERSION
+    assert counts["tasks"] == {s: 0 for s in STATUSES} and counts["total"] == 0
+    led.close()
+    with sqlite3.connect(led.path) as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_round_trip_create_running_finish(ledger):
+    record, created = create(ledger, train_count=100, test_count=50)
+    assert created and record.status == "queued" and record.mode == "sync" and record.kind == "task"
+    assert record.started_at is None and record.finished_at is None and record.answer is None
+    assert record.config == CONFIG and record.options == {"include_scores": False}
+    assert record.input_hashes == {"train_images_sha256": "cd" * 32}
+    assert ledger.get(record.id) == record
+
+    ledger.mark_running(record.id, device="cpu")
+    running = ledger.get(record.id)
+    assert running.status == "running" and running.device == "cpu" and running.attempts == 1
+    assert running.started_at >= running.created_at
+
+    answer = answer_for(record.id)
+    done = ledger.finish(record.id, "succeeded", answer=answer)
+    assert done.status == "succeeded" and done.finished_at >= done.started_at
+    assert done.answer == answer and done.error is None
+    assert done.predictions_sha256 == answer["predictions_sha256"]
+    assert done.run_ms == 450.125 and done.energy_j == 3.5
+    assert ledger.get(record.id) == done
+
+    summary = done.summary()
+    assert "answer" not in summary and "predictions" not in summary and "error" not in summary
+    assert json.loads(json.dumps(summary)) == summary
+    assert summary["status"] == "succeeded" and summary["predictions_sha256"] == answer["predictions_sha256"]
+    document = json.loads(json.dumps(done.document()))
+    assert document["answer"] == answer and document["error"] is None and document["id"] == record.id
+
+    with pytest.raises(AlreadyFinished) as info:
+        ledger.finish(record.id, "cancelled")
+    assert info.value.record.status == "succeeded"
+    with pytest.raises(AlreadyFinished):
+        ledger.mark_running(record.id)
+    with pytest.raises(KeyError):
+        ledger.mark_running("no-such-task")
+    with pytest.raises(KeyError):
+        ledger.finish("no-such-task", "cancelled")
+    assert ledger.get("no-such-task") is None
+
+
+def test_failed_and_cancelled_keep_their_error(ledger):
+    failed, _ = create(ledger)
+    cancelled, _ = create(ledger)
+    ledger.mark_running(failed.id)
+    error = {"status": 422, "error": "training diverged at step 3"}
+    record = ledger.finish(failed.id, "failed", error=error)
+    assert record.error == error and record.answer is None and record.predictions_sha256 is None
+    record = ledger.finish(cancelled.id, "cancelled", error={"status": 499, "error": "client went away"})
+    assert record.status == "cancelled" and record.started_at is None
+    assert ledger.get(cancelled.id).document()["error"]["status"] == 499
+    with pytest.raises(ValueError):
+        ledger.finish(new_id(), "running")
+    bogus, _ = create(ledger)
+    with pytest.raises(ValueError):
+        ledger.finish(bogus.id, "succeeded")  # no answer
+    with pytest.raises(ValueError):
+        ledger.finish(bogus.id, "failed")  # no error
+    assert ledger.get(bogus.id).status == "queued"
+
+
+def test_async_body_is_stored_then_deleted_on_finish(ledger):
+    body = os.urandom(100_000)
+    record, created = create(ledger, body=body)
+    assert created and record.mode == "async" and record.body_bytes == len(body)
+    upload = ledger.upload_path(record.id)
+    assert upload.read_bytes() == body and ledger.load_upload(record.id) == body
+    assert not list(upload.parent.glob("*.tmp"))
+    assert ledger.counts()["upload_files"] == 1 and ledger.counts()["upload_bytes"] == len(body)
+    ledger.mark_running(record.id, device="cuda:0")
+    ledger.finish(record.id, "succeeded", answer=answer_for(record.id))
+    assert not upload.exists()
+    with pytest.raises(LedgerError, match=str(upload)):
+        ledger.load_upload(record.id)
+    assert ledger.counts()["upload_files"] == 0
+    with pytest.raises(ValueError, match="body_bytes"):
+        ledger.create(task_id=new_id(), kind="task", mode="async", backend="cpu", config={}, options={},
+                      train_count=1, test_count=1, body_sha256="0" * 64, body_bytes=3, body=b"four")
+
+
+def test_list_newest_first_pages_and_status_filter(ledger):
+    ids = []
+    for i in range(23):
+        record, _ = create(ledger)
+        ids.append(record.id)
+        if i % 3 == 0:
+            ledger.finish(record.id, "succeeded", answer=answer_for(record.id))
+        elif i % 3 == 1:
+            ledger.mark_running(record.id)
+    everything = [ledger.get(i) for i in ids]
+    expected = [r.id for r in sorted(everything, key=lambda r: (r.created_at, r.id), reverse=True)]
+
+    seen, cursor, pages = [], None, 0
+    while True:
+        page, cursor = ledger.list(limit=5, cursor=cursor)
+        pages += 1
+        assert all(r.answer is None for r in page)
+        seen += [r.id for r in page]
+        if cursor is None:
+            break
+    assert seen == expected and pages == 5
+
+    exact, cursor = ledger.list(limit=23)
+    assert [r.id for r in exact] == expected and cursor is None
+    first, cursor = ledger.list(limit=22)
+    assert len(first) == 22 and cursor is not None
+    last, end = ledger.list(limit=22, cursor=cursor)
+    assert [r.id for r in last] == expected[22:] and end is None
+
+    succeeded, cursor = ledger.list(limit=3, status="succeeded")
+    more, end = ledger.list(limit=3, cursor=cursor, status="succeeded")
+    rest, none = ledger.list(limit=3, cursor=end, status="succeeded")
+    got = [r.id for r in succeeded + more + rest]
+    assert got == [i for i in expected if ledger.get(i).status == "succeeded"] and len(got) == 8
+    assert none is None
+    assert all(r.status == "succeeded" and r.predictions_sha256 for r in succeeded)
+    running, _ = ledger.list(status="running")
+    assert len(running) == 8 and {r.status for r in running} == {"running"}
+    assert ledger.list(status="failed") == ([], None)
+
+    with pytest.raises(ValueError, match="cursor"):
+        ledger.list(cursor="not a cursor!")
+    with pytest.raises(ValueError, match="cursor"):
+        ledger.list(cursor="WzEsMiwzXQ")  # valid base64 JSON, wrong shape
+    with pytest.raises(ValueError, match="status"):
+        ledger.list(status="done")
+    with pytest.raises(ValueError, match="limit"):
+        ledger.list(limit=0)
+
+
+def test_idempotent_create(ledger):
+    body = b"npz bytes " * 100
+    first, created = create(ledger, body=body, key="key-1")
+    assert created
+    again, created_again = create(ledger, body=body, key="key-1")
+    assert not created_again and again.id == first.id
+    assert len(list(ledger.uploads_dir.iterdir())) == 1  # the repeat wrote no file
+
+    with pytest.raises(IdempotencyConflict) as info:
+        create(ledger, body=b"another body", key="key-1")
+    assert info.value.key == "key-1" and info.value.task_id == first.id
+    with pytest.raises(IdempotencyConflict):
+        create(ledger, body=body, key="key-1", options={"include_scores": True})
+    with pytest.raises(IdempotencyConflict):
+        create(ledger, body=body, key="key-1", backend="cpu-fast")
+    with pytest.raises(IdempotencyConflict):
+        create(ledger, body=body, key="key-1", config={**CONFIG, "seed": 12})
+    assert len(list(ledger.uploads_dir.iterdir())) == 1
+
+    # Still the same task once it has finished; key order in dicts does not matter.
+    ledger.finish(first.id, "succeeded", answer=answer_for(first.id))
+    done, created = create(ledger, body=body, key="key-1", config=dict(reversed(list(CONFIG.items()))))
+    assert not created and done.status == "succeeded" and done.answer is not None
+    other, created = create(ledger, body=body, key="key-2")
+    assert created and other.id != first.id
+    assert ledger.counts()["total"] == 2
+
+    with pytest.raises(ValueError, match="already in the ledger"):
+        create(ledger, task_id=first.id)
+
+
+def test_idempotent_create_from_many_threads_makes_one_task(ledger):
+    body = os.urandom(50_000)
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(create(ledger, body=body, key="shared"))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sum(created for _, created in results) == 1
+    assert len({record.id for record, _ in results}) == 1
+    assert [p.name for p in ledger.uploads_dir.iterdir()] == [f"{results[0][0].id}.npz"]
+
+
+def test_many_threads_create_run_and_finish(ledger):
+    errors = []
+
+    def worker(n):
+        try:
+            for i in range(15):
+                record, _ = create(ledger, body=os.urandom(2000) if i % 2 else None)
+                ledger.mark_running(record.id, device=f"worker-{n}")
+                ledger.finish(record.id, "succeeded", answer=answer_for(record.id, seed=i))
+                assert ledger.get(record.id).status == "succeeded"
+                ledger.list(limit=7)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert ledger.counts()["tasks"]["succeeded"] == 90 and ledger.counts()["upload_files"] == 0
+
+
+def test_failed_retention_does_not_fail_the_finish(ledger, monkeypatch, caplog):
+    def full(conn, keep):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(ledger, "_apply_retention", full)
+    record, _ = create(ledger)
+    with caplog.at_level("WARNING", logger="rev88.app.ledger"):
+        done = ledger.finish(record.id, "succeeded", answer=answer_for(record.id))
+    assert done.status == "succeeded" and ledger.get(record.id).answer is not None
+    assert "retention skipped" in caplog.text and "database or disk is full" in caplog.text
+
+
+def test_reopen_after_close_keeps_everything(tmp_path):
+    data = tmp_path / "data"
+    led = Ledger(data)
+    done, _ = create(led, key="k")
+    answer = answer_for(done.id, n=1000, seed=3)
+    led.mark_running(done.id, device="cpu")
+    done = led.finish(done.id, "succeeded", answer=answer)
+    waiting, _ = create(led, body=b"payload")
+    before = led.counts()
+    led.close()
+    with pytest.raises(LedgerUnavailable, match="closed"):
+        led.get(done.id)
+
+    led = Ledger(data)
+    assert led.get(done.id) == done and led.get(done.id).answer == answer
+    assert led.get(waiting.id).status == "queued" and led.load_upload(waiting.id) == b"payload"
+    after = led.counts()
+    assert {k: after[k] for k in ("tasks", "answer_bytes", "schema_version")} == \
+        {k: before[k] for k in ("tasks", "answer_bytes", "schema_version")}
+    assert create(led, key="k")[0].id == done.id  # idempotency survives the restart
+    led.close()
+
+
+def test_unfinished_after_a_simulated_crash(tmp_path):
+    data = tmp_path / "data"
+    led = Ledger(data)
+    queued, _ = create(led, body=b"first")
+    running, _ = create(led, body=b"second")
+    finished, _ = create(led, body=b"third")
+    sync, _ = create(led)
+    led.mark_running(running.id, device="cuda:0")
+    led.finish(finished.id, "failed", error={"status": 422, "error": "bad labels"})
+    led.mark_running(sync.id)
+    del led  # no close, no finish: the process "died"
+
+    led = Ledger(data)
+    left = led.unfinished()
+    assert [r.id for r in left] == [queued.id, running.id, sync.id]  # oldest first
+    assert [r.status for r in left] == ["queued", "running", "running"]
+    assert led.load_upload(queued.id) == b"first" and led.load_upload(running.id) == b"second"
+    assert not led.upload_path(finished.id).exists()
+    # Re-run after the restart: running again counts a second attempt.
+    led.mark_running(running.id, device="cuda:1")
+    again = led.get(running.id)
+    assert again.attempts == 2 and again.device == "cuda:1"
+    led.close()
+
+
+CHILD = r"""
+import hashlib, sys
+from app.ledger import Ledger
+led = Ledger(sys.argv[1])
+body = bytes(range(256)) * 4096
+record, created = led.create(
+    task_id=sys.argv[2], kind="task", mode="async", backend="cpu", config={"seed": 11},
+    options={"include_scores": True}, train_count=10, test_count=5,
+    body_sha256=hashlib.sha256(body).hexdigest(), body_bytes=len(body), body=body, idempotency_key="crash")
+print("created", record.id, flush=True)
+sys.stdin.read()  # wait to be killed
+"""
+
+
+def test_sigkill_right_after_create_loses_nothing(tmp_path):
+    data = tmp_path / "data"
+    task_id = new_id()
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(data), task_id], cwd=ROOT, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        line = child.stdout.readline()
+        assert line.split() == ["created", task_id], child.stderr.read()
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+    led = Ledger(data)
+    [record] = led.unfinished()
+    body = bytes(range(256)) * 4096
+    assert record.id == task_id and record.status == "queued" and record.options == {"include_scores": True}
+    assert record.body_sha256 == hashlib.sha256(body).hexdigest()
+    assert led.load_upload(task_id) == body
+    assert not list(led.uploads_dir.glob("*.tmp"))
+    led.close()
+
+
+def test_retention_deletes_the_oldest_finished_first(tmp_path):
+    led = Ledger(tmp_path / "data", retain_tasks=3)
+    queued, _ = create(led, body=b"waits")
+    running, _ = create(led)
+    led.mark_running(running.id)
+    finished = []
+    for i in range(6):
+        record, _ = create(led)
+        led.finish(record.id, "succeeded", answer=answer_for(record.id, seed=i))
+        finished.append(record.id)
+    assert [led.get(i) is not None for i in finished] == [False, False, False, True, True, True]
+    assert led.get(queued.id).status == "queued" and led.get(running.id).status == "running"
+    assert led.load_upload(queued.id) == b"waits"
+    counts = led.counts()
+    assert counts["tasks"]["succeeded"] == 3 and counts["total"] == 5
+    # The order is by finishing: an old task that finishes last is the newest finished.
+    led.finish(queued.id, "cancelled")
+    assert led.get(queued.id) is not None and led.get(finished[3]) is None
+    led.close()
+
+    # A lower limit at the next start applies at open.
+    led = Ledger(tmp_path / "data", retain_tasks=1)
+    assert led.counts()["tasks"] == {"queued": 0, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 1}
+    assert led.get(queued.id) is not None
+    led.close()
+
+
+def test_retention_by_stored_bytes_keeps_the_task_just_finished(tmp_path):
+    led = Ledger(tmp_path / "data", retain_bytes=10_000)
+    ids = []
+    for i in range(4):
+        record, _ = create(led)
+        done = led.finish(record.id, "succeeded", answer=answer_for(record.id, n=5000, seed=i))
+        assert done.answer_bytes > 2_000
+        ids.append(record.id)
+    stored = led.counts()["answer_bytes"]
+    assert stored <= 10_000
+    assert led.get(ids[-1]) is not None and led.get(ids[0]) is None
+    # A single answer over the whole budget is still kept until the next finish.
+    tiny = Ledger(tmp_path / "tiny", retain_bytes=100)
+    big, _ = create(tiny)
+    tiny.finish(big.id, "succeeded", answer=answer_for(big.id, n=5000))
+    assert tiny.get(big.id).answer is not None
+    nxt, _ = create(tiny)
+    tiny.finish(nxt.id, "failed", error={"status": 500, "error": "boom"})
+    assert tiny.get(big.id) is None and tiny.get(nxt.id) is not None
+    tiny.close()
+    led.close()
+
+
+def test_a_10k_answer_is_stored_compressed(ledger):
+    record, _ = create(ledger, test_count=10_000)
+    answer = answer_for(record.id, n=10_000)
+    json_bytes = len(json.dumps(answer).encode())
+    done = ledger.finish(record.id, "succeeded", answer=answer)
+    counts = ledger.counts()
+    print(f"10k-prediction answer: {json_bytes} bytes of JSON, {done.answer_bytes} stored (zlib)")
+    assert counts["answer_json_bytes"] <= json_bytes and counts["answer_bytes"] == done.answer_bytes
+    assert done.answer_bytes < json_bytes / 3
+    assert ledger.get(record.id).answer == answer
+
+
+def test_garbage_database_file_is_a_clear_error(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ledger.sqlite3").write_bytes(b"this is not sqlite at all " * 400)
+    with pytest.raises(LedgerError) as info:
+        Ledger(data)
+    message = str(info.value)
+    assert str(data / "ledger.sqlite3") in message and "file is not a database" in message
+    assert "corrupt" in message
+
+
+def test_malformed_database_is_a_clear_error(tmp_path):
+    data = tmp_path / "data"
+    led = Ledger(data)
+    for i in range(200):
+        record, _ = create(led)
+        led.finish(record.id, "succeeded", answer=answer_for(record.id, n=200, seed=i))
+    led.close()
+    path = data / "ledger.sqlite3"
+    raw = bytearray(path.read_bytes())
+    page = 4096
+    assert len(raw) > 6 * page
+    for offset in range(page, len(raw), page):  # keep the header page, scribble over every other page
+        raw[offset:offset + 64] = b"\xa5" * 64
+    path.write_bytes(bytes(raw))
+    with pytest.raises(LedgerError) as info:
+        Ledger(data)
+    message = str(info.value)
+    assert str(path) in message
+    assert "malformed" in message or "quick_check" in message
+
+
+def test_newer_schema_is_refused_naming_both_versions(tmp_path):
+    data = tmp_path / "data"
+    Ledger(data).close()
+    with sqlite3.connect(data / "ledger.sqlite3") as raw:
+        raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    with pytest.raises(LedgerError) as info:
+        Ledger(data)
+    message = str(info.value)
+    assert f"schema version {SCHEMA_VERSION + 5}" in message and f"this code's {SCHEMA_VERSION}" in message
+    assert str(data / "ledger.sqlite3") in message
+
+
+def test_migrations_apply_in_order_in_a_transaction(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    Ledger(data).close()
+    extra = (SCHEMA_VERSION + 1, "ALTER TABLE tasks ADD COLUMN note TEXT;\nCREATE INDEX tasks_note ON tasks (note);")
+    broken = (SCHEMA_VERSION + 2, "ALTER TABLE tasks ADD COLUMN other TEXT;\nTHIS IS NOT SQL;")
+    monkeypatch.setattr(ledger_mod, "MIGRATIONS", [*ledger_mod.MIGRATIONS, extra, broken])
+    monkeypatch.setattr(ledger_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 2)
+    with pytest.raises(LedgerError):
+        Ledger(data)
+    with sqlite3.connect(data / "ledger.sqlite3") as raw:
+        # The good migration is committed; the broken one rolled back whole (no "other" column).
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(tasks)")}
+        assert "note" in columns and "other" not in columns
+
+
+def test_full_database_is_ledger_unavailable_on_write(tmp_path):
+    data = tmp_path / "data"
+    Ledger(data).close()
+    size = (data / "ledger.sqlite3").stat().st_size
+    led = Ledger(data, max_db_bytes=size)  # no room to grow: every new page fails as a full disk would
+    with pytest.raises(LedgerUnavailable) as info:
+        for _ in range(50):
+            create(led, config={"padding": "x" * 3000})
+    message = str(info.value)
+    assert "database or disk is full" in message and str(data) in message
+    assert led.counts()["total"] < 50  # reads still work
+    led.close()
+
+    # Room for the row, not for a large answer: the finish fails loudly and the task stays running.
+    led = Ledger(data, max_db_bytes=size + 8 * 4096)
+    record, _ = create(led)
+    led.mark_running(record.id)
+    big = answer_for(record.id, n=200_000)
+    with pytest.raises(LedgerUnavailable, match="database or disk is full"):
+        led.finish(record.id, "succeeded", answer=big)
+    assert led.get(record.id).status == "running"
+    led.close()
+
+
+def test_upload_write_failure_is_ledger_unavailable_and_records_nothing(ledger, monkeypatch):
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ledger_mod.os, "fsync", no_space)
+    with pytest.raises(LedgerUnavailable) as info:
+        create(ledger, body=b"x" * 1000)
+    assert "no space left" in str(info.value) and str(ledger.data_dir) in str(info.value)
+    monkeypatch.undo()
+    assert ledger.counts()["total"] == 0 and list(ledger.uploads_dir.iterdir()) == []
+
+
+def test_uploads_folder_gone_at_run_time_is_ledger_unavailable(ledger):
+    ledger.uploads_dir.rmdir()
+    ledger.uploads_dir.write_bytes(b"a regular file where the folder was")
+    with pytest.raises(LedgerUnavailable, match="cannot store the upload"):
+        create(ledger, body=b"x")
+    assert ledger.counts()["total"] == 0
+
+
+def test_data_dir_that_cannot_be_created_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(LedgerError, match="cannot create the ledger folder .*a-file/data"):
+        Ledger(blocker / "data")
+
+
+def test_orphans_are_cleaned_at_open(tmp_path):
+    data = tmp_path / "data"
+    led = Ledger(data)
+    kept, _ = create(led, body=b"keep me")
+    gone, _ = create(led, body=b"finished")
+    led.finish(gone.id, "cancelled")
+    led.close()
+    (data / "uploads" / f"{gone.id}.npz").write_bytes(b"left by a crash between commit and unlink")
+    (data / "uploads" / "abc.npz.123.456.tmp").write_bytes(b"half-written")
+    (data / "uploads" / f"{new_id()}.npz").write_bytes(b"never committed")
+    led = Ledger(data)
+    assert [p.name for p in led.uploads_dir.iterdir()] == [f"{kept.id}.npz"]
+    led.close()
+
+
+def test_statuses_and_finished_are_as_documented():
+    assert STATUSES == ("queued", "running", "succeeded", "failed", "cancelled")
+    assert FINISHED == ("succeeded", "failed", "cancelled")
