@@ -57,6 +57,7 @@ clean:
 #   make compose-cpu-check  compose.yaml + compose.cpu.yaml up, one task, stop (needs podman-compose
 #                           or docker compose; deploy/compose_cpu_check.py)
 IMAGE_CHECK_ARGS ?=
+COMPOSE_CHECK_ARGS ?=
 .PHONY: image-check compose-cpu-check
 image-check:
 	@test -x $(BIN)/rev88 || $(MAKE) install
@@ -64,4 +65,6 @@ image-check:
 
 compose-cpu-check:
 	@test -x $(BIN)/rev88 || $(MAKE) install
-	$(BIN)/python deploy/compose_cpu_check.py
+	@command -v podman-compose >/dev/null || test -x $(BIN)/podman-compose || docker compose version >/dev/null 2>&1 \
+	  || $(BIN)/pip install -q podman-compose
+	$(BIN)/python deploy/compose_cpu_check.py $(COMPOSE_CHECK_ARGS)

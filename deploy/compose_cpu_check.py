@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import image_check as ic  # noqa: E402  (the helpers of deploy/image_check.py)
 
+ic.LOG_PREFIX = "[compose-cpu-check]"
 ROOT = ic.ROOT
 FILES = ["-f", str(ic.DEPLOY / "compose.yaml"), "-f", str(ic.DEPLOY / "compose.cpu.yaml")]
 PORT = 8000  # compose.yaml publishes 127.0.0.1:8000
@@ -45,7 +46,7 @@ def compose_command() -> list[str]:
     found = shutil.which("podman-compose") or (str(beside) if beside.exists() else None)
     if found:
         return [found]
-    if shutil.which("docker"):
+    if shutil.which("docker") and ic.sh("docker", "compose", "version", check_rc=False).returncode == 0:
         return ["docker", "compose"]
     raise ic.CheckFailed("no compose command: pip install podman-compose, or set COMPOSE='docker compose'")
 

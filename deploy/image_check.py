@@ -53,8 +53,11 @@ class CheckFailed(Exception):
     pass
 
 
+LOG_PREFIX = "[image-check]"
+
+
 def log(msg: str) -> None:
-    print(f"[image-check] {msg}", flush=True)
+    print(f"{LOG_PREFIX} {msg}", flush=True)
 
 
 def check(ok: bool, msg: str) -> None:
