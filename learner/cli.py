@@ -35,12 +35,15 @@ def predictions_path(output: Path) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .budget import check_budget, estimate, limits_from_env
     from .config import Config, load_config_file
     from .result import run_task
     from .taskio import load_task
 
+    max_work, max_bytes = limits_from_env()  # REV88_MAX_TASK_WORK, REV88_MAX_TASK_BYTES
     config = load_config_file(args.config) if args.config else Config()
     task = load_task(args.input)
+    check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
     result = run_task(task, config, args.backend)
     output = Path(args.output)
     doc = result.document()
@@ -60,7 +63,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def add_run(sub) -> None:
     from .backends import NAMES
 
-    p = sub.add_parser("run", help="train fresh on a task npz and predict its queries")
+    p = sub.add_parser(
+        "run",
+        help="train fresh on a task npz and predict its queries",
+        description="Train fresh on a task npz and predict its queries. A task over the budget "
+        "(learner.budget: REV88_MAX_TASK_WORK work units, REV88_MAX_TASK_BYTES bytes) is refused "
+        "with exit status 2 before it trains.",
+    )
     p.add_argument("--input", required=True, help="task npz: train_images, train_labels, test_images")
     p.add_argument("--config", help="JSON object of config overrides (unknown keys are an error)")
     p.add_argument("--backend", default="auto", choices=NAMES)

@@ -16,6 +16,8 @@ import torch
 
 from . import __version__
 from .backends import Backend, Prepared, RunOutput, get_backend
+from .cancel import CancelToken
+from .cancel import check as check_cancel
 from .config import Config
 from .energy import driver_version
 from .errors import TrainingDivergedError
@@ -101,6 +103,9 @@ def versions() -> dict[str, Any]:
 
 
 def check_finite(out: RunOutput) -> None:
+    """After training: every score, parameter and velocity entry finite. (Backends stop at
+    the first non-finite loss they see, with the epoch and step; this catches the rest, and
+    everything on the fused backend, which checks only here.)"""
     problems = []
     if not np.isfinite(out.scores).all():
         problems.append("scores")
@@ -113,17 +118,29 @@ def check_finite(out: RunOutput) -> None:
             f"training diverged: non-finite {', '.join(problems)} after training "
             "(try a smaller learning_rate)",
             non_finite=problems,
+            epoch=None,
+            step=None,
         )
 
 
-def run_task(task: TaskArrays, config: Config | None = None, backend: str | Backend = "auto") -> TaskResult:
-    """Train fresh on ``task`` and predict its queries; every path (CLI, service) calls this."""
+def run_task(
+    task: TaskArrays,
+    config: Config | None = None,
+    backend: str | Backend = "auto",
+    cancel: CancelToken | None = None,
+) -> TaskResult:
+    """Train fresh on ``task`` and predict its queries; every path (CLI, service) calls this.
+
+    ``cancel``: a ``learner.cancel.CancelToken`` another thread may cancel; the run then
+    raises ``learner.errors.TaskCancelled`` at the backend's next check.
+    """
     config = config or Config()
     engine = get_backend(backend) if isinstance(backend, str) else backend
     cached_validation()  # computed once per process, before the first run
     t0 = time.perf_counter()
-    prepared = prepare(task, config)
+    prepared = prepare(task, config, cancel)
     host_prep = time.perf_counter() - t0
+    check_cancel(cancel, 0, 0)
     out = engine.run(task, prepared)
     return finish_task(task, config, engine, prepared, out, host_prep)
 
@@ -145,6 +162,9 @@ def finish_task(
     task's own host-side preparation time (``prepare``).
     """
     validation = cached_validation()
+    # a cancelled task gets no result, even when its run had just finished (on the fused
+    # backend this is where a task cancelled during its launch is dropped)
+    check_cancel(prepared.cancel, config.epochs, 0, config.epochs)
     check_finite(out)
     predictions = out.scores.argmax(axis=1).astype(np.int64)
     with _count_lock:

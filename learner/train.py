@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backends.base import Prepared
+from .cancel import CancelToken, check
 from .config import Config
+from .errors import TrainingDivergedError
 from .model import CLASSES, FEATURES, WIDTH, lift, scores
 from .taskio import TaskArrays
 
@@ -47,10 +49,14 @@ def initial_parameters(config: Config) -> list[torch.Tensor]:
     return weights + [head_weight, head_bias]
 
 
-def epoch_permutations(config: Config, n: int) -> list[np.ndarray]:
+def epoch_permutations(config: Config, n: int, cancel: CancelToken | None = None) -> list[np.ndarray]:
     """Epoch e trains in the order of the e-th permutation of one PCG64(seed) generator."""
     rng = np.random.Generator(np.random.PCG64(config.seed))
-    return [rng.permutation(n).astype(np.int64) for _ in range(config.epochs)]
+    out = []
+    for _ in range(config.epochs):
+        check(cancel, 0, 0)  # a long list (many epochs of a large task) can stop here too
+        out.append(rng.permutation(n).astype(np.int64))
+    return out
 
 
 def batch_sizes(n: int, batch_size: int) -> list[int]:
@@ -98,14 +104,30 @@ def train(
     orders: list[torch.Tensor],
     config: Config,
     reversible: bool = True,
+    cancel: CancelToken | None = None,
 ) -> list[torch.Tensor]:
-    """Train ``params`` in place from zero velocity; returns the final velocity."""
+    """Train ``params`` in place from zero velocity; returns the final velocity.
+
+    Stops early with TaskCancelled when ``cancel`` is cancelled (checked before every
+    minibatch) and with TrainingDivergedError at the first non-finite loss.
+    """
     velocity = [torch.zeros_like(p) for p in params]
     n = train_h.shape[0]
-    for order in orders:
-        for start in range(0, n, config.batch_size):
+    done = 0
+    for epoch, order in enumerate(orders):
+        for step, start in enumerate(range(0, n, config.batch_size)):
+            check(cancel, epoch, step)
             idx = order[start : start + config.batch_size]
-            train_step(params, velocity, train_h[idx], train_y[idx], config, reversible)
+            loss = train_step(params, velocity, train_h[idx], train_y[idx], config, reversible).item()
+            if not math.isfinite(loss):
+                raise TrainingDivergedError(
+                    f"training diverged at epoch {epoch}, step {step}: non-finite loss ({loss}); "
+                    "try a smaller learning_rate",
+                    non_finite=["loss"], epoch=epoch, step=step,
+                )
+            done += 1
+            if cancel is not None:
+                cancel.progress[0] = done
     return velocity
 
 
@@ -122,15 +144,18 @@ def train_predict(
     orders: list[torch.Tensor],
     config: Config,
     reversible: bool = True,
+    cancel: CancelToken | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Fresh parameters, lift, train, score the queries: (params, velocity, scores)."""
     params = [p.detach().clone() for p in initial]
     train_h, test_h = lift(train_images), lift(test_images)
-    velocity = train(params, train_h, train_labels, orders, config, reversible)
+    velocity = train(params, train_h, train_labels, orders, config, reversible, cancel)
+    check(cancel, len(orders), 0, len(orders))  # before scoring
     return params, velocity, predict_scores(params, test_h, config)
 
 
-def prepare(task: TaskArrays, config: Config) -> Prepared:
-    """Seed-derived initial parameters and epoch permutations (identical on every backend)."""
+def prepare(task: TaskArrays, config: Config, cancel: CancelToken | None = None) -> Prepared:
+    """Seed-derived initial parameters and epoch permutations (identical on every backend);
+    ``cancel`` travels with them to the backend."""
     initial = [p.numpy().copy() for p in initial_parameters(config)]
-    return Prepared(config, initial, epoch_permutations(config, task.train_count))
+    return Prepared(config, initial, epoch_permutations(config, task.train_count, cancel), cancel)

@@ -141,22 +141,43 @@ def test_prepared_inputs_are_not_modified():
 def test_divergence_reported_like_cpu():
     task = small_task(80, 10, seed=6)
     config = Config(learning_rate=1e4, batch_size=16)
-    with pytest.raises(TrainingDivergedError):
+    with pytest.raises(TrainingDivergedError) as ref:
         run_task(task, config, backend="cpu")
-    with pytest.raises(TrainingDivergedError):
+    with pytest.raises(TrainingDivergedError) as fast:
         run_task(task, config, backend="cpu-fast")
+    # both stop early, at the same minibatch here (the cpu backend at its first non-finite loss,
+    # cpu-fast when that minibatch leaves the head bias non-finite)
+    assert (fast.value.details["epoch"], fast.value.details["step"]) == (
+        ref.value.details["epoch"], ref.value.details["step"])
+    assert fast.value.details["epoch"] == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("overrides, latest_step", [({"alpha": 1e30}, 0), ({"learning_rate": 1e30}, 1)])
+def test_divergence_stops_at_the_first_checkpoint(overrides, latest_step, threads):
+    """A huge alpha overflows the first forward; a huge step size, the first update, so the
+    second minibatch's scores: both stop there, in epoch 0 of 1000."""
+    task = small_task(150, 23, seed=1)
+    config = Config(epochs=1000, batch_size=16, **overrides)
+    with pytest.raises(TrainingDivergedError, match="at epoch 0, step") as err:
+        CpuFastBackend(threads=threads).run(task, prepare(task, config))
+    assert err.value.details["epoch"] == 0 and err.value.details["step"] <= latest_step
 
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_diverging_runs_stay_memory_safe_and_thread_independent(depth):
     """Overflow to inf/NaN must neither crash the kernel nor depend on the thread count
-    (padding lanes turn NaN once inf*0 appears; the kernel must never count them)."""
+    (padding lanes turn NaN once inf*0 appears; the kernel must never count them): every
+    thread count stops at the same minibatch."""
     task = small_task(150, 23, seed=depth)
     for lr in (1e2, 1e8):
         prepared = prepare(task, Config(depth=depth, learning_rate=lr, batch_size=7, weight_decay=1e-3))
-        one, two = (CpuFastBackend(threads=t).run(task, prepared) for t in (1, 2))
-        assert one.scores.tobytes() == two.scores.tobytes()
-        assert not np.isfinite(one.scores).all() or not all(np.isfinite(p).all() for p in one.final_parameters)
+        stops = []
+        for threads in (1, 2, 3):
+            with pytest.raises(TrainingDivergedError) as err:
+                CpuFastBackend(threads=threads).run(task, prepared)
+            stops.append((err.value.details["epoch"], err.value.details["step"]))
+        assert len(set(stops)) == 1, stops
 
 
 def test_auto_variant_is_the_best_this_cpu_runs():
@@ -196,13 +217,26 @@ def test_kernel_rejects_bad_buffers_by_name():
         velocity=np.zeros(nparams, np.float32), scores=np.zeros((m, 10), np.float32),
     )
 
-    def call(isa="auto", **changes):
+    def call(isa="auto", cancel=None, progress=None, **changes):
         a = {**good, **changes}
         return kernel.train_predict(a["train_x"], a["labels"], a["perms"], a["test_x"], a["params"],
-                                    a["velocity"], a["scores"], n, m, 1, 2, depth, 0.5, 0.1, 0.9, 0.0, 1, isa)
+                                    a["velocity"], a["scores"], n, m, 1, 2, depth, 0.5, 0.1, 0.9, 0.0, 1, isa,
+                                    cancel, progress)
 
-    assert call() == kernel.isa()
-    assert call("generic") == "generic"
+    assert call() == (kernel.isa(), "completed", 1, 0)
+    assert call("generic")[0] == "generic"
+    progress = np.zeros(1, np.int64)
+    assert call(cancel=np.zeros(1, np.int32), progress=progress)[1:] == ("completed", 1, 0)
+    assert progress[0] == 2  # two minibatches of 2 rows
+    assert call(cancel=np.ones(1, np.int32))[1:] == ("cancelled", 0, 0)
+    with pytest.raises(ValueError, match="cancel must be int32"):
+        call(cancel=np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="cancel must hold 1 items"):
+        call(cancel=np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="progress must be a C-contiguous writable"):
+        frozen_progress = np.zeros(1, np.int64)
+        frozen_progress.setflags(write=False)
+        call(progress=frozen_progress)
     with pytest.raises(ValueError, match="isa must be 'auto', 'generic'"):
         call("sse9")
     with pytest.raises(ValueError, match="labels must be int64"):

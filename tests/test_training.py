@@ -93,8 +93,39 @@ def test_run_task_through_graph_program_metadata():
 def test_divergence_is_reported():
     from learner.errors import TrainingDivergedError
 
-    with pytest.raises(TrainingDivergedError, match="non-finite"):
+    with pytest.raises(TrainingDivergedError, match="non-finite") as err:
         run_task(small_task(n=64, m=5), make_config({"learning_rate": 1e9, "batch_size": 8}), "cpu")
+    assert err.value.status == 422 and err.value.details["non_finite"] == ["loss"]
+
+
+@pytest.mark.parametrize("overrides, latest_step", [({"alpha": 1e30}, 0), ({"learning_rate": 1e30}, 1)])
+def test_divergence_stops_at_the_first_checkpoint(overrides, latest_step):
+    """The cpu backend checks every minibatch's loss: a huge alpha overflows the first forward,
+    a huge step size the first update (so the second loss); either way the run of 1000 epochs
+    stops in epoch 0."""
+    from learner.errors import TrainingDivergedError
+
+    task = small_task(n=64, m=5)
+    config = make_config({"epochs": 1000, "batch_size": 8, **overrides})
+    with pytest.raises(TrainingDivergedError, match="training diverged at epoch 0, step") as err:
+        CpuBackend().run(task, prepare(task, config))
+    assert err.value.details["epoch"] == 0 and err.value.details["step"] <= latest_step
+    # the cuda backend's program (eager here) checks after each epoch: it stops after epoch 0
+    with pytest.raises(TrainingDivergedError, match="training diverged in epoch 0") as err:
+        GraphBackend("cpu").run(task, prepare(task, config))
+    assert (err.value.details["epoch"], err.value.details["step"]) == (0, None)
+
+
+def test_divergence_found_only_after_training_names_no_minibatch():
+    from learner.backends.base import RunOutput
+    from learner.errors import TrainingDivergedError
+    from learner.result import check_finite
+
+    finite = [np.zeros(3, np.float32)]
+    out = RunOutput(finite, finite, np.full((2, 10), np.nan, np.float32), 0.0, 0.0)
+    with pytest.raises(TrainingDivergedError, match="non-finite scores after training") as err:
+        check_finite(out)
+    assert err.value.details == {"non_finite": ["scores"], "epoch": None, "step": None}
 
 
 def test_validation_object_matches_record_fields(run_record):

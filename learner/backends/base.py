@@ -7,6 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..cancel import CancelToken
 from ..config import Config
 from ..taskio import TaskArrays
 
@@ -18,6 +19,7 @@ class Prepared:
     config: Config
     initial: list[np.ndarray]  # float32, in parameter order
     permutations: list[np.ndarray]  # int64, one per epoch
+    cancel: CancelToken | None = None  # checked by the backend while it runs (learner.cancel)
 
 
 @dataclasses.dataclass

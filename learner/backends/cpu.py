@@ -1,4 +1,7 @@
-"""The reference backend: PyTorch on the CPU, eager, the training loop as written."""
+"""The reference backend: PyTorch on the CPU, eager, the training loop as written.
+
+It stops early, between minibatches, when the task's cancel token is cancelled
+(TaskCancelled) or a minibatch's loss is not finite (TrainingDivergedError)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ class CpuBackend:
         initial = [torch.from_numpy(p) for p in prepared.initial]
         orders = [torch.from_numpy(p) for p in prepared.permutations]
         t1 = time.perf_counter()
-        params, velocity, scores = train_predict(tr, labels, te, initial, orders, prepared.config)
+        params, velocity, scores = train_predict(
+            tr, labels, te, initial, orders, prepared.config, cancel=prepared.cancel
+        )
         t2 = time.perf_counter()
         return RunOutput(
             final_parameters=[p.numpy() for p in params],

@@ -24,10 +24,18 @@ typedef struct {
     const float *train_x, *test_x;
     const int64_t *labels, *perms;
     float *params, *velocity, *scores;
+    const int32_t *cancel; /* NULL, or the caller's flag: nonzero asks the run to stop */
+    int64_t *progress;     /* NULL, or out: minibatches trained so far, updated as the run goes */
+    int64_t *stop_at;      /* out, 2 items: [epoch, step] where the run stopped (epochs, 0 when done) */
 } KernelArgs;
 
-/* Each returns 0, ENOMEM when its buffers could not be allocated, or the pthread error when a
- * worker thread could not be started (then nothing has run). */
+/* A run that stopped early (negative, so never an errno value); stop_at says where. */
+#define CPU_FAST_CANCELLED (-1) /* *cancel was nonzero before minibatch stop_at (epochs, 0: before scoring) */
+#define CPU_FAST_DIVERGED (-2)  /* minibatch stop_at left the head bias non-finite */
+
+/* Each returns 0, CPU_FAST_CANCELLED or CPU_FAST_DIVERGED, ENOMEM when its buffers could not be
+ * allocated, or the pthread error when a worker thread could not be started (then nothing has
+ * run). */
 int cpu_fast_train_generic(const KernelArgs *args);
 
 /* The AVX2 + FMA variant exists where GCC can compile it beside the generic one. */

@@ -30,6 +30,13 @@ Results equal the cpu backend's to float32 rounding (summation order differs fro
 the tests bound the difference on parameters and velocity and require identical draw-0
 predictions. Repeat runs are byte-identical, and so are runs on different thread counts.
 
+Stopping early: the kernel reads the task's cancel flag (``Prepared.cancel.flag``) once per
+minibatch with the GIL released and, when it is set, stops before the next minibatch (or
+before scoring): ``run`` raises TaskCancelled with that epoch and step. After each
+minibatch's update it checks the ten head-bias values: a non-finite score anywhere in the
+minibatch makes them non-finite, and ``run`` raises TrainingDivergedError with the epoch and
+step (anything that check misses is caught by ``learner.result.check_finite`` afterwards).
+
 Threads: the kernel runs on ``threads`` threads (rows of a minibatch and the update's weight
 columns split across them, meeting at a barrier twice per minibatch); nothing else runs
 in the hot path, so there is no BLAS or OpenMP pool to oversubscribe. The count comes from
@@ -46,6 +53,7 @@ import time
 import numpy as np
 import torch
 
+from ..errors import TaskCancelled, TrainingDivergedError
 from ..model import CLASSES
 from ..taskio import TaskArrays
 from ..train import parameter_count
@@ -128,15 +136,25 @@ class CpuFastBackend:
         velocity = np.empty_like(params)
         scores = np.empty((m, CLASSES), dtype=np.float32)
         prepared_at = time.perf_counter()
+        cancel = prepared.cancel
         with self.lock:
             t1 = time.perf_counter()
-            ran = _kernel.train_predict(
+            ran, outcome, epoch, step = _kernel.train_predict(
                 train_x, labels, perms, test_x, params, velocity, scores,
                 n, m, config.epochs, config.batch_size, config.depth,
                 config.alpha, config.learning_rate, config.momentum, config.weight_decay,
                 self.threads, self.isa,
+                None if cancel is None else cancel.flag, None if cancel is None else cancel.progress,
             )
             t2 = time.perf_counter()
+        if outcome == "cancelled":
+            raise TaskCancelled(cancel.reason or "cancelled", epoch, step, config.epochs)
+        if outcome == "diverged":
+            raise TrainingDivergedError(
+                f"training diverged at epoch {epoch}, step {step}: the minibatch left the head bias "
+                "non-finite (a non-finite score or update); try a smaller learning_rate",
+                non_finite=["head.bias"], epoch=epoch, step=step,
+            )
         return RunOutput(
             final_parameters=_split(params, shapes),
             final_velocity=_split(velocity, shapes),

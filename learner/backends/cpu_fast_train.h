@@ -41,6 +41,11 @@
  * per minibatch). Each output element is computed by one thread in a fixed order, so the
  * result does not depend on the thread count.
  *
+ * Stopping early: once per minibatch the run checks the caller's cancel flag and whether the
+ * head bias is still finite (a flag read and ten compares: nothing measurable), and returns
+ * CPU_FAST_CANCELLED or CPU_FAST_DIVERGED with the minibatch in stop_at. Every thread acts on
+ * the same readings after the same barrier, so all stop at the same minibatch.
+ *
  * This file is compiled once per CPU variant (cpu_fast_generic.c, cpu_fast_x86_64_v3.c), each
  * defining KERNEL_ENTRY; the Python glue (cpu_fast_kernel.c) picks the variant for the CPU at
  * hand. Where __AVX2__ is defined (the x86-64-v3 variant) relu's mask is taken with AVX2
@@ -110,6 +115,12 @@ typedef struct {
     uint64_t *masks;   /* K x batch: per branch and row, the active inputs as bits */
     uint64_t *colbits; /* threads x PAD x words: per thread, column c's active rows as bits */
     int64_t words;     /* 64-bit words for a minibatch's rows */
+    /* stopping early */
+    const int32_t *cancel; /* the caller's flag (may be NULL) */
+    int64_t *progress;     /* the caller's count of minibatches trained (may be NULL) */
+    int cancel_seen;       /* thread 0's last reading of it, acted on by all after a barrier */
+    int status;            /* 0, CPU_FAST_CANCELLED or CPU_FAST_DIVERGED (written by thread 0) */
+    int64_t stop_epoch, stop_step;
 } Task;
 
 /* One minibatch: its rows (indices into the training set) and their count. */
@@ -770,6 +781,43 @@ static void split(int64_t total, int id, int parties, int64_t *lo, int64_t *hi) 
     *hi = total * (id + 1) / parties;
 }
 
+/* Has the caller asked the run to stop? Thread 0 reads the flag (relaxed: no ordering is
+ * needed, only that a write from another thread is seen soon) in every minibatch's update
+ * phase and before the first minibatch; every thread acts on that reading, t->cancel_seen,
+ * after the next barrier, and thread 0 writes it again only after the barrier that follows. */
+INLINE int cancel_requested(const Task *t) {
+    return t->cancel != NULL && __atomic_load_n(t->cancel, __ATOMIC_RELAXED) != 0;
+}
+
+/* The caller may watch how far the run is (a relaxed store: a count, no ordering needed). */
+INLINE void report_progress(Task *t, int64_t done) {
+    if (t->progress != NULL)
+        __atomic_store_n(t->progress, done, __ATOMIC_RELAXED);
+}
+
+/* Is the head bias still finite after a minibatch's update? A non-finite score anywhere in
+ * the minibatch (NaN, or +inf: inf - inf in the softmax) makes that row's whole score gradient
+ * NaN, and the bias gradient sums those rows. Every thread reads the same ten values after the
+ * update's barrier (nobody writes them before the next one), so all decide alike. A weight
+ * that overflowed without any score doing so yet shows at a later minibatch, or in the
+ * caller's check of all parameters after the run. */
+INLINE int head_bias_finite(const Task *t) {
+    const float *hb = t->params + 2 * t->depth * WIDTH * WIDTH + CLASSES * FEAT;
+    int finite = 1;
+    for (int c = 0; c < CLASSES; c++)
+        finite &= isfinite(hb[c]) != 0;
+    return finite;
+}
+
+/* Where and why the run stopped early (every thread calls it; thread 0 records it). */
+INLINE void stop_run(Task *t, int id, int status, int64_t epoch, int64_t step) {
+    if (id == 0) {
+        t->status = status;
+        t->stop_epoch = epoch;
+        t->stop_step = step;
+    }
+}
+
 /* The whole task, as seen by worker `id` of `parties` (phases end at a barrier). */
 INLINE void run_worker(Worker *w) {
     Task *t = w->task;
@@ -795,10 +843,17 @@ INLINE void run_worker(Worker *w) {
     for (int c = 0; c < CLASSES; c++)
         if (K * WIDTH + c >= ulo && K * WIDTH + c < uhi)
             refresh_head_class(t, c);
+    if (id == 0)
+        t->cancel_seen = cancel_requested(t);
     barrier_wait(w->barrier);
 
+    int64_t done = 0; /* minibatches trained (counted by thread 0) */
     for (int64_t e = 0; e < t->epochs; e++) {
-        for (int64_t start = 0; start < t->n; start += t->batch) {
+        for (int64_t start = 0, step = 0; start < t->n; start += t->batch, step++) {
+            if (t->cancel_seen) {
+                stop_run(t, id, CPU_FAST_CANCELLED, e, step);
+                return;
+            }
             Batch bt = {.rows = t->perms + e * t->n + start,
                         .count = t->n - start < t->batch ? t->n - start : t->batch};
             bt.inv_count = 1.0f / (float)bt.count;
@@ -821,8 +876,20 @@ INLINE void run_worker(Worker *w) {
             barrier_wait(w->barrier);
             /* weight gradients, SGD and working copies, unit by unit */
             update_units(t, bt.count, id, ulo, uhi);
+            if (id == 0) {
+                t->cancel_seen = cancel_requested(t);
+                report_progress(t, ++done);
+            }
             barrier_wait(w->barrier);
+            if (!head_bias_finite(t)) {
+                stop_run(t, id, CPU_FAST_DIVERGED, e, step);
+                return;
+            }
         }
+    }
+    if (t->cancel_seen) {
+        stop_run(t, id, CPU_FAST_CANCELLED, t->epochs, 0);
+        return;
     }
     /* final weights and velocity back in torch's layout, W_k[j][c] */
     for (int64_t k = 0; k < K; k++) {
@@ -867,8 +934,9 @@ static void *thread_main(void *arg) {
     return NULL;
 }
 
-/* Runs the task on t->threads threads (this one included). Returns 0, or the pthread error
- * when a worker thread could not be started (then nothing has run). */
+/* Runs the task on t->threads threads (this one included). Returns 0, CPU_FAST_CANCELLED or
+ * CPU_FAST_DIVERGED, or the pthread error when a worker thread could not be started (then
+ * nothing has run). */
 static int run_task(Task *t) {
     int parties = t->threads;
     Barrier barrier = {.parties = parties};
@@ -891,7 +959,7 @@ static int run_task(Task *t) {
         run_worker_entry(&starts[0].worker);
     for (int i = 1; i < started; i++)
         pthread_join(ids[i], NULL);
-    return rc;
+    return rc != 0 ? rc : t->status;
 }
 
 /* ------------------------------------------------------------------------ entry point */
@@ -916,12 +984,19 @@ int KERNEL_ENTRY(const KernelArgs *args) {
     t.params = args->params;
     t.velocity = args->velocity;
     t.scores = args->scores;
+    t.cancel = args->cancel;
+    t.progress = args->progress;
+    t.stop_epoch = t.epochs;
     if (!alloc_task(&t)) {
         free_task(&t);
         return ENOMEM;
     }
     memset(t.velocity, 0, (size_t)t.nparams * sizeof(float));
     int rc = run_task(&t);
+    if (args->stop_at) {
+        args->stop_at[0] = t.stop_epoch;
+        args->stop_at[1] = t.stop_step;
+    }
     free_task(&t);
     return rc;
 }

@@ -18,6 +18,13 @@ Without a GPU the same program runs its steps eagerly (``use_graphs=False``);
 the tests use that on the CPU to check the buffer logic against the cpu
 backend. Capture and replay themselves can only be checked on a GPU
 (``scripts/gpu_check.py``).
+
+Stopping early, between epoch replays: the host checks the task's cancel token
+(TaskCancelled) and whether the parameters are still finite (TrainingDivergedError
+naming the epoch). Reading that answer waits for the epoch's replay to finish: one
+host synchronization per epoch, small next to an epoch's work, and it paces the host
+so that a cancel is seen within about one epoch. Written and run eagerly on the CPU
+only; unverified on a GPU (the synchronizations' cost included).
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import time
 import numpy as np
 import torch
 
+from ..cancel import CancelToken, check
 from ..config import Config
+from ..errors import TrainingDivergedError
 from ..model import CLASSES, FEATURES, lift_into
 from ..taskio import TaskArrays
 from ..train import predict_scores, train_step
@@ -124,12 +133,27 @@ class TaskProgram:
         else:
             getattr(self, name)()
 
-    def run(self) -> None:
-        """reset, each epoch in its order, predict (no host synchronization)."""
+    def parameters_finite(self) -> bool:
+        """Whether every parameter is finite (one host synchronization)."""
+        return bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all())
+
+    def run(self, cancel: CancelToken | None = None) -> None:
+        """reset, each epoch in its order, predict; between epochs, stop on ``cancel`` or on
+        non-finite parameters (unverified on a GPU: see the module docstring)."""
+        epochs = self.config.epochs
         self._step("reset")
-        for e in range(self.config.epochs):
+        for e in range(epochs):
+            check(cancel, e, 0)
             self.order.copy_(self.permutations[e])
             self._step("epoch")
+            if not self.parameters_finite():
+                raise TrainingDivergedError(
+                    f"training diverged in epoch {e}: non-finite parameters after it; try a smaller learning_rate",
+                    non_finite=["parameters"], epoch=e, step=None,
+                )
+            if cancel is not None:
+                cancel.progress[0] = (e + 1) * -(-self.n // self.config.batch_size)
+        check(cancel, epochs, 0, epochs)
         self._step("predict")
         self.replays += 1
 
@@ -201,7 +225,7 @@ class GraphBackend:
             t1 = time.perf_counter()
             if cuda:
                 start.record()
-            program.run()
+            program.run(prepared.cancel)
             if cuda:
                 end.record()
                 end.synchronize()

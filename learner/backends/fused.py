@@ -32,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from ..cancel import check as check_cancel
 from ..config import Config
 from ..errors import ConfigError
 from ..taskio import TaskArrays
@@ -163,11 +164,24 @@ class FusedBackend:
         return out
 
     def run(self, task: TaskArrays, prepared: Prepared) -> RunOutput:
-        return self.run_many([task], [prepared])[0]
+        """One task, one launch. Cancellation: only a task not yet launched can be dropped;
+        a running launch is not interrupted, but if the task's token was cancelled while it
+        ran, its result is discarded (TaskCancelled) once the launch returns."""
+        out = self.run_many([task], [prepared])[0]
+        epochs = prepared.config.epochs
+        check_cancel(prepared.cancel, epochs, 0, epochs)
+        return out
 
     def run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared]) -> list[RunOutput]:
+        """T tasks in one launch. A launch whose tasks were all cancelled before it started is
+        not made (TaskCancelled); otherwise every task runs, and ``learner.result.finish_task``
+        discards the result of each task cancelled meanwhile. Divergence is found only after
+        the launch (``learner.result.check_finite``): the kernel has no early stop."""
         config = check_launch(tasks, prepareds)
         with self.lock:
+            tokens = [p.cancel for p in prepareds]
+            if tokens and all(t is not None and t.cancelled for t in tokens):
+                check_cancel(tokens[0], 0, 0)
             return self._run_many(tasks, prepareds, config)
 
     def _run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared], config: Config) -> list[RunOutput]:
