@@ -1,160 +1,275 @@
-"""Every GPU check of the project, as one prepared run (writes JSON under --out).
+"""Every GPU check of the project, as one prepared run (JSON under --out, a short summary last).
 
-    python scripts/gpu_check.py --mnist-dir ../shared/data/mnist --out "$OUT"
+    python scripts/gpu_check.py --out "$OUT"              # on a CUDA GPU (scripts/gpu_device_run.sh)
+    python scripts/gpu_check.py --dry-run --out DIR        # the same logic on the CPU, about 3 minutes
 
-Sections (each records its own pass/fail and never stops the others):
-  cuda      graph vs independent eager (params, gradients, velocity within (2e-5, 3e-3),
-            predictions equal) on the record's small cases, byte-repeatable replay, graph
-            reuse across two 10k/10k tasks of one shape, the draw-0 accuracy and CUDA ms
-  energy    scripts/gpu_check_energy.py (the paired-idle protocol, briefly)
-  fused     scripts/gpu_check_fused.py (fused kernel vs cuda backend, ms and mJ per task)
-Budget: the cuda section takes well under a minute on an H200; see the others' docstrings.
+Sections, in this order (each records its own ``passed`` and never stops the others, except
+the pre-check, which stops the run early when it fails):
+
+  precheck  scripts/gpu_check_precheck.py: versions that actually ran (the device has its own
+            image, not the pins), Python.h, the C compiler, libcuda for Triton's launcher, a
+            16-element Triton kernel launched, the service's packages
+  cuda      scripts/gpu_check_cuda.py: graphs vs independent eager SGD, byte-repeatable replay,
+            graph reuse across draws 0 and 1, draw-0 accuracy and CUDA ms
+  energy    scripts/gpu_check_energy.py: the paired-idle protocol briefly, /health telemetry, one
+            per-request figure
+  fused     scripts/gpu_check_fused.py: fused vs cuda on draw 0 (equality is the pass; a differing
+            query's margins and both accuracies are reported), a T = SM-count launch, auto's
+            self-check, ms and mJ per task of cuda / fused / fused-T and the ratios
+  service   scripts/gpu_check_service.py: ``rev88 serve`` on the fused backend in a child process,
+            over HTTP: draw 0, 8 concurrent tasks sharing launches, ?backend=cuda,
+            ?measure=energy, /health's gpu object, /metrics' GPU gauges, SIGTERM drain
+
+``--dry-run`` rehearses every section on the CPU (the cuda program eagerly, fused in Triton's
+interpreter on small slices, energy with a simulated meter, the service on cpu-fast) and writes
+the same report, so a bug in these scripts is found before a GPU is lent. What a dry run cannot
+check is listed in each section's ``not_checked_in_dry_run``.
+
+Output under --out: gpu_check.json (everything: ``sections.<name>``), summary.txt (the table
+printed last), and each section's own file (precheck.json, cuda.json, energy_check.json,
+fused.json, service.json, service_server.log).
+
+Exit status: 0 every section passed; 1 a section failed, was skipped for the time budget, or
+the run was interrupted; 2 bad input (an MNIST folder without the four files, or no CUDA GPU
+without --dry-run) -- the report says which, in both modes.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
-import statistics
+import os
+import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+import gpu_check_common as common  # noqa: E402
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import learner  # noqa: E402,F401  (sets CUBLAS_WORKSPACE_CONFIG before CUDA starts)
-
-
-def cuda_section(mnist_dir: Path) -> dict:
-    import torch.nn.functional as F
-
-    from learner.backends.cuda import GraphBackend
-    from learner.config import Config, make_config
-    from learner.model import core_forward, head, lift, reversible_core
-    from learner.reference_check import TOLERANCE, max_violation, ordinary_sgd
-    from learner.result import run_task
-    from learner.taskio import make_task, validate_task
-    from learner.train import initial_parameters, prepare
-
-    report: dict = {"device": torch.cuda.get_device_name(0), "cases": []}
-    rng = np.random.default_rng(781)
-    small = validate_task(rng.random((19, 1, 9, 9), dtype=np.float32), rng.integers(0, 10, 19),
-                          rng.random((7, 1, 9, 9), dtype=np.float32))
-    for depth in (1, 2):
-        config = make_config({"depth": depth, "seed": 781, "batch_size": 8})
-        # gradients of one minibatch: reversible on the GPU vs ordinary autograd on the CPU
-        params_gpu = [p.cuda().requires_grad_() for p in initial_parameters(config)]
-        params_cpu = [p.clone().requires_grad_() for p in initial_parameters(config)]
-        h = lift(torch.from_numpy(small.train_images[:8]))
-        y = torch.from_numpy(small.train_labels[:8])
-        loss_g = F.cross_entropy(head(reversible_core(h.cuda(), params_gpu[:-2], config.alpha), *params_gpu[-2:]), y.cuda())
-        loss_c = F.cross_entropy(head(core_forward(h, params_cpu[:-2], config.alpha), *params_cpu[-2:]), y)
-        g_gpu = [g.cpu().numpy() for g in torch.autograd.grad(loss_g, params_gpu)]
-        g_cpu = [g.numpy() for g in torch.autograd.grad(loss_c, params_cpu)]
-        grads_ok, grads_err = max_violation(g_gpu, g_cpu, **TOLERANCE)
-
-        backend = GraphBackend("cuda")
-        out = backend.run(small, prepare(small, config))
-        again = backend.run(small, prepare(small, config))
-        ref_p, ref_v, ref_s = ordinary_sgd(small, config)
-        p_ok, p_err = max_violation(out.final_parameters, ref_p, **TOLERANCE)
-        v_ok, v_err = max_violation(out.final_velocity, ref_v, **TOLERANCE)
-        repeat = (again.scores.tobytes() == out.scores.tobytes()
-                  and all(a.tobytes() == b.tobytes() for a, b in zip(again.final_parameters, out.final_parameters))
-                  and all(a.tobytes() == b.tobytes() for a, b in zip(again.final_velocity, out.final_velocity)))
-        preds_equal = bool((out.scores.argmax(1) == ref_s.argmax(1)).all())
-        report["cases"].append({
-            "depth": depth, "config": config.as_dict(),
-            "gradients_within_tolerance": grads_ok, "gradient_max_abs_error": grads_err,
-            "parameters_within_tolerance": p_ok, "parameter_max_abs_error": p_err,
-            "velocity_within_tolerance": v_ok, "velocity_max_abs_error": v_err,
-            "predictions_match_independent_eager": preds_equal,
-            "complete_replay_byte_repeatable": repeat,
-            "second_run_reused_graphs": bool(again.extra["graph_reused"]),
-            "passed": grads_ok and p_ok and v_ok and preds_equal and repeat and again.extra["graph_reused"],
-        })
-
-    # 10k/10k: draw 0 and draw 1 share a shape; the second must replay without recapture.
-    draw0, labels0 = make_task(mnist_dir, 2026091400)
-    draw1, labels1 = make_task(mnist_dir, 2026091401)
-    backend = GraphBackend("cuda")
-    t = time.perf_counter()
-    r0 = run_task(draw0, Config(), backend)
-    first_s = time.perf_counter() - t
-    captures_after_first = backend.captures
-    r1 = run_task(draw1, Config(), backend)
-    r0_again = run_task(draw0, Config(), backend)
-    fresh1 = run_task(draw1, Config(), GraphBackend("cuda"))
-    cpu0 = run_task(draw0, Config(), "cpu")
-    p_ok, p_err = max_violation(r0.final_parameters, cpu0.final_parameters, **TOLERANCE)
-    ms = []
-    for _ in range(7):
-        ms.append(run_task(draw0, Config(), backend).metadata["cuda_ms"])
-    report["draw0"] = {
-        "correct": int((r0.predictions == labels0).sum()),
-        "cpu_correct": int((cpu0.predictions == labels0).sum()),
-        "predictions_equal_cpu": bool((r0.predictions == cpu0.predictions).all()),
-        "prediction_mismatches_vs_cpu": int((r0.predictions != cpu0.predictions).sum()),
-        "parameters_within_tolerance_of_cpu": p_ok, "parameter_max_abs_error_vs_cpu": p_err,
-        "predictions_sha256": r0.predictions_sha256, "scores_sha256": r0.scores_sha256,
-        "repeat_byte_identical": r0_again.metadata["state_vector_sha256"] == r0.metadata["state_vector_sha256"]
-        and r0_again.scores_sha256 == r0.scores_sha256,
-        "first_task_seconds_including_capture": first_s,
-        "cuda_ms_median_of_7": statistics.median(ms), "cuda_ms_values": ms,
-    }
-    report["graph_reuse"] = {
-        "captures_after_first_task": captures_after_first,
-        "captures_after_second_task": backend.captures,
-        "second_task_reused": bool(r1.metadata["backend_details"]["graph_reused"]),
-        "second_task_equals_fresh_backend": r1.metadata["state_vector_sha256"] == fresh1.metadata["state_vector_sha256"]
-        and r1.scores_sha256 == fresh1.scores_sha256,
-        "draw1_correct": int((r1.predictions == labels1).sum()),
-    }
-    report["passed"] = (all(c["passed"] for c in report["cases"])
-                        and report["draw0"]["repeat_byte_identical"]
-                        and report["draw0"]["parameters_within_tolerance_of_cpu"]
-                        and report["graph_reuse"]["captures_after_second_task"] == 1
-                        and report["graph_reuse"]["second_task_equals_fresh_backend"])
-    return report
+ROOT = common.ROOT
+SECTIONS = ("precheck", "cuda", "energy", "fused", "service")
+MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy": "gpu_check_energy",
+           "fused": "gpu_check_fused", "service": "gpu_check_service"}
+# Estimated seconds of each section on one H200 (not measured: no GPU has run these yet). How:
+# precheck  imports + one tiny Triton compile and launcher build (~5 s) + two cc runs
+# cuda      4 captures of small programs + 1 of the 10k program (~1-2 s each), ~12 task runs of
+#           ~40 ms, one cpu-backend draw-0 run (~0.5 s), two make_task (~0.5 s each)
+# energy    2 trials x (2 s active + 2 x (1 s settle + 1 s idle)) = 12 s, + first, calibration,
+#           after and one per-request run with 1 s of idle sampling
+# fused     two kernel compiles (draw 0's, the self-check's: ~9 s each for sm_90 measured here on the CPU),
+#           the draw-0 runs, a 132-task launch (staging ~1 GB of inputs), timing repeats, then
+#           three energy protocols of ~15-20 s each
+# service   start: imports, learner validation, fused warm-up (one more compile, ~10 s); the
+#           requests (~10 s); drain ~2 s
+DEVICE_ESTIMATE_S = {"precheck": 20, "cuda": 30, "energy": 25, "fused": 180, "service": 75}
+# Fewer seconds left than this and a section is not started (it is then failed as "skipped").
+MIN_START_S = {"precheck": 0, "cuda": 20, "energy": 20, "fused": 90, "service": 45}
+DEFAULT_BUDGET_S = {"device": 480, "dry-run": 300}
 
 
-def external_section(name: str, out_dir: Path, mnist_dir: Path) -> dict:
-    path = ROOT / "scripts" / f"gpu_check_{name}.py"
-    if not path.exists():
-        return {"skipped": f"{path.name} not present"}
-    spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", path)
+class Interrupted(BaseException):
+    """SIGTERM (``timeout`` on the device): not an Exception, so no section swallows it; each
+    section's cleanup (the service's child server) runs, and the report is still written."""
+
+
+def _on_sigterm(signum, frame):
+    raise Interrupted(f"received {signal.Signals(signum).name}")
+
+
+def load_section(name: str) -> Callable[..., dict]:
+    path = SCRIPTS / f"{MODULES[name]}.py"
+    spec = importlib.util.spec_from_file_location(MODULES[name], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.run(out_dir, mnist_dir=mnist_dir)
+    return module.run
 
 
-def main() -> int:
+def section_passed(result: dict) -> bool:
+    """A section passed only when it says so: ``passed`` (or ``ok``, gpu_check_energy's older
+    name) must be True. A missing key is a failure, never a pass."""
+    value = result.get("passed", result.get("ok"))
+    return value is True
+
+
+def headline(name: str, r: dict) -> str:
+    """One short line per section for the summary (never raises)."""
+    try:
+        if "skipped" in r:
+            return r["skipped"]
+        if "error" in r and not r.get("passed"):
+            return str(r["error"]).strip().splitlines()[-1][:150]
+        if name == "precheck":
+            v = r.get("versions", {})
+            failed = r.get("failed_blocking") or []
+            return (f"python {v.get('python')}, torch {v.get('torch')}, triton {v.get('triton')}"
+                    + (f"; FAILED {', '.join(failed)}" if failed else "")
+                    + ("" if (r.get("checks", {}).get("service_packages") or {}).get("passed") else "; service packages missing"))
+        if name == "cuda":
+            d = r.get("draw0", {})
+            ms = d.get("cuda_ms_median_of_7", d.get("wall_ms_median"))
+            return f"draw0 {d.get('correct')} correct, {d.get('vs_cpu', {}).get('differing')} differ from cpu, median {ms:.1f} ms"
+        if name == "energy":
+            s = (r.get("summary") or {}).get("idle_adjusted_mj_per_task") or {}
+            failed = [k for k, v in (r.get("checks") or {}).items() if not v]
+            return (f"idle-adjusted {s.get('mean', float('nan')):.1f} mJ/task" + (f"; failed {', '.join(failed)}" if failed else ""))
+        if name == "fused":
+            p = r.get("performance", {})
+            ms, mj, ra = p.get("ms_per_task", {}), p.get("idle_adjusted_mj_per_task", {}), p.get("ratios", {})
+
+            def f(x, spec):
+                return "n/a" if x is None else format(x, spec)
+
+            return (f"ms/task cuda {f(ms.get('cuda'), '.3f')} fused {f(ms.get('fused'), '.3f')} fused-T {f(ms.get('fused-T'), '.4f')}; "
+                    f"mJ/task {f(mj.get('cuda'), '.1f')} / {f(mj.get('fused'), '.1f')} / {f(mj.get('fused-T'), '.2f')}; "
+                    f"speed-up {f(ra.get('speedup_fused_vs_cuda'), '.1f')}x / {f(ra.get('speedup_fused_T_vs_cuda'), '.1f')}x; "
+                    f"draw0 {r.get('draw0', {}).get('fused_correct')} correct, "
+                    f"{r.get('draw0', {}).get('prediction_mismatches_vs_cuda')} differ from cuda")
+        if name == "service":
+            steps = r.get("steps", {})
+            failed = [k for k, v in steps.items() if not v.get("passed")] + list(r.get("missing_steps") or [])
+            ready = steps.get("start", {}).get("seconds_to_ready")
+            return (f"{len(steps)} steps, ready in {ready:.1f} s" if ready is not None else f"{len(steps)} steps") + (
+                f"; failed {', '.join(failed)}" if failed else "") + (
+                f"; launch sizes {steps['batch'].get('tasks_in_launch')}" if "batch" in steps else "")
+    except Exception as exc:  # noqa: BLE001 - a summary line must not break the report
+        return f"(no summary: {type(exc).__name__}: {exc})"
+    return ""
+
+
+def summary_text(report: dict) -> str:
+    lines = [f"rev88 GPU check ({report['mode']}): {'PASSED' if report['passed'] else 'FAILED'} "
+             f"in {report['seconds']:.0f} s, exit status {report['exit_status']}"]
+    inputs = report.get("inputs") or {}
+    if not inputs.get("passed", False):
+        lines.append(f"  inputs   FAIL {inputs.get('error')}")
+    lines.append(f"  {'section':9s} {'result':6s} {'s':>6s} {'est.GPU s':>9s}  detail")
+    for name, s in report["sections"].items():
+        result = "ok" if s.get("passed") is True else ("skip" if "skipped" in s else "FAIL")
+        lines.append(f"  {name:9s} {result:6s} {s.get('seconds', 0.0):6.1f} {DEVICE_ESTIMATE_S.get(name, 0):9d}  "
+                     f"{s.get('headline', '')}")
+    if report.get("interrupted"):
+        lines.append(f"  interrupted: {report['interrupted']}")
+    return "\n".join(lines) + "\n"
+
+
+def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], budget_s: float,
+              runners: dict[str, Callable[..., dict]] | None = None, keep_going: bool = False,
+              log=print, argv: list[str] | None = None) -> tuple[dict, int]:
+    """Run ``sections`` (precheck first), write the report after each; return (report, exit status).
+    ``runners`` replaces section functions (tests)."""
+    t0 = time.monotonic()
+    deadline = t0 + budget_s
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "tool": "scripts/gpu_check.py", "mode": common.mode_name(dry_run), "argv": argv,
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "budget_s": budget_s, "mnist_dir": str(mnist_dir), "sections": {},
+        "device_estimate_s": dict(DEVICE_ESTIMATE_S),
+    }
+    ordered = [s for s in SECTIONS if s in sections]
+
+    def write() -> None:
+        report["seconds"] = time.monotonic() - t0
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    def skip_rest(names, why: str) -> None:
+        for name in names:
+            report["sections"][name] = {"passed": False, "skipped": why, "seconds": 0.0, "headline": why}
+
+    report["inputs"] = common.check_mnist(mnist_dir)
+    status = None
+    if not report["inputs"]["passed"]:
+        log(f"bad input: {report['inputs']['error']}")
+        skip_rest(ordered, "not run: bad input (see inputs)")
+        status = 2
+    else:
+        for i, name in enumerate(ordered):
+            left = deadline - time.monotonic()
+            if left < MIN_START_S[name]:
+                skip_rest(ordered[i:], f"not started: {left:.0f} s of the {budget_s:.0f} s budget left")
+                break
+            log(f"== {name} ==")
+            reserve = sum(DEVICE_ESTIMATE_S[s] for s in ordered[i + 1:]) if not dry_run else 0.0
+            t = time.perf_counter()
+            try:
+                run = (runners or {}).get(name) or load_section(name)
+                result = run(out, mnist_dir=mnist_dir, dry_run=dry_run, log=log, deadline=deadline, reserve_s=reserve)
+                if not isinstance(result, dict):
+                    result = {"passed": False, "error": f"section returned {type(result).__name__}, not a report"}
+            except (Interrupted, KeyboardInterrupt) as exc:
+                report["interrupted"] = str(exc) or type(exc).__name__
+                result = {"passed": False, "error": f"interrupted: {exc}"}
+            except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
+                result = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            result["passed"] = section_passed(result)
+            result["seconds"] = time.perf_counter() - t
+            result["estimated_device_seconds"] = DEVICE_ESTIMATE_S[name]
+            result["headline"] = headline(name, result)
+            report["sections"][name] = result
+            if name == "cuda":
+                (out / "cuda.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+            log(f"== {name}: {'ok' if result['passed'] else 'FAILED'} in {result['seconds']:.1f} s -- {result['headline']}")
+            write()
+            if report.get("interrupted"):
+                skip_rest(ordered[i + 1:], f"not run: {report['interrupted']}")
+                break
+            if name == "precheck" and not result["passed"] and not keep_going:
+                no_gpu = not dry_run and not (result.get("checks", {}).get("cuda") or {}).get("passed", True)
+                skip_rest(ordered[i + 1:], "not run: the toolchain pre-check failed (see sections.precheck)")
+                if no_gpu:
+                    status = 2
+                break
+    report["passed"] = bool(report["inputs"]["passed"] and ordered
+                            and all(report["sections"][s].get("passed") is True for s in ordered))
+    if status is None:
+        status = 0 if report["passed"] else 1
+    report["exit_status"] = status
+    write()
+    text = summary_text(report)
+    (out / "summary.txt").write_text(text)
+    write()
+    return report, status
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
+    parser.add_argument("--mnist-dir", type=Path, default=None,
+                        help="MNIST folder (default: the repository's data/mnist, or $REV88_MNIST_DIR)")
     parser.add_argument("--out", type=Path, default=Path("gpu-check-out"))
-    parser.add_argument("--sections", default="cuda,energy,fused")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA GPU here: nothing to check", file=sys.stderr)
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    for section in args.sections.split(","):
-        t = time.perf_counter()
-        try:
-            results[section] = cuda_section(args.mnist_dir) if section == "cuda" else external_section(section, args.out, args.mnist_dir)
-        except Exception:
-            results[section] = {"passed": False, "error": traceback.format_exc()}
-        results[section]["seconds"] = time.perf_counter() - t
-        print(f"== {section} ==\n{json.dumps(results[section], indent=2, default=str)}", flush=True)
-        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
-    return 0 if all(results[s].get("passed", True) for s in args.sections.split(",")) else 1
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (the pre-check always runs first)")
+    parser.add_argument("--dry-run", action="store_true", help="rehearse every section on the CPU")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="time budget of the whole run (default 480 on a GPU, 300 dry)")
+    parser.add_argument("--keep-going", action="store_true", help="run the other sections even if the pre-check fails")
+    args = parser.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if "precheck" not in sections:
+        sections.insert(0, "precheck")
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: the fused kernel runs in numpy
+    from learner.data import bundled_mnist_dir
+
+    mnist_dir = args.mnist_dir or bundled_mnist_dir()
+    budget = args.budget_s or DEFAULT_BUDGET_S[common.mode_name(args.dry_run)]
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        report, status = run_check(args.out, mnist_dir, args.dry_run, sections, budget,
+                                   keep_going=args.keep_going, argv=sys.argv[1:] if argv is None else argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("\n" + (args.out / "summary.txt").read_text(), end="", flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,25 +1,34 @@
 """GPU check of the fused backend (one prepared run; scripts/gpu_check.py calls ``run``).
 
-    python scripts/gpu_check_fused.py --mnist-dir ../shared/data/mnist --out "$OUT"
+    python scripts/gpu_check_fused.py [--mnist-dir DIR] [--out DIR] [--dry-run]
 
 1. correctness on the 10k/10k MNIST draw 0 (default config):
    fused vs the cuda backend: final parameters and velocity within (2e-5, 3e-3),
-   predictions equal; also against the cpu backend and the known draw-0 facts (8,887
-   correct, predictions_sha256 37724115...); a repeat run byte-identical.
+   predictions equal (the pass); also against the cpu backend and the known draw-0 facts
+   (8,887 correct, predictions_sha256 37724115...); a repeat run byte-identical. Where
+   predictions differ, the report gives the count, each differing query's score margin
+   (top-1 minus top-2) on both sides and each side's accuracy: a flipped near-tie (fp32 FMA
+   order, ``ex2.approx``) is diagnosed from one run, not guessed.
 2. a T-task launch (T = the SM count): its task 0 byte-identical to the single launch of
    draw 0, its last task byte-identical to that task's single launch and within tolerance
    of the cuda backend on it.
 3. ``auto``'s self-check (learner.backends.fused.fused_ready) passes.
-4. in one run (bench/bench_fused.py ``measure`` with short trials): median CUDA-event ms
-   per task of cuda, fused and fused-T, idle-adjusted mJ per task of each by the
-   paired-idle protocol, and the ratios (printed).
+4. in one run: median CUDA-event ms per task of the cuda-graph backend, fused single-task and
+   fused-T; idle-adjusted mJ per task of each by the paired-idle protocol (learner.measure,
+   short trials: 2 x 2 s, 1 s settle and idle windows); the ratios against the cuda-graph
+   backend and the goals (>= 20x in time and in energy; fused-T <= 10 mJ per task), which are
+   reported, not part of ``passed``.
 
-Fails loudly: any exception propagates (gpu_check.py records it as failed), and
-``passed`` is false when a check fails or a figure could not be measured (no energy
-counter, time budget spent) -- a missing figure is reported with its reason, never
-invented. Budget: meant to finish well under 8 minutes on one H200 (estimate, not
-measured: written on a machine without a GPU, so none of this has been run yet). If
-the correctness part overruns its share the energy trials are skipped and said so.
+Fails loudly: ``passed`` is false when a check fails or a figure could not be measured (no
+energy counter, time budget spent) -- a missing figure is reported with its reason, never
+invented. The energy trials start only while enough of the run's time budget is left
+(``deadline`` minus ``reserve_s`` for the sections after this one); otherwise they are
+skipped, said so, and the section fails.
+
+``--dry-run``: the same steps on the CPU in Triton's interpreter (TRITON_INTERPRET=1), on a
+160/32 slice of draw 0 (minibatches 128 + 32), the self-check on the CPU, and the T-task
+launch (T = 2) and the timing and energy steps on a 64/16 slice with one short trial per variant, the simulated meter
+(gpu_check_common.DryRunMeter, made-up joules) and wall-clock ms instead of CUDA events.
 """
 
 from __future__ import annotations
@@ -27,23 +36,23 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_common as common  # noqa: E402
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import learner  # noqa: E402,F401  (sets CUBLAS_WORKSPACE_CONFIG before CUDA starts)
-
-DRAW0_SEED = 2026091400
-DRAW0_CORRECT = 8887
-DRAW0_PREDICTIONS_SHA256 = "37724115cb2d3242eb4a4f76d3a879ac92d729939320e5f6f2bd046bd631f200"
-BUDGET_S = 8 * 60
-ENERGY_START_DEADLINE_S = 4 * 60  # energy trials need ~2-3 minutes; do not start them later
+ROOT = common.ROOT
+DRAW0_SEED = common.DRAW0_SEED
+DRAW0_CORRECT = common.DRAW0_CORRECT
+DRAW0_PREDICTIONS_SHA256 = common.DRAW0_PREDICTIONS_SHA256
+ENERGY_NEED_S = 90  # the energy trials of the three variants on a GPU (estimate: 3 x ~15 s, + fused-T launches)
+DRY_SLICE = (0, 160, 32)  # first row, train count, query count
+DRY_PERF_SLICE = (0, 64, 16)  # the timing and energy rehearsal: one short minibatch per epoch
+DRY_TASKS_PER_LAUNCH = 2
 
 
 def _bench():
@@ -61,6 +70,8 @@ def _same_bytes(a, b) -> bool:
 
 
 def _compare(name: str, out, ref) -> dict:
+    import numpy as np
+
     from learner.reference_check import TOLERANCE, max_violation
 
     ok_p, err_p = max_violation(out.final_parameters, ref.final_parameters, **TOLERANCE)
@@ -71,29 +82,181 @@ def _compare(name: str, out, ref) -> dict:
         f"velocity_within_tolerance_of_{name}": ok_v, f"velocity_max_abs_error_vs_{name}": err_v,
         f"prediction_mismatches_vs_{name}": mismatches,
         f"scores_max_abs_difference_vs_{name}": float(np.abs(out.scores - ref.scores).max()),
-        f"passed_vs_{name}": ok_p and ok_v and mismatches == 0,
+        f"passed_vs_{name}": bool(ok_p and ok_v and mismatches == 0),
     }
 
 
-def run(out_dir: Path, mnist_dir: Path | None = None, log=print) -> dict:
+# --------------------------------------------------------------------------- ms and mJ per task
+
+
+def _time_ms(out, wall_ms: float) -> float:
+    return float(out.cuda_ms) if out.cuda_ms is not None else wall_ms
+
+
+def _energy_per_task(engine, task, config, per_invocation: int, trials: int, target_seconds: float,
+                     settle_seconds: float, idle_seconds: float, meter=None) -> dict:
+    """Idle-adjusted mJ per task by learner.measure (per invocation / tasks per invocation)."""
+    from learner.measure import measure_task
+
+    doc = measure_task(task, config, engine, trials=trials, target_seconds=target_seconds,
+                       settle_seconds=settle_seconds, idle_seconds=idle_seconds, meter=meter)
+    out = {
+        "tasks_per_invocation": per_invocation,
+        "repeats_per_trial": doc["repeats_per_trial"],
+        "calibration": doc["protocol"]["calibration"],
+        "repeat_predictions_equal": doc.get("repeat_predictions_equal"),
+        "repeat_state_hashes_equal": doc.get("repeat_state_hashes_equal"),
+    }
+    if doc["energy"] is None:
+        out["error"] = f"no energy reading: {doc.get('energy_reason')}"
+        return out
+    summary = doc["energy"]["summary"]
+    adjusted, unadjusted = summary["idle_adjusted_mj_per_task"], summary["unadjusted_mj_per_task"]
+    if adjusted is None:
+        out["error"] = "the protocol gave no idle-adjusted figure (an idle window had no duration)"
+        return out
+    out.update({
+        "idle_adjusted_mj_per_task": adjusted["mean"] / per_invocation,
+        "idle_adjusted_mj_per_task_sample_sd": None if adjusted["sample_sd"] is None else adjusted["sample_sd"] / per_invocation,
+        "idle_adjusted_mj_per_invocation_by_trial": adjusted["values"],
+        "unadjusted_mj_per_task": unadjusted["mean"] / per_invocation,
+        "paired_idle_w_by_trial": [t["paired_idle_w"] for t in doc["energy"]["trials"]],
+        "nvml_handle_selected_by": doc["energy"]["hardware"].get("nvml_handle_selected_by"),
+        "counter_note": doc["energy"]["counter_note"],
+    })
+    if not (out["repeat_predictions_equal"] and out["repeat_state_hashes_equal"]):
+        out["error"] = "the run after the trials differs from the run before them"
+    return out
+
+
+def performance(task, config, device: str, count: int, timing_repeats: int, batched_repeats: int,
+                trials: int, target_seconds: float, settle_seconds: float, idle_seconds: float,
+                energy: bool, meter=None, log=print) -> dict:
+    """ms and mJ per task of cuda, fused and fused-T (T = ``count``) on ``task``; raises on failure.
+    On the CPU (dry run) times are wall ms and ``meter`` is the simulated one."""
+    import torch
+
+    from learner.backends.cuda import GraphBackend
+    from learner.backends.fused import FusedBackend
+    from learner.train import prepare
+
+    bench = _bench()
+    cuda, fused = GraphBackend(device), FusedBackend(device)
+    prepared = prepare(task, config)
+    tasks, prepareds = bench.batch_tasks(task, config, count)
+    batched = bench.BatchedLaunch(fused, tasks[1:], prepareds[1:])
+    variants = {"cuda": (cuda, 1), "fused": (fused, 1), "fused-T": (batched, count)}
+    if meter is not None:
+        variants = {k: (common.BusyEngine(e, meter), per) for k, (e, per) in variants.items()}
+    report: dict = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                    "tasks_per_launch": count, "config": config.as_dict(),
+                    "clock": "cuda_events" if device == "cuda" else "wall (dry run: no CUDA events)", "variants": {}}
+    for name, (engine, per) in variants.items():
+        t = time.perf_counter()
+        first = engine.run(task, prepared)  # capture / compile outside every measurement
+        entry = {"tasks_per_invocation": per, "first_run_seconds": time.perf_counter() - t,
+                 "backend_details": first.extra}
+        reps = batched_repeats if per > 1 else timing_repeats
+        values, walls = [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = engine.run(task, prepared)
+            wall = (time.perf_counter() - t) * 1000
+            if device == "cuda" and out.cuda_ms is None:
+                raise RuntimeError(f"backend {engine.name!r} returned no CUDA-event time")
+            values.append(_time_ms(out, wall))
+            walls.append(wall)
+        med = statistics.median(values)
+        entry.update({"median_ms_per_invocation": med, "ms_values": values, "median_ms_per_task": med / per,
+                      "median_wall_ms_per_invocation": statistics.median(walls)})
+        log(f"  fused perf {name:8s} median {med:10.3f} ms per invocation, {med / per:10.4f} ms per task ({reps} runs)")
+        report["variants"][name] = entry
+    if energy:
+        for name, (engine, per) in variants.items():
+            # The protocol sizes its active window in CUDA time (repeats = target / calibration CUDA
+            # ms); a run's wall time also holds host staging and copies, which for a T-task launch can
+            # be many times its CUDA time: scale the target so the window lasts about target_seconds.
+            entry = report["variants"][name]
+            target = target_seconds * min(1.0, entry["median_ms_per_invocation"] / entry["median_wall_ms_per_invocation"])
+            e = _energy_per_task(engine, task, config, per, trials, max(target, 1e-3), settle_seconds, idle_seconds, meter)
+            e["energy_target_seconds"] = target
+            entry["energy"] = e
+            log(f"  fused perf {name:8s} " + (e["error"] if "error" in e else f"{e['idle_adjusted_mj_per_task']:.3f} mJ per task (idle-adjusted)"))
+    v = report["variants"]
+    ms = {k: v[k]["median_ms_per_task"] for k in v}
+    mj = {k: (v[k].get("energy") or {}).get("idle_adjusted_mj_per_task") for k in v}
+    report["ms_per_task"], report["idle_adjusted_mj_per_task"] = ms, mj
+    report["ratios"] = {
+        "speedup_fused_vs_cuda": bench.ratio(ms["cuda"], ms["fused"]),
+        "speedup_fused_T_vs_cuda": bench.ratio(ms["cuda"], ms["fused-T"]),
+        "energy_ratio_fused_vs_cuda": bench.ratio(mj["cuda"], mj["fused"]),
+        "energy_ratio_fused_T_vs_cuda": bench.ratio(mj["cuda"], mj["fused-T"]),
+    }
+    r = report["ratios"]
+
+    def at_least(x, goal):
+        return None if x is None else x >= goal
+
+    report["goals"] = {
+        "fused_20x_faster": at_least(r["speedup_fused_vs_cuda"], bench.GOAL_SPEEDUP),
+        "fused_T_20x_faster": at_least(r["speedup_fused_T_vs_cuda"], bench.GOAL_SPEEDUP),
+        "fused_20x_less_energy": at_least(r["energy_ratio_fused_vs_cuda"], bench.GOAL_ENERGY_RATIO),
+        "fused_T_20x_less_energy": at_least(r["energy_ratio_fused_T_vs_cuda"], bench.GOAL_ENERGY_RATIO),
+        "fused_T_at_most_10_mJ": None if mj["fused-T"] is None else mj["fused-T"] <= bench.GOAL_BATCHED_MJ,
+    }
+    if device != "cuda":
+        report["goals_note"] = "dry run: CPU interpreter times and made-up joules; the ratios mean nothing"
+    for key, value in r.items():
+        log(f"  fused perf {key:30s} " + ("n/a" if value is None else f"{value:8.2f}x"))
+    return report
+
+
+# --------------------------------------------------------------------------- the section
+
+
+def run(out_dir: Path, mnist_dir: Path | None = None, log=print, dry_run: bool = False,
+        deadline: float | None = None, reserve_s: float = 0.0, **_) -> dict:
+    import torch
+
+    import learner  # noqa: F401  (sets CUBLAS_WORKSPACE_CONFIG before CUDA starts)
+
     t_start = time.perf_counter()
     bench = _bench()
-    bench.require_gpu()  # raises with a clear message: never a made-up figure
+    if dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the fused dry run needs TRITON_INTERPRET=1 set before triton is imported")
+    else:
+        bench.require_gpu()  # raises with a clear message: never a made-up figure
+    import triton
+
     from learner.backends.cuda import GraphBackend
-    from learner.backends.fused import FusedBackend, fused_ready, readiness
+    from learner.backends.fused import FusedBackend, fused_ready, readiness, self_check
     from learner.config import Config
+    from learner.data import bundled_mnist_dir
     from learner.result import run_task
     from learner.taskio import make_task
     from learner.train import prepare
 
-    mnist_dir = mnist_dir or ROOT.parent / "shared" / "data" / "mnist"
+    device = "cpu" if dry_run else "cuda"
+    mnist_dir = mnist_dir or bundled_mnist_dir()
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = Config()
     task, labels = make_task(mnist_dir, DRAW0_SEED)
-    report: dict = {"gpu": torch.cuda.get_device_name(), "sm_count": bench.sm_count()}
+    if dry_run:
+        task, labels = common.small_task(task, labels, *DRY_SLICE)
+        count = DRY_TASKS_PER_LAUNCH
+    else:
+        count = bench.sm_count()
+    report: dict = {"mode": common.mode_name(dry_run), "device": device,
+                    "gpu": None if dry_run else torch.cuda.get_device_name(),
+                    "sm_count": None if dry_run else bench.sm_count(), "tasks_per_launch": count,
+                    "task": {"train_count": task.train_count, "test_count": task.test_count,
+                             "what": "draw 0" if not dry_run else f"draw 0 rows {DRY_SLICE}"},
+                    "torch": torch.__version__, "triton": triton.__version__}
 
     # 1. draw 0: fused vs cuda (and cpu)
-    cuda, fused = GraphBackend("cuda"), FusedBackend("cuda")
+    cuda, fused = GraphBackend(device), FusedBackend(device)
     r_cuda = run_task(task, config, cuda)
     t = time.perf_counter()
     r_fused = run_task(task, config, fused)
@@ -104,24 +267,29 @@ def run(out_dir: Path, mnist_dir: Path | None = None, log=print) -> dict:
         "first_fused_task_seconds_including_compile": first_s,
         "fused_correct": int((r_fused.predictions == labels).sum()),
         "cuda_correct": int((r_cuda.predictions == labels).sum()),
+        "cpu_correct": int((r_cpu.predictions == labels).sum()),
         "fused_predictions_sha256": r_fused.predictions_sha256,
         "cuda_predictions_sha256": r_cuda.predictions_sha256,
-        "fused_predictions_equal_known_draw0": r_fused.predictions_sha256 == DRAW0_PREDICTIONS_SHA256,
+        "cpu_predictions_sha256": r_cpu.predictions_sha256,
+        "fused_predictions_equal_known_draw0": None if dry_run else r_fused.predictions_sha256 == DRAW0_PREDICTIONS_SHA256,
         "fused_repeat_byte_identical": _same_bytes(r_fused, r_fused_again),
         "fused_cuda_ms": r_fused.metadata.get("cuda_ms"),
         "backend_details": r_fused.metadata.get("backend_details"),
         **_compare("cuda", r_fused, r_cuda),
         **_compare("cpu", r_fused, r_cpu),
+        "diff_vs_cuda": common.prediction_diff("fused", r_fused.scores, "cuda", r_cuda.scores, labels),
+        "diff_vs_cpu": common.prediction_diff("fused", r_fused.scores, "cpu", r_cpu.scores, labels),
     }
-    draw0["passed"] = (draw0["passed_vs_cuda"] and draw0["fused_repeat_byte_identical"]
-                       and draw0["fused_correct"] == DRAW0_CORRECT)
+    draw0["passed"] = bool(draw0["passed_vs_cuda"] and draw0["fused_repeat_byte_identical"]
+                           and (dry_run or draw0["fused_correct"] == DRAW0_CORRECT))
     report["draw0"] = draw0
-    log(f"draw0: fused {draw0['fused_correct']} correct, vs cuda max |dp| {draw0['parameter_max_abs_error_vs_cuda']:.3g}, "
-        f"mismatches {draw0['prediction_mismatches_vs_cuda']}, passed {draw0['passed']}")
+    log(f"  fused draw0: {draw0['fused_correct']} correct (cuda {draw0['cuda_correct']}, cpu {draw0['cpu_correct']}), "
+        f"vs cuda max |dp| {draw0['parameter_max_abs_error_vs_cuda']:.3g}, {draw0['prediction_mismatches_vs_cuda']} "
+        f"differ, first task {first_s:.1f} s, passed {draw0['passed']}")
 
-    # 2. a T-task launch against single launches
-    count = bench.sm_count()
-    tasks, prepareds = bench.batch_tasks(task, config, count)
+    # 2. a T-task launch against single launches (dry run: on the smaller slice)
+    one = common.small_task(task, labels, *DRY_PERF_SLICE)[0] if dry_run else task
+    tasks, prepareds = bench.batch_tasks(one, config, count)
     t = time.perf_counter()
     outs = fused.run_many(tasks, prepareds)
     launch_s = time.perf_counter() - t
@@ -131,47 +299,65 @@ def run(out_dir: Path, mnist_dir: Path | None = None, log=print) -> dict:
         "tasks_in_launch": count,
         "launch_wall_seconds_including_staging": launch_s,
         "launch_cuda_ms": outs[0].cuda_ms,
-        "task0_equals_single_launch": _same_bytes(outs[0], fused.run(task, prepare(task, config))),
+        "task0_equals_single_launch": _same_bytes(outs[0], fused.run(one, prepare(one, config))),
         "last_task_equals_single_launch": _same_bytes(outs[-1], last_single),
         **_compare("cuda", outs[-1], last_cuda),
     }
-    batched["passed"] = (batched["task0_equals_single_launch"] and batched["last_task_equals_single_launch"]
-                         and batched["passed_vs_cuda"])
+    batched["passed"] = bool(batched["task0_equals_single_launch"] and batched["last_task_equals_single_launch"]
+                             and batched["passed_vs_cuda"])
     report["batched"] = batched
-    log(f"batched: {count} tasks in {outs[0].cuda_ms:.3f} ms, equal to single launches "
+    log(f"  fused batched: {count} tasks in one launch ({launch_s:.2f} s wall), equal to single launches "
         f"{batched['task0_equals_single_launch'] and batched['last_task_equals_single_launch']}, passed {batched['passed']}")
 
     # 3. auto's self-check
-    report["auto_self_check"] = {"passed": bool(fused_ready()), "detail": (readiness() or (None, None))[1]}
+    if dry_run:
+        ok, detail = self_check("cpu")
+        report["auto_self_check"] = {"passed": bool(ok), "detail": detail, "how": "self_check('cpu') in the interpreter"}
+    else:
+        report["auto_self_check"] = {"passed": bool(fused_ready()), "detail": (readiness() or (None, None))[1]}
+    log(f"  fused auto self-check: {report['auto_self_check']}")
 
     # 4. ms and mJ per task, in one run
-    elapsed = time.perf_counter() - t_start
-    do_energy = elapsed < ENERGY_START_DEADLINE_S
-    perf = bench.measure(task, config, tasks_per_launch=count, timing_repeats=10, batched_repeats=5,
-                         trials=2, target_seconds=2.0, settle_seconds=1.0, idle_seconds=1.0,
-                         energy=do_energy, log=log)
+    do_energy = not common.out_of_time(deadline, reserve_s + ENERGY_NEED_S)
+    if dry_run:
+        perf_task, _ = common.small_task(task, labels, *DRY_PERF_SLICE)
+        perf = performance(perf_task, config, device, count, timing_repeats=2, batched_repeats=1, trials=1,
+                           target_seconds=0.2, settle_seconds=0.0, idle_seconds=0.2, energy=do_energy,
+                           meter=common.dry_run_meter(), log=log)
+    else:
+        perf = performance(task, config, device, count, timing_repeats=10, batched_repeats=5, trials=2,
+                           target_seconds=2.0, settle_seconds=1.0, idle_seconds=1.0, energy=do_energy, log=log)
     if not do_energy:
-        perf["energy_skipped"] = f"correctness took {elapsed:.0f} s, past the {ENERGY_START_DEADLINE_S} s start deadline"
+        perf["energy_skipped"] = (f"at {time.perf_counter() - t_start:.0f} s into the section, less than "
+                                  f"{ENERGY_NEED_S} s + {reserve_s:.0f} s (later sections) of the budget was left")
     report["performance"] = perf
     energy_ok = do_energy and all("error" not in (v.get("energy") or {"error": 1}) for v in perf["variants"].values())
+    report["energy_measured"] = energy_ok
     report["seconds"] = time.perf_counter() - t_start
     report["passed"] = bool(draw0["passed"] and batched["passed"] and report["auto_self_check"]["passed"] and energy_ok)
-    if report["seconds"] > BUDGET_S:
-        report["over_budget"] = f"took {report['seconds']:.0f} s, budget {BUDGET_S} s"
-        report["passed"] = False
+    if dry_run:
+        report["not_checked_in_dry_run"] = [
+            "the kernel compiled for and run on a GPU (interpreter only)", "CUDA-event times", "NVML joules",
+            "draw 0's 10k/10k task (slices ran)", "T = the SM count (T = 2 ran)", "fused_ready() itself (needs CUDA)"]
     (out_dir / "fused.json").write_text(json.dumps(report, indent=2, default=str))
     return report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
+    parser.add_argument("--mnist-dir", type=Path, default=None, help="default: the repository's data/mnist")
     parser.add_argument("--out", type=Path, default=Path("gpu-check-out"))
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU in Triton's interpreter")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check_fused: no CUDA GPU here; nothing was checked", file=sys.stderr)
-        return 2
-    report = run(args.out, args.mnist_dir)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check_fused: no CUDA GPU here; nothing was checked (try --dry-run)", file=sys.stderr)
+            return 2
+    report = run(args.out, args.mnist_dir, dry_run=args.dry_run)
     print(json.dumps({k: report[k] for k in ("passed", "seconds")}, default=str))
     print(json.dumps(report["performance"]["ratios"], indent=2))
     return 0 if report["passed"] else 1

@@ -1,0 +1,269 @@
+"""What the sections of scripts/gpu_check.py share: versions, MNIST input check, prediction
+diagnostics, the dry run's simulated meter and small tasks.
+
+Imported by the section scripts (``scripts/`` is put on sys.path by each of them); nothing here
+needs a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import math
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DRAW0_SEED = 2026091400
+DRAW0_CORRECT = 8887
+DRAW0_PREDICTIONS_SHA256 = "37724115cb2d3242eb4a4f76d3a879ac92d729939320e5f6f2bd046bd631f200"
+# What the project pins (Makefile / README) -- recorded beside what actually ran, never assumed.
+PINNED = {"torch": "2.13.0", "python": "3.11"}
+# Distributions whose versions the report records (the service's too: they may travel as wheels).
+DISTRIBUTIONS = (
+    "torch", "triton", "numpy", "nvidia-ml-py", "httpx", "prometheus-client", "anyio", "h11", "click",
+    "fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn", "python-multipart", "annotated-types",
+    "typing-inspection", "typing-extensions", "opentelemetry-api", "annotated-doc",
+)
+# The service's packages that the GPU machine lacks (scripts/make_device_wheels.sh): import names.
+SERVICE_MODULES = {
+    "fastapi": "fastapi", "starlette": "starlette", "pydantic": "pydantic", "pydantic-core": "pydantic_core",
+    "uvicorn": "uvicorn", "python-multipart": "python_multipart", "httpx": "httpx",
+    "prometheus-client": "prometheus_client", "opentelemetry-api": "opentelemetry",
+}
+
+
+def mode_name(dry_run: bool) -> str:
+    return "dry-run" if dry_run else "device"
+
+
+def dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    """What this process runs on (never the pins: the device has its own image)."""
+    import torch
+
+    import learner  # noqa: F401  (CUBLAS_WORKSPACE_CONFIG before the CUDA queries below start CUDA)
+
+    out: dict = {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "distributions": {name: dist_version(name) for name in DISTRIBUTIONS},
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cuda_available": torch.cuda.is_available(),
+        "pinned": dict(PINNED),
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001 - recorded, the precheck decides
+        out["triton"] = None
+        out["triton_error"] = f"{type(exc).__name__}: {exc}"
+    out["matches_pins"] = {
+        "torch": out["torch"].split("+")[0] == PINNED["torch"],
+        "python": out["python"].startswith(PINNED["python"] + "."),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        out["gpu"] = {
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "sm_count": int(props.multi_processor_count),
+            "total_memory_bytes": int(props.total_memory),
+            "uuid": str(getattr(props, "uuid", None)),
+        }
+        try:
+            from learner.energy import driver_version
+
+            out["driver"] = driver_version()
+        except Exception as exc:  # noqa: BLE001
+            out["driver"] = f"unreadable: {exc}"
+    return out
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def check_mnist(mnist_dir: Path) -> dict:
+    """The four MNIST files are there and draw 0 can be built from them (checksums verified)."""
+    from learner.data import MNIST_SHA256, official_name
+    from learner.taskio import make_task
+
+    mnist_dir = Path(mnist_dir)
+    out: dict = {"mnist_dir": str(mnist_dir)}
+    if not mnist_dir.is_dir():
+        return {**out, "passed": False, "error": f"MNIST folder {mnist_dir} does not exist"}
+    found = {official_name(p) for p in mnist_dir.iterdir()} - {None}
+    missing = sorted(set(MNIST_SHA256) - found)
+    out["files_found"] = sorted(found)
+    if missing:
+        return {**out, "passed": False, "error": f"MNIST folder {mnist_dir} lacks {', '.join(missing)}"}
+    t = time.perf_counter()
+    try:
+        task, labels = make_task(mnist_dir, DRAW0_SEED)
+    except Exception as exc:  # noqa: BLE001 - a bad input, reported
+        return {**out, "passed": False, "error": f"draw 0 could not be built: {type(exc).__name__}: {exc}"}
+    out.update({"draw0_train_count": task.train_count, "draw0_test_count": task.test_count,
+                "draw0_seconds": time.perf_counter() - t, "passed": True})
+    return out
+
+
+def small_task(task, labels, start: int, train_count: int, test_count: int):
+    """Train rows start..start+train_count and query rows start..start+test_count of a task."""
+    from learner.taskio import validate_task
+
+    tr = slice(start, start + train_count)
+    te = slice(start, start + test_count)
+    small = validate_task(task.train_images[tr], task.train_labels[tr], task.test_images[te])
+    return small, labels[te]
+
+
+# --------------------------------------------------------------------------- prediction diagnostics
+
+
+def _margin(row) -> float:
+    """Top score minus the runner-up: how near a query is to a tie."""
+    top2 = sorted((float(x) for x in row), reverse=True)[:2]
+    return top2[0] - top2[1]
+
+
+def prediction_diff(name_a: str, scores_a, name_b: str, scores_b, labels=None, limit: int = 50) -> dict:
+    """Where two backends' predictions differ: the count, each differing query's score margin
+    (top-1 minus top-2) on both sides, and each side's accuracy -- so one flipped near-tie is
+    diagnosed, not guessed. Equality stays the pass; this only explains a failure."""
+    import numpy as np
+
+    pa, pb = scores_a.argmax(1), scores_b.argmax(1)
+    differ = np.flatnonzero(pa != pb)
+    out: dict = {"compared": f"{name_a} vs {name_b}", "queries": int(pa.size), "differing": int(differ.size)}
+    if labels is not None:
+        out[f"{name_a}_correct"] = int((pa == labels).sum())
+        out[f"{name_b}_correct"] = int((pb == labels).sum())
+        out[f"{name_a}_accuracy"] = float((pa == labels).mean())
+        out[f"{name_b}_accuracy"] = float((pb == labels).mean())
+    rows = []
+    for i in differ[:limit]:
+        row = {"query": int(i), f"{name_a}_prediction": int(pa[i]), f"{name_b}_prediction": int(pb[i]),
+               f"{name_a}_margin": _margin(scores_a[i]), f"{name_b}_margin": _margin(scores_b[i]),
+               "max_abs_score_difference": float(np.abs(scores_a[i] - scores_b[i]).max())}
+        if labels is not None:
+            row["label"] = int(labels[i])
+        rows.append(row)
+    out["differing_queries"] = rows
+    if differ.size > limit:
+        out["differing_queries_left_out"] = int(differ.size - limit)
+    if differ.size:
+        out["largest_margin_among_differing"] = max(max(r[f"{name_a}_margin"], r[f"{name_b}_margin"]) for r in rows)
+    out["median_margin_all_queries"] = float(np.median(np.sort(scores_a, axis=1)[:, -1] - np.sort(scores_a, axis=1)[:, -2]))
+    return out
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# --------------------------------------------------------------------------- the dry run's meter
+
+
+def _simulated_meter_class():
+    from learner.energy import SimulatedMeter
+
+    class DryRunMeter(SimulatedMeter):
+        """learner.energy.SimulatedMeter on the real clock, for --dry-run: power is ``idle_w``,
+        plus ``busy_extra_w`` while an engine wrapped by ``BusyEngine`` runs. It stands in for
+        NVML so that the energy protocol's code paths (windows, repeats, figures) run on the CPU;
+        its joules are made up and say so in ``hardware()``."""
+
+        def __init__(self, idle_w: float = 60.0, busy_extra_w: float = 140.0):
+            super().__init__(idle_w=idle_w, start_s=time.perf_counter(), hardware={
+                "gpu": "dry-run simulated meter (not a GPU: the joules are made up)",
+                "uuid": None, "total_memory_bytes": None, "power_limit_w": None, "driver": None,
+                "cuda_pci_bus_id": None, "nvml_pci_bus_id": None,
+                "nvml_handle_selected_by_cuda_pci_bus_id": False, "nvml_handle_selected_by": "simulated",
+            })
+            self.busy_extra_w = busy_extra_w
+            self._busy = 0
+            self._guard = threading.RLock()
+
+        def _catch_up(self) -> None:
+            with self._guard:
+                dt = time.perf_counter() - self._t
+                if dt > 0:
+                    self.advance(dt, self.idle_w + (self.busy_extra_w if self._busy else 0.0))
+                    if len(self._updates) > 10_000:  # only the last update matters without a period
+                        self._updates = self._updates[-2:]
+
+        def energy_mj(self) -> int:
+            self._catch_up()
+            return super().energy_mj()
+
+        def now(self) -> float:
+            self._catch_up()
+            return self._t
+
+        def power_w(self) -> float:
+            self._catch_up()
+            return self.idle_w + (self.busy_extra_w if self._busy else 0.0)
+
+        def telemetry(self) -> dict:
+            return {**super().telemetry(), "power_w": self.power_w()}
+
+        @contextlib.contextmanager
+        def busy(self):
+            with self._guard:
+                self._catch_up()
+                self._busy += 1
+            try:
+                yield
+            finally:
+                with self._guard:
+                    self._catch_up()
+                    self._busy -= 1
+
+    return DryRunMeter
+
+
+def dry_run_meter(**kw):
+    return _simulated_meter_class()(**kw)
+
+
+class BusyEngine:
+    """A backend whose runs count as device work on a DryRunMeter (``run`` and ``run_many``)."""
+
+    def __init__(self, inner, meter):
+        self.inner, self.meter = inner, meter
+        self.name, self.device = inner.name, inner.device
+        if hasattr(inner, "tasks_per_launch"):
+            self.tasks_per_launch = inner.tasks_per_launch
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+    def run(self, task, prepared):
+        with self.meter.busy():
+            return self.inner.run(task, prepared)
+
+    def run_many(self, tasks, prepareds):
+        with self.meter.busy():
+            return self.inner.run_many(tasks, prepareds)
+
+
+def out_of_time(deadline: float | None, need_s: float) -> bool:
+    """True when fewer than ``need_s`` seconds are left before ``deadline`` (time.monotonic)."""
+    return deadline is not None and deadline - time.monotonic() < need_s
