@@ -43,6 +43,9 @@ SERVE_ENV = {
     "threads": "REV88_THREADS",
     "batch_max": "REV88_BATCH_MAX",
     "batch_wait_ms": "REV88_BATCH_WAIT_MS",
+    "workers": "REV88_WORKERS",
+    "max_task_work": "REV88_MAX_TASK_WORK",
+    "max_task_bytes": "REV88_MAX_TASK_BYTES",
 }
 
 
@@ -60,11 +63,6 @@ def graceful_shutdown_s(drain_timeout_s: float, force_exit_grace_s: float) -> in
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.workers != 1:
-        raise CliError(
-            f"--workers must be 1, got {args.workers}: one process owns the device and its queue; "
-            "to serve more, run more replicas (one per GPU) behind a load balancer (see deploy/README.md)"
-        )
     apply_serve_flags(args)
     from .settings import Settings, SettingsError
 
@@ -77,18 +75,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from learner.backends import BackendUnavailable
 
+    from .devices import PlanError, plan
     from .service import FORCE_EXIT_GRACE_S
     from .tasks import check_backend
 
     try:
-        check_backend(settings.backend)  # e.g. "cuda" without a GPU: say so before uvicorn starts
+        backend = check_backend(settings.backend)  # e.g. "cuda" without a GPU: say so before uvicorn starts
     except BackendUnavailable as exc:
         raise CliError(f"{exc} (REV88_BACKEND / --backend)") from None
+    try:
+        workers = plan(backend, settings.workers, settings.queue_size, settings.batch_max)
+    except PlanError as exc:
+        raise CliError(f"{exc} (REV88_WORKERS / --workers)") from None
 
     shown = "[::1]" if settings.host == "::1" else settings.host
     print(
-        f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, queue "
-        f"{settings.queue_size}, drain {settings.drain_timeout_s:g} s, auth "
+        f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
+        f"worker(s), queue {workers.queue_size}, drain {settings.drain_timeout_s:g} s, auth "
         f"{'on' if settings.auth_enabled else 'off'}); API docs at /docs",
         file=sys.stderr,
     )
@@ -142,7 +145,8 @@ def add_serve(sub) -> None:
     p.add_argument("--host", help="bind address [REV88_HOST, default 127.0.0.1; the container uses 0.0.0.0]")
     p.add_argument("--port", type=int, help="bind port [REV88_PORT, default 8000]")
     p.add_argument("--backend", help=f"{' | '.join(BACKENDS)} [REV88_BACKEND, default auto: the GPU when one is usable]")
-    p.add_argument("--queue-size", type=int, help="tasks that may wait for the device [REV88_QUEUE_SIZE, default 8]")
+    p.add_argument("--queue-size", type=int, help="tasks that may wait for a device [REV88_QUEUE_SIZE, default: "
+                   "max(8, 4 x workers) on the CPU, 2 x batch_max x workers on GPUs]")
     p.add_argument("--max-body-bytes", type=int, help="largest request body [REV88_MAX_BODY_BYTES, default 64 MiB]")
     p.add_argument("--task-timeout", type=float, help="seconds of queue wait + run per task [REV88_TASK_TIMEOUT_S, default 300]")
     p.add_argument("--drain-timeout", type=float,
@@ -153,10 +157,15 @@ def add_serve(sub) -> None:
     p.add_argument("--threads", type=int, help="torch/BLAS threads [REV88_THREADS, default: library default]")
     p.add_argument("--batch-max", type=int,
                    help="most tasks of one shape and config in one launch on a backend with batched launches "
-                   "(fused); 1 turns batching off [REV88_BATCH_MAX, default 32]")
+                   "(fused); 1 turns batching off [REV88_BATCH_MAX, default: the GPU's SM count; 1 on the CPU]")
     p.add_argument("--batch-wait-ms", type=float,
                    help="milliseconds a launch waits for more matching tasks [REV88_BATCH_WAIT_MS, default 5]")
-    p.add_argument("--workers", type=int, default=1, help="must be 1: one process owns the device")
+    p.add_argument("--workers", type=int, help="device workers [REV88_WORKERS, default: one per usable core "
+                   "for the CPU backends, one per visible GPU for cuda/fused]")
+    p.add_argument("--max-task-work", type=int, help="a task's estimated work limit [REV88_MAX_TASK_WORK, "
+                   "default 50,000,000; see learner/budget.py]")
+    p.add_argument("--max-task-bytes", type=int, help="a task's estimated memory limit in bytes "
+                   "[REV88_MAX_TASK_BYTES, default 1 GiB]")
     p.set_defaults(func=cmd_serve)
 
 

@@ -66,3 +66,11 @@ class Unavailable(ServiceError):
 class TaskTimeout(ServiceError):
     status = 504
     outcome = "timeout"
+
+
+class TaskStopped(ServiceError):
+    """The task was cancelled (``POST /tasks/{id}/cancel``) or its client went away; a running
+    task was stopped on the device, a queued one never ran."""
+
+    status = 409
+    outcome = "stopped"

@@ -1,33 +1,38 @@
-"""The one device executor: a single thread that owns the device, fed by a bounded queue.
+"""The device workers: one thread per device, all fed by one bounded queue.
 
-Only work that needs the device runs here (the backend's run, the startup
-warm-up, energy measurements, idle power sampling); parsing and validation
-happen before ``submit`` in worker threads.
+A *worker* owns one device (``cpu:0``, ``cpu:1``, ... for the CPU backends, one per usable
+core; ``cuda:0``, ``cuda:1``, ... for the GPU backends, one per visible GPU) and runs one
+device call at a time. Only work that needs a device runs on a worker (the backend's run,
+the warm-up, energy measurements, idle power sampling); parsing, validation and input
+hashing happen before ``submit``, in other threads. Code running on a worker learns its
+device from :func:`current_worker`.
 
 Every accepted job is answered exactly once, through its ``future``:
 
-* the thread finishes it                  -> its result or its exception;
-* its request times out while queued      -> removed from the queue, never runs, ``TaskTimeout``;
-* its request times out while running     -> ``TaskTimeout`` now; the device cannot be
-                                             interrupted, so the job keeps the device until it
-                                             ends and its result is then discarded (logged);
-* the drain deadline passes at shutdown   -> ``Unavailable`` for queued and running jobs alike.
+* a worker finishes it                   -> its result or its exception;
+* it is stopped while queued (timeout,   -> removed from the queue, never runs: ``TaskTimeout``
+  its client gone, cancelled)               or ``TaskStopped``;
+* it is stopped while running            -> its cancel token is set; the backend stops at its
+                                            next safe point (a minibatch on cpu/cpu-fast, an
+                                            epoch on cuda; a fused launch cannot be stopped)
+                                            and the job is answered with the stop;
+* the drain deadline passes at shutdown   -> ``Unavailable`` for queued and running jobs alike
+                                            (running ones are also told to stop).
 
 Whoever settles the future first wins (under one lock); the others see it done.
-The queue depth counts only jobs waiting for the device; a job that is running
-(answered or not) holds the device, not a queue slot.
+The queue depth counts only jobs waiting for a device; a running job holds its worker.
 
-Dynamic batching. A job may carry a :class:`Batch`: a key, its own item, and how
-to run many items in one device call. When the job at the head of the queue has
-one, ``batch_max > 1`` and ``Batch.ready()`` says the device can take such a call,
-the thread gathers the queued jobs with the same key (the head first, then in
-queue order; at most ``batch_max``) and runs them in one call; each job is then
-answered with its own item's outcome. The gathering waits at most ``batch_wait_s``
-after the head was taken for more matching jobs to arrive (not at all once the
-batch is full or the executor is closed); gathered jobs stay queued -- and may
-expire, never to run -- until the call starts. Across keys the queue stays FIFO:
-only matching jobs move ahead of others, and the head is always the oldest job,
-so a job of another key waits behind at most one launch per job ahead of it.
+A job may be *pinned* to one worker (the per-device warm-up); any other job runs on the
+first free worker, oldest job first.
+
+Dynamic batching. A job may carry a :class:`Batch`: a key, its own item, and how to run
+many items in one device call. When the job a worker takes has one, ``batch_max > 1`` and
+``Batch.ready()`` says the device can take such a call, the worker gathers the queued jobs
+with the same key (that job first, then in queue order; at most ``batch_max``) and runs them
+in one call; each job is then answered with its own item's outcome. The gathering waits at
+most ``batch_wait_s`` for more matching jobs (not at all once the batch is full or the
+executor is closed); gathered jobs stay queued -- and may expire, never to run -- until the
+call starts. Across keys the queue stays FIFO: only matching jobs move ahead of others.
 """
 
 from __future__ import annotations
@@ -43,13 +48,24 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .errors import QueueFull, TaskTimeout, Unavailable
+from learner.cancel import CancelToken
+from learner.errors import TaskCancelled
+
+from .errors import QueueFull, TaskStopped, TaskTimeout, Unavailable
 
 log = logging.getLogger("rev88.app.executor")
 
-QUEUED, RUNNING, DONE, EXPIRED, ABANDONED, CANCELLED = (
-    "queued", "running", "done", "expired", "abandoned", "cancelled",
+QUEUED, RUNNING, DONE, EXPIRED, ABANDONED, CANCELLED, DROPPED = (
+    "queued", "running", "done", "expired", "abandoned", "cancelled", "dropped",
 )
+STOP_WAIT_S = 10.0  # how long a timed-out request waits for its running task to confirm the stop
+
+_local = threading.local()
+
+
+def current_worker() -> Worker | None:
+    """The worker whose thread is running this code (None outside a worker)."""
+    return getattr(_local, "worker", None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,10 +74,9 @@ class Batch:
 
     ``run`` takes the items of the gathered jobs (in order) and returns one outcome per
     item: its value, or an exception instance that becomes that job's answer. It is
-    called on the device thread, as is ``ready`` (whether jobs of this key can be
-    batched now, e.g. the backend has a batched path; False, or an exception, runs
-    the job alone through its ``fn``). Jobs of one key must be runnable by the first
-    job's ``run``.
+    called on the worker, as is ``ready`` (whether jobs of this key can be batched now,
+    e.g. the backend has a batched path; False, or an exception, runs the job alone
+    through its ``fn``). Jobs of one key must be runnable by the first job's ``run``.
     """
 
     key: Hashable
@@ -76,12 +91,17 @@ class Job:
     kind: str = "task"
     label: str = ""
     batch: Batch | None = None
+    pin: int | None = None  # the index of the only worker that may run it
+    cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     state: str = QUEUED
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     started: float | None = None
     finished: float | None = None
     launch_size: int = 1  # jobs in the device call that ran this one
+    worker: str | None = None  # the device of the worker that ran it
+    stop: tuple[str, str] | None = None  # (why, message) once it was told to stop while running
+    on_start: Callable[[Job], None] | None = None  # called on the worker when the job starts
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -89,7 +109,7 @@ class Job:
 
     @property
     def device_s(self) -> float | None:
-        """Seconds this job held the device (None until it has finished)."""
+        """Seconds this job held its device (None until it has finished)."""
         return None if self.started is None or self.finished is None else self.finished - self.started
 
 
@@ -99,7 +119,9 @@ class Stats:
     completed: int = 0  # ran and answered with a result
     failed: int = 0  # ran and answered with the error they raised
     expired: int = 0  # timed out while queued: answered 504, never ran
-    abandoned: int = 0  # answered (504 or shutdown 503) while running on the device
+    dropped: int = 0  # left the queue without running: client gone or cancelled
+    stopped: int = 0  # stopped on the device before the end (timeout, client gone, cancel, drain)
+    abandoned: int = 0  # answered (504 or shutdown 503) while still running on the device
     abandoned_finished: int = 0  # ... of which have since finished (result discarded)
     cancelled: int = 0  # still queued at the drain deadline: answered 503, never ran
     refused_full: int = 0  # not accepted: queue full
@@ -109,7 +131,58 @@ class Stats:
     largest_launch: int = 0  # most jobs in one device call so far
 
     def answered(self) -> int:
-        return self.completed + self.failed + self.expired + self.abandoned + self.cancelled
+        return self.completed + self.failed + self.expired + self.dropped + self.abandoned + self.cancelled
+
+
+class Worker:
+    """One device and the thread that runs its calls."""
+
+    def __init__(self, executor: DeviceExecutor, index: int, device: str) -> None:
+        self.executor, self.index, self.device = executor, index, device
+        self.running: list[Job] = []  # the jobs of the device call in progress
+        self.tasks = 0  # jobs this worker has run
+        self.launches = 0
+        self.busy_s = 0.0  # seconds spent in device calls
+        self.failures = 0  # device calls that raised for every job in them
+        self.thread = threading.Thread(target=self._loop, name=f"rev88-worker-{device}", daemon=True)
+
+    def snapshot(self) -> dict[str, Any]:
+        first = self.running[0] if self.running else None
+        return {
+            "index": self.index,
+            "device": self.device,
+            "busy": bool(self.running),
+            "running": None if first is None else {
+                "kind": first.kind,
+                "id": first.label,
+                "seconds": round(time.monotonic() - (first.started or time.monotonic()), 3),
+                "jobs": len(self.running),
+            },
+            "tasks": self.tasks,
+            "launches": self.launches,
+            "busy_seconds": round(self.busy_s, 3),
+            "failed_launches": self.failures,
+        }
+
+    def _loop(self) -> None:
+        _local.worker = self
+        ex = self.executor
+        while True:
+            with ex._cond:
+                head = ex._next_for(self)
+                if head is None and not ex._stop:
+                    ex._cond.wait(ex._idle_interval_s if ex._idle_hook else None)
+                    head = ex._next_for(self)
+                if head is None and ex._stop:
+                    return
+            if head is None:
+                ex._idle()
+                continue
+            batched = head.batch is not None and ex.batch_max > 1 and ex._batch_ready(head.batch)
+            with ex._cond:
+                group = ex._gather(self, head) if batched else ex._take(self, [head])
+            if group:
+                ex._run(self, group)
 
 
 class DeviceExecutor:
@@ -122,6 +195,7 @@ class DeviceExecutor:
         batch_max: int = 1,
         batch_wait_s: float = 0.0,
         on_launch: Callable[[int], None] | None = None,
+        devices: list[str] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -129,6 +203,9 @@ class DeviceExecutor:
             raise ValueError("batch_max must be >= 1")
         if not (math.isfinite(batch_wait_s) and batch_wait_s >= 0):
             raise ValueError("batch_wait_s must be a finite number >= 0")
+        devices = list(devices or ["cpu:0"])
+        if not devices or len(set(devices)) != len(devices):
+            raise ValueError(f"devices must be distinct and at least one, got {devices}")
         self.capacity = capacity
         self.batch_max = batch_max
         self.batch_wait_s = batch_wait_s
@@ -138,16 +215,16 @@ class DeviceExecutor:
         self._queue: collections.deque[Job] = collections.deque()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._running: list[Job] = []  # the jobs of the device call in progress
         self._closed: str | None = None  # reason, once closed to new work
         self._stop = False
         self._mean_run_s = 1.0  # running mean of device time per job, for Retry-After
         self.stats = Stats()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.workers = [Worker(self, i, device) for i, device in enumerate(devices)]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._thread.start()
+        for worker in self.workers:
+            worker.thread.start()
 
     def close(self, reason: str) -> None:
         """Refuse new jobs from now on; queued and running jobs continue."""
@@ -160,99 +237,165 @@ class DeviceExecutor:
         return self._closed is not None
 
     def stop(self, timeout_s: float) -> bool:
-        """Close, let the queue empty, end the thread; True if it ended within ``timeout_s``."""
+        """Close, let the queue empty, end every worker; True if all ended within ``timeout_s``."""
         self.close("stopping")
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers:
+            if worker.thread.is_alive():
+                worker.thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(w.thread.is_alive() for w in self.workers)
 
     # ------------------------------------------------------------------ submitting
     def submit(self, fn: Callable[[], Any], kind: str = "task", label: str = "", reserved: bool = False,
-               batch: Batch | None = None) -> Job:
-        """Queue ``fn`` for the device. ``reserved`` jobs (the warm-up) skip the capacity check.
-        With ``batch``, the job may instead run in one call with queued jobs of the same key."""
-        job = Job(fn, kind, label, batch)
+               batch: Batch | None = None, pin: int | None = None, cancel: CancelToken | None = None,
+               on_start: Callable[[Job], None] | None = None) -> Job:
+        """Queue ``fn`` for a device. ``reserved`` jobs (the warm-up) skip the capacity check;
+        ``pin`` names the one worker that may run it; ``cancel`` is the token the job's run
+        checks (a new one by default). With ``batch``, the job may instead run in one call
+        with queued jobs of the same key."""
+        if pin is not None and not 0 <= pin < len(self.workers):
+            raise ValueError(f"pin must name a worker 0..{len(self.workers) - 1}, got {pin}")
+        job = Job(fn, kind, label, batch, pin, cancel or CancelToken(), on_start=on_start)
         with self._cond:
             if self._closed is not None:
                 self.stats.refused_closed += 1
                 raise Unavailable(f"the service is {self._closed}; not accepting new tasks", retry_after=self._retry_after_locked())
             if not reserved and len(self._queue) >= self.capacity:
                 self.stats.refused_full += 1
-                raise QueueFull(
-                    f"the device queue is full ({len(self._queue)} of {self.capacity} tasks waiting); retry later",
-                    retry_after=self._retry_after_locked(),
-                )
+                raise self._full_locked()
             self._queue.append(job)
             self.stats.accepted += 1
             self._cond.notify_all()
         return job
+
+    def _full_locked(self) -> QueueFull:
+        return QueueFull(
+            f"the device queue is full ({len(self._queue)} of {self.capacity} tasks waiting, REV88_QUEUE_SIZE); retry later",
+            retry_after=self._retry_after_locked(),
+        )
 
     def check_capacity(self) -> None:
         """Refuse early (before an upload is read) when the queue is already full."""
         with self._cond:
             if self._closed is None and len(self._queue) >= self.capacity:
                 self.stats.refused_full += 1
-                raise QueueFull(
-                    f"the device queue is full ({len(self._queue)} of {self.capacity} tasks waiting); retry later",
-                    retry_after=self._retry_after_locked(),
-                )
+                raise self._full_locked()
 
-    async def wait(self, job: Job, timeout_s: float | None) -> Any:
-        """The job's answer; on timeout expire it (unless it finished first) and answer that."""
+    async def wait(self, job: Job, timeout_s: float | None, gone: asyncio.Future | None = None) -> Any:
+        """The job's answer. On timeout, stop the job (unless it finished first) and answer
+        that. ``gone`` (an awaitable that completes when the client disconnects) stops the
+        job too; the answer is then an exception nobody reads."""
         fut = asyncio.wrap_future(job.future)
+        waiters = {fut}
+        gone_task = None if gone is None else asyncio.ensure_future(gone)
+        if gone_task is not None:
+            waiters.add(gone_task)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except TimeoutError:
+            done, _ = await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if fut in done:
+                return fut.result()
+            if gone_task is not None and gone_task in done:
+                self.withdraw(job, "disconnect", "its client disconnected")
+                return await fut
             self.expire(job, timeout_s or 0.0)
-            return await fut  # the result if the job won the race, else the TaskTimeout
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), STOP_WAIT_S)
+            except TimeoutError:
+                self.give_up(job, timeout_s or 0.0)
+                return await fut
+        finally:
+            if gone_task is not None and not gone_task.done():
+                gone_task.cancel()
 
     def expire(self, job: Job, timeout_s: float) -> None:
+        """Its time is up: a queued job never runs; a running one is told to stop."""
+        msg = f"task timed out after {timeout_s:g} s (REV88_TASK_TIMEOUT_S)"
+        self._stop_job(job, "timeout", msg, lambda: TaskTimeout(f"{msg} waiting for the device; it never ran",
+                                                               where="queued", stopped=False))
+        log.warning("task timed out", extra={"task_id": job.label, "where": job.state, "timeout_s": timeout_s})
+
+    def withdraw(self, job: Job, why: str, reason: str) -> bool:
+        """Its client is gone, or it was cancelled: a queued job never runs (answered
+        ``TaskStopped``); a running one is told to stop. False if it had already ended."""
+        return self._stop_job(job, why, f"task {reason}", lambda: TaskStopped(
+            f"task {reason} before it ran; it never ran", where="queued", stopped=False, reason=why))
+
+    def _stop_job(self, job: Job, why: str, message: str, queued_error: Callable[[], Exception]) -> bool:
+        with self._cond:
+            if job.future.done() or job.state in (DONE, EXPIRED, DROPPED, CANCELLED):
+                return False
+            if job.state == QUEUED:
+                self._queue.remove(job)
+                job.state = EXPIRED if why == "timeout" else DROPPED
+                if why == "timeout":
+                    self.stats.expired += 1
+                else:
+                    self.stats.dropped += 1
+                job.cancel.cancel(message)
+                job.future.set_exception(queued_error())
+                self._cond.notify_all()  # a gathering that waits on this job stops waiting
+                return True
+            if job.stop is None:  # RUNNING: ask the backend to stop at its next safe point
+                job.stop = (why, message)
+                job.cancel.cancel(message)
+            return True
+
+    def give_up(self, job: Job, timeout_s: float) -> None:
+        """A running job did not confirm its stop in time (e.g. a fused launch): answer now;
+        its result, when it comes, is discarded."""
         with self._cond:
             if job.future.done():
                 return
+            job.state = ABANDONED
+            self.stats.abandoned += 1
             now = time.monotonic()
-            if job.state == QUEUED:
-                self._queue.remove(job)
-                job.state = EXPIRED
-                self.stats.expired += 1
-                err = TaskTimeout(
-                    f"task timed out after {timeout_s:g} s waiting for the device; it never ran",
-                    where="queued",
-                )
-            else:  # RUNNING: the device cannot be interrupted
-                job.state = ABANDONED
-                self.stats.abandoned += 1
-                err = TaskTimeout(
-                    f"task timed out after {timeout_s:g} s ({now - (job.started or now):.1f} s of it on the "
-                    "device); it is still running and its result will be discarded",
-                    where="running",
-                )
-            job.future.set_exception(err)
-            self._cond.notify_all()  # a gathering that waits on this job stops waiting
-        log.warning("task timed out", extra={"task_id": job.label, "where": err.details["where"], "timeout_s": timeout_s})
+            job.future.set_exception(TaskTimeout(
+                f"task timed out after {timeout_s:g} s (REV88_TASK_TIMEOUT_S; {now - (job.started or now):.1f} s "
+                f"of it on {job.worker}); the backend could not stop it within {STOP_WAIT_S:g} s, so it is still "
+                "running and its result will be discarded",
+                where="running", stopped=False,
+            ))
+
+    def find(self, label: str) -> Job | None:
+        """The queued or running job with this label, if any."""
+        with self._lock:
+            for job in self._queue:
+                if job.label == label:
+                    return job
+            for worker in self.workers:
+                for job in worker.running:
+                    if job.label == label:
+                        return job
+        return None
 
     def abandon_all(self, reason: str) -> int:
-        """Drain deadline: answer every queued and running job with 503 now. Returns how many."""
+        """Drain deadline: answer every queued and running job with 503 now (running ones
+        are also told to stop). Returns how many."""
         n = 0
         with self._cond:
             while self._queue:
                 job = self._queue.popleft()
                 job.state = CANCELLED
                 self.stats.cancelled += 1
+                job.cancel.cancel(reason)
                 job.future.set_exception(Unavailable(f"{reason}; the task never ran", where="queued"))
                 n += 1
-            for job in self._running:
-                if job.future.done():
-                    continue
-                job.state = ABANDONED
-                self.stats.abandoned += 1
-                job.future.set_exception(
-                    Unavailable(f"{reason} while the task was running; its result is lost", where="running")
-                )
-                n += 1
+            for worker in self.workers:
+                for job in worker.running:
+                    if job.future.done():
+                        continue
+                    job.state = ABANDONED
+                    self.stats.abandoned += 1
+                    job.stop = job.stop or ("drain", reason)
+                    job.cancel.cancel(reason)
+                    job.future.set_exception(
+                        Unavailable(f"{reason} while the task was running; it was told to stop and its result is lost",
+                                    where="running")
+                    )
+                    n += 1
             self._cond.notify_all()
         return n
 
@@ -263,25 +406,29 @@ class DeviceExecutor:
 
     @property
     def busy(self) -> bool:
-        return bool(self._running)
+        return any(w.running for w in self.workers)
+
+    def busy_workers(self) -> int:
+        return sum(1 for w in self.workers if w.running)
 
     def in_flight(self) -> int:
-        """Jobs accepted and not yet finished on the device (queued + running)."""
+        """Jobs accepted and not yet finished on a device (queued + running)."""
         with self._lock:
-            return len(self._queue) + len(self._running)
+            return len(self._queue) + sum(len(w.running) for w in self.workers)
 
     def retry_after(self) -> int:
         with self._lock:
             return self._retry_after_locked()
 
     def _retry_after_locked(self) -> int:
-        ahead = len(self._queue) + len(self._running)
-        return int(min(600, max(1, math.ceil(self._mean_run_s * max(ahead, 1)))))
+        ahead = len(self._queue) + sum(len(w.running) for w in self.workers)
+        per_worker = max(ahead, 1) / len(self.workers)
+        return int(min(600, max(1, math.ceil(self._mean_run_s * per_worker))))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            group = list(self._running)
-            first = group[0] if group else None
+            groups = [w.running for w in self.workers if w.running]
+            first = groups[0][0] if groups else None
             return {
                 "depth": len(self._queue),
                 "capacity": self.capacity,
@@ -289,34 +436,27 @@ class DeviceExecutor:
                     "kind": first.kind,
                     "id": first.label,
                     "seconds": round(time.monotonic() - (first.started or time.monotonic()), 3),
-                    "answered": all(j.future.done() for j in group),
-                    "jobs": len(group),
+                    "answered": all(j.future.done() for j in groups[0]),
+                    "jobs": len(groups[0]),
+                    "device": first.worker,
                 },
-                "in_flight": len(self._queue) + len(group),
+                "running_jobs": sum(len(g) for g in groups),
+                "in_flight": len(self._queue) + sum(len(g) for g in groups),
                 "accepting": self._closed is None,
                 "mean_device_seconds": round(self._mean_run_s, 4),
                 "batch_max": self.batch_max,
                 "batch_wait_ms": round(self.batch_wait_s * 1000.0, 3),
+                "workers": [w.snapshot() for w in self.workers],
                 **dataclasses.asdict(self.stats),
             }
 
-    # ------------------------------------------------------------------ the thread
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue and not self._stop:
-                    self._cond.wait(self._idle_interval_s if self._idle_hook else None)
-                head = self._queue[0] if self._queue else None
-                if head is None and self._stop:
-                    return
-            if head is None:
-                self._idle()
-                continue
-            batched = head.batch is not None and self.batch_max > 1 and self._batch_ready(head.batch)
-            with self._cond:
-                group = self._gather(head) if batched else self._take([head])
-            if group:
-                self._run(group)
+    # ------------------------------------------------------------------ the workers' side
+    def _next_for(self, worker: Worker) -> Job | None:
+        """(Lock held.) The oldest queued job this worker may run."""
+        for job in self._queue:
+            if job.pin is None or job.pin == worker.index:
+                return job
+        return None
 
     def _batch_ready(self, batch: Batch) -> bool:
         try:
@@ -325,22 +465,24 @@ class DeviceExecutor:
             log.debug("batch not ready; running the job alone", exc_info=True)
             return False
 
-    def _gather(self, head: Job) -> list[Job]:
+    def _gather(self, worker: Worker, head: Job) -> list[Job]:
         """(Lock held.) Collect queued jobs of the head's key, waiting up to ``batch_wait_s``
-        after taking the head for more; then take them off the queue. [] if the head is gone."""
+        for more; then take them off the queue. [] if the head is gone (or another worker
+        took it)."""
         key = head.batch.key
         deadline = time.monotonic() + self.batch_wait_s
         while True:
-            if head.state != QUEUED:  # expired or cancelled while we waited: start over
+            if head.state != QUEUED:  # expired, withdrawn or taken while we waited: start over
                 return []
-            group = [j for j in self._queue if j.batch is not None and j.batch.key == key][: self.batch_max]
+            group = [j for j in self._queue if j.batch is not None and j.batch.key == key
+                     and j.pin in (None, worker.index)][: self.batch_max]
             left = deadline - time.monotonic()
             if len(group) >= self.batch_max or left <= 0 or self._closed is not None or self._stop:
-                return self._take(group)
+                return self._take(worker, group)
             self._cond.wait(left)
 
-    def _take(self, group: list[Job]) -> list[Job]:
-        """(Lock held.) Move still-queued jobs of ``group`` from the queue onto the device."""
+    def _take(self, worker: Worker, group: list[Job]) -> list[Job]:
+        """(Lock held.) Move still-queued jobs of ``group`` from the queue onto the worker."""
         group = [j for j in group if j.state == QUEUED]
         now = time.monotonic()
         for job in group:
@@ -348,21 +490,30 @@ class DeviceExecutor:
             job.state = RUNNING
             job.started = now
             job.launch_size = len(group)
-        self._running = group
+            job.worker = worker.device
+        worker.running = group
         if group:
             self.stats.launches += 1
             self.stats.largest_launch = max(self.stats.largest_launch, len(group))
             if len(group) > 1:
                 self.stats.batched += len(group)
+            self._cond.notify_all()  # another worker's gathering may have lost its head
         return group
 
-    def _run(self, group: list[Job]) -> None:
+    def _run(self, worker: Worker, group: list[Job]) -> None:
         if self._on_launch is not None:
             try:
                 self._on_launch(len(group))
             except Exception:  # a metrics hiccup must not lose the jobs
                 log.exception("launch hook failed")
+        for job in group:
+            if job.on_start is not None:
+                try:
+                    job.on_start(job)
+                except Exception:  # e.g. the ledger could not record "running": the run goes on
+                    log.exception("job start hook failed", extra={"task_id": job.label})
         outcomes: list[tuple[Any, BaseException | None]]
+        t0 = time.monotonic()
         if len(group) == 1:
             try:
                 outcomes = [(group[0].fn(), None)]
@@ -376,19 +527,28 @@ class DeviceExecutor:
                 outcomes = [(None, v) if isinstance(v, BaseException) else (v, None) for v in values]
             except BaseException as exc:  # noqa: BLE001 - the whole call failed: each job gets that answer
                 outcomes = [(None, exc)] * len(group)
-        self._finish(group, outcomes)
+                worker.failures += 1
+                log.error("device call failed for every job in it", extra={
+                    "device": worker.device, "jobs": len(group), "error": repr(exc)})
+        worker.busy_s += time.monotonic() - t0
+        worker.tasks += len(group)
+        worker.launches += 1
+        self._finish(worker, group, outcomes)
 
-    def _finish(self, group: list[Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
+    def _finish(self, worker: Worker, group: list[Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
         discarded: list[tuple[Job, BaseException | None]] = []
         with self._cond:
-            self._running = []
+            worker.running = []
             now = time.monotonic()
             started = group[0].started or now
             # Retry-After: device seconds per job (a batched call shares its time among its jobs)
             self._mean_run_s = 0.7 * self._mean_run_s + 0.3 * (now - started) / len(group)
             for job, (value, error) in zip(group, outcomes):
                 job.finished = now
-                if job.future.done():  # answered already (timeout or drain deadline)
+                was_stopped = isinstance(error, TaskCancelled)
+                if was_stopped:
+                    self.stats.stopped += 1
+                if job.future.done():  # answered already (drain deadline, or gave up waiting)
                     self.stats.abandoned_finished += 1
                     discarded.append((job, error))
                     continue
@@ -396,21 +556,35 @@ class DeviceExecutor:
                 if error is None:
                     self.stats.completed += 1
                     job.future.set_result(value)
-                else:
-                    self.stats.failed += 1
-                    job.future.set_exception(error)
+                    continue
+                self.stats.failed += 1
+                if was_stopped and job.stop is not None:
+                    error = self._stopped_error(job, error)
+                job.future.set_exception(error)
             self._cond.notify_all()
         for job, error in discarded:
             log.warning(
                 "task finished after it was answered; result discarded",
                 extra={"task_id": job.label, "device_s": round(job.device_s or 0.0, 3),
+                       "stopped": isinstance(error, TaskCancelled),
                        "error": None if error is None else repr(error)},
             )
+
+    @staticmethod
+    def _stopped_error(job: Job, error: TaskCancelled) -> Exception:
+        why, message = job.stop
+        where = f"{error}" if str(error) else "at its next safe point"
+        held = f"{(job.finished or 0.0) - (job.started or 0.0):.2f} s on {job.worker}"
+        if why == "timeout":
+            return TaskTimeout(f"{message}; it was stopped on the device ({where}) after {held}",
+                               where="running", stopped=True)
+        return TaskStopped(f"{message}; it was stopped on the device ({where}) after {held}",
+                           where="running", stopped=True, reason=why)
 
     def _idle(self) -> None:
         if self._idle_hook is None:
             return
         try:
             self._idle_hook()
-        except Exception:  # an idle sample must never stop the device thread
+        except Exception:  # an idle sample must never stop a worker
             log.exception("idle hook failed")

@@ -45,6 +45,7 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
                 "per_request": service.energy.meter is not None,
                 "reason": service.energy.reason if service.energy.meter is None else None,
                 "idle_baseline_w": service.energy.idle.median_w() if service.energy.meter is not None else None,
+                "meters": sorted(service.energy.meters),
             },
             "learner": service.learner_state(),
             "queue": service.executor.snapshot(),
@@ -52,11 +53,16 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
             "started_at": datetime.datetime.fromtimestamp(service.started_at, datetime.UTC).isoformat(
                 timespec="seconds"
             ),
+            "workers": service.plan.as_dict(),
             "limits": {
-                "queue_size": service.settings.queue_size,
+                "queue_size": service.queue_size,
                 "max_body_bytes": service.settings.max_body_bytes,
                 "task_timeout_s": service.settings.task_timeout_s,
                 "drain_timeout_s": service.settings.drain_timeout_s,
+                "max_task_work": service.settings.max_task_work,
+                "max_task_bytes": service.settings.max_task_bytes,
+                "batch_max": service.batch_max,
+                "workers": len(service.plan.devices),
             },
             "auth": service.settings.auth_enabled,
             "versions": service.versions(),

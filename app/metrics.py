@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 OUTCOMES = (
     "ok", "bad_archive", "too_large", "unsupported_media_type", "invalid", "diverged",
-    "queue_full", "unavailable", "timeout", "error",
+    "queue_full", "unavailable", "timeout", "stopped", "over_budget", "error",
 )
 ROUTES = ("/tasks", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "other")
 LAUNCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -73,6 +73,35 @@ class GpuCollector:
             yield c
 
 
+class WorkerCollector:
+    """Per-worker state and the executor's stop counters, read at scrape time."""
+
+    def __init__(self, executor) -> None:
+        self._executor = executor
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        snap = self._executor.snapshot()
+        busy = GaugeMetricFamily("rev88_worker_busy", "1 while the worker's device runs a job", labels=["device"])
+        tasks = CounterMetricFamily("rev88_worker_tasks", "Jobs run by the worker", labels=["device"])
+        seconds = CounterMetricFamily("rev88_worker_busy_seconds", "Seconds the worker's device spent in jobs",
+                                      labels=["device"])
+        for w in snap["workers"]:
+            busy.add_metric([w["device"]], 1.0 if w["busy"] else 0.0)
+            tasks.add_metric([w["device"]], float(w["tasks"]))
+            seconds.add_metric([w["device"]], float(w["busy_seconds"]))
+        yield busy
+        yield tasks
+        yield seconds
+        stops = CounterMetricFamily("rev88_tasks_stopped", "Tasks stopped before they finished, by where",
+                                    labels=["where"])
+        stops.add_metric(["running"], float(snap["stopped"]))  # stopped on the device
+        stops.add_metric(["queued"], float(snap["dropped"] + snap["expired"]))  # never ran
+        yield stops
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -100,7 +129,7 @@ class Metrics:
         )
         self.queue_depth = Gauge("rev88_queue_depth", "Tasks waiting for the device", registry=r)
         self.in_flight = Gauge("rev88_tasks_in_flight", "Tasks accepted and not yet off the device", registry=r)
-        self.device_busy = Gauge("rev88_device_busy", "1 while a job holds the device", registry=r)
+        self.device_busy = Gauge("rev88_device_busy", "Workers whose device runs a job now", registry=r)
         self.ready = Gauge("rev88_ready", "1 when the service is ready for tasks", registry=r)
         self.task_energy: Counter | None = None
 
@@ -111,6 +140,9 @@ class Metrics:
         self.in_flight.set_function(in_flight)
         self.device_busy.set_function(busy)
         self.ready.set_function(ready)
+
+    def watch_workers(self, executor) -> None:
+        self.registry.register(WorkerCollector(executor))
 
     def enable_gpu(self, telemetry: Callable[[], tuple[dict | None, str | None]]) -> None:
         self.registry.register(GpuCollector(telemetry))

@@ -31,9 +31,10 @@ from learner.result import run_task, versions
 from learner.taskio import TaskArrays, validate_task
 from learner.validate import cached_validation
 
-from .executor import Batch, DeviceExecutor
+from .devices import GPU_BACKENDS, PlanError, engine_device, plan
+from .executor import Batch, DeviceExecutor, current_worker
 from .metrics import Metrics
-from .settings import Settings
+from .settings import Settings, SettingsError
 from .tasks import Engines, check_backend, has_run_many, launch_key, run_many_on_device
 
 log = logging.getLogger("rev88.app.service")
@@ -63,35 +64,70 @@ def _describe(engine) -> dict:
 
 
 class Energy:
-    """The GPU meter (learner.energy) or why there is none; the idle power baseline."""
+    """The GPU meters (learner.energy), one per worker's GPU, or why there are none; the idle
+    power baseline of each."""
 
     def __init__(self) -> None:
-        self.meter: Any = None
+        self.meters: dict[str, Any] = {}  # "cuda:0" -> meter
+        self.idles: dict[str, Any] = {}
         self.reason: str | None = "the energy meter has not been opened yet"
-        self.idle: Any = None
         self.request_energy: Any = None
         self.gpu_telemetry: Any = None
+        self._idle_baseline: Any = None
 
-    def open(self) -> None:
+    @property
+    def meter(self) -> Any:
+        """The first GPU's meter (None without one)."""
+        return next(iter(self.meters.values()), None)
+
+    @property
+    def idle(self) -> Any:
+        """The first GPU's idle baseline (one exists even without a meter)."""
+        return next(iter(self.idles.values()), None) or self._idle_baseline
+
+    def open(self, devices: list[str] | None = None) -> None:
         try:
             from learner import energy
         except ImportError as exc:  # a checkout without the energy module
             self.reason = f"learner.energy is unavailable: {exc}"
             return
-        self.idle = energy.IdleBaseline()
         self.request_energy = energy.request_energy
         self.gpu_telemetry = energy.gpu_telemetry
-        self.meter, self.reason = energy.open_meter(None)
+        self._idle_baseline = energy.IdleBaseline()
+        gpus = [d for d in devices or [] if d.startswith("cuda")]
+        if not gpus:
+            _meter, self.reason = energy.open_meter(None)
+            if _meter is not None:  # a GPU exists but the workers are CPU ones: no per-task GPU energy
+                self.reason = "the service's workers run on the CPU; GPU energy is measured for GPU backends only"
+            return
+        reasons = []
+        for device in gpus:
+            index = int(device.split(":", 1)[1])
+            meter, reason = energy.open_meter(index)
+            if meter is None:
+                reasons.append(f"{device}: {reason}")
+                continue
+            self.meters[device] = meter
+            self.idles[device] = energy.IdleBaseline()
+        self.reason = "; ".join(reasons) or None
+
+    def _device(self, engine) -> str:
+        device = str(engine.device)
+        return "cuda:0" if device == "cuda" else device
 
     def meter_for(self, engine) -> tuple[Any, str | None]:
         if not str(engine.device).startswith("cuda"):
             return None, (
                 f"backend {engine.name!r} runs on the CPU; the GPU energy counter (NVML) measures GPUs only"
-                + (f" (and here: {self.reason})" if self.meter is None and self.reason else "")
+                + (f" (and here: {self.reason})" if not self.meters and self.reason else "")
             )
-        if self.meter is None:
-            return None, self.reason
-        return self.meter, None
+        meter = self.meters.get(self._device(engine))
+        if meter is None:
+            return None, self.reason or f"no energy meter for {engine.device}"
+        return meter, None
+
+    def idle_for(self, engine) -> Any:
+        return self.idles.get(self._device(engine)) or self.idle
 
     def telemetry(self) -> tuple[dict | None, str | None]:
         if self.gpu_telemetry is None:
@@ -99,8 +135,12 @@ class Energy:
         return self.gpu_telemetry()
 
     def sample_idle(self) -> None:
-        if self.meter is not None:
-            self.idle.sample(self.meter)
+        """On a worker: sample the idle power of that worker's GPU."""
+        worker = current_worker()
+        device = worker.device if worker is not None else next(iter(self.meters), None)
+        meter = self.meters.get(device)
+        if meter is not None:
+            self.idles[device].sample(meter)
 
 
 class Service:
@@ -113,27 +153,36 @@ class Service:
         self.settings = settings
         self.engines: Engines = engines or get_backend
         self.backend = check_backend(settings.backend)  # "cuda" without a GPU stops startup here
+        try:
+            self.plan = plan(self.backend, settings.workers, settings.queue_size, settings.batch_max)
+        except PlanError as exc:
+            raise SettingsError(str(exc)) from None
+        self.queue_size = self.plan.queue_size
+        self.batch_max = self.plan.batch_max
         self.started_at = time.time()
         self._t0 = time.monotonic()
         self.state = "starting"  # starting | ready | failed
         self.failure: str | None = None
-        self.warmup: dict[str, Any] | None = None
+        self.warmup: dict[str, Any] | None = None  # the first worker's warm-up
+        self.warmups: list[dict[str, Any]] = []
+        self._warmups_left = 0
         self.validation: dict | None = None
         self.draining = False
         self.drain_reason: str | None = None
         self.energy = Energy()
         self.metrics = Metrics()
         self.executor = DeviceExecutor(
-            settings.queue_size, idle_hook=self.energy.sample_idle, idle_interval_s=IDLE_SAMPLE_INTERVAL_S,
-            batch_max=settings.batch_max, batch_wait_s=settings.batch_wait_ms / 1000.0,
-            on_launch=self.metrics.launch_tasks.observe,
+            self.queue_size, idle_hook=self.energy.sample_idle, idle_interval_s=IDLE_SAMPLE_INTERVAL_S,
+            batch_max=self.batch_max, batch_wait_s=settings.batch_wait_ms / 1000.0,
+            on_launch=self.metrics.launch_tasks.observe, devices=self.plan.devices,
         )
         self.metrics.bind(
             depth=lambda: self.executor.depth,
             in_flight=self.executor.in_flight,
-            busy=lambda: 1 if self.executor.busy else 0,
+            busy=self.executor.busy_workers,
             ready=lambda: 1 if self.ready else 0,
         )
+        self.metrics.watch_workers(self.executor)
         self._uploads = 0  # requests past admission, reading or parsing their body
         self._uploads_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -182,24 +231,29 @@ class Service:
     def versions(self) -> dict[str, Any]:
         return versions()
 
-    def task_batch(self, task: TaskArrays, config: Config, backend: str) -> Batch | None:
+    def engine(self, backend: str):
+        """The backend object for ``backend`` on the calling worker's device."""
+        worker = current_worker()
+        return self.engines(backend, engine_device(backend, worker.device if worker else "cpu:0"))
+
+    def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
         """How a task job may share a launch with queued tasks of its launch key
         (None when REV88_BATCH_MAX is 1). Whether it does is decided on the device
         thread: only when the backend object has ``run_many``."""
-        if self.settings.batch_max <= 1:
+        if self.batch_max <= 1:
             return None
         return Batch(
             key=launch_key(task, config, backend),
-            item=(task, config),
+            item=(task, config, cancel),
             run=lambda items: run_many_on_device(items, backend, self.energy, self.engines),
-            ready=lambda: has_run_many(self.engines(backend)),
+            ready=lambda: has_run_many(self.engine(backend)),
         )
 
     # ------------------------------------------------------------------ admission of uploads
     def admit_upload(self) -> bool:
         """At most queue_size + 1 requests read/parse bodies at once (bounds memory)."""
         with self._uploads_lock:
-            if self._uploads > self.settings.queue_size:
+            if self._uploads > self.queue_size:
                 return False
             self._uploads += 1
             return True
@@ -214,17 +268,25 @@ class Service:
         if self.settings.threads:
             import torch
 
+            # Not changed otherwise, not even for several CPU workers: the cpu backend's scores
+            # (torch reductions) depend on torch's thread count, and must equal `rev88 run`'s.
             torch.set_num_threads(self.settings.threads)
-        await asyncio.to_thread(self.energy.open)
+        await asyncio.to_thread(self.energy.open, self.plan.devices)
         if self.energy.meter is not None and self.energy.gpu_telemetry is not None:
             self.metrics.enable_gpu(self.energy.gpu_telemetry)
         self.executor.start()
-        job = self.executor.submit(self._warm_up, kind="warmup", label="warm-up", reserved=True)
-        job.future.add_done_callback(self._warmed_up)
+        # Each GPU worker warms its own device (its graphs, its compiled kernel); CPU workers
+        # share one set of backend objects, so one warm-up serves them all.
+        warm = range(len(self.plan.devices)) if self.backend in GPU_BACKENDS else range(1)
+        self._warmups_left = len(warm)
+        for i in warm:
+            job = self.executor.submit(self._warm_up, kind="warmup", label=f"warm-up {self.plan.devices[i]}",
+                                       reserved=True, pin=i)
+            job.future.add_done_callback(self._warmed_up)
         self._hook_signals()
         log.info(
             "service starting",
-            extra={"backend": self.backend, "queue_size": self.settings.queue_size,
+            extra={"backend": self.backend, "queue_size": self.queue_size, "workers": self.plan.devices,
                    "auth": self.settings.auth_enabled, "energy": self.energy.meter is not None,
                    "energy_reason": self.energy.reason},
         )
@@ -237,10 +299,12 @@ class Service:
             failed = [f"{c['dtype']} depth {c['depth']}" for c in validation.get("checks", []) if not c.get("passed")]
             raise RuntimeError(f"learner validation failed: {', '.join(failed) or 'see /health'}")
         t1 = time.perf_counter()
-        result = run_task(warmup_task(), Config(), self.engines(self.backend))
+        engine = self.engine(self.backend)
+        result = run_task(warmup_task(), Config(), engine)
         t2 = time.perf_counter()
         return {
             "backend": self.backend,
+            "device": engine.device,
             "validation_ms": round((t1 - t0) * 1000, 3),
             "task_ms": round((t2 - t1) * 1000, 3),
             "train_count": 16,
@@ -250,14 +314,21 @@ class Service:
 
     def _warmed_up(self, future) -> None:
         try:
-            self.warmup = future.result()
+            result = future.result()
         except Exception as exc:  # validation or the backend failed: never ready
             self.state = "failed"
             self.failure = f"{type(exc).__name__}: {exc}"
             log.error("warm-up failed; the service will not become ready", extra={"failure": self.failure})
             return
-        self.state = "ready"
-        log.info("ready", extra={"warmup": self.warmup})
+        with self._uploads_lock:
+            self.warmups.append(result)
+            self._warmups_left -= 1
+            done = self._warmups_left == 0
+        if self.warmup is None:
+            self.warmup = result
+        if done and self.state != "failed":
+            self.state = "ready"
+            log.info("ready", extra={"warmup": self.warmups, "workers": self.plan.devices})
 
     def _hook_signals(self) -> None:
         """Chain SIGTERM/SIGINT: mark draining, then let uvicorn's own handler stop the server."""

@@ -3,7 +3,10 @@
     REV88_HOST              bind address                           127.0.0.1
     REV88_PORT              bind port                              8000
     REV88_BACKEND           auto | cpu | cuda | fused | cpu-fast   auto
-    REV88_QUEUE_SIZE        tasks that may wait for the device     8
+    REV88_WORKERS           device workers                         one per usable core (CPU backends)
+                                                                   or per visible GPU (cuda, fused)
+    REV88_QUEUE_SIZE        tasks that may wait for a device       CPU: max(8, 4 x workers);
+                                                                   GPU: 2 x batch_max x workers
     REV88_MAX_BODY_BYTES    largest accepted request body          67108864 (64 MiB)
     REV88_TASK_TIMEOUT_S    queue wait + run, per task             300
     REV88_DRAIN_TIMEOUT_S   SIGTERM: time to finish accepted work  30
@@ -11,11 +14,13 @@
                             health probes
     REV88_LOG_LEVEL         debug | info | warning | error         info
     REV88_THREADS           torch/BLAS threads                     (unset: library default)
-    REV88_BATCH_MAX         most tasks in one batched launch       32
+    REV88_BATCH_MAX         most tasks in one batched launch       GPU: the SM count; CPU: 1
                             (backends with run_many: fused);
                             1 turns batching off
     REV88_BATCH_WAIT_MS     how long a launch waits for more       5
                             tasks of its shape and config
+    REV88_MAX_TASK_WORK     a task's estimated work limit          50,000,000 (learner.budget)
+    REV88_MAX_TASK_BYTES    a task's estimated memory limit        1 GiB (learner.budget)
 
 A bad value stops the service at startup with a message naming the variable.
 """
@@ -26,6 +31,8 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
+
+from learner.budget import BYTES_ENV, DEFAULT_MAX_TASK_BYTES, DEFAULT_MAX_TASK_WORK, WORK_ENV
 
 from learner.backends import NAMES
 
@@ -43,22 +50,25 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "auto"
-    queue_size: int = 8
+    queue_size: int | None = None  # None: derived from the workers (app/devices.py)
     max_body_bytes: int = 64 * 1024 * 1024
     task_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     api_key: str | None = dataclasses.field(default=None, repr=False)
     log_level: str = "info"
     threads: int | None = None
-    batch_max: int = 32
+    batch_max: int | None = None  # None: derived from the device (app/devices.py)
     batch_wait_ms: float = 5.0
+    workers: int | None = None  # None: one per usable core / visible GPU
+    max_task_work: int = DEFAULT_MAX_TASK_WORK
+    max_task_bytes: int = DEFAULT_MAX_TASK_BYTES
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise SettingsError(f"REV88_BACKEND must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"REV88_PORT must be in 1..65535, got {self.port}")
-        if self.queue_size < 1:
+        if self.queue_size is not None and self.queue_size < 1:
             raise SettingsError(f"REV88_QUEUE_SIZE must be >= 1, got {self.queue_size}")
         if self.max_body_bytes < 1:
             raise SettingsError(f"REV88_MAX_BODY_BYTES must be >= 1, got {self.max_body_bytes}")
@@ -71,7 +81,13 @@ class Settings:
             raise SettingsError(f"REV88_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.threads is not None and self.threads < 1:
             raise SettingsError(f"REV88_THREADS must be >= 1, got {self.threads}")
-        if self.batch_max < 1:
+        if self.workers is not None and self.workers < 1:
+            raise SettingsError(f"REV88_WORKERS must be >= 1, got {self.workers}")
+        if self.max_task_work < 1:
+            raise SettingsError(f"{WORK_ENV} must be >= 1, got {self.max_task_work}")
+        if self.max_task_bytes < 1:
+            raise SettingsError(f"{BYTES_ENV} must be >= 1, got {self.max_task_bytes}")
+        if self.batch_max is not None and self.batch_max < 1:
             raise SettingsError(f"REV88_BATCH_MAX must be >= 1 (1 turns batching off), got {self.batch_max}")
         if not (math.isfinite(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS):
             raise SettingsError(
@@ -114,13 +130,16 @@ class Settings:
             host=text("REV88_HOST", defaults.host),
             port=integer("REV88_PORT", defaults.port),
             backend=text("REV88_BACKEND", defaults.backend).lower(),
-            queue_size=integer("REV88_QUEUE_SIZE", defaults.queue_size),
+            queue_size=integer("REV88_QUEUE_SIZE", None),
             max_body_bytes=integer("REV88_MAX_BODY_BYTES", defaults.max_body_bytes),
             task_timeout_s=number("REV88_TASK_TIMEOUT_S", defaults.task_timeout_s),
             drain_timeout_s=number("REV88_DRAIN_TIMEOUT_S", defaults.drain_timeout_s),
             api_key=api_key,
             log_level=text("REV88_LOG_LEVEL", defaults.log_level).lower(),
             threads=integer("REV88_THREADS", None),
-            batch_max=integer("REV88_BATCH_MAX", defaults.batch_max),
+            batch_max=integer("REV88_BATCH_MAX", None),
             batch_wait_ms=number("REV88_BATCH_WAIT_MS", defaults.batch_wait_ms, "milliseconds"),
+            workers=integer("REV88_WORKERS", None),
+            max_task_work=integer(WORK_ENV, defaults.max_task_work),
+            max_task_bytes=integer(BYTES_ENV, defaults.max_task_bytes),
         )

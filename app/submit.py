@@ -12,9 +12,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from learner.budget import check_budget, estimate
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from learner.cancel import CancelToken
 from learner.taskio import load_task
 
 from . import uploads
@@ -41,6 +43,16 @@ log = logging.getLogger("rev88.app.tasks")
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once the client has disconnected. The body has been read by now, so the only
+    message left for the app to receive is the disconnect (uvicorn sends it when the
+    connection closes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _gate(service: Service) -> None:
@@ -70,7 +82,7 @@ async def _handle(request: Request, service: Service) -> Response:
     service.executor.check_capacity()
     if not service.admit_upload():
         raise QueueFull(
-            f"too many uploads in progress (limit {service.settings.queue_size + 1}); retry later",
+            f"too many uploads in progress (limit {service.queue_size + 1}: REV88_QUEUE_SIZE + 1); retry later",
             retry_after=service.executor.retry_after(),
         )
     try:
@@ -88,16 +100,20 @@ async def _handle(request: Request, service: Service) -> Response:
         service.release_upload()
     service.metrics.parse_seconds.observe(parse_s)
     _gate(service)  # a drain may have begun while the body streamed in
+    # The budget, before the task is queued: its estimated work and memory (learner.budget).
+    check_budget(estimate(task.train_count, task.test_count, config),
+                 service.settings.max_task_work, service.settings.max_task_bytes)
 
     task_id = uuid.uuid4().hex
     if options.measure is not None:
         return await _measure(request, service, task, config, options, task_id, request_id, t0, t_recv, t_parse, parse_s)
 
+    token = CancelToken()
     job = service.executor.submit(
-        lambda: run_on_device(task, config, options.backend, service.energy, service.engines),
-        kind="task", label=task_id, batch=service.task_batch(task, config, options.backend),
+        lambda: run_on_device(task, config, options.backend, service.energy, service.engines, cancel=token),
+        kind="task", label=task_id, batch=service.task_batch(task, config, options.backend, token), cancel=token,
     )
-    outcome: DeviceOutcome = await service.executor.wait(job, service.settings.task_timeout_s)
+    outcome: DeviceOutcome = await service.executor.wait(job, service.settings.task_timeout_s, client_gone(request))
     run_ms, clock = run_timing(outcome.result)
     service.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
     service.metrics.run_seconds.observe(run_ms / 1000.0)
@@ -142,7 +158,7 @@ async def _measure(request, service, task, config, options: TaskOptions, task_id
         kind="measure", label=task_id,
     )
     timeout = measure_timeout_s(arguments, service.settings.task_timeout_s)
-    doc = await service.executor.wait(job, timeout)
+    doc = await service.executor.wait(job, timeout, client_gone(request))
     service.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
     timing = {
         "receive_ms": _ms(t_parse - t_recv),

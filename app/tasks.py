@@ -25,10 +25,13 @@ import numpy as np
 import torch
 
 from learner.backends import Backend, BackendUnavailable, Prepared, RunOutput, get_backend, resolve
+from learner.cancel import CancelToken
 from learner.config import Config, coerce_config_strings, make_config
 from learner.errors import (
     ArchiveError,
     ArchiveTooLargeError,
+    BudgetExceeded,
+    TaskCancelled,
     TaskError,
     TrainingDivergedError,
 )
@@ -37,9 +40,11 @@ from learner.taskio import TaskArrays
 from learner.train import prepare
 from learner.validate import cached_validation
 
+from .devices import engine_device
 from .errors import InvalidRequest, ServiceError
+from .executor import current_worker
 
-Engines = Callable[[str], Backend]  # backend name -> backend object (learner.backends.get_backend)
+Engines = Callable[[str, str], Backend]  # (backend name, device) -> backend object (learner.backends.get_backend)
 
 SERVICE_PARAMS = ("backend", "include", "measure")
 MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
@@ -187,23 +192,32 @@ class DeviceOutcome:
     energy_reason: str | None
 
 
-def run_on_device(task, config: Config, backend: str, energy: Any, engines: Engines = get_backend) -> DeviceOutcome:
-    """The executor's job for one task: the learner's run, metered where a GPU meter exists."""
-    engine = engines(backend)
+def worker_engine(backend: str, engines: Engines = get_backend) -> Backend:
+    """On a worker: the backend object for ``backend`` on that worker's device."""
+    worker = current_worker()
+    return engines(backend, engine_device(backend, worker.device if worker is not None else "cpu:0"))
+
+
+def run_on_device(task, config: Config, backend: str, energy: Any, engines: Engines = get_backend,
+                  cancel: CancelToken | None = None) -> DeviceOutcome:
+    """The executor's job for one task: the learner's run, metered where a GPU meter exists,
+    stopped at the backend's next safe point once ``cancel`` is set."""
+    engine = worker_engine(backend, engines)
     meter, reason = energy.meter_for(engine)
     if meter is None:
-        return DeviceOutcome(run_task(task, config, engine), None, reason)
-    metered = MeteredBackend(engine, meter, energy.idle, energy.request_energy)
-    result = run_task(task, config, metered)
+        return DeviceOutcome(run_task(task, config, engine, cancel=cancel), None, reason)
+    metered = MeteredBackend(engine, meter, energy.idle_for(engine), energy.request_energy)
+    result = run_task(task, config, metered, cancel=cancel)
     return DeviceOutcome(result, metered.energy, None)
 
 
 def measure_on_device(task, config: Config, backend: str, arguments: dict[str, Any], energy: Any,
                       engines: Engines = get_backend) -> dict:
-    """The executor's job for ?measure=energy: learner.measure's protocol, device held throughout."""
+    """The executor's job for ?measure=energy: learner.measure's protocol, device held throughout
+    (it is not stopped by a timeout or a disconnect once it runs; a queued one is dropped)."""
     from learner.measure import measure_task
 
-    engine = engines(backend)
+    engine = worker_engine(backend, engines)
     meter, _ = energy.meter_for(engine)
     return measure_task(task, config, engine, meter=meter, **arguments)
 
@@ -250,19 +264,27 @@ def share_energy(reading: dict, tasks: int) -> dict:
 
 
 def run_many_on_device(
-    items: list[tuple[TaskArrays, Config]], backend: str, energy: Any, engines: Engines = get_backend
+    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend
 ) -> list[DeviceOutcome | BaseException]:
     """The executor's call for gathered tasks of one launch key: one ``run_many`` launch,
-    metered as a whole where a GPU meter exists; one outcome per item, in order.
+    metered as a whole where a GPU meter exists; one outcome per item, in order. An item is
+    ``(task, config)`` or ``(task, config, cancel_token)``.
 
     A task whose preparation or result fails (say, its training diverged) is answered
     with its own error; the others are unaffected. An error of the launch itself is
-    raised, and the executor answers every task of the launch with it."""
-    engine = engines(backend)
+    raised, and the executor answers every task of the launch with it. A launch cannot be
+    interrupted: a task cancelled before it starts is left out of it; one cancelled while it
+    runs has its result discarded (TaskCancelled)."""
+    engine = worker_engine(backend, engines)
     cached_validation()  # as run_task: computed once per process, before the first run
     outcomes: list[DeviceOutcome | BaseException | None] = [None] * len(items)
     slots, tasks, prepareds, host_prep = [], [], [], []
-    for i, (task, config) in enumerate(items):
+    for i, item in enumerate(items):
+        task, config = item[0], item[1]
+        cancel = item[2] if len(item) > 2 else None
+        if cancel is not None and cancel.cancelled:
+            outcomes[i] = TaskCancelled(cancel.reason or "cancelled", 0, 0, config.epochs)
+            continue
         t0 = time.perf_counter()
         try:
             prepared = prepare(task, config)
@@ -280,13 +302,18 @@ def run_many_on_device(
     if meter is None:
         outs = engine.run_many(tasks, prepareds)
     else:
-        outs, reading = energy.request_energy(meter, lambda: engine.run_many(tasks, prepareds), energy.idle)
+        outs, reading = energy.request_energy(meter, lambda: engine.run_many(tasks, prepareds), energy.idle_for(engine))
     if len(outs) != len(tasks):
         raise RuntimeError(f"backend {engine.name!r} returned {len(outs)} outputs for a launch of {len(tasks)} tasks")
     share = None if reading is None else share_energy(reading, len(tasks))
     for k, i in enumerate(slots):
+        config = items[i][1]
+        cancel = items[i][2] if len(items[i]) > 2 else None
+        if cancel is not None and cancel.cancelled:  # stopped while the launch ran: discard its result
+            outcomes[i] = TaskCancelled(cancel.reason or "cancelled", config.epochs, 0, config.epochs)
+            continue
         try:
-            result = finish_task(tasks[k], items[i][1], engine, prepareds[k], outs[k], host_prep[k],
+            result = finish_task(tasks[k], config, engine, prepareds[k], outs[k], host_prep[k],
                                  tasks_in_launch=len(tasks))
         except Exception as exc:  # noqa: BLE001 - e.g. TrainingDivergedError: this task's answer
             outcomes[i] = exc
@@ -347,6 +374,8 @@ def outcome_of(exc: BaseException) -> str:
         return "bad_archive"
     if isinstance(exc, TrainingDivergedError):
         return "diverged"
+    if isinstance(exc, BudgetExceeded):
+        return "over_budget"
     if isinstance(exc, (TaskError, BackendUnavailable)):
         return "invalid"
     return "error"

@@ -35,12 +35,20 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(tmp_path: Path, env: dict[str, str] | None = None, ready: bool = True, timeout: float = 120):
-    """Start ``rev88 serve``'s app under uvicorn; wait for live (and ready); stop it after."""
+def running_server(tmp_path: Path, env: dict[str, str] | None = None, ready: bool = True, timeout: float = 120,
+                   gate: Path | None = None):
+    """Start ``rev88 serve``'s app under uvicorn; wait for live (and ready); stop it after.
+
+    With ``gate`` (a file path), every backend run waits while that file exists
+    (``tests.gates.FileGate``; the server is ``tests.gates:create_app``)."""
     port = free_port()
     log = tmp_path / f"server-{port}.log"
     child_env = {**os.environ, "REV88_HOST": "127.0.0.1", "REV88_PORT": str(port), **(env or {})}
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app",
+    factory = "app.main:create_app"
+    if gate is not None:
+        child_env["REV88_TEST_GATE_FILE"] = str(gate)
+        factory = "tests.gates:create_app"
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", factory,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=fh, stderr=subprocess.STDOUT)
@@ -122,6 +130,9 @@ def inprocess_server(app, ready: bool = True, timeout: float = 120):
         path = "/v2/health/ready" if ready else "/v2/health/live"
 
         def up():
+            service = getattr(app.state, "service", None)
+            if service is not None and service.state == "failed":
+                raise RuntimeError(f"in-process server failed its start-up: {service.failure}")
             try:
                 return httpx.get(url + path, timeout=2).status_code == 200
             except httpx.HTTPError:

@@ -98,8 +98,9 @@ def recorder():
 
 def make_service(recorder, **settings) -> Service:
     """A Service (not started: no warm-up, no signals) whose executor thread runs; its engines
-    are the recorder for 'cpu'."""
-    service = Service(Settings(backend="cpu", **settings), engines=lambda name: recorder if name == "cpu" else get_backend(name))
+    are the recorder for 'cpu'. One worker unless the test asks for more: the gathering is per worker."""
+    settings.setdefault("workers", 1)
+    service = Service(Settings(backend="cpu", **settings), engines=lambda name, device=None: recorder if name == "cpu" else get_backend(name, device))
     service.executor.start()
     return service
 
@@ -200,7 +201,7 @@ def test_batch_max_1_turns_batching_off(recorder):
 
 
 def test_a_backend_without_run_many_runs_tasks_one_by_one():
-    service = Service(Settings(backend="cpu", batch_max=8, queue_size=16), engines=lambda name: CpuBackend())
+    service = Service(Settings(backend="cpu", batch_max=8, queue_size=16, workers=1), engines=lambda name, device=None: CpuBackend())
     service.executor.start()
     try:
         gate = threading.Event()
@@ -392,7 +393,7 @@ from learner.result import run_task
 from tests.conftest import small_task
 
 fused = FusedBackend("cpu")  # triton's interpreter: TRITON_INTERPRET=1 in this process only
-service = Service(Settings(backend="cpu", batch_max=4, batch_wait_ms=0), engines=lambda name: fused)
+service = Service(Settings(backend="cpu", batch_max=4, batch_wait_ms=0, workers=1), engines=lambda name, device=None: fused)
 ex = service.executor
 ex.start()
 gate = threading.Event()
@@ -461,7 +462,7 @@ def test_a_launch_reading_is_divided_equally_by_task_count():
 
 
 def test_batch_settings_are_read_and_checked():
-    assert (Settings().batch_max, Settings().batch_wait_ms) == (32, 5.0)
+    assert (Settings().batch_max, Settings().batch_wait_ms) == (None, 5.0)  # None: derived (app/devices.py)
     s = Settings.from_env({"REV88_BATCH_MAX": "1", "REV88_BATCH_WAIT_MS": "0"})
     assert (s.batch_max, s.batch_wait_ms) == (1, 0.0)
     for env, words in (
@@ -492,8 +493,8 @@ def test_fused_without_a_gpu_stops_the_service_at_startup():
 
 
 def test_concurrent_requests_are_answered_from_shared_launches_over_http(recorder):
-    settings = Settings(backend="cpu", batch_max=4, batch_wait_ms=50, queue_size=16)
-    app = create_app(settings, engines=lambda name: recorder if name == "cpu" else get_backend(name))
+    settings = Settings(backend="cpu", batch_max=4, batch_wait_ms=50, queue_size=16, workers=1)
+    app = create_app(settings, engines=lambda name, device=None: recorder if name == "cpu" else get_backend(name, device))
     n = 6
     tasks = [small_task(60, 11, seed=50 + i) for i in range(n)]
     bodies = [task_to_npz_bytes(t) for t in tasks]

@@ -20,6 +20,7 @@ from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
 from .conftest import small_task
+from .gates import FileGate
 from .server import post_task, running_job, running_server, wait_for
 
 # --------------------------------------------------------------------------- the executor alone
@@ -57,7 +58,7 @@ def test_jobs_run_one_at_a_time_in_order_on_one_thread(executor):
 
     assert asyncio.run(main()) == [0, 1, 4, 9, 16, 25]
     assert [i for i, _ in log] == [0, 1, 2, 3, 4, 5]
-    assert {name for _, name in log} == {"rev88-device"}
+    assert {name for _, name in log} == {"rev88-worker-cpu:0"}  # one worker: one thread
     assert max(overlaps) == 1
     assert executor.stats.completed == 6 and executor.stats.accepted == 6
 
@@ -177,27 +178,40 @@ QUEUE = 2
 
 @pytest.fixture(scope="module")
 def burst_server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("burst-server"), env={"REV88_BACKEND": "cpu", "REV88_QUEUE_SIZE": str(QUEUE)}) as srv:
+    folder = tmp_path_factory.mktemp("burst-server")
+    gate = FileGate(folder / "hold")
+    with running_server(folder, env={"REV88_BACKEND": "cpu", "REV88_QUEUE_SIZE": str(QUEUE), "REV88_WORKERS": "1"}, gate=gate.path) as srv:
+        srv.gate = gate
         yield srv
+    gate.release()
 
 
 def test_burst_larger_than_the_queue_gets_200s_and_503s_only(burst_server):
+    """The device is held by one task while the burst arrives (whatever the machine's speed):
+    exactly QUEUE tasks find a queue slot, every other one is refused with 503 + Retry-After."""
     config = make_config({"epochs": 2})
-    tasks = [small_task(1500, 200, seed) for seed in range(BURST)]  # every request a different task
+    tasks = [small_task(1500, 200, seed) for seed in range(BURST + 1)]  # every request a different task
     bodies = [task_to_npz_bytes(t) for t in tasks]
     barrier = threading.Barrier(BURST)
+    burst_server.gate.hold()
 
     def send(i):
         with burst_server.client() as c:
-            barrier.wait()
+            if i > 0:
+                barrier.wait()
             return post_task(c, bodies[i], params={"epochs": "2"})
 
-    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
-        responses = list(pool.map(send, range(BURST)))
+    with concurrent.futures.ThreadPoolExecutor(BURST + 1) as pool:
+        blocker = pool.submit(send, 0)
+        wait_for(lambda: (running_job(burst_server) or {}).get("kind") == "task", 60, what="the blocker holding the device")
+        burst = [pool.submit(send, i) for i in range(1, BURST + 1)]
+        wait_for(lambda: sum(f.done() for f in burst) == BURST - QUEUE, 120, what="the refusals")
+        burst_server.gate.release()
+        responses = [blocker.result(), *(f.result() for f in burst)]
 
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 503}, [(r.status_code, r.text[:200]) for r in responses]
-    assert codes.count(200) >= 1 and codes.count(503) >= 1, codes
+    assert codes.count(200) == QUEUE + 1 and codes.count(503) == BURST - QUEUE, codes
     for i, r in enumerate(responses):
         if r.status_code == 503:
             assert int(r.headers["retry-after"]) >= 1
@@ -225,16 +239,20 @@ def test_burst_larger_than_the_queue_gets_200s_and_503s_only(burst_server):
 # --------------------------------------------------------------------------- timeouts on a real server
 
 
-TIMEOUT_S = 3
+TIMEOUT_S = 1.5
 
 
 @pytest.fixture(scope="module")
 def timeout_server(tmp_path_factory):
-    # One torch thread: a long task's duration then depends little on what else the machine runs.
-    env = {"REV88_BACKEND": "cpu", "REV88_TASK_TIMEOUT_S": str(TIMEOUT_S), "REV88_QUEUE_SIZE": "4",
-           "REV88_THREADS": "1"}
-    with running_server(tmp_path_factory.mktemp("timeout-server"), env=env) as srv:
+    """A cpu server with a short task timeout whose runs the tests hold at a gate: a task is
+    "long" because the test says so, not because the machine is slow."""
+    folder = tmp_path_factory.mktemp("timeout-server")
+    gate = FileGate(folder / "hold")
+    env = {"REV88_BACKEND": "cpu", "REV88_TASK_TIMEOUT_S": str(TIMEOUT_S), "REV88_QUEUE_SIZE": "4", "REV88_WORKERS": "1"}
+    with running_server(folder, env=env, gate=gate.path) as srv:
+        srv.gate = gate
         yield srv
+    gate.release()
 
 
 def _send(server, results, name, body, params=None):
@@ -259,15 +277,17 @@ def test_timeout_while_queued_is_504_and_the_task_never_runs(timeout_server):
     small = task_to_npz_bytes(small_task(19, 7, seed=2))
     before = _queue(timeout_server)
     results: dict[str, httpx.Response] = {}
-    # The blocker: an energy measurement holds the device for about target_seconds whatever the
-    # machine's speed (its own timeout covers the protocol's windows and single runs).
-    # Its task is big enough (tens of ms) that the 1000-repeat cap cannot cut the window short.
-    blocker_body = task_to_npz_bytes(small_task(2000, 200, 4))
-    blocker = threading.Thread(target=_send, args=(timeout_server, results, "blocker", blocker_body, {
-        "measure": "energy", "trials": "1", "target_seconds": "6", "settle_seconds": "0", "idle_seconds": "0"}))
+    # The blocker: an energy measurement (whose own timeout is far longer than a task's) held at
+    # the gate, so the task queued behind it times out while still queued: it never runs.
+    timeout_server.gate.hold()
+    blocker = threading.Thread(target=_send, args=(timeout_server, results, "blocker", small, {
+        "measure": "energy", "trials": "1", "target_seconds": "0.1", "settle_seconds": "0", "idle_seconds": "0"}))
     blocker.start()
-    wait_for(lambda: (running_job(timeout_server) or {}).get("kind") == "measure", 60, what="the measurement running")
-    _send(timeout_server, results, "queued", small)
+    try:
+        wait_for(lambda: (running_job(timeout_server) or {}).get("kind") == "measure", 60, what="the measurement running")
+        _send(timeout_server, results, "queued", task_to_npz_bytes(small_task(19, 7, seed=5)))
+    finally:
+        timeout_server.gate.release()
     rq = results["queued"]
     assert rq.status_code == 504, rq.text
     assert rq.json()["where"] == "queued" and "never ran" in rq.json()["error"]
@@ -283,30 +303,31 @@ def test_timeout_while_queued_is_504_and_the_task_never_runs(timeout_server):
     assert after["depth"] == 0 and after["in_flight"] == 0
 
 
-def test_timeout_while_running_is_504_once_and_the_late_result_is_discarded(timeout_server):
-    # Far longer than the timeout on any machine: 10,000 examples x 20 epochs.
-    long_body = task_to_npz_bytes(small_task(10_000, 500, 1))
+def test_timeout_while_running_is_504_and_the_task_is_stopped_on_the_device(timeout_server):
+    body = task_to_npz_bytes(small_task(300, 50, 1))
     small = task_to_npz_bytes(small_task(19, 7, seed=3))
     before = _queue(timeout_server)
     timeouts_before = timeouts_counted(timeout_server)
     results: dict[str, httpx.Response] = {}
-    _send(timeout_server, results, "long", long_body, {"epochs": "20"})
-    r = results["long"]
-    assert r.status_code == 504, r.text
-    assert r.json()["where"] == "running"
-    assert "still running and its result will be discarded" in r.json()["error"]
-
-    running = running_job(timeout_server)
-    assert running is not None and running["answered"] is True  # the device is still held by it
-    wait_for(lambda: running_job(timeout_server) is None, 900, 0.5, "the timed-out task to finish on the device")
+    timeout_server.gate.hold()  # never released for this task: only the stop can end its run
+    try:
+        _send(timeout_server, results, "long", body)
+        r = results["long"]
+        assert r.status_code == 504, r.text
+        assert r.json()["where"] == "running" and r.json()["stopped"] is True
+        assert "stopped on the device" in r.json()["error"] and "REV88_TASK_TIMEOUT_S" in r.json()["error"]
+        assert running_job(timeout_server) is None  # the device is free again: answered after the stop
+    finally:
+        timeout_server.gate.release()
     _send(timeout_server, results, "after", small)
     assert results["after"].status_code == 200, results["after"].text
 
     after = _queue(timeout_server)
-    assert after["abandoned"] - before["abandoned"] == 1
-    assert after["abandoned_finished"] - before["abandoned_finished"] == 1
-    assert after["completed"] - before["completed"] == 1  # only the task after: the late result was not an answer
+    assert after["stopped"] - before["stopped"] == 1
+    assert after["abandoned"] == before["abandoned"]  # answered once, after it stopped: nothing left running
+    assert after["completed"] - before["completed"] == 1  # only the task after
     assert after["depth"] == 0 and after["in_flight"] == 0
-    assert after["accepted"] == after["completed"] + after["failed"] + after["expired"] + after["abandoned"]
+    assert after["accepted"] == sum(after[k] for k in ("completed", "failed", "expired", "dropped", "abandoned", "cancelled"))
     assert timeouts_counted(timeout_server) - timeouts_before == 1
-    assert "task finished after it was answered; result discarded" in timeout_server.logs()
+    with timeout_server.client() as c:
+        assert 'rev88_tasks_stopped_total{where="running"}' in c.get("/metrics").text

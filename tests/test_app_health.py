@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.devices import plan
 from app.settings import Settings, SettingsError
 from learner.taskio import task_to_npz_bytes
 
@@ -99,11 +100,14 @@ def test_health_document(client):
     assert learner["warmup"]["backend"] == "cpu" and len(learner["warmup"]["predictions_sha256"]) == 64
 
     queue = h["queue"]
-    assert queue["depth"] == 0 and queue["capacity"] == 8 and queue["running"] is None
+    expected = plan("cpu")  # one worker per usable core; queue max(8, 4 x workers)
+    assert queue["depth"] == 0 and queue["capacity"] == expected.queue_size and queue["running"] is None
+    assert [w["device"] for w in queue["workers"]] == expected.devices
     assert queue["accepting"] is True and queue["accepted"] >= 1  # the warm-up at least
     assert h["uptime_s"] > 0 and h["started_at"].endswith("+00:00")
-    assert h["limits"] == {"queue_size": 8, "max_body_bytes": 64 * 1024 * 1024, "task_timeout_s": 300.0,
-                           "drain_timeout_s": 30.0}
+    assert h["limits"] == {"queue_size": expected.queue_size, "max_body_bytes": 64 * 1024 * 1024,
+                           "task_timeout_s": 300.0, "drain_timeout_s": 30.0, "max_task_work": 50_000_000,
+                           "max_task_bytes": 1 << 30, "batch_max": 1, "workers": len(expected.devices)}
     assert h["auth"] is True
     assert {"rev88", "python", "torch", "numpy", "cuda"} <= set(h["versions"])
 

@@ -19,6 +19,7 @@ from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
 from .conftest import small_task
+from .gates import FileGate
 from .server import inprocess_server, post_task, running_job, running_server, wait_for
 
 
@@ -34,17 +35,21 @@ def test_sigterm_drains_the_in_flight_task_then_exits(tmp_path):
     task = small_task(3000, 300, 1)
     config = make_config({"epochs": 3})
     env = {"REV88_BACKEND": "cpu", "REV88_DRAIN_TIMEOUT_S": "300", "REV88_THREADS": "1"}
-    with running_server(tmp_path, env=env) as server:
+    gate = FileGate(tmp_path / "hold")
+    with running_server(tmp_path, env=env, gate=gate.path) as server:
         results: dict[str, httpx.Response] = {}
 
         def send():
             with server.client() as c:
                 results["task"] = post_task(c, task_to_npz_bytes(task), params={"epochs": "3"})
 
+        gate.hold()  # the task is in flight, on the device, when the signal comes
         sender = threading.Thread(target=send)
         sender.start()
         wait_for(lambda: (running_job(server) or {}).get("kind") == "task", 60, what="the task running")
         server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: '"msg": "draining"' in server.logs(), 60, what="the drain to begin")
+        gate.release()
         sender.join(600)
         r = results["task"]
         assert r.status_code == 200, r.text
@@ -63,19 +68,21 @@ def test_sigterm_drains_the_in_flight_task_then_exits(tmp_path):
 
 
 def test_drain_timeout_answers_what_is_left_with_503_then_exits(tmp_path):
-    env = {"REV88_BACKEND": "cpu", "REV88_DRAIN_TIMEOUT_S": "2", "REV88_THREADS": "1"}
-    long_body = task_to_npz_bytes(small_task(10_000, 500, 2))  # x 20 epochs: far longer than 2 s
+    env = {"REV88_BACKEND": "cpu", "REV88_DRAIN_TIMEOUT_S": "2", "REV88_THREADS": "1", "REV88_WORKERS": "1"}
+    body = task_to_npz_bytes(small_task(300, 50, 2))  # held at the gate: longer than the 2 s drain
     small = task_to_npz_bytes(small_task(19, 7, seed=4))
-    with running_server(tmp_path, env=env) as server:
+    gate = FileGate(tmp_path / "hold")
+    with running_server(tmp_path, env=env, gate=gate.path) as server:
         results: dict[str, httpx.Response] = {}
 
         def send(name, body, params=None):
             with server.client() as c:
                 results[name] = post_task(c, body, params=params)
 
-        senders = [threading.Thread(target=send, args=("running", long_body, {"epochs": "20"}))]
+        gate.hold()
+        senders = [threading.Thread(target=send, args=("running", body))]
         senders[0].start()
-        wait_for(lambda: (running_job(server) or {}).get("kind") == "task", 60, what="the long task running")
+        wait_for(lambda: (running_job(server) or {}).get("kind") == "task", 60, what="the held task running")
         senders.append(threading.Thread(target=send, args=("queued", small)))
         senders[1].start()
         wait_for(lambda: server.client().get("/health").json()["queue"]["depth"] == 1, 60, what="one task queued")
@@ -87,6 +94,7 @@ def test_drain_timeout_answers_what_is_left_with_503_then_exits(tmp_path):
             assert r.status_code == 503, (name, r.text)
             body = r.json()
             assert "drain timeout of 2 s passed" in body["error"] and body["where"] == name
+        gate.release()
         wait_for(lambda: exited(server.proc), 120, 0.1, "the server to exit")
     records = log_records(server)
     assert any(rec["msg"] == "drain timeout passed" and rec["answered_503"] == 2 for rec in records)

@@ -145,7 +145,8 @@ def test_divergence_is_422_and_the_service_keeps_serving(client, small_bytes):
     assert r.status_code == 422, r.text
     body = r.json()
     assert body["type"] == "TrainingDivergedError"
-    assert body["error"].startswith("training diverged: non-finite")
+    assert body["error"].startswith("training diverged at epoch ") and "non-finite" in body["error"]
+    assert isinstance(body["epoch"], int) and isinstance(body["step"], int)  # stopped where it was found
     good = post_task(client, small_bytes)
     assert good.status_code == 200, good.text
     assert len(good.json()["predictions"]) == 7

@@ -193,7 +193,7 @@ def test_dockerfile_port_and_command_agree_with_the_settings():
     parser = argparse.ArgumentParser(prog="rev88")
     add_serve(parser.add_subparsers(dest="command"))
     args = parser.parse_args(argv[1:])
-    assert args.func is cmd_serve and args.host == "0.0.0.0" and args.port == DEFAULTS.port and args.workers == 1
+    assert args.func is cmd_serve and args.host == "0.0.0.0" and args.port == DEFAULTS.port and args.workers is None  # workers: derived from the devices
 
 
 def test_dockerfile_healthcheck_hits_the_live_route(routes):
@@ -274,7 +274,8 @@ def test_serve_flags_cover_every_settings_variable():
     samples = {"REV88_HOST": "0.0.0.0", "REV88_PORT": "9", "REV88_BACKEND": "cpu", "REV88_QUEUE_SIZE": "3",
                "REV88_MAX_BODY_BYTES": "5", "REV88_TASK_TIMEOUT_S": "7", "REV88_DRAIN_TIMEOUT_S": "11",
                "REV88_API_KEY": "k", "REV88_LOG_LEVEL": "debug", "REV88_THREADS": "2",
-               "REV88_BATCH_MAX": "4", "REV88_BATCH_WAIT_MS": "20"}
+               "REV88_BATCH_MAX": "4", "REV88_BATCH_WAIT_MS": "20", "REV88_WORKERS": "3",
+               "REV88_MAX_TASK_WORK": "1000", "REV88_MAX_TASK_BYTES": "100000"}
     assert set(samples) == ENV_NAMES
     for name, value in samples.items():
         assert Settings.from_env({name: value}) != DEFAULTS, f"{name} is not read by app.settings"

@@ -22,7 +22,8 @@ import pytest
 from app import commands
 from rev88.cli import main as rev88
 from tests.conftest import small_task
-from tests.server import ROOT, free_port, running_server
+from tests.gates import FileGate
+from tests.server import ROOT, free_port, running_server, wait_for
 
 DRAW0_PREDICTIONS_SHA256 = "37724115cb2d3242eb4a4f76d3a879ac92d729939320e5f6f2bd046bd631f200"
 API_KEY = "submit-test-key"
@@ -334,9 +335,9 @@ def restore_environ():
     os.environ.update(saved)
 
 
-def test_serve_refuses_more_than_one_worker(capsys, restore_environ):
-    assert rev88(["serve", "--workers", "2"]) == 2
-    assert "--workers must be 1" in capsys.readouterr().err
+def test_serve_refuses_a_bad_worker_count(capsys, restore_environ):
+    assert rev88(["serve", "--workers", "0"]) == 2
+    assert "REV88_WORKERS must be >= 1" in capsys.readouterr().err
 
 
 def test_serve_names_a_bad_setting(capsys, restore_environ):
@@ -359,8 +360,9 @@ def test_serve_process_finishes_a_running_task_on_sigterm(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REV88_")}
-    cmd = [sys.executable, "-m", "rev88", "serve", "--port", str(port), "--backend", "cpu",
-           "--drain-timeout", "60", "--threads", "1", "--log-level", "warning"]
+    gate = FileGate(tmp_path / "hold")  # runs wait while this file exists: the task is surely running at SIGTERM
+    cmd = [sys.executable, "-m", "tests.gates", str(gate.path), "serve", "--port", str(port), "--backend", "cpu",
+           "--drain-timeout", "60", "--threads", "1", "--log-level", "info"]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -377,8 +379,8 @@ def test_serve_process_finishes_a_running_task_on_sigterm(tmp_path):
             time.sleep(0.1)
         from learner.taskio import task_to_npz_bytes
 
-        # big enough to be still running when the signal comes (a second or more on one CPU thread)
-        body = task_to_npz_bytes(small_task(10_000, 2_000, seed=5))
+        body = task_to_npz_bytes(small_task(1_000, 2_000, seed=5))
+        gate.hold()
         answers: list[httpx.Response] = []
 
         def post():
@@ -391,6 +393,8 @@ def test_serve_process_finishes_a_running_task_on_sigterm(tmp_path):
             assert poster.is_alive(), answers[0].text if answers else "no answer"
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "draining" in log.read_text(), 60, 0.02, "the drain to begin")
+        gate.release()
         poster.join(timeout=120)
         assert answers and answers[0].status_code == 200, answers[0].text if answers else "no answer"
         assert len(answers[0].json()["predictions"]) == 2_000

@@ -42,12 +42,17 @@ def _auto_cpu() -> str:
     return "cpu-fast" if ok else "cpu"
 
 
-def get_backend(name: str = "auto") -> Backend:
+def get_backend(name: str = "auto", device: str | None = None) -> Backend:
+    """The process's backend object for ``name``; GPU backends keep one per ``device``
+    (``cuda:0``, ``cuda:1``, ...; None: the current CUDA device). CPU backends ignore it."""
     concrete = resolve(name)
+    key = concrete
+    if concrete in ("cuda", "fused") and device is not None and device.startswith("cuda:") and device != "cuda:0":
+        key = f"{concrete}@{device}"
     with _lock:
-        if concrete not in _instances:
-            _instances[concrete] = _create(concrete)
-        engine = _instances[concrete]
+        if key not in _instances:
+            _instances[key] = _create(concrete, device)
+        engine = _instances[key]
     if name == "auto" and concrete == "cpu" and not torch.cuda.is_available():
         from .cpu_fast import cpu_fast_ready
 
@@ -60,7 +65,8 @@ def loaded_backends() -> dict[str, Backend]:
     return dict(_instances)
 
 
-def _create(name: str) -> Backend:
+def _create(name: str, device: str | None = None) -> Backend:
+    gpu = device if device is not None and device.startswith("cuda") else "cuda"
     if name == "cpu":
         from .cpu import CpuBackend
 
@@ -70,13 +76,13 @@ def _create(name: str) -> Backend:
             raise BackendUnavailable("backend 'cuda' needs a CUDA GPU and none is available here")
         from .cuda import GraphBackend
 
-        return GraphBackend("cuda")
+        return GraphBackend(gpu)
     if name == "fused":
         if not torch.cuda.is_available():
             raise BackendUnavailable("backend 'fused' needs a CUDA GPU and none is available here")
         from .fused import FusedBackend
 
-        return FusedBackend("cuda")
+        return FusedBackend(gpu)
     if name == "cpu-fast":
         from .cpu_fast import KERNEL_ERROR, CpuFastBackend, kernel_available
 
