@@ -74,3 +74,23 @@ class TaskStopped(ServiceError):
 
     status = 409
     outcome = "stopped"
+
+
+class Conflict(ServiceError):
+    """The request contradicts what the ledger holds: an Idempotency-Key reused with another
+    body, or a cancel of a task that has already finished."""
+
+    status = 409
+    outcome = "conflict"
+
+
+class NotFound(ServiceError):
+    status = 404
+    outcome = "not_found"
+
+
+class LedgerDown(ServiceError):
+    """The task ledger cannot be read or written (disk full, I/O error): nothing is accepted."""
+
+    status = 503
+    outcome = "unavailable"

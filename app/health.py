@@ -27,6 +27,15 @@ def readiness(service: Service) -> tuple[int, dict[str, Any]]:
     return 503, {"status": "starting", "error": "not ready: learner validation and backend warm-up still running"}
 
 
+def ledger_state(service: Service) -> dict[str, Any]:
+    try:
+        counts = service.ledger.counts()
+    except Exception as exc:  # noqa: BLE001 - /health must answer even when the ledger cannot
+        return {"ok": False, "error": str(exc), "path": str(service.ledger.path)}
+    return {"ok": True, "path": str(service.ledger.path), "retain_tasks": service.settings.retain_tasks,
+            "retain_bytes": service.settings.retain_bytes, "recovered_at_start": service.recovered, **counts}
+
+
 def health(service: Service) -> tuple[int, dict[str, Any]]:
     """The full document. Calls NVML (through learner.energy): run it in a worker thread."""
     gpu, gpu_reason = service.energy.telemetry()
@@ -54,6 +63,7 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
                 timespec="seconds"
             ),
             "workers": service.plan.as_dict(),
+            "ledger": ledger_state(service),
             "limits": {
                 "queue_size": service.queue_size,
                 "max_body_bytes": service.settings.max_body_bytes,

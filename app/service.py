@@ -33,6 +33,7 @@ from learner.validate import cached_validation
 
 from .devices import GPU_BACKENDS, PlanError, engine_device, plan
 from .executor import Batch, DeviceExecutor, current_worker
+from .ledger import Ledger
 from .metrics import Metrics
 from .settings import Settings, SettingsError
 from .tasks import Engines, check_backend, has_run_many, launch_key, run_many_on_device
@@ -159,6 +160,11 @@ class Service:
             raise SettingsError(str(exc)) from None
         self.queue_size = self.plan.queue_size
         self.batch_max = self.plan.batch_max
+        # The task ledger: a corrupt, newer or unwritable database stops startup here (LedgerError).
+        self.ledger = Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes)
+        self.pending: dict[str, Any] = {}  # task id -> lifecycle.Accepted, while queued or running here
+        self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
+        self.recovered: dict[str, int] | None = None
         self.started_at = time.time()
         self._t0 = time.monotonic()
         self.state = "starting"  # starting | ready | failed
@@ -283,6 +289,9 @@ class Service:
             job = self.executor.submit(self._warm_up, kind="warmup", label=f"warm-up {self.plan.devices[i]}",
                                        reserved=True, pin=i)
             job.future.add_done_callback(self._warmed_up)
+        from .lifecycle import recover
+
+        self.recovered = await recover(self)  # accepted asynchronous tasks a stop left unfinished
         self._hook_signals()
         log.info(
             "service starting",
@@ -397,5 +406,8 @@ class Service:
         ended = await asyncio.to_thread(self.executor.stop, left + 1.0)
         for timer in self._timers:
             timer.cancel()
+        if self.background:  # let settling asynchronous tasks record what the workers answered
+            await asyncio.wait(list(self.background), timeout=5.0)
         self._unhook_signals()
+        self.ledger.close()
         log.info("stopped", extra={"device_thread_ended": ended, "queue": self.executor.snapshot()})

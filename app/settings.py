@@ -21,6 +21,10 @@
                             tasks of its shape and config
     REV88_MAX_TASK_WORK     a task's estimated work limit          50,000,000 (learner.budget)
     REV88_MAX_TASK_BYTES    a task's estimated memory limit        1 GiB (learner.budget)
+    REV88_DATA_DIR          the task ledger's folder (SQLite +     $XDG_DATA_HOME/rev88, else
+                            uploads of asynchronous tasks)         ~/.local/share/rev88
+    REV88_RETAIN_TASKS      finished tasks kept in the ledger      10000
+    REV88_RETAIN_BYTES      stored answers kept, in bytes          1073741824 (1 GiB)
 
 A bad value stops the service at startup with a message naming the variable.
 """
@@ -32,13 +36,18 @@ import math
 import os
 from collections.abc import Mapping
 
-from learner.budget import BYTES_ENV, DEFAULT_MAX_TASK_BYTES, DEFAULT_MAX_TASK_WORK, WORK_ENV
-
 from learner.backends import NAMES
+from learner.budget import BYTES_ENV, DEFAULT_MAX_TASK_BYTES, DEFAULT_MAX_TASK_WORK, WORK_ENV
 
 BACKENDS = NAMES  # learner.backends.NAMES: the registry is the one list
 MAX_BATCH_WAIT_MS = 1000.0
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def default_data_dir() -> str:
+    """Per user: $XDG_DATA_HOME/rev88, else ~/.local/share/rev88 (the image sets REV88_DATA_DIR)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "rev88")
 
 
 class SettingsError(ValueError):
@@ -62,6 +71,9 @@ class Settings:
     workers: int | None = None  # None: one per usable core / visible GPU
     max_task_work: int = DEFAULT_MAX_TASK_WORK
     max_task_bytes: int = DEFAULT_MAX_TASK_BYTES
+    data_dir: str | None = None  # None: default_data_dir() (per user)
+    retain_tasks: int = 10_000
+    retain_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -87,12 +99,20 @@ class Settings:
             raise SettingsError(f"{WORK_ENV} must be >= 1, got {self.max_task_work}")
         if self.max_task_bytes < 1:
             raise SettingsError(f"{BYTES_ENV} must be >= 1, got {self.max_task_bytes}")
+        if self.retain_tasks < 1:
+            raise SettingsError(f"REV88_RETAIN_TASKS must be >= 1, got {self.retain_tasks}")
+        if self.retain_bytes < 0:
+            raise SettingsError(f"REV88_RETAIN_BYTES must be >= 0, got {self.retain_bytes}")
         if self.batch_max is not None and self.batch_max < 1:
             raise SettingsError(f"REV88_BATCH_MAX must be >= 1 (1 turns batching off), got {self.batch_max}")
         if not (math.isfinite(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS):
             raise SettingsError(
                 f"REV88_BATCH_WAIT_MS must be a number of milliseconds in [0, {MAX_BATCH_WAIT_MS:g}], got {self.batch_wait_ms}"
             )
+
+    @property
+    def ledger_dir(self) -> str:
+        return self.data_dir or default_data_dir()
 
     @property
     def auth_enabled(self) -> bool:
@@ -142,4 +162,7 @@ class Settings:
             workers=integer("REV88_WORKERS", None),
             max_task_work=integer(WORK_ENV, defaults.max_task_work),
             max_task_bytes=integer(BYTES_ENV, defaults.max_task_bytes),
+            data_dir=text("REV88_DATA_DIR", None),
+            retain_tasks=integer("REV88_RETAIN_TASKS", defaults.retain_tasks),
+            retain_bytes=integer("REV88_RETAIN_BYTES", defaults.retain_bytes),
         )

@@ -1,48 +1,64 @@
-"""POST /tasks from arrival to answer: gates, upload, parse (worker thread), queue, answer.
+"""POST /tasks from arrival to answer: gates, upload, parse (worker thread), ledger, queue, answer.
 
 Cheap checks come first (draining, content type, query options, a full queue),
-so a request that cannot succeed is refused before its body is read.
+so a request that cannot succeed is refused before its body is read. Then the
+body is parsed and validated in a thread, the budget checked, and the task
+recorded in the ledger (app/lifecycle.py) before it is queued.
+
+``Prefer: respond-async`` answers ``202 Accepted`` with ``Location: /tasks/{id}`` once the task
+and its npz are durable in the ledger; without it the request waits for the answer (and a
+client that disconnects stops its task). ``Idempotency-Key``: the same key and body return the
+task already recorded instead of training again; another body is a 409.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 import time
-import uuid
 from typing import TYPE_CHECKING
 
-from learner.budget import check_budget, estimate
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from learner.cancel import CancelToken
+from learner.budget import check_budget, estimate
 from learner.taskio import load_task
 
-from . import uploads
-from .errors import QueueFull, Unavailable
-from .tasks import (
-    DeviceOutcome,
-    TaskOptions,
-    measure_on_device,
-    measure_timeout_s,
-    outcome_of,
-    parse_options,
-    run_on_device,
-    run_timing,
-    task_answer,
-    task_npz,
-    wants_npz,
-)
+from . import lifecycle, uploads
+from .errors import Conflict, InvalidRequest, QueueFull, Unavailable
+from .ledger import IdempotencyConflict, TaskRecord
+from .tasks import parse_options, task_npz, wants_npz
 
 if TYPE_CHECKING:
     from .service import Service
 
 log = logging.getLogger("rev88.app.tasks")
 
+_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, 1-200 characters
 
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)
+
+def _gate(service: Service) -> None:
+    if service.draining:
+        raise Unavailable("the service is draining for shutdown; not accepting new tasks",
+                          retry_after=service.executor.retry_after())
+    if service.state == "failed":
+        raise Unavailable(f"the service failed its startup checks and takes no tasks: {service.failure}")
+
+
+def wants_async(prefer: str | None) -> bool:
+    """RFC 7240: ``Prefer: respond-async`` (among other preferences, any case)."""
+    return any(p.split(";")[0].strip().lower() == "respond-async" for p in (prefer or "").split(","))
+
+
+def idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not _KEY.match(key):
+        raise InvalidRequest("Idempotency-Key must be 1-200 visible ASCII characters (no spaces)")
+    return key
 
 
 async def client_gone(request: Request) -> None:
@@ -55,30 +71,31 @@ async def client_gone(request: Request) -> None:
             return
 
 
-def _gate(service: Service) -> None:
-    if service.draining:
-        raise Unavailable("the service is draining for shutdown; not accepting new tasks",
-                          retry_after=service.executor.retry_after())
-    if service.state == "failed":
-        raise Unavailable(f"the service failed its startup checks and takes no tasks: {service.failure}")
+def _parse(body: bytes) -> tuple:
+    """In a worker thread: the task (validated, its input hashes computed) and the body's SHA-256."""
+    task = load_task(body)
+    lifecycle.input_hashes(task)  # computed here, off the workers, and cached where TaskArrays can
+    return task, hashlib.sha256(body).hexdigest()
 
 
 async def handle(request: Request, service: Service) -> Response:
-    try:
-        response = await _handle(request, service)
-    except Exception as exc:
-        service.metrics.outcome(outcome_of(exc))
-        raise
-    service.metrics.outcome("ok")
-    return response
-
-
-async def _handle(request: Request, service: Service) -> Response:
     t0 = getattr(request.state, "t0", time.perf_counter())
     request_id = getattr(request.state, "request_id", None)
+    try:
+        return await _handle(request, service, t0, request_id)
+    except Exception as exc:  # refused before the task was accepted
+        from .tasks import outcome_of
+
+        service.metrics.outcome(outcome_of(exc))
+        raise
+
+
+async def _handle(request: Request, service: Service, t0: float, request_id: str | None) -> Response:
     _gate(service)
     kind = uploads.check_content_type(request.headers.get("content-type"))
     options = parse_options(list(request.query_params.multi_items()), service.backend)
+    asynchronous = wants_async(request.headers.get("prefer"))
+    key = idempotency_key(request)
     service.executor.check_capacity()
     if not service.admit_upload():
         raise QueueFull(
@@ -93,8 +110,7 @@ async def _handle(request: Request, service: Service) -> Response:
         if kind == uploads.MULTIPART:
             body, form_config = await uploads.split_multipart(request.headers, body)
         config = options.config(form_config)
-        task = await asyncio.to_thread(load_task, body)
-        del body
+        task, body_sha256 = await asyncio.to_thread(_parse, body)
         parse_s = time.perf_counter() - t_parse
     finally:
         service.release_upload()
@@ -104,80 +120,81 @@ async def _handle(request: Request, service: Service) -> Response:
     check_budget(estimate(task.train_count, task.test_count, config),
                  service.settings.max_task_work, service.settings.max_task_bytes)
 
-    task_id = uuid.uuid4().hex
-    if options.measure is not None:
-        return await _measure(request, service, task, config, options, task_id, request_id, t0, t_recv, t_parse, parse_s)
+    acc = lifecycle.Accepted(
+        task_id=lifecycle.new_task_id(), task=task, config=config, backend=options.backend,
+        include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
+        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parse_s,
+    )
+    try:  # durable before the 202: an asynchronous task's npz is stored with its record
+        record, created = await asyncio.to_thread(
+            lifecycle.record, service, acc, body_sha256, len(body), body if asynchronous else None, key)
+    except IdempotencyConflict as exc:
+        raise Conflict(f"{exc}; use a new key for a new task", task_id=exc.task_id) from None
+    del body
+    if not created:
+        return await _existing(request, service, record, asynchronous)
+    try:
+        lifecycle.submit(service, acc)
+    except (QueueFull, Unavailable) as exc:  # the queue filled up meanwhile: not accepted after all
+        await asyncio.to_thread(service.ledger.finish, acc.task_id, "failed", None,
+                                {"status": exc.status, "error": f"not accepted: {exc.message}"})
+        raise
+    if asynchronous:
+        lifecycle.run_in_background(service, acc)
+        return accepted_response(record)
 
-    token = CancelToken()
-    job = service.executor.submit(
-        lambda: run_on_device(task, config, options.backend, service.energy, service.engines, cancel=token),
-        kind="task", label=task_id, batch=service.task_batch(task, config, options.backend, token), cancel=token,
-    )
-    outcome: DeviceOutcome = await service.executor.wait(job, service.settings.task_timeout_s, client_gone(request))
-    run_ms, clock = run_timing(outcome.result)
-    service.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
-    service.metrics.run_seconds.observe(run_ms / 1000.0)
-    if outcome.energy is not None and service.metrics.task_energy is not None and outcome.energy.get("gross_j"):
-        service.metrics.task_energy.inc(outcome.energy["gross_j"])
-    timing = {
-        "receive_ms": _ms(t_parse - t_recv),
-        "parse_ms": _ms(parse_s),
-        "queue_wait_ms": _ms(job.queue_wait_s or 0.0),
-        "run_ms": round(run_ms, 3),
-        "run_clock": clock,
-        "device_ms": _ms(job.device_s or 0.0),
-        "tasks_in_launch": job.launch_size,
-        "total_ms": _ms(time.perf_counter() - t0),
-    }
-    log.info(
-        "task answered",
-        extra={"task_id": task_id, "train_count": task.train_count, "test_count": task.test_count,
-               "backend": outcome.result.metadata["backend"], "timing": timing},
-    )
-    if wants_npz(request.headers.get("accept")):
-        result = outcome.result
-        return Response(
-            task_npz(result),
-            media_type="application/x-npz",
-            headers={
-                "Content-Disposition": f'attachment; filename="rev88-{task_id}.npz"',
-                "X-Task-ID": task_id,
-                "X-Predictions-SHA256": result.predictions_sha256,
-                "X-Scores-SHA256": result.scores_sha256,
-                "X-Run-Ms": f"{run_ms:.3f}",
-                "X-Total-Ms": f"{timing['total_ms']:.3f}",
-            },
-        )
-    return JSONResponse(task_answer(task_id, request_id, outcome, timing, options.include_scores))
+    settled = await lifecycle.settle(service, acc, client_gone(request))
+    if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):
+        return npz_response(acc.task_id, settled)
+    return JSONResponse(settled.body, status_code=settled.status, headers=settled.headers)
 
 
-async def _measure(request, service, task, config, options: TaskOptions, task_id, request_id, t0, t_recv, t_parse, parse_s):
-    arguments = options.measure
-    job = service.executor.submit(
-        lambda: measure_on_device(task, config, options.backend, arguments, service.energy, service.engines),
-        kind="measure", label=task_id,
+def accepted_response(record: TaskRecord) -> JSONResponse:
+    return JSONResponse(record.summary(), status_code=202,
+                        headers={"Location": f"/tasks/{record.id}", "Retry-After": "1"})
+
+
+async def _existing(request: Request, service: Service, record: TaskRecord, asynchronous: bool) -> Response:
+    """An Idempotency-Key seen before with the same body: that task, not a second training."""
+    acc = service.pending.get(record.id)
+    if not asynchronous and not record.finished and acc is not None and acc.job is not None:
+        try:  # the first request's task is still in this process: wait for it too
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(acc.job.future)),
+                                   service.settings.task_timeout_s)
+        except BaseException:  # noqa: BLE001 - its outcome is recorded by the first request
+            pass
+        for _ in range(100):
+            record = await asyncio.to_thread(service.ledger.get, record.id) or record
+            if record.finished:
+                break
+            await asyncio.sleep(0.02)
+    if asynchronous or not record.finished:
+        return accepted_response(record)
+    return JSONResponse(*status_answer(record), headers={"Idempotent-Replayed": "true"})
+
+
+def status_answer(record: TaskRecord) -> tuple[dict, int]:
+    """GET /tasks/{id}'s JSON: a finished task's answer (the same JSON as the synchronous one,
+    plus its ``status``) or its error; otherwise its status document."""
+    if record.status == "succeeded" and record.answer is not None:
+        return {**record.answer, "status": "succeeded"}, 200
+    doc = record.document()
+    doc.pop("answer", None)
+    return doc, 200
+
+
+def npz_response(task_id: str, settled: lifecycle.Settled) -> Response:
+    result = settled.outcome.result
+    timing = settled.body["timing"]
+    return Response(
+        task_npz(result),
+        media_type="application/x-npz",
+        headers={
+            "Content-Disposition": f'attachment; filename="rev88-{task_id}.npz"',
+            "X-Task-ID": task_id,
+            "X-Predictions-SHA256": result.predictions_sha256,
+            "X-Scores-SHA256": result.scores_sha256,
+            "X-Run-Ms": f"{timing['run_ms']:.3f}",
+            "X-Total-Ms": f"{timing['total_ms']:.3f}",
+        },
     )
-    timeout = measure_timeout_s(arguments, service.settings.task_timeout_s)
-    doc = await service.executor.wait(job, timeout, client_gone(request))
-    service.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
-    timing = {
-        "receive_ms": _ms(t_parse - t_recv),
-        "parse_ms": _ms(parse_s),
-        "queue_wait_ms": _ms(job.queue_wait_s or 0.0),
-        "device_ms": _ms(job.device_s or 0.0),
-        "total_ms": _ms(time.perf_counter() - t0),
-    }
-    answer = {
-        "id": task_id,
-        "request_id": request_id,
-        "measure": "energy",
-        "protocol": arguments,
-        "predictions_sha256": doc.get("predictions_sha256"),
-        "scores_sha256": doc.get("scores_sha256"),
-        "energy": doc.get("energy"),
-    }
-    if doc.get("energy") is None:
-        answer["energy_reason"] = doc.get("energy_reason")
-    answer.update({"measurement": doc, "timing": timing, "device": doc.get("device"), "versions": service.versions()})
-    log.info("measurement answered", extra={"task_id": task_id, "timing": timing})
-    return JSONResponse(answer)

@@ -379,3 +379,21 @@ def outcome_of(exc: BaseException) -> str:
     if isinstance(exc, (TaskError, BackendUnavailable)):
         return "invalid"
     return "error"
+
+
+def answer_npz(answer: dict) -> bytes:
+    """A stored answer as npz: predictions (int64), and scores (float32) when the task kept them."""
+    buf = io.BytesIO()
+    arrays = {"predictions": np.asarray(answer["predictions"], dtype=np.int64)}
+    if answer.get("scores") is not None:
+        arrays["scores"] = np.asarray(answer["scores"], dtype=np.float32)
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def predictions_npy(predictions: list[int]) -> bytes:
+    """The .npy bytes ``np.save`` writes for the predictions (int64): its SHA-256 of the array
+    equals the answer's predictions_sha256."""
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(predictions, dtype=np.int64))
+    return buf.getvalue()

@@ -16,6 +16,27 @@ REFERENCE_DIR = DATA_DIR / "reference"
 DRAW0_SEED = 2026091400
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_data_home(tmp_path_factory):
+    """Every service a test starts keeps its task ledger in a temporary folder, never in the
+    user's ~/.local/share/rev88 (the default REV88_DATA_DIR is under XDG_DATA_HOME)."""
+    import os
+
+    previous = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("xdg-data"))
+    yield
+    if previous is None:
+        os.environ.pop("XDG_DATA_HOME", None)
+    else:
+        os.environ["XDG_DATA_HOME"] = previous
+
+
+@pytest.fixture(autouse=True)
+def _test_data_home(tmp_path, monkeypatch):
+    """... and each test's own services their own ledger."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+
+
 def _need(path: Path, what: str) -> None:
     # The data is part of the repository: a missing file is a broken checkout, not a reason to skip.
     if not path.exists():

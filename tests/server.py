@@ -43,7 +43,8 @@ def running_server(tmp_path: Path, env: dict[str, str] | None = None, ready: boo
     (``tests.gates.FileGate``; the server is ``tests.gates:create_app``)."""
     port = free_port()
     log = tmp_path / f"server-{port}.log"
-    child_env = {**os.environ, "REV88_HOST": "127.0.0.1", "REV88_PORT": str(port), **(env or {})}
+    child_env = {**os.environ, "REV88_HOST": "127.0.0.1", "REV88_PORT": str(port),
+                 "REV88_DATA_DIR": str(tmp_path / f"data-{port}"), **(env or {})}
     factory = "app.main:create_app"
     if gate is not None:
         child_env["REV88_TEST_GATE_FILE"] = str(gate)

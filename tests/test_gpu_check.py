@@ -181,9 +181,10 @@ def test_dry_run_of_the_precheck_and_the_service(tmp_path):
     assert (out / "service.json").exists() and (out / "service_server.log").exists()
 
 
-@pytest.mark.skipif(os.environ.get("REV88_GPU_CHECK_DRY_RUN") != "1",
-                    reason="the whole dry run takes minutes: set REV88_GPU_CHECK_DRY_RUN=1")
+@pytest.mark.slow
 def test_the_whole_dry_run_passes(tmp_path):
+    """The issue's acceptance: `scripts/gpu_check.py --dry-run` passes here, every section in its
+    report (about a minute on the 2-core machine; never skipped, so a script bug shows in CI)."""
     pytest.importorskip("triton")
     proc, out = _dry_run(tmp_path, None)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]

@@ -1,0 +1,119 @@
+"""The routes' contracts: what each takes and returns, as pydantic models (and so /openapi.json).
+
+The task answer is large (a prediction per query) and byte-exact; routes build it as plain
+JSON and these models document it (``responses=``) rather than re-validate it per request.
+Models allow extra fields: a client may rely on what is declared here, and newer fields may be
+added beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorBody(Open):
+    error: str = Field(description="what is wrong, naming the limit or variable involved")
+    request_id: str | None = None
+
+
+class Timing(Open):
+    receive_ms: float
+    parse_ms: float
+    queue_wait_ms: float
+    run_ms: float | None = None
+    run_clock: str | None = Field(None, description="cuda_events or perf_counter")
+    device_ms: float
+    tasks_in_launch: int | None = None
+    total_ms: float
+
+
+class TaskAnswer(Open):
+    """POST /tasks (synchronous) and GET /tasks/{id} once succeeded."""
+
+    id: str
+    request_id: str | None = None
+    status: Literal["succeeded"] | None = Field(None, description="only in GET /tasks/{id}")
+    predictions: list[int] = Field(description="one class 0..9 per query, in order")
+    predictions_sha256: str
+    scores_sha256: str
+    scores: list[list[float]] | None = Field(None, description="with include=scores: (M, 10) float32 values")
+    metadata: dict[str, Any] = Field(description="config, hashes, timing scope, backend, device, versions")
+    timing: Timing
+    energy: dict[str, Any] | None = None
+    energy_reason: str | None = None
+    device: str
+    versions: dict[str, Any]
+
+
+class TaskSummary(Open):
+    """A ledger record without its answer (lists, 202 Accepted)."""
+
+    id: str
+    status: Status
+    kind: Literal["task", "measure"]
+    mode: Literal["sync", "async"]
+    created_at: float = Field(description="unix seconds")
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = Field(0, description="runs started; 2 or more: run again after a restart")
+    backend: str
+    device: str | None = None
+    config: dict[str, Any]
+    options: dict[str, Any]
+    train_count: int
+    test_count: int
+    input_hashes: dict[str, str] | None = None
+    body_sha256: str
+    body_bytes: int
+    idempotency_key: str | None = None
+    predictions_sha256: str | None = None
+    run_ms: float | None = None
+    energy_j: float | None = None
+
+
+class TaskStatus(TaskSummary):
+    """GET /tasks/{id} while queued or running, or once failed or cancelled; POST /tasks/{id}/cancel."""
+
+    error: dict[str, Any] | None = Field(None, description="failed or cancelled: {status, error, ...}")
+
+
+class TaskList(BaseModel):
+    tasks: list[TaskSummary]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null at the end")
+
+
+class Health(Open):
+    status: str
+    ready: bool
+    device: str
+    backend: str
+    gpu: dict[str, Any] | None = None
+    queue: dict[str, Any]
+    limits: dict[str, Any]
+    workers: dict[str, Any]
+    ledger: dict[str, Any] | None = None
+    versions: dict[str, Any]
+
+
+class Probe(Open):
+    status: str
+    error: str | None = None
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    texts = {
+        400: "not a zip/npz, truncated or corrupt", 401: "missing or wrong Bearer key (REV88_API_KEY)",
+        404: "no task with this id in this replica's ledger", 409: "conflict (idempotency key reused, task finished)",
+        413: "body, archive or estimated memory over the limits", 415: "unsupported content type",
+        422: "invalid arrays, members, config, budget or diverged training",
+        503: "queue full, not ready, draining or the ledger unavailable (Retry-After)", 504: "task timeout",
+    }
+    return {code: {"model": ErrorBody, "description": texts[code]} for code in codes}
