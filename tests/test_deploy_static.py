@@ -275,7 +275,8 @@ def test_serve_flags_cover_every_settings_variable():
                "REV88_MAX_BODY_BYTES": "5", "REV88_TASK_TIMEOUT_S": "7", "REV88_DRAIN_TIMEOUT_S": "11",
                "REV88_API_KEY": "k", "REV88_LOG_LEVEL": "debug", "REV88_THREADS": "2",
                "REV88_BATCH_MAX": "4", "REV88_BATCH_WAIT_MS": "20", "REV88_WORKERS": "3",
-               "REV88_MAX_TASK_WORK": "1000", "REV88_MAX_TASK_BYTES": "100000"}
+               "REV88_MAX_TASK_WORK": "1000", "REV88_MAX_TASK_BYTES": "100000", "REV88_DATA_DIR": "/x",
+               "REV88_RETAIN_TASKS": "5", "REV88_RETAIN_BYTES": "6"}
     assert set(samples) == ENV_NAMES
     for name, value in samples.items():
         assert Settings.from_env({name: value}) != DEFAULTS, f"{name} is not read by app.settings"
