@@ -21,7 +21,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     CUBLAS_WORKSPACE_CONFIG=:16:8 \
     HOME=/home/rev88 \
     XDG_CACHE_HOME=/tmp/rev88-cache \
-    TRITON_CACHE_DIR=/tmp/rev88-cache/triton
+    TRITON_CACHE_DIR=/tmp/rev88-cache/triton \
+    REV88_DATA_DIR=/var/lib/rev88
 
 # A C compiler: Triton (the fused backend) builds its small launcher stubs with the host
 # compiler at first use, into TRITON_CACHE_DIR; versions come with the Debian release.
@@ -55,6 +56,11 @@ RUN pip install "torch===2.13.0" ".[gpu]" \
 assert not learner.__file__.startswith('/opt/rev88/'), learner.__file__; \
 assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; \
 print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel built')"
+
+# The task ledger (SQLite + uploads of asynchronous tasks): a volume, writable by the service's
+# user while the root filesystem stays read-only (compose and Kubernetes mount one here).
+RUN mkdir -p /var/lib/rev88 && chown 10001:10001 /var/lib/rev88
+VOLUME ["/var/lib/rev88"]
 
 USER 10001:10001
 

@@ -218,6 +218,7 @@ class DeviceExecutor:
         self._closed: str | None = None  # reason, once closed to new work
         self._stop = False
         self._mean_run_s = 1.0  # running mean of device time per job, for Retry-After
+        self._gathering: dict[Hashable, int] = {}  # batch key -> the worker gathering a launch of it
         self.stats = Stats()
         self.workers = [Worker(self, i, device) for i, device in enumerate(devices)]
 
@@ -452,10 +453,14 @@ class DeviceExecutor:
 
     # ------------------------------------------------------------------ the workers' side
     def _next_for(self, worker: Worker) -> Job | None:
-        """(Lock held.) The oldest queued job this worker may run."""
+        """(Lock held.) The oldest queued job this worker may run, leaving to another worker the
+        jobs of a batch key it is gathering (so this one runs other work meanwhile)."""
         for job in self._queue:
-            if job.pin is None or job.pin == worker.index:
-                return job
+            if job.pin is not None and job.pin != worker.index:
+                continue
+            if job.batch is not None and self._gathering.get(job.batch.key, worker.index) != worker.index:
+                continue
+            return job
         return None
 
     def _batch_ready(self, batch: Batch) -> bool:
@@ -470,16 +475,22 @@ class DeviceExecutor:
         for more; then take them off the queue. [] if the head is gone (or another worker
         took it)."""
         key = head.batch.key
-        deadline = time.monotonic() + self.batch_wait_s
-        while True:
-            if head.state != QUEUED:  # expired, withdrawn or taken while we waited: start over
-                return []
-            group = [j for j in self._queue if j.batch is not None and j.batch.key == key
-                     and j.pin in (None, worker.index)][: self.batch_max]
-            left = deadline - time.monotonic()
-            if len(group) >= self.batch_max or left <= 0 or self._closed is not None or self._stop:
-                return self._take(worker, group)
-            self._cond.wait(left)
+        if self._gathering.setdefault(key, worker.index) != worker.index:
+            return []  # another worker gathers this key (it became so while the lock was free)
+        try:
+            deadline = time.monotonic() + self.batch_wait_s
+            while True:
+                if head.state != QUEUED:  # expired, withdrawn or taken while we waited: start over
+                    return []
+                group = [j for j in self._queue if j.batch is not None and j.batch.key == key
+                         and j.pin in (None, worker.index)][: self.batch_max]
+                left = deadline - time.monotonic()
+                if len(group) >= self.batch_max or left <= 0 or self._closed is not None or self._stop:
+                    return self._take(worker, group)
+                self._cond.wait(left)
+        finally:
+            del self._gathering[key]
+            self._cond.notify_all()  # the others may take this key's jobs again
 
     def _take(self, worker: Worker, group: list[Job]) -> list[Job]:
         """(Lock held.) Move still-queued jobs of ``group`` from the queue onto the worker."""

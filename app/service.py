@@ -84,7 +84,8 @@ class Energy:
     @property
     def idle(self) -> Any:
         """The first GPU's idle baseline (one exists even without a meter)."""
-        return next(iter(self.idles.values()), None) or self._idle_baseline
+        first = next(iter(self.idles.values()), None)
+        return first if first is not None else self._idle_baseline
 
     def open(self, devices: list[str] | None = None) -> None:
         try:
@@ -128,7 +129,8 @@ class Energy:
         return meter, None
 
     def idle_for(self, engine) -> Any:
-        return self.idles.get(self._device(engine)) or self.idle
+        idle = self.idles.get(self._device(engine))
+        return idle if idle is not None else self.idle
 
     def telemetry(self) -> tuple[dict | None, str | None]:
         if self.gpu_telemetry is None:

@@ -547,10 +547,6 @@ def test_batches_are_gathered_per_worker_and_run_on_that_workers_backend(fake_gp
         stop_service(service)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "app/executor.py DeviceExecutor._next_for: an idle worker picks the head another worker is "
-    "gathering (it is still queued) and gathers it too, so it does not run the other jobs queued "
-    "behind it until that gathering ends (up to batch_wait_s); see the report"))
 def test_an_idle_worker_runs_other_work_while_another_worker_gathers_a_batch():
     ready_calls = [0]
     lock = threading.Lock()
@@ -605,7 +601,7 @@ class Engine:
 def test_energy_meter_for_picks_the_meter_of_the_engines_device():
     energy, meters = by_hand_energy(["cuda:0", "cuda:1", "cuda:2"], {"cuda:0": 50.0, "cuda:1": 51.0, "cuda:2": 52.0})
     for device, meter in meters.items():
-        energy.idles[device].sample(meter)  # (a GPU not yet sampled: see the xfail test below)
+        energy.idles[device].sample(meter)  # (a GPU not yet sampled: see the test below)
         assert energy.meter_for(Engine("fused", device)) == (meter, None)
         assert energy.idle_for(Engine("fused", device)) is energy.idles[device]
     assert energy.meter_for(Engine("cuda", "cuda")) == (meters["cuda:0"], None)  # the bare current device
@@ -646,9 +642,6 @@ def test_each_worker_meters_its_tasks_with_its_own_gpus_meter_and_idle_baseline(
         assert ex.stop(60)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "app/service.py Energy.idle_for: `self.idles.get(device) or self.idle` treats a GPU's empty "
-    "IdleBaseline (len 0, so falsy) as missing and uses the first GPU's baseline instead; see the report"))
 def test_a_gpu_without_idle_samples_is_not_adjusted_with_another_gpus_baseline():
     devices = ["cuda:0", "cuda:1"]
     energy, meters = by_hand_energy(devices, {"cuda:0": 50.0, "cuda:1": 51.0})

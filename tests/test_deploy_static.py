@@ -476,3 +476,19 @@ def test_ci_runs_the_readmes_test_command():
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(?:\w*)\n(.*?)```", quick, re.S)
     assert blocks and [line.strip() for line in blocks[0].strip().splitlines()] == ["make serve", "make test"]
+
+
+def test_the_ledger_lives_on_a_volume_everywhere():
+    """The root filesystem is read-only: REV88_DATA_DIR must be a volume in the image, compose and k8s."""
+    data_dir = dockerfile_env()["REV88_DATA_DIR"]
+    assert any(data_dir in v for v in instructions("VOLUME"))
+    service = compose_service()
+    assert service["environment"]["REV88_DATA_DIR"] == data_dir
+    assert any(str(v).split(":")[1] == data_dir for v in service["volumes"])
+    dep = k8s_docs()["Deployment"]
+    c = container(dep)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["REV88_DATA_DIR"] == data_dir
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert data_dir in mounts and mounts[data_dir] in volumes

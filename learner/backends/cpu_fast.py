@@ -103,7 +103,8 @@ class CpuFastBackend:
         if isa != "auto" and isa not in _kernel.variants():
             raise ValueError(f"cpu-fast isa must be 'auto' or one of {_kernel.variants()}, got {isa!r}")
         self.isa = _kernel.isa() if isa == "auto" else isa
-        self.lock = threading.Lock()  # the kernel's buffers are per call; one task at a time still
+        # No lock: the kernel keeps no state between calls (every buffer is the call's own), so
+        # the service's CPU workers run it on their tasks at the same time.
 
     def describe(self) -> dict:
         return {
@@ -137,16 +138,15 @@ class CpuFastBackend:
         scores = np.empty((m, CLASSES), dtype=np.float32)
         prepared_at = time.perf_counter()
         cancel = prepared.cancel
-        with self.lock:
-            t1 = time.perf_counter()
-            ran, outcome, epoch, step = _kernel.train_predict(
-                train_x, labels, perms, test_x, params, velocity, scores,
-                n, m, config.epochs, config.batch_size, config.depth,
-                config.alpha, config.learning_rate, config.momentum, config.weight_decay,
-                self.threads, self.isa,
-                None if cancel is None else cancel.flag, None if cancel is None else cancel.progress,
-            )
-            t2 = time.perf_counter()
+        t1 = time.perf_counter()
+        ran, outcome, epoch, step = _kernel.train_predict(
+            train_x, labels, perms, test_x, params, velocity, scores,
+            n, m, config.epochs, config.batch_size, config.depth,
+            config.alpha, config.learning_rate, config.momentum, config.weight_decay,
+            self.threads, self.isa,
+            None if cancel is None else cancel.flag, None if cancel is None else cancel.progress,
+        )
+        t2 = time.perf_counter()
         if outcome == "cancelled":
             raise TaskCancelled(cancel.reason or "cancelled", epoch, step, config.epochs)
         if outcome == "diverged":
