@@ -1,0 +1,48 @@
+"""Refused requests allocate nothing large: the server's peak resident memory (VmHWM, read from
+/proc) hardly moves while it refuses over-bound configs and over-budget tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from learner.taskio import task_to_npz_bytes
+
+from .conftest import small_task
+from .server import post_task, running_server
+
+MIB = 1024 * 1024
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/<pid>/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_refused_requests_allocate_nothing_large(tmp_path):
+    env = {"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1", "REV88_MAX_TASK_WORK": "1000000"}
+    small = task_to_npz_bytes(small_task(64, 16, seed=1))
+    big = task_to_npz_bytes(small_task(20_000, 100, seed=2))  # 6.5 MB: parsed, then over the work budget
+    with running_server(tmp_path, env=env) as server, server.client() as c:
+        assert post_task(c, small).status_code == 200  # everything a task touches is loaded now
+        before = peak_rss(server.proc.pid)
+        refused = [
+            ({"depth": "100000"}, small, 422),        # config bound: refused before the body is read
+            ({"epochs": "100000"}, small, 422),
+            ({"seed": str(2**80)}, small, 422),
+            ({"batch_size": str(2**40)}, small, 422),
+            ({"epochs": "1000"}, big, 422),           # 2 x 1000 x (20,000 + 32 x 157) work units > 1,000,000
+            ({"depth": "64", "epochs": "1000"}, big, 422),
+        ]
+        for _ in range(3):
+            for params, body, status in refused:
+                r = post_task(c, body, params=params)
+                assert r.status_code == status, (params, r.text)
+        grown = peak_rss(server.proc.pid) - before
+    # 18 refusals, two thirds of them of a 6.5 MB task: the peak grows by at most a few copies
+    # of that body, never by what the refused work would have needed (hundreds of MB to GBs)
+    assert grown < 96 * MIB, f"peak RSS grew by {grown / MIB:.1f} MiB while refusing"
