@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.commands import add_serve, add_submit
+from app.commands import add_cancel, add_serve, add_submit, add_task, add_tasks
 from learner import __version__
 from learner.backends import BackendUnavailable
 from learner.cli import CliError, add_make_task, add_run, add_score
@@ -17,7 +17,8 @@ from learner.errors import TaskError
 from learner.evaluate import add_evaluate
 from learner.measure import add_measure
 
-COMMANDS = [add_run, add_make_task, add_score, add_evaluate, add_measure, add_serve, add_submit]
+COMMANDS = [add_run, add_make_task, add_score, add_evaluate, add_measure, add_serve, add_submit, add_tasks, add_task,
+            add_cancel]
 
 
 def build_parser() -> argparse.ArgumentParser:
