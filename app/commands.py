@@ -55,6 +55,9 @@ SERVE_ENV = {
     "workers": "REV88_WORKERS",
     "max_task_work": "REV88_MAX_TASK_WORK",
     "max_task_bytes": "REV88_MAX_TASK_BYTES",
+    "data_dir": "REV88_DATA_DIR",
+    "retain_tasks": "REV88_RETAIN_TASKS",
+    "retain_bytes": "REV88_RETAIN_BYTES",
 }
 
 
@@ -97,10 +100,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PlanError as exc:
         raise CliError(f"{exc} (REV88_WORKERS / --workers)") from None
 
+    from .ledger import Ledger, LedgerError
+
+    try:  # a corrupt, newer or unwritable ledger: say so before uvicorn starts
+        Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes).close()
+    except LedgerError as exc:
+        raise CliError(f"{exc} (REV88_DATA_DIR / --data-dir)") from None
+
     shown = "[::1]" if settings.host == "::1" else settings.host
     print(
         f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
-        f"worker(s), queue {workers.queue_size}, drain {settings.drain_timeout_s:g} s, auth "
+        f"worker(s), queue {workers.queue_size}, ledger {settings.ledger_dir}, drain {settings.drain_timeout_s:g} s, auth "
         f"{'on' if settings.auth_enabled else 'off'}); API docs at /docs",
         file=sys.stderr,
     )
@@ -173,6 +183,10 @@ def add_serve(sub) -> None:
                    "for the CPU backends, one per visible GPU for cuda/fused]")
     p.add_argument("--max-task-work", type=int, help="a task's estimated work limit [REV88_MAX_TASK_WORK, "
                    "default 50,000,000; see learner/budget.py]")
+    p.add_argument("--data-dir", help="the task ledger's folder [REV88_DATA_DIR, default $XDG_DATA_HOME/rev88 "
+                   "or ~/.local/share/rev88]")
+    p.add_argument("--retain-tasks", type=int, help="finished tasks kept in the ledger [REV88_RETAIN_TASKS, default 10000]")
+    p.add_argument("--retain-bytes", type=int, help="bytes of stored answers kept [REV88_RETAIN_BYTES, default 1 GiB]")
     p.add_argument("--max-task-bytes", type=int, help="a task's estimated memory limit in bytes "
                    "[REV88_MAX_TASK_BYTES, default 1 GiB]")
     p.set_defaults(func=cmd_serve)
