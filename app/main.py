@@ -24,7 +24,7 @@ from learner.config import FIELDS
 from learner.errors import TaskError
 
 from . import health as health_docs
-from . import lifecycle, submit
+from . import lifecycle, submit, web
 from .errors import Conflict, InvalidRequest, NotFound, ServiceError
 from .ledger import LedgerUnavailable
 from .logs import configure_logging
@@ -238,4 +238,5 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
         body, content_type = await run_in_threadpool(service.metrics.render)
         return Response(body, media_type=content_type)
 
+    web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, its script and styles under /static
     return app

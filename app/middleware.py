@@ -19,8 +19,12 @@ from .metrics import Metrics
 
 log = logging.getLogger("rev88.app.access")
 
-OPEN_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})  # the health probes
-QUIET_PATHS = OPEN_PATHS | {"/metrics"}  # probes and scrapes: logged at debug level
+PROBE_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})  # the health probes
+# Open without the key: the probes, and the web page (app/web), whose HTML and scripts carry no
+# data; its script sends the key the user typed in as Bearer to every API route it calls.
+OPEN_PATHS = PROBE_PATHS | {"/"}
+OPEN_PREFIXES = ("/ui/", "/static/")
+QUIET_PATHS = PROBE_PATHS | {"/metrics"}  # probes and scrapes: logged at debug level
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -30,6 +34,18 @@ def request_id_from(headers: Headers) -> str:
     if given and _REQUEST_ID.match(given):
         return given
     return uuid.uuid4().hex
+
+
+def is_open(path: str) -> bool:
+    """Whether ``path`` is served without the API key. Prefixed paths with dot segments
+    or empty segments (``/ui/../tasks``) are not open, whatever a router would make of them."""
+    if path in OPEN_PATHS:
+        return True
+    if not path.startswith(OPEN_PREFIXES):
+        return False
+    segments = path.split("/")[1:]
+    dots = any(s in (".", "..") for s in segments)
+    return not dots and "" not in segments[:-1] and "\\" not in path
 
 
 def authorized(headers: Headers, api_key: str) -> bool:
@@ -65,7 +81,7 @@ class RequestMiddleware:
             await send(message)
 
         try:
-            if self.api_key is not None and path not in OPEN_PATHS and not authorized(headers, self.api_key):
+            if self.api_key is not None and not is_open(path) and not authorized(headers, self.api_key):
                 await self._unauthorized(send_with_id, "authorization" in headers)
             else:
                 await self.app(scope, receive, send_with_id)

@@ -1,0 +1,100 @@
+"""The web page: ``/`` (upload form, recent tasks, health) and ``/ui/tasks/{id}`` (one task).
+
+Server-rendered with Jinja2 (templates/) plus a little plain JavaScript (static/rev88.js, no
+build step). The HTML carries no task data: the script fetches the JSON API (``/tasks``,
+``/health``) and sends the API key a user typed into the page (kept in the browser's
+localStorage) as ``Authorization: Bearer``. So these pages and the static files are open
+without the key (app/middleware.py), while every API route stays protected.
+
+app/main.py calls ``install(app)``: the routes of ``router`` on the app itself, and the static
+files mounted at ``STATIC_PATH``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from learner import __version__
+from learner.backends import NAMES
+from learner.config import FIELDS, INT_FIELDS, Config, bound_text
+
+HERE = Path(__file__).resolve().parent
+STATIC_PATH = "/static"
+UI_PREFIX = "/ui/"
+TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+# The page's own scripts and styles only; the data comes from this origin's JSON API.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+        "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+router = APIRouter(include_in_schema=False)
+
+
+def static_files() -> StaticFiles:
+    return StaticFiles(directory=str(HERE / "static"))
+
+
+def install(app: FastAPI) -> None:
+    """The page's routes and static files on ``app``. The routes are added one by one rather
+    than with ``app.include_router(router)``: since FastAPI 0.16x that adds one nested entry to
+    ``app.routes`` (no ``.path``), and code that reads the app's route table expects routes."""
+    for route in router.routes:
+        app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name,
+                          summary=route.summary, response_class=HTMLResponse, include_in_schema=False)
+    app.mount(STATIC_PATH, static_files(), name="static")
+
+
+def _config_fields() -> list[dict]:
+    """The form's config inputs: name, default (the placeholder) and allowed range (the hint)."""
+    defaults = Config().as_dict()
+    shown = {"seed": "[0, 2^63 - 1]"}  # the digits would not fit the field's hint
+    return [{"name": name, "default": defaults[name], "integer": name in INT_FIELDS,
+             "range": shown.get(name, bound_text(name))} for name in FIELDS]
+
+
+def _context(request: Request, **extra) -> dict:
+    state = request.app.state
+    settings = getattr(state, "settings", None)
+    service = getattr(state, "service", None)
+    return {
+        "root": request.scope.get("root_path", "").rstrip("/"),
+        "version": __version__,
+        "auth": bool(settings is not None and settings.api_key is not None),
+        "server_backend": getattr(service, "backend", None) or getattr(settings, "backend", "auto"),
+        **extra,
+    }
+
+
+@router.get("/", response_class=HTMLResponse, summary="The web page: upload a task, recent tasks, health")
+async def index(request: Request) -> HTMLResponse:
+    return templates.TemplateResponse(
+        request, "index.html",
+        _context(request, page="index", config_fields=_config_fields(), backends=NAMES),
+        headers=SECURITY_HEADERS,
+    )
+
+
+@router.get(UI_PREFIX + "tasks/{task_id}", response_class=HTMLResponse, summary="The web page of one task")
+async def task_page(request: Request, task_id: str) -> HTMLResponse:
+    if not TASK_ID.match(task_id):
+        return templates.TemplateResponse(
+            request, "not_found.html", _context(request, page="missing", task_id=task_id),
+            status_code=404, headers=SECURITY_HEADERS,
+        )
+    return templates.TemplateResponse(
+        request, "task.html", _context(request, page="task", task_id=task_id), headers=SECURITY_HEADERS,
+    )

@@ -1,0 +1,338 @@
+"""The web page (app/web): its routes over plain HTTP, and the page itself in a real headless
+browser (Debian's chromium driven by Playwright) against a real uvicorn server.
+
+The browser test uploads tasks through the form (waiting, and async), sees them succeed in the
+recent-tasks table, opens a task's page, downloads its predictions (.npy) and answer (.json)
+through the page's links and checks them against ``learner.result.run_task`` on the same task.
+It skips only when chromium or the playwright package is missing; `.ci/run` installs chromium
+and `make test` the package (the test extra), so CI runs it.
+
+With REV88_WEB_SCREENSHOTS=<folder> the browser tests also save screenshots there
+(desktop 1280x900 and phone 390x844, the index and a task page).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from app.middleware import is_open
+from learner.config import make_config
+from learner.hashing import array_sha256
+from learner.result import run_task
+from learner.taskio import save_task
+from tests.conftest import ROOT, small_task
+from tests.gates import FileGate
+from tests.server import post_task, running_server, wait_for
+
+KEY = "web-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--no-first-run"]
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+BIG_SEED = 2**53 + 1  # not a float64: the page must carry it digit for digit
+
+
+def chromium_path() -> str | None:
+    for candidate in (os.environ.get("REV88_CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium"):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One real server for this module: API key set, cpu-fast, one worker; its backend waits
+    while ``server.gate`` is held (tests.gates.FileGate; released by default)."""
+    tmp = tmp_path_factory.mktemp("web-server")
+    gate = tmp / "gate"
+    env = {"REV88_BACKEND": "cpu-fast", "REV88_API_KEY": KEY, "REV88_WORKERS": "1"}
+    with running_server(tmp, env=env, gate=gate) as srv:
+        srv.gate = FileGate(gate)
+        yield srv
+        srv.gate.release()
+
+
+@pytest.fixture(scope="module")
+def task_npz(tmp_path_factory) -> tuple[object, Path]:
+    task = small_task(n=23, m=9, seed=3)
+    path = tmp_path_factory.mktemp("web-task") / "small-task.npz"
+    save_task(path, task)
+    return task, path
+
+
+# ---------------------------------------------------------------------------- plain HTTP
+
+
+def test_pages_are_open_and_the_api_is_not(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        index = client.get("/")
+        assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+        html = index.text
+        for needle in ('id="task-form"', 'type="file"', 'id="backend"', 'value="async"', 'value="wait"',
+                       'id="api-key"', 'id="tasks-table"', 'id="health"', 'id="cfg-epochs"', 'data-auth="required"',
+                       '<option value="cpu-fast">'):
+            assert needle in html, needle
+        assert "script-src 'self'" in index.headers["content-security-policy"]
+
+        page = client.get("/ui/tasks/0123abcd")
+        assert page.status_code == 200 and 'data-task-id="0123abcd"' in page.text
+        assert 'id="download-npy"' in page.text and "/tasks/0123abcd/predictions.npy" in page.text
+        assert client.get("/ui/tasks/not.an%20id").status_code == 404
+
+        js = client.get("/static/rev88.js")
+        assert js.status_code == 200 and "javascript" in js.headers["content-type"] and "Bearer" in js.text
+        css = client.get("/static/rev88.css")
+        assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+        assert client.get("/static/nothing.js").status_code == 404
+
+        # the API stays behind the key
+        for path in ("/tasks", "/tasks/0123abcd", "/tasks/0123abcd/predictions.npy", "/docs", "/metrics"):
+            assert client.get(path).status_code == 401, path
+        assert client.get("/tasks", headers=AUTH).status_code == 200
+        paths = client.get("/openapi.json", headers=AUTH).json()["paths"]
+        assert "/tasks" in paths and not {"/", "/ui/tasks/{task_id}"} & set(paths)  # the page is not API
+        assert client.get("/health").status_code == 200  # the probes were open before
+
+
+def test_open_paths_are_exact():
+    for path in ("/", "/ui/tasks/abc", "/static/rev88.js", "/health", "/v2/health/ready"):
+        assert is_open(path), path
+    for path in ("/tasks", "/tasks/abc", "/docs", "/openapi.json", "/metrics", "/ui/../tasks", "/static/../tasks",
+                 "/ui/./tasks", "/static//tasks", "/static/..", "/ui\\..\\tasks", "/uix", "/static", "//tasks"):
+        assert not is_open(path), path
+
+
+def test_package_data_covers_the_web_files():
+    """A regular (non-editable) install ships templates and static files: pyproject's
+    [tool.setuptools.package-data] globs match every file of app/web but its Python."""
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["app.web"]
+    web = ROOT / "app" / "web"
+    files = [p.relative_to(web).as_posix() for p in web.rglob("*")
+             if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
+    assert files
+    for name in files:
+        assert any(fnmatch(name, g) for g in globs), f"app/web/{name} is not in package-data {globs}"
+
+
+# ---------------------------------------------------------------------------- the real browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does it)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("the playwright package is not installed (pip install -e '.[test]')")
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def screenshot(page, name: str) -> None:
+    folder = os.environ.get("REV88_WEB_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
+
+
+class Page:
+    """A browser page with its JavaScript errors collected (a failing test names them)."""
+
+    def __init__(self, browser, viewport):
+        self.context = browser.new_context(viewport=viewport, accept_downloads=True)
+        self.context.set_default_timeout(30_000)
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
+        self.page.on("console", lambda msg: msg.type == "error" and "Failed to load resource" not in msg.text
+                     and self.errors.append(f"console: {msg.text}"))
+
+    def close(self) -> None:
+        self.context.close()
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def desktop(browser):
+    page = Page(browser, DESKTOP)
+    yield page.page
+    page.close()
+
+
+def no_sideways_scroll(page) -> None:
+    width = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert width[0] <= width[1], f"the page scrolls sideways: {width[0]} px wide in a {width[1]} px window"
+
+
+def upload(page, npz: Path, mode: str, config: dict[str, str]) -> str:
+    page.set_input_files("#task-file", str(npz))
+    for input_ in page.query_selector_all("fieldset.config input"):
+        input_.fill("")
+    for name, value in config.items():
+        page.fill(f"#cfg-{name}", value)
+    page.select_option("#backend", "cpu-fast")
+    page.check(f"input[name=mode][value={mode}]")
+    before = page.get_attribute("#submit-result", "data-task-id")
+    page.click("#submit")
+    page.wait_for_function(
+        """before => { const r = document.querySelector('#submit-result');
+                       return r.classList.contains('error') || (r.classList.contains('ok') && r.dataset.taskId !== before); }""",
+        arg=before)
+    result = page.locator("#submit-result")
+    assert "ok" in result.get_attribute("class"), result.inner_text()
+    return result.get_attribute("data-task-id")
+
+
+def test_upload_through_the_form_and_download_the_predictions(server, browser, desktop, task_npz, tmp_path):
+    task, npz = task_npz
+    page = desktop
+    page.goto(server.url + "/")
+    # without the key the page says what is missing
+    page.wait_for_selector("#tasks-message.error")
+    assert "API key" in page.inner_text("#tasks-message")
+    page.wait_for_selector("#health-status.status-ok")  # /health is open
+    assert "cpu" in page.inner_text("#health-body")
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    page.wait_for_function("() => !document.querySelector('#tasks-message').classList.contains('error')")
+
+    # mistakes are shown: one the page catches, one the server refuses (422, nothing trained)
+    page.set_input_files("#task-file", str(npz))
+    page.fill("#cfg-epochs", "2.5")
+    page.click("#submit")
+    page.wait_for_selector("#submit-result.error")
+    assert "whole number" in page.inner_text("#submit-result")
+    page.fill("#cfg-epochs", "5000")
+    page.click("#submit")
+    page.wait_for_function("() => /^422/.test(document.querySelector('#submit-result').textContent)")
+    assert "epochs" in page.inner_text("#submit-result")
+
+    # wait for the answer: epochs=3, seed=5
+    waited = upload(page, npz, "wait", {"epochs": "3", "seed": "5"})
+    assert "succeeded" in page.inner_text("#submit-result")
+    # async, with a seed beyond float64's integers
+    queued = upload(page, npz, "async", {"seed": str(BIG_SEED)})
+    assert "accepted" in page.inner_text("#submit-result")
+    for task_id in (waited, queued):
+        page.wait_for_selector(f"#tasks-body tr[data-task-id='{task_id}'][data-status=succeeded]")
+    row = page.locator(f"#tasks-body tr[data-task-id='{waited}']")
+    assert row.locator("td[data-label=backend]").inner_text() == "cpu-fast"
+    assert row.locator("td[data-label=train]").inner_text() == "23"
+    assert row.locator("td[data-label=queries]").inner_text() == "9"
+    screenshot(page, "index-desktop")
+
+    expected = {
+        waited: run_task(task, make_config({"epochs": 3, "seed": 5}), "cpu-fast"),
+        queued: run_task(task, make_config({"seed": BIG_SEED}), "cpu-fast"),
+    }
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
+        for task_id, result in expected.items():
+            answer = client.get(f"/tasks/{task_id}").json()
+            assert answer["predictions_sha256"] == result.predictions_sha256
+            assert answer["metadata"]["backend"] == "cpu-fast"
+        assert client.get(f"/tasks/{queued}").json()["metadata"]["config"]["seed"] == BIG_SEED
+
+    # open the async task's page from the table
+    page.click(f"#tasks-body tr[data-task-id='{queued}'] td[data-label=task] a")
+    page.wait_for_url(f"**/ui/tasks/{queued}")
+    page.wait_for_selector("#task-status.status-succeeded")
+    want = expected[queued].predictions_sha256
+    assert page.inner_text("#predictions-sha256") == want
+    assert page.inner_text("[data-hash=predictions]") == want
+    assert page.locator("#timing-chart .bar-row").count() >= 6
+    assert page.locator("#timing-chart [data-phase=run]").count() == 1
+    assert "energy" in page.inner_text("#energy-body").lower() or "no figure" in page.inner_text("#energy-body").lower()
+    config_text = page.inner_text("#config-table")
+    assert str(BIG_SEED) in config_text and "cpu-fast" in config_text
+    assert page.locator("#prediction-histogram .column").count() == 10
+    screenshot(page, "task-desktop")
+
+    # the downloads, through the page's links (fetched with the key, saved by the browser)
+    with page.expect_download() as info:
+        page.click("#download-npy")
+    download = info.value
+    assert download.suggested_filename == f"rev88-{queued}.predictions.npy"
+    saved = tmp_path / download.suggested_filename
+    download.save_as(saved)
+    predictions = np.load(saved)
+    assert predictions.dtype == np.int64 and predictions.shape == (9,)
+    assert array_sha256(predictions) == want == expected[queued].predictions_sha256
+    np.testing.assert_array_equal(predictions, expected[queued].predictions)
+
+    with page.expect_download() as info:
+        page.click("#download-json")
+    saved_json = tmp_path / info.value.suggested_filename
+    info.value.save_as(saved_json)
+    answer = json.loads(saved_json.read_text())
+    assert answer["id"] == queued and answer["status"] == "succeeded"
+    assert answer["predictions_sha256"] == want and answer["predictions"] == predictions.tolist()
+
+
+def test_phone_sized_window(server, browser, task_npz):
+    _, npz = task_npz
+    phone = Page(browser, PHONE)
+    page = phone.page
+    try:
+        page.goto(server.url + "/")
+        page.fill("#api-key", KEY)
+        page.click("#key-save")
+        task_id = upload(page, npz, "wait", {"epochs": "2"})
+        page.wait_for_selector(f"#tasks-body tr[data-task-id='{task_id}'][data-status=succeeded]")
+        page.wait_for_selector("#health-status.status-ok")
+        # the table collapses into one card per task: its header is hidden, each cell labelled
+        assert not page.locator("#tasks-table thead").is_visible()
+        no_sideways_scroll(page)
+        screenshot(page, "index-phone")
+        page.goto(f"{server.url}/ui/tasks/{task_id}")
+        page.wait_for_selector("#task-status.status-succeeded")
+        no_sideways_scroll(page)
+        screenshot(page, "task-phone")
+    finally:
+        phone.close()
+
+
+def test_task_page_follows_a_queued_task_and_cancels(server, desktop, task_npz):
+    """While queued or running, the task page refreshes by itself; its Cancel button cancels."""
+    _, npz = task_npz
+    page = desktop
+    body = npz.read_bytes()
+    page.goto(server.url + "/")
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    server.gate.hold()
+    try:
+        with server.client(headers=AUTH) as client:
+            held = post_task(client, body, headers={"Prefer": "respond-async"}).json()["id"]
+            behind = post_task(client, body, params={"seed": "7"}, headers={"Prefer": "respond-async"}).json()["id"]
+            wait_for(lambda: client.get(f"/tasks/{held}").json()["status"] == "running", 60, what="the held task running")
+        page.goto(f"{server.url}/ui/tasks/{behind}")
+        page.wait_for_selector("#task-status.status-queued")
+        assert page.locator("#cancel").is_visible()
+        assert "refreshes" in page.inner_text("#task-message")
+        screenshot(page, "task-queued-desktop")
+        page.click("#cancel")
+        page.wait_for_selector("#task-status.status-cancelled")
+        assert not page.locator("#cancel").is_visible() and not page.locator("#download-npy").is_visible()
+
+        page.goto(f"{server.url}/ui/tasks/{held}")
+        page.wait_for_selector("#task-status.status-running")
+    finally:
+        server.gate.release()
+    page.wait_for_selector("#task-status.status-succeeded", timeout=60_000)  # no reload: the page polled
+    assert page.locator("#download-npy").is_visible()
