@@ -223,7 +223,8 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
         status, doc = await run_in_threadpool(health_docs.health, service)
         return JSONResponse(doc, status_code=status)
 
-    @app.get("/v2/health/live", summary="Liveness: the process is up", response_model=Probe)
+    @app.get("/v2/health/live", summary="Liveness: the process is up", response_model=Probe,
+             response_model_exclude_none=True)
     async def get_live() -> dict:
         return health_docs.live()
 
