@@ -1,16 +1,22 @@
 """Array hashes as the reference records name them: sha256 of C-contiguous
-little-endian bytes."""
+little-endian bytes.
+
+torch is not imported here (the task reader hashes its arrays without it); a tensor
+passed in is converted by its own methods."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def to_numpy(a: np.ndarray | torch.Tensor) -> np.ndarray:
-    if isinstance(a, torch.Tensor):
+    if not isinstance(a, np.ndarray) and hasattr(a, "detach"):  # a torch.Tensor
         a = a.detach().cpu().numpy()
     return a
 
@@ -18,7 +24,8 @@ def to_numpy(a: np.ndarray | torch.Tensor) -> np.ndarray:
 def array_sha256(a: np.ndarray | torch.Tensor) -> str:
     arr = to_numpy(a)
     arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
-    return hashlib.sha256(arr.tobytes()).hexdigest()
+    # the array's own memory, read as bytes: the same bytes as arr.tobytes(), without the copy
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()
 
 
 def named_sha256(names: list[str], arrays: list[np.ndarray | torch.Tensor]) -> dict[str, str]:

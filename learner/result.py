@@ -177,7 +177,7 @@ def finish_task(
         "train_count": task.train_count,
         "test_count": task.test_count,
         **DESCRIPTION,
-        "input_hashes": {name: array_sha256(arr) for name, arr in task.as_dict().items()},
+        "input_hashes": task.input_hashes(),  # computed once per task, by load_task where it came from an npz
         "epoch_permutation_sha256": [array_sha256(p) for p in prepared.permutations],
         "initial_parameter_sha256": named_sha256(names, prepared.initial),
         "final_parameter_sha256": named_sha256(names, out.final_parameters),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import subprocess
 import sys
 import zipfile
@@ -206,3 +207,186 @@ def test_cli_bad_config_and_bad_array_status_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rev88", "run", "--input", str(bad), "--output",
                         str(tmp_path / "r.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "train_images pixels must lie in [0, 1]" in r.stderr
+
+
+# --------------------------------------------------------------------------- the fast reader
+
+
+def test_stored_members_read_from_every_kind_of_source(tmp_path):
+    """Bytes, bytearray, memoryview, a path and a file object give np.load's arrays; each
+    is aligned, writable, C-contiguous and its own memory (never a view of the caller's
+    buffer, so changing that buffer afterwards changes nothing)."""
+    a = arrays(7, 4)
+    a["train_labels"] = a["train_labels"].astype(np.int32)
+    data = npz_bytes(a)
+    path = tmp_path / "t.npz"
+    path.write_bytes(data)
+    buffer = bytearray(data)
+    sources = [data, buffer, memoryview(data), str(path), path, io.BytesIO(data)]
+    for source in sources:
+        got = read_npz(source)
+        for name, want in a.items():
+            arr = got[name]
+            assert arr.dtype == want.dtype and arr.shape == want.shape
+            np.testing.assert_array_equal(arr, want)
+            assert arr.flags.aligned and arr.flags.writeable and arr.flags.c_contiguous
+    kept = read_npz(buffer)
+    buffer[:] = b"\0" * len(buffer)
+    np.testing.assert_array_equal(kept["train_images"], a["train_images"])
+
+
+def test_fortran_ordered_and_compressed_members():
+    a = arrays(6, 2)
+    fortran = np.asfortranarray(a["train_images"])
+    got = read_npz(npz_bytes({**a, "train_images": fortran}))
+    np.testing.assert_array_equal(got["train_images"], a["train_images"])
+    assert got["train_images"].flags.c_contiguous
+    got = read_npz(npz_bytes(a, compressed=True))
+    np.testing.assert_array_equal(got["test_images"], a["test_images"])
+
+
+def _members(data: bytes) -> dict[str, zipfile.ZipInfo]:
+    return {i.filename: i for i in zipfile.ZipFile(io.BytesIO(data)).infolist()}
+
+
+def _data_start(data: bytes, info: zipfile.ZipInfo) -> int:
+    """Where a member's bytes (its .npy) begin: after its local header, name and extra field."""
+    name_length, extra_length = struct.unpack_from("<2H", data, info.header_offset + 26)
+    return info.header_offset + 30 + name_length + extra_length
+
+
+def test_stored_member_crc_checked_in_memory_and_from_a_file(tmp_path):
+    data = npz_bytes(arrays())
+    info = _members(data)["test_images.npy"]
+    bad = bytearray(data)
+    bad[_data_start(data, info) + 128 + 5] ^= 0x01  # one bit of a pixel (after the 128-byte .npy header)
+    path = tmp_path / "bad.npz"
+    path.write_bytes(bytes(bad))
+    for source in (bytes(bad), path):
+        with pytest.raises(ArchiveError, match="test_images is corrupt: bad CRC-32"):
+            read_npz(source)
+
+
+def test_stored_member_local_header_checked():
+    data = npz_bytes(arrays())
+    info = _members(data)["train_labels.npy"]
+    renamed = bytearray(data)
+    at = info.header_offset + 30
+    renamed[at : at + 5] = b"XXXXX"  # the local header's name, not the directory's
+    with pytest.raises(ArchiveError, match="local header names 'XXXXX_labels.npy'"):
+        read_npz(bytes(renamed))
+    unsigned = bytearray(data)
+    unsigned[info.header_offset : info.header_offset + 4] = b"PK\x09\x09"
+    with pytest.raises(ArchiveError, match="bad local file header"):
+        read_npz(bytes(unsigned))
+
+
+def test_stored_member_data_past_the_end_is_truncated():
+    """A directory that points past the end of the body: truncated, never read out of bounds."""
+    data = npz_bytes(arrays(200, 50))
+    info = _members(data)["test_images.npy"]
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        directory_at = zf.start_dir
+    cut = data[: info.header_offset + 200] + data[directory_at:]  # the member's data cut short
+    # the directory's offsets are now off by the cut; zipfile corrects for prepended data only,
+    # so any of "truncated", "corrupt" or "not a zip" is a fine answer -- an ArchiveError
+    with pytest.raises(ArchiveError):
+        read_npz(cut)
+
+
+# --------------------------------------------------------------------------- one-pass validation
+
+
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        (0.0, True),
+        (-0.0, True),  # -0.0 >= 0: accepted, as the exact checks always did
+        (1.0, True),
+        (np.float32(np.nextafter(np.float32(1), np.float32(2))), False),
+        (np.float32(np.nextafter(np.float32(0), np.float32(-1))), False),  # the smallest negative denormal
+        (np.float32(1e-45), True),  # the smallest positive denormal
+        (np.inf, False),
+        (-np.inf, False),
+        (np.nan, False),
+        (-np.nan, False),
+    ],
+)
+def test_one_pass_range_check_matches_the_exact_rule(value, ok):
+    a = arrays()
+    a["test_images"] = a["test_images"].copy()
+    a["test_images"][1, 0, 4, 4] = value
+    if ok:
+        validate_task(**a)
+        return
+    with pytest.raises(InputError, match="test_images (holds 1 non-finite|pixels must lie in)"):
+        validate_task(**a)
+
+
+def test_non_contiguous_images_validated_and_made_contiguous():
+    a = arrays(10, 3)
+    strided = a["train_images"][::2]
+    labels = a["train_labels"][::2]
+    task = validate_task(strided, labels, a["test_images"])
+    assert task.train_images.flags.c_contiguous
+    np.testing.assert_array_equal(task.train_images, strided)
+    bad = a["train_images"].copy()
+    bad[2, 0, 0, 0] = 2.0
+    with pytest.raises(InputError, match="pixels must lie in"):
+        validate_task(bad[::2], labels, a["test_images"])
+
+
+# --------------------------------------------------------------------------- input hashes, once
+
+
+def test_input_hashes_computed_once_by_load_task_and_equal_to_array_sha256(monkeypatch):
+    import learner.taskio as taskio
+    from learner.hashing import array_sha256
+
+    a = arrays()
+    calls = []
+    real = taskio.array_sha256
+    monkeypatch.setattr(taskio, "array_sha256", lambda arr: calls.append(1) or real(arr))
+    task = load_task(npz_bytes(a))
+    assert len(calls) == 3  # computed while loading: in the service, in the parse thread
+    first = task.input_hashes()
+    second = task.input_hashes()
+    assert len(calls) == 3
+    assert first == second == {name: array_sha256(arr) for name, arr in a.items() if name != "train_labels"} | {
+        "train_labels": array_sha256(a["train_labels"].astype(np.int64))}
+    first["train_images"] = "changed"  # a fresh dict each call: the cache cannot be edited through it
+    assert task.input_hashes() == second
+    assert list(first) == ["train_images", "train_labels", "test_images"]
+
+
+def test_validated_task_hashes_on_first_use_and_result_reuses_them():
+    from learner.config import Config
+    from learner.hashing import array_sha256
+    from learner.result import run_task
+
+    task = small_task()
+    assert task._input_hashes is None  # validate_task alone computes nothing
+    result = run_task(task, Config(epochs=1), "cpu")
+    want = {name: array_sha256(arr) for name, arr in task.as_dict().items()}
+    assert result.metadata["input_hashes"] == want == task.input_hashes()
+    assert result.metadata["input_hashes"] is not task._input_hashes
+
+
+def test_array_sha256_is_the_sha256_of_tobytes():
+    import hashlib
+
+    from learner.hashing import array_sha256
+
+    rng = np.random.default_rng(3)
+    cases = [
+        rng.random((4, 1, 9, 9), dtype=np.float32),
+        rng.random((4, 1, 9, 9), dtype=np.float32)[::2],  # not contiguous
+        rng.integers(0, 10, 7).astype(">i8"),  # big-endian: hashed as little-endian
+        np.zeros((0, 1, 9, 9), np.float32),
+        np.float64(2.5),
+        np.array([True, False]),
+        np.asfortranarray(rng.random((3, 5))),
+    ]
+    for arr in cases:
+        le = np.ascontiguousarray(np.asarray(arr).astype(np.asarray(arr).dtype.newbyteorder("<")))
+        assert array_sha256(arr) == hashlib.sha256(le.tobytes()).hexdigest()
