@@ -84,7 +84,7 @@ def stop_latency(folder: Path, backend: str, repeats: int) -> dict:
     with running_server(folder, env={"REV88_BACKEND": backend, "REV88_WORKERS": "1"}) as srv, srv.client() as c:
         for _ in range(repeats):
             task_id = post_task(c, body, params={"epochs": "1000"}, headers={"Prefer": "respond-async"}).json()["id"]
-            wait_for(lambda: c.get(f"/tasks/{task_id}").json()["status"] == "running", 120, 0.01, "running")
+            wait_for(lambda t=task_id: c.get(f"/tasks/{t}").json()["status"] == "running", 120, 0.01, "running")
             time.sleep(0.3)  # well inside its training
             t0 = time.perf_counter()
             c.post(f"/tasks/{task_id}/cancel")
