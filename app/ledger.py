@@ -545,14 +545,19 @@ class Ledger:
                     upload.unlink()
         return record, True
 
+    def _unfinished_record(self, conn: sqlite3.Connection, task_id: str) -> TaskRecord:
+        """The task's record (without its answer); KeyError if unknown, AlreadyFinished if finished."""
+        record = self._get(conn, task_id, with_answer=False)
+        if record is None:
+            raise KeyError(task_id)
+        if record.finished:
+            raise AlreadyFinished(record)
+        return record
+
     def mark_running(self, task_id: str, device: str | None = None) -> None:
         """queued (or running, after a restart re-queued it) -> running; sets started_at."""
         with self._write(f"mark task {task_id} running") as conn:
-            record = self._get(conn, task_id, with_answer=False)
-            if record is None:
-                raise KeyError(task_id)
-            if record.finished:
-                raise AlreadyFinished(record)
+            self._unfinished_record(conn, task_id)
             conn.execute(
                 "UPDATE tasks SET status = 'running', started_at = ?, device = COALESCE(?, device),"
                 " attempts = attempts + 1 WHERE id = ?",
@@ -582,11 +587,7 @@ class Ledger:
             energy = answer.get("energy")
             energy_j = _number(energy.get("gross_j")) if isinstance(energy, dict) else None
         with self._write(f"record the result of task {task_id}") as conn:
-            record = self._get(conn, task_id, with_answer=False)
-            if record is None:
-                raise KeyError(task_id)
-            if record.finished:
-                raise AlreadyFinished(record)
+            self._unfinished_record(conn, task_id)
             conn.execute(
                 "UPDATE tasks SET status = ?, finished_at = ?, answer = ?, answer_codec = ?, answer_bytes = ?,"
                 " answer_json_bytes = ?, error = ?, predictions_sha256 = ?, run_ms = ?, energy_j = ?,"
