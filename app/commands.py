@@ -107,11 +107,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except LedgerError as exc:
         raise CliError(f"{exc} (REV88_DATA_DIR / --data-dir)") from None
 
+    from . import allocator
+
+    malloc = allocator.tune()  # before the app allocates its first task
     shown = "[::1]" if settings.host == "::1" else settings.host
     print(
         f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
         f"worker(s), queue {workers.queue_size}, ledger {settings.ledger_dir}, drain {settings.drain_timeout_s:g} s, auth "
-        f"{'on' if settings.auth_enabled else 'off'}); API docs at /docs",
+        f"{'on' if settings.auth_enabled else 'off'}; {malloc}); API docs at /docs",
         file=sys.stderr,
     )
     # On SIGTERM the app starts draining (ready -> 503, no new tasks) and uvicorn stops

@@ -71,7 +71,9 @@ class TaskSummary(Open):
     train_count: int
     test_count: int
     input_hashes: dict[str, str] | None = None
-    body_sha256: str
+    body_sha256: str | None = Field(
+        None, description="SHA-256 of the uploaded body; null for a synchronous task sent without an "
+        "Idempotency-Key (not hashed: input_hashes identify its arrays)")
     body_bytes: int
     idempotency_key: str | None = None
     predictions_sha256: str | None = None

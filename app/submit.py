@@ -71,11 +71,13 @@ async def client_gone(request: Request) -> None:
             return
 
 
-def _parse(body: bytes) -> tuple:
-    """In a worker thread: the task (validated, its input hashes computed) and the body's SHA-256."""
+def _parse(body: bytes, hash_body: bool) -> tuple:
+    """In a worker thread: the task (validated, its input hashes computed) and, when asked, the
+    body's SHA-256 (None otherwise: 4.6 ms for a 6.5 MB body, needed only to match an
+    Idempotency-Key's replay and to keep an asynchronous task's stored npz)."""
     task = load_task(body)
     lifecycle.input_hashes(task)  # computed here, off the workers, and cached where TaskArrays can
-    return task, hashlib.sha256(body).hexdigest()
+    return task, hashlib.sha256(body).hexdigest() if hash_body else None
 
 
 async def handle(request: Request, service: Service) -> Response:
@@ -110,7 +112,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         if kind == uploads.MULTIPART:
             body, form_config = await uploads.split_multipart(request.headers, body)
         config = options.config(form_config)
-        task, body_sha256 = await asyncio.to_thread(_parse, body)
+        task, body_sha256 = await asyncio.to_thread(_parse, body, asynchronous or key is not None)
         parse_s = time.perf_counter() - t_parse
     finally:
         service.release_upload()
@@ -146,7 +148,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     settled = await lifecycle.settle(service, acc, client_gone(request))
     if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):
         return npz_response(acc.task_id, settled)
-    return JSONResponse(settled.body, status_code=settled.status, headers=settled.headers)
+    return Response(settled.json(), status_code=settled.status, headers=settled.headers, media_type="application/json")
 
 
 def accepted_response(record: TaskRecord) -> JSONResponse:

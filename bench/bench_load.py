@@ -3,10 +3,14 @@
 In one run, for the MNIST-medium draw-0 task (10,000 train / 10,000 queries; a synthetic
 task of the same shape when the MNIST files are absent), default config:
 
-1. **learner alone** -- ``learner.result.run_task`` on the already loaded task, in one
-   process per core, each looping for ``--seconds``: tasks/s summed over the processes.
-   Measured before and after the service sweep (the machine's load drifts); the ratios use
-   the mean of the two.
+1. **learner alone** -- in one process per core, each looping for ``--seconds`` on the
+   already loaded task: tasks/s summed over the processes, two ways. *hashes + run_task*: the
+   three input hashes (SHA-256 of the arrays, ``learner.hashing.array_sha256``) then
+   ``learner.result.run_task`` -- what ``rev88 run`` does once the npz is read, and what
+   ``run_task`` itself did when issue #16 measured it (26 ms, 6 of them the hashes; the
+   service now computes them while it parses, and ``run_task`` reuses them). *run_task*: the
+   learning and the result alone (the hashes cached). Both measured before and after the
+   service sweep (the machine's load drifts); the ratios use the mean of the two.
 2. **service** -- a real ``rev88 serve`` process (uvicorn, default settings: one worker per
    core, backend ``--backend``, cpu-fast by default) on loopback, driven by closed-loop
    clients at each concurrency of the sweep (1, cores, 2 x cores, 4 x cores by default):
@@ -85,9 +89,10 @@ def task_bytes() -> tuple[bytes, str]:
 # --------------------------------------------------------------------------- learner alone
 
 
-def _alone_process(path: str, backend: str, seconds: float, ready, go, results) -> None:
+def _alone_process(path: str, backend: str, seconds: float, hash_inputs: bool, ready, go, results) -> None:
     sys.path.insert(0, str(ROOT))
     from learner.config import Config
+    from learner.hashing import array_sha256
     from learner.result import run_task
     from learner.taskio import load_task
 
@@ -100,20 +105,24 @@ def _alone_process(path: str, backend: str, seconds: float, ready, go, results) 
     t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
         t0 = time.perf_counter()
+        if hash_inputs:  # the work TaskArrays.input_hashes does once per task (cached after)
+            hashes = {name: array_sha256(arr) for name, arr in task.as_dict().items()}
         result = run_task(task, config, backend)
         times.append(time.perf_counter() - t0)
         if result.predictions_sha256 != first.predictions_sha256:
             raise SystemExit("run_task changed its predictions between identical runs")
+        if hash_inputs and hashes != result.metadata["input_hashes"]:
+            raise SystemExit("the input hashes differ from the ones run_task reports")
     meta = {k: first.metadata[k] for k in HASH_KEYS if k in first.metadata}
     results.put({"tasks": len(times), "seconds": sum(times), "median_ms": 1000 * statistics.median(times),
                  "cpu_s": time.process_time() - cpu0, "meta": meta})
 
 
-def learner_alone(path: str, backend: str, processes: int, seconds: float) -> dict:
-    """run_task in ``processes`` processes at once: tasks/s summed, median ms per task."""
+def learner_alone(path: str, backend: str, processes: int, seconds: float, hash_inputs: bool) -> dict:
+    """(input hashes +) run_task in ``processes`` processes at once: tasks/s summed, median ms per task."""
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_alone_process, args=(path, backend, seconds, ready, go, results))
+    procs = [ctx.Process(target=_alone_process, args=(path, backend, seconds, hash_inputs, ready, go, results))
              for _ in range(processes)]
     for p in procs:
         p.start()
@@ -125,6 +134,7 @@ def learner_alone(path: str, backend: str, processes: int, seconds: float) -> di
         p.join()
     return {
         "processes": processes,
+        "hash_inputs": hash_inputs,
         "tasks": sum(g["tasks"] for g in got),
         "tasks_per_s": sum(g["tasks"] / g["seconds"] for g in got),
         "run_task_median_ms": statistics.median(g["median_ms"] for g in got),
@@ -432,20 +442,23 @@ def uptime() -> str:
 
 
 def table(doc: dict) -> str:
-    alone = doc["alone_tasks_per_s"]
+    procs = doc["alone"][0]["processes"]
     lines = [
-        "| clients | tasks/s | service / learner alone | p50 ms | p99 ms | e2e − run_ms (median) | server CPU ms/task "
-        "| client CPU ms/task | statuses |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
-        f"| learner alone ({doc['alone'][0]['processes']} proc.) | {alone:.1f} | 1.00 | "
-        f"{doc['run_task_median_ms']:.1f} (run_task) | | | {doc['alone'][0]['cpu_ms_per_task']:.1f} | | |",
+        "| clients | tasks/s | ÷ hashes + run_task | ÷ run_task | p50 ms | p99 ms | e2e − run_ms (median) "
+        "| server CPU ms/task | client CPU ms/task | statuses |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+        f"| learner alone, hashes + run_task ({procs} proc.) | {doc['alone_tasks_per_s']:.1f} | 1.00 | | "
+        f"{doc['hashes_run_task_median_ms']:.1f} | | | {doc['alone'][0]['cpu_ms_per_task']:.1f} | | |",
+        f"| learner alone, run_task ({procs} proc.) | {doc['alone_run_task_tasks_per_s']:.1f} | | 1.00 | "
+        f"{doc['run_task_median_ms']:.1f} | | | {doc['alone_run_task'][0]['cpu_ms_per_task']:.1f} | | |",
     ]
     for lv in doc["levels"]:
         def f(v, spec=".1f"):
             return "" if v is None else format(v, spec)
         st = ", ".join(f"{k}: {v}" for k, v in sorted(lv["statuses"].items()))
         lines.append(
-            f"| {lv['clients']} | {lv['tasks_per_s']:.1f} | {lv['ratio']:.2f} | {f(lv['p50_ms'])} | {f(lv['p99_ms'])} "
+            f"| {lv['clients']} | {lv['tasks_per_s']:.1f} | {lv['ratio']:.2f} | {lv['ratio_run_task']:.2f} "
+            f"| {f(lv['p50_ms'])} | {f(lv['p99_ms'])} "
             f"| {f(lv['overhead_ms_median'])} | {f(lv['server_cpu_ms_per_task'])} | {f(lv['client_cpu_ms_per_task'], '.2f')} "
             f"| {st} |"
         )
@@ -508,9 +521,11 @@ def svg(doc: dict) -> str:
             out.append(f'<text x="{x0 + 40:.1f}" y="{ly}">{label}</text>')
             ly += 16
 
-    alone = doc["alone_tasks_per_s"]
+    alone, bare = doc["alone_tasks_per_s"], doc["alone_run_task_tasks_per_s"]
     panel(pad_l, "throughput", [("service", "#2166ac", [lv["tasks_per_s"] for lv in levels], "")],
-          [(f"learner alone {alone:.1f}/s", alone, "#1b7837"), ("0.9 x alone", 0.9 * alone, "#999")], "tasks / s")
+          [(f"alone: hashes + run_task {alone:.1f}/s", alone, "#1b7837"),
+           (f"alone: run_task {bare:.1f}/s", bare, "#5aae61"), ("0.75 x hashes + run_task", 0.75 * alone, "#999")],
+          "tasks / s")
     panel(pad_l + panel_w + gap, "latency",
           [("p99", "#b2182b", [lv["p99_ms"] for lv in levels], ""),
            ("p50", "#d6604d", [lv["p50_ms"] for lv in levels], 'stroke-dasharray="4 3"')], [], "ms")
@@ -556,10 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "task.npz"
         path.write_bytes(body)
-        print(f"learner alone: run_task in {cores} process(es), {args.seconds:g} s ...", file=sys.stderr)
-        alone = [learner_alone(str(path), args.backend, cores, args.seconds)]
-        one = learner_alone(str(path), args.backend, 1, min(args.seconds, 4.0))
-        meta = alone[0]["meta"]
+        print(f"learner alone: (hashes +) run_task in {cores} process(es), {args.seconds:g} s each ...", file=sys.stderr)
+        alone = {h: [learner_alone(str(path), args.backend, cores, args.seconds, h)] for h in (True, False)}
+        one = {h: learner_alone(str(path), args.backend, 1, min(args.seconds, 4.0), h) for h in (True, False)}
+        meta = alone[False][0]["meta"]
         proc = None
         if args.url:
             parts = urlsplit(args.url)
@@ -588,15 +603,22 @@ def main(argv: list[str] | None = None) -> int:
                 if proc.returncode != 0:  # its log says why
                     doc["server_log_tail"] = (Path(tmp) / "server.log").read_text()[-2000:]
         print("learner alone again ...", file=sys.stderr)
-        alone.append(learner_alone(str(path), args.backend, cores, args.seconds))
-    for a in alone:
+        for h in (True, False):
+            alone[h].append(learner_alone(str(path), args.backend, cores, args.seconds, h))
+    for a in alone[True] + alone[False]:
         a.pop("meta", None)
-    doc["alone"] = alone
-    doc["alone_tasks_per_s"] = statistics.fmean(a["tasks_per_s"] for a in alone)
-    doc["run_task_median_ms"] = one["run_task_median_ms"]
+    # "alone": hashes + run_task, the baseline of "ratio"; "alone_run_task": run_task only ("ratio_run_task")
+    doc["alone"], doc["alone_run_task"] = alone[True], alone[False]
+    doc["alone_tasks_per_s"] = statistics.fmean(a["tasks_per_s"] for a in alone[True])
+    doc["alone_run_task_tasks_per_s"] = statistics.fmean(a["tasks_per_s"] for a in alone[False])
+    doc["hashes_run_task_median_ms"] = one[True]["run_task_median_ms"]
+    doc["run_task_median_ms"] = one[False]["run_task_median_ms"]
     for lv in doc["levels"]:
         lv["ratio"] = lv["tasks_per_s"] / doc["alone_tasks_per_s"]
+        lv["ratio_run_task"] = lv["tasks_per_s"] / doc["alone_run_task_tasks_per_s"]
         lv["overhead_vs_run_task_ms"] = None if lv["p50_ms"] is None else lv["p50_ms"] - doc["run_task_median_ms"]
+        lv["overhead_vs_hashes_run_task_ms"] = (None if lv["p50_ms"] is None
+                                               else lv["p50_ms"] - doc["hashes_run_task_median_ms"])
     doc["uptime_after"] = uptime()
     doc["loadavg_after"] = os.getloadavg()
     doc["table"] = table(doc)
@@ -604,8 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "load.svg").write_text(svg(doc))
     print(f"{what}, backend {args.backend}, {cores} cores ({doc['machine']['cpu']}); "
           f"load average {doc['loadavg_before'][0]:.2f} before, {doc['loadavg_after'][0]:.2f} after")
-    print(f"learner alone: {alone[0]['tasks_per_s']:.1f} and {alone[1]['tasks_per_s']:.1f} tasks/s (before/after); "
-          f"one run_task {doc['run_task_median_ms']:.1f} ms median (1 process)")
+    for label, runs, ms in (("hashes + run_task", alone[True], doc["hashes_run_task_median_ms"]),
+                            ("run_task", alone[False], doc["run_task_median_ms"])):
+        print(f"learner alone, {label}: {runs[0]['tasks_per_s']:.1f} and {runs[1]['tasks_per_s']:.1f} tasks/s "
+              f"(before/after); one task {ms:.1f} ms median (1 process)")
     floor = doc["client_floor_health_live"]
     print(f"client floor (GET /v2/health/live): p50 {floor['p50_ms']:.2f} ms, client CPU "
           f"{floor['client_cpu_ms_per_request']:.3f} ms/request")

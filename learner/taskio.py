@@ -21,11 +21,11 @@ import hashlib
 import io
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+from zlib_ng.zlib_ng import crc32  # the zip CRC-32 (same values as zlib.crc32), 0.6 ms for 6.5 MB against 2.7
 
 from .data import MNIST_SHA256, bundled_mnist_dir, official_name
 from .errors import ArchiveError, ArchiveMemberError, ArchiveTooLargeError, InputError
@@ -358,7 +358,7 @@ def _read_stored(source: BinaryIO, memory: memoryview | None, info: zipfile.ZipI
     head = read(start, min(info.file_size, 12 + limits.max_header_size))  # magic, version, length, header
     shape, dtype, order, header_end, count = _array_layout(io.BytesIO(head), name, info.file_size, limits)
     data = read(start, info.file_size)
-    if zlib.crc32(data) != info.CRC:
+    if crc32(data) != info.CRC:
         raise ArchiveError(f"{name} is corrupt: bad CRC-32")
     arr = np.frombuffer(data, dtype=dtype, count=count, offset=header_end)
     if memory is not None or not arr.flags.aligned:

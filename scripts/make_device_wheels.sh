@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the GPU machine lacks for the HTTP service into .device-wheels/
-# (ignored by git; 10 wheels, 3.2 MiB measured). The lent nvidia-h200 machine runs CPython 3.12
+# (ignored by git; 12 wheels, 3.4 MiB measured). The lent nvidia-h200 machine runs CPython 3.12
 # and has torch, triton, numpy, nvidia-ml-py, httpx, anyio, h11, click, prometheus-client and
 # annotated-doc, but not fastapi, starlette, pydantic, pydantic-core, uvicorn, python-multipart,
 # nor annotated-types and typing-inspection (pydantic needs them) or opentelemetry-api (fastapi
-# imports it). It has no network, so they travel with the call:
+# imports it), nor orjson and zlib-ng (not in H200.md's package list), which the
+# service and the npz reader import. It has no network, so they travel with the call:
 #
 #     bash scripts/make_device_wheels.sh            # once, here (needs PyPI)
 #     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=590)
@@ -30,6 +31,8 @@ PACKAGES=(
   uvicorn==0.54.0
   python-multipart==0.0.34
   opentelemetry-api==1.45.2
+  orjson==3.13.0
+  zlib-ng==1.1.0
 )
 rm -rf "$DEST"
 mkdir -p "$DEST"

@@ -3,6 +3,7 @@ tasks, the history, cancel, idempotency, restarts (clean and kill -9), retention
 
 from __future__ import annotations
 
+import hashlib
 import signal
 import sqlite3
 import subprocess
@@ -63,6 +64,13 @@ def test_async_submit_then_poll_gives_the_synchronous_answer(server):
         again = c.get(f"/tasks/{sync.json()['id']}").json()
         assert again["status"] == "succeeded" and again["predictions"] == sync.json()["predictions"]
         assert again["metadata"] == sync.json()["metadata"]
+        # a synchronous task without an Idempotency-Key: its body is not hashed (input_hashes name
+        # its arrays); the asynchronous one's stored body is
+        listed = {t["id"]: t for t in c.get("/tasks", params={"limit": 100}).json()["tasks"]}
+        plain, stored = listed[sync.json()["id"]], listed[task_id]
+        assert plain["body_sha256"] is None and plain["body_bytes"] == len(body)
+        assert plain["input_hashes"] == sync.json()["metadata"]["input_hashes"]
+        assert stored["body_sha256"] == hashlib.sha256(body).hexdigest()
         npz = c.get(f"/tasks/{task_id}", headers={"Accept": "application/x-npz"})
         assert npz.headers["content-type"] == "application/x-npz"
         npy = c.get(f"/tasks/{task_id}/predictions.npy")
@@ -132,6 +140,9 @@ def test_an_idempotency_key_returns_the_same_task(server):
         assert sync.status_code == 200 and sync.json()["id"] == first.json()["id"]
         assert sync.json()["predictions_sha256"] == doc["predictions_sha256"]
         assert sync.headers.get("idempotent-replayed") == "true"
+        keyed = post_task(c, body, headers={"Idempotency-Key": "key-41-sync"})  # synchronous, keyed: hashed
+        listed = {t["id"]: t for t in c.get("/tasks", params={"limit": 100}).json()["tasks"]}
+        assert listed[keyed.json()["id"]]["body_sha256"] == hashlib.sha256(body).hexdigest()
         other = post_task(c, task_to_npz_bytes(small_task(50, 6, seed=42)), headers={"Idempotency-Key": "key-41"})
         assert other.status_code == 409 and "different body" in other.json()["error"]
         bad = post_task(c, body, headers={"Idempotency-Key": "has space"})

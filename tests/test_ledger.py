@@ -519,6 +519,39 @@ def test_migrations_apply_in_order_in_a_transaction(tmp_path, monkeypatch):
         assert "note" in columns and "other" not in columns
 
 
+def test_a_version_1_ledger_is_migrated_with_its_rows(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    monkeypatch.setattr(ledger_mod, "MIGRATIONS", ledger_mod.MIGRATIONS[:1])
+    monkeypatch.setattr(ledger_mod, "SCHEMA_VERSION", 1)
+    old = Ledger(data)
+    done, _ = create(old)
+    old.finish(done.id, "succeeded", answer=answer_for(done.id))
+    queued, _ = create(old, body=b"an upload", key="k1")
+    with pytest.raises(sqlite3.IntegrityError):  # version 1: every row needs its body hash
+        with old._write("a row without a body hash") as conn:
+            conn.execute("UPDATE tasks SET body_sha256 = NULL WHERE id = ?", (done.id,))
+    old.close()
+    monkeypatch.undo()
+    new = Ledger(data)  # version 2: the table rebuilt, every row and index kept
+    with sqlite3.connect(data / "ledger.sqlite3") as raw:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        indexes = {row[0] for row in raw.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert {"tasks_newest", "tasks_status_newest", "tasks_finished"} <= indexes
+    assert new.get(done.id).answer == answer_for(done.id)
+    assert new.get(queued.id).body_sha256 == hashlib.sha256(b"an upload").hexdigest()
+    assert [r.id for r in new.unfinished()] == [queued.id]
+    unhashed, _ = create(new, body_sha256=None)
+    assert new.get(unhashed.id).body_sha256 is None
+
+
+def test_an_unhashed_body_is_refused_where_its_hash_is_needed(tmp_path):
+    ledger = Ledger(tmp_path / "data")
+    with pytest.raises(ValueError, match="body_sha256"):
+        create(ledger, body_sha256=None, key="needs-a-hash")
+    with pytest.raises(ValueError, match="body_sha256"):
+        create(ledger, body=b"stored", body_sha256=None)
+
+
 def test_full_database_is_ledger_unavailable_on_write(tmp_path):
     data = tmp_path / "data"
     Ledger(data).close()

@@ -495,7 +495,8 @@
         ["train / queries", `${data.train_count} / ${data.test_count}`],
         ["created", when(data.created_at)], ["started", when(data.started_at)], ["finished", when(data.finished_at)],
         ["waited", seconds(data.created_at, data.started_at)], ["attempts", data.attempts],
-        ["upload", `${bytes(data.body_bytes)} · sha256 ${short(data.body_sha256)}`],
+        ["upload", data.body_sha256 ? `${bytes(data.body_bytes)} · sha256 ${short(data.body_sha256)}`
+                                    : `${bytes(data.body_bytes)} · body not hashed (its input hashes name the arrays)`],
         ["config", Object.entries(data.config || {}).map(([k, v]) => `${k}=${v}`).join(" ")],
       ]);
       return active ? 1000 : null;
