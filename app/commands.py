@@ -107,9 +107,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except LedgerError as exc:
         raise CliError(f"{exc} (REV88_DATA_DIR / --data-dir)") from None
 
-    from . import allocator
+    from . import allocator, http_protocol
 
     malloc = allocator.tune()  # before the app allocates its first task
+    protocol = http_protocol.protocol_class() or "auto"
     shown = "[::1]" if settings.host == "::1" else settings.host
     print(
         f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
@@ -135,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             access_log=False,  # the app logs each request itself (JSON, with its request id)
             timeout_graceful_shutdown=graceful_shutdown_s(settings.drain_timeout_s, FORCE_EXIT_GRACE_S),
             proxy_headers=False,
+            http=protocol,  # uvicorn's httptools protocol, a body's chunks kept (app/http_protocol.py)
         )
     except _Stopped:
         pass

@@ -585,12 +585,12 @@ class Ledger:
 
     def finish(self, task_id: str, status: str, answer: dict | None = None,
                error: dict | None = None, answer_json: bytes | None = None,
-               with_answer: bool = True) -> TaskRecord:
+               with_answer: bool = True, input_hashes: dict | None = None) -> TaskRecord:
         """Record the outcome (succeeded: the answer; failed: the error; cancelled: the error if
         any), delete the upload, then apply retention. KeyError for an unknown task,
         AlreadyFinished for a finished one. ``answer_json``: ``answer`` already encoded as JSON
         (stored as given); ``with_answer=False`` returns the record without reading the stored
-        answer back (the caller has it)."""
+        answer back (the caller has it); ``input_hashes``: the task's, where ``create`` had none."""
         if status not in FINISHED:
             raise ValueError(f"finish status must be one of {', '.join(FINISHED)}, got {status!r}")
         if status == "succeeded" and (answer is None or error is not None):
@@ -615,9 +615,10 @@ class Ledger:
             conn.execute(
                 "UPDATE tasks SET status = ?, finished_at = ?, answer = ?, answer_codec = ?, answer_bytes = ?,"
                 " answer_json_bytes = ?, error = ?, predictions_sha256 = ?, run_ms = ?, energy_j = ?,"
-                " has_upload = 0 WHERE id = ?",
+                " input_hashes = COALESCE(?, input_hashes), has_upload = 0 WHERE id = ?",
                 (status, time.time(), blob, ANSWER_CODEC if blob is not None else None, len(blob or b""),
-                 json_bytes, error_text, sha, run_ms, energy_j, task_id),
+                 json_bytes, error_text, sha, run_ms, energy_j,
+                 None if input_hashes is None else _dumps(input_hashes), task_id),
             )
             record = self._get(conn, task_id, with_answer)
         if self._totals is not None:

@@ -113,11 +113,14 @@ def encode_json(doc: dict[str, Any]) -> bytes:
 
 def record(service: Service, acc: Accepted, body_sha256: str | None, body_bytes: int, body: bytes | None,
            idempotency_key: str | None) -> tuple[TaskRecord, bool]:
-    """Write the task to the ledger (blocking: call it in a thread). ``body`` makes it durable."""
+    """Write the task to the ledger (blocking: call it in a thread). ``body`` makes it durable.
+    A synchronous task's input hashes are still being computed beside it: they are recorded
+    when it finishes (``settle``)."""
     return service.ledger.create(
         task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
         options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
-        body_sha256=body_sha256, body_bytes=body_bytes, input_hashes=input_hashes(acc.task),
+        body_sha256=body_sha256, body_bytes=body_bytes,
+        input_hashes=input_hashes(acc.task) if acc.mode == "async" else None,
         body=body, idempotency_key=idempotency_key,
     )
 
@@ -183,7 +186,7 @@ async def settle(service: Service, acc: Accepted, gone=None) -> Settled:
         settled = Settled(200, answer_for(service, acc, job, value), outcome=value)
     try:
         await asyncio.to_thread(service.ledger.finish, acc.task_id, "succeeded", settled.body, None,
-                                settled.json(), False)
+                                settled.json(), False, input_hashes(acc.task))
     except AlreadyFinished:  # cancelled in the ledger meanwhile (a restart's leftovers): keep the answer
         log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
     except Exception as exc:  # noqa: BLE001 - the answer stands; the ledger could not keep it
@@ -271,7 +274,8 @@ async def _record_failure(service: Service, acc: Accepted, exc: BaseException, s
     error = {"status": settled.status, **settled.body}
     error.pop("request_id", None)
     try:
-        await asyncio.to_thread(service.ledger.finish, acc.task_id, status, None, error)
+        await asyncio.to_thread(lambda: service.ledger.finish(acc.task_id, status, None, error,
+                                                             input_hashes=input_hashes(acc.task)))
     except AlreadyFinished:
         pass
     except Exception as exc2:  # noqa: BLE001

@@ -14,7 +14,6 @@ task already recorded instead of training again; another body is a 409.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
 import time
@@ -24,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from learner.budget import check_budget, estimate
+from learner.hashing import bytes_sha256
 from learner.taskio import load_task
 
 from . import lifecycle, uploads
@@ -71,13 +71,12 @@ async def client_gone(request: Request) -> None:
             return
 
 
-def _parse(body: bytes, hash_body: bool) -> tuple:
-    """In a worker thread: the task (validated, its input hashes computed) and, when asked, the
-    body's SHA-256 (None otherwise: 4.6 ms for a 6.5 MB body, needed only to match an
-    Idempotency-Key's replay and to keep an asynchronous task's stored npz)."""
-    task = load_task(body)
-    lifecycle.input_hashes(task)  # computed here, off the workers, and cached where TaskArrays can
-    return task, hashlib.sha256(body).hexdigest() if hash_body else None
+def _parse(body: bytes, hash_body: bool, hash_inputs: bool) -> tuple:
+    """In a worker thread: the task (validated; its input hashes computed when ``hash_inputs``)
+    and, when asked, the body's SHA-256 (None otherwise: 4.6 ms for a 6.5 MB body, needed only
+    to match an Idempotency-Key's replay and to keep an asynchronous task's stored npz)."""
+    task = load_task(body, hash_inputs=hash_inputs)
+    return task, bytes_sha256(body) if hash_body else None
 
 
 async def handle(request: Request, service: Service) -> Response:
@@ -112,7 +111,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         if kind == uploads.MULTIPART:
             body, form_config = await uploads.split_multipart(request.headers, body)
         config = options.config(form_config)
-        task, body_sha256 = await asyncio.to_thread(_parse, body, asynchronous or key is not None)
+        task, body_sha256 = await asyncio.to_thread(_parse, body, asynchronous or key is not None, asynchronous)
         parse_s = time.perf_counter() - t_parse
     finally:
         service.release_upload()
@@ -144,6 +143,11 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     if asynchronous:
         lifecycle.run_in_background(service, acc)
         return accepted_response(record)
+    # A synchronous task's input hashes (4.6 ms for draw 0) are computed in a thread of their own
+    # while it runs (started only now: beside the recording and queueing above, which hold the
+    # GIL, it slowed them by ~2 ms): they are needed only in its answer, where the run's result
+    # takes them (TaskArrays.input_hashes waits for this thread if it has not finished).
+    asyncio.get_running_loop().run_in_executor(None, task.input_hashes)
 
     settled = await lifecycle.settle(service, acc, client_gone(request))
     if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):

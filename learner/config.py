@@ -75,8 +75,9 @@ class Config:
             object.__setattr__(self, name, check_value(name, getattr(self, name)))
 
     def as_dict(self) -> dict[str, Any]:
-        """Key order as in the reference records' metadata.config."""
-        return dataclasses.asdict(self)
+        """Key order as in the reference records' metadata.config (the fields are plain numbers:
+        a shallow dict, what ``dataclasses.asdict`` gives at a tenth of its cost)."""
+        return {name: getattr(self, name) for name in FIELDS}
 
     def replace(self, **changes: Any) -> Config:
         return make_config(changes, base=self)

@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import io
 import struct
+import threading
 import zipfile
 from pathlib import Path
 from typing import BinaryIO
@@ -62,6 +63,7 @@ class TaskArrays:
     train_labels: np.ndarray  # (N,) int64
     test_images: np.ndarray  # (M,1,9,9) float32
     _input_hashes: dict[str, str] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _hashing: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def train_count(self) -> int:
@@ -81,11 +83,14 @@ class TaskArrays:
     def input_hashes(self) -> dict[str, str]:
         """``{array name: learner.hashing.array_sha256}`` of the three arrays, the values the
         result metadata records as ``input_hashes``. Computed on the first call (``load_task``
-        makes it, so in the service it happens in the parse thread, not on a device worker)
-        and kept; each call returns a fresh dict."""
+        makes it, unless told not to: the service starts it in a thread of its own beside the
+        run) and kept; a call while another thread computes them waits for that one. Each
+        call returns a fresh dict."""
         if self._input_hashes is None:
-            hashes = {name: array_sha256(arr) for name, arr in self.as_dict().items()}
-            object.__setattr__(self, "_input_hashes", hashes)  # frozen: set once, here only
+            with self._hashing:
+                if self._input_hashes is None:
+                    hashes = {name: array_sha256(arr) for name, arr in self.as_dict().items()}
+                    object.__setattr__(self, "_input_hashes", hashes)  # frozen: set once, here only
         return dict(self._input_hashes)
 
 
@@ -366,12 +371,15 @@ def _read_stored(source: BinaryIO, memory: memoryview | None, info: zipfile.ZipI
     return arr.reshape(shape, order=order)
 
 
-def load_task(data: bytes | BinaryIO | str | Path, limits: Limits = DEFAULT_LIMITS) -> TaskArrays:
+def load_task(data: bytes | BinaryIO | str | Path, limits: Limits = DEFAULT_LIMITS,
+              hash_inputs: bool = True) -> TaskArrays:
     """Safe npz read followed by validation: the one path every task takes. The task's input
-    hashes are computed here too (in the caller's thread: the service's parse thread), once."""
+    hashes are computed here too (in the caller's thread), once; ``hash_inputs=False`` leaves
+    them to the first ``input_hashes()`` call."""
     arrays = read_npz(data, limits)
     task = validate_task(arrays["train_images"], arrays["train_labels"], arrays["test_images"])
-    task.input_hashes()
+    if hash_inputs:
+        task.input_hashes()
     return task
 
 

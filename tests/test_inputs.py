@@ -359,6 +359,40 @@ def test_input_hashes_computed_once_by_load_task_and_equal_to_array_sha256(monke
     assert list(first) == ["train_images", "train_labels", "test_images"]
 
 
+def test_input_hashes_computed_once_when_threads_ask_at_the_same_time(monkeypatch):
+    """The service starts a synchronous task's hashes in a thread of their own while its run may
+    already ask for them: whichever comes second waits for the first and nothing is hashed twice."""
+    import threading
+
+    import learner.taskio as taskio
+
+    a = arrays()
+    task = load_task(npz_bytes(a), hash_inputs=False)
+    assert task._input_hashes is None
+    inside, release, calls = threading.Event(), threading.Event(), []
+    real = taskio.array_sha256
+
+    def slow(arr):
+        calls.append(1)
+        inside.set()
+        release.wait(30)  # held until the second caller is waiting (no sleep, no timing)
+        return real(arr)
+
+    monkeypatch.setattr(taskio, "array_sha256", slow)
+    got = []
+    first = threading.Thread(target=lambda: got.append(task.input_hashes()))
+    first.start()
+    assert inside.wait(30)
+    second = threading.Thread(target=lambda: got.append(task.input_hashes()))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and len(got) == 0  # waiting for the first thread's hashes
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert len(calls) == 3 and len(got) == 2 and got[0] == got[1]
+
+
 def test_validated_task_hashes_on_first_use_and_result_reuses_them():
     from learner.config import Config
     from learner.hashing import array_sha256
