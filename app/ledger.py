@@ -583,6 +583,25 @@ class Ledger:
                 (time.time(), device, task_id),
             )
 
+    def mark_running_many(self, started: list[tuple[str, str | None, float]]) -> list[str]:
+        """``(task id, device, started_at)`` of tasks a launch started, in one transaction: each
+        unfinished one -> running, as ``mark_running``. Returns the ids it left alone (unknown,
+        or finished meanwhile: cancelled before its run began, say)."""
+        skipped = []
+        with self._write(f"mark {len(started)} task(s) running") as conn:
+            for task_id, device, started_at in started:
+                try:
+                    self._unfinished_record(conn, task_id)
+                except (KeyError, AlreadyFinished):
+                    skipped.append(task_id)
+                    continue
+                conn.execute(
+                    "UPDATE tasks SET status = 'running', started_at = ?, device = COALESCE(?, device),"
+                    " attempts = attempts + 1 WHERE id = ?",
+                    (started_at, device, task_id),
+                )
+        return skipped
+
     def finish(self, task_id: str, status: str, answer: dict | None = None,
                error: dict | None = None, answer_json: bytes | None = None,
                with_answer: bool = True, input_hashes: dict | None = None) -> TaskRecord:

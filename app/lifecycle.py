@@ -139,8 +139,8 @@ def submit(service: Service, acc: Accepted, reserved: bool = False) -> Job:
     """Queue the task's job on the workers (``reserved``: recovered work skips the capacity check)."""
     service.pending[acc.task_id] = acc
 
-    def started(job) -> None:
-        service.ledger.mark_running(acc.task_id, job.worker)
+    def started(job) -> None:  # on the device worker: hands the write over, does not wait for it
+        service.ledger_writer.started(acc.task_id, job.worker, time.time())
 
     if acc.measure is not None:
         arguments = acc.measure
@@ -185,8 +185,8 @@ async def settle(service: Service, acc: Accepted, gone=None) -> Settled:
     else:
         settled = Settled(200, answer_for(service, acc, job, value), outcome=value)
     try:
-        await asyncio.to_thread(service.ledger.finish, acc.task_id, "succeeded", settled.body, None,
-                                settled.json(), False, input_hashes(acc.task))
+        await service.ledger_writer.run(service.ledger.finish, acc.task_id, "succeeded", settled.body, None,
+                                        settled.json(), False, input_hashes(acc.task))
     except AlreadyFinished:  # cancelled in the ledger meanwhile (a restart's leftovers): keep the answer
         log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
     except Exception as exc:  # noqa: BLE001 - the answer stands; the ledger could not keep it
@@ -274,8 +274,8 @@ async def _record_failure(service: Service, acc: Accepted, exc: BaseException, s
     error = {"status": settled.status, **settled.body}
     error.pop("request_id", None)
     try:
-        await asyncio.to_thread(lambda: service.ledger.finish(acc.task_id, status, None, error,
-                                                             input_hashes=input_hashes(acc.task)))
+        await service.ledger_writer.run(lambda: service.ledger.finish(acc.task_id, status, None, error,
+                                                                     input_hashes=input_hashes(acc.task)))
     except AlreadyFinished:
         pass
     except Exception as exc2:  # noqa: BLE001

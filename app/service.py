@@ -34,6 +34,7 @@ from learner.validate import cached_validation
 from .devices import GPU_BACKENDS, PlanError, engine_device, plan
 from .executor import Batch, DeviceExecutor, current_worker
 from .ledger import Ledger
+from .ledger_writer import LedgerWriter
 from .metrics import Metrics
 from .settings import Settings, SettingsError
 from .tasks import Engines, check_backend, has_run_many, launch_key, run_many_on_device
@@ -164,6 +165,7 @@ class Service:
         self.batch_max = self.plan.batch_max
         # The task ledger: a corrupt, newer or unwritable database stops startup here (LedgerError).
         self.ledger = Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes)
+        self.ledger_writer = LedgerWriter(self.ledger)  # running marks and results, off the device workers
         self.pending: dict[str, Any] = {}  # task id -> lifecycle.Accepted, while queued or running here
         self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
         self.recovered: dict[str, int] | None = None
@@ -411,5 +413,7 @@ class Service:
         if self.background:  # let settling asynchronous tasks record what the workers answered
             await asyncio.wait(list(self.background), timeout=5.0)
         self._unhook_signals()
+        if not await asyncio.to_thread(self.ledger_writer.close, 10.0):
+            log.error("the ledger writer did not finish its writes within 10 s")
         self.ledger.close()
         log.info("stopped", extra={"device_thread_ended": ended, "queue": self.executor.snapshot()})

@@ -1,0 +1,90 @@
+"""The ledger writes of a task's run, on one thread of their own, in order.
+
+A device worker must not wait for the database: marking a task ``running`` is a committed
+SQLite transaction (synchronous=FULL, ~0.5 ms here), and a batched launch starts up to
+``REV88_BATCH_MAX`` tasks at once (132 on an H200), so the worker only hands its tasks over
+(``started``) and goes on to the launch. This thread writes them, every ``running`` handed
+over since its last write in one transaction (``Ledger.mark_running_many``). The same thread
+records the tasks' outcomes (``run``), so a task's ``running`` is always written before its
+result: the worker hands it over before its job starts, and the result comes after the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .ledger import Ledger
+
+log = logging.getLogger("rev88.app.ledger")
+
+_STOP = object()
+
+
+class LedgerWriter:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="rev88-ledger", daemon=True)
+        self._thread.start()
+        self.batches = 0  # transactions that marked tasks running (for tests and /metrics-style checks)
+
+    def started(self, task_id: str, device: str | None, started_at: float) -> None:
+        """From a device worker: returns at once; the task is marked running soon after."""
+        self._queue.put(("running", (task_id, device, started_at)))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(("call", (fn, args, future)))
+        return future
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the writer thread, after every write handed over before it."""
+        return await asyncio.wrap_future(self.call(fn, *args))
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Write what is queued, then stop; True if the thread ended in time."""
+        self._queue.put((_STOP, None))
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while True:  # everything queued meanwhile: consecutive "running" marks share a transaction
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            running: list[tuple[str, str | None, float]] = []
+            for kind, payload in items:
+                if kind == "running":
+                    running.append(payload)
+                    continue
+                self._mark(running)
+                running = []
+                if kind is _STOP:
+                    return
+                fn, args, future = payload
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(exc)
+            self._mark(running)
+
+    def _mark(self, running: list[tuple[str, str | None, float]]) -> None:
+        if not running:
+            return
+        try:
+            self.ledger.mark_running_many(running)
+            self.batches += 1
+        except Exception as exc:  # noqa: BLE001 - the runs go on; their results are still recorded
+            log.error("could not record tasks as running", extra={"tasks": [t for t, _, _ in running],
+                                                                  "error": str(exc)})

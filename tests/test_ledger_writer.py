@@ -1,0 +1,65 @@
+"""app/ledger_writer.py with a real ledger file: a device worker's hand-over never waits for the
+database, the running marks of a launch share one transaction, and a task's running mark is
+always written before its result."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from app.ledger import Ledger
+from app.ledger_writer import LedgerWriter
+
+from .test_ledger import answer_for, create
+
+
+def test_a_launchs_running_marks_share_one_transaction_and_come_before_the_results(tmp_path):
+    ledger = Ledger(tmp_path / "data")
+    writer = LedgerWriter(ledger)
+    records = [create(ledger)[0] for _ in range(132)]  # a full H200 launch
+    hold, holding = threading.Event(), threading.Event()
+    writer.call(lambda: (holding.set(), hold.wait(30)))  # the writer busy (a slow disk, say)
+    assert holding.wait(30)
+    for r in records:  # the device worker's hand-over: returns while the writer cannot write
+        writer.started(r.id, "cuda:0", time.time())
+    assert all(ledger.get(r.id).status == "queued" for r in records)
+    done = writer.call(ledger.finish, records[0].id, "succeeded", answer_for(records[0].id))
+    hold.set()
+    finished = done.result(30)
+    assert writer.batches == 1  # 132 marks, one transaction
+    assert finished.status == "succeeded" and finished.started_at is not None and finished.attempts == 1
+    assert all(ledger.get(r.id).status == "running" and ledger.get(r.id).device == "cuda:0" for r in records[1:])
+    assert writer.close(30)
+    ledger.close()
+
+
+def test_a_mark_for_a_task_finished_meanwhile_is_left_alone(tmp_path):
+    ledger = Ledger(tmp_path / "data")
+    writer = LedgerWriter(ledger)
+    gone, _ = create(ledger)
+    ledger.finish(gone.id, "cancelled", error={"status": 409, "error": "cancelled before it ran"})
+    kept, _ = create(ledger)
+    writer.started(gone.id, "cpu:0", time.time())
+    writer.started(kept.id, "cpu:0", time.time())
+    writer.started("no-such-task", "cpu:0", time.time())
+    assert writer.close(30)
+    assert ledger.get(gone.id).status == "cancelled" and ledger.get(gone.id).started_at is None
+    assert ledger.get(kept.id).status == "running"
+    assert ledger.mark_running_many([(gone.id, None, time.time()), ("no-such-task", None, time.time())]) == [
+        gone.id, "no-such-task"]
+    ledger.close()
+
+
+def test_a_failing_call_reaches_its_caller_and_the_writer_goes_on(tmp_path):
+    ledger = Ledger(tmp_path / "data")
+    writer = LedgerWriter(ledger)
+    failed = writer.call(ledger.finish, "no-such-task", "cancelled")
+    try:
+        failed.result(30)
+        raise AssertionError("finishing an unknown task must raise")
+    except KeyError:
+        pass
+    record, _ = create(ledger)
+    assert writer.call(ledger.get, record.id).result(30).status == "queued"
+    assert writer.close(30)
+    ledger.close()
