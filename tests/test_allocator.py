@@ -1,0 +1,48 @@
+"""app/allocator.py: rev88 serve's malloc thresholds, and an operator's own settings left alone.
+Each case runs in a child process (mallopt changes the process it runs in)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from .server import ROOT
+
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+
+
+def tune(env: dict[str, str]) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", "from app import allocator; print(allocator.tune())"],
+                         cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+@glibc
+def test_glibc_gets_the_thresholds():
+    assert tune({}) == "malloc keeps freed memory (mmap threshold 32 MiB, trim 128 MiB)"
+
+
+@glibc
+@pytest.mark.parametrize("name, value", [("MALLOC_MMAP_THRESHOLD_", "1048576"), ("MALLOC_TRIM_THRESHOLD_", "0"),
+                                         ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")])
+def test_an_operators_own_setting_wins(name, value):
+    assert tune({name: value}) == f"malloc left to {name}"
+
+
+@glibc
+def test_other_glibc_tunables_do_not_count():
+    assert tune({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}).startswith("malloc keeps freed memory")
+
+
+@glibc
+def test_serve_says_what_it_did(tmp_path):
+    """The startup line of a real rev88 serve names the malloc setting it made."""
+    from .server import running_server
+
+    with running_server(tmp_path, env={"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1"}) as server:
+        assert "malloc keeps freed memory (mmap threshold 32 MiB, trim 128 MiB)" in server.logs()
