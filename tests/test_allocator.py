@@ -40,9 +40,19 @@ def test_other_glibc_tunables_do_not_count():
 
 
 @glibc
-def test_serve_says_what_it_did(tmp_path):
-    """The startup line of a real rev88 serve names the malloc setting it made."""
-    from .server import running_server
+def test_rev88_serve_applies_them_and_says_so(tmp_path):
+    """A real ``rev88 serve``: its startup line names the malloc setting it made (the process is
+    stopped once it has said so)."""
+    from .server import free_port
 
-    with running_server(tmp_path, env={"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1"}) as server:
-        assert "malloc keeps freed memory (mmap threshold 32 MiB, trim 128 MiB)" in server.logs()
+    env = {**os.environ, "REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1", "REV88_DATA_DIR": str(tmp_path / "data")}
+    env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    proc = subprocess.Popen([sys.executable, "-m", "rev88", "serve", "--port", str(free_port())], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # the startup line comes before uvicorn starts
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    assert line.startswith("rev88 serve: http://127.0.0.1:"), line
+    assert "malloc keeps freed memory (mmap threshold 32 MiB, trim 128 MiB)" in line
