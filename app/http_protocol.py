@@ -15,7 +15,8 @@ at most 1 MiB waiting per connection. Everything else is uvicorn's own code path
 there (uvicorn without the ``[standard]`` extra): ``rev88 serve`` then keeps uvicorn's default.
 It touches two uvicorn internals (``HttpToolsProtocol.on_body`` and the cycle's ``body``
 buffer, unchanged from uvicorn 0.29 to 0.54); ``tests/test_http_protocol.py`` checks the
-bodies it delivers against uvicorn's own protocol, byte for byte.
+bodies it delivers against uvicorn's own protocol, byte for byte, and every test server runs on
+it (``uvicorn --http app.http_protocol:ChunkedBodyHttpToolsProtocol``, ``tests/server.py``).
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ class _Chunks:
         return b"".join(self.parts)
 
 
-def protocol_class() -> type | None:
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # no httptools
-        return None
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # uvicorn without httptools
+    HttpToolsProtocol = None
+
+if HttpToolsProtocol is not None:
 
     class ChunkedBodyHttpToolsProtocol(HttpToolsProtocol):
+        """``--http app.http_protocol:ChunkedBodyHttpToolsProtocol`` for uvicorn's own CLI."""
+
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle
             if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
@@ -67,4 +71,7 @@ def protocol_class() -> type | None:
                 self.flow.pause_reading()
             cycle.message_event.set()
 
-    return ChunkedBodyHttpToolsProtocol
+
+def protocol_class() -> type | None:
+    """The protocol class for ``uvicorn.run(http=...)``, or None without httptools."""
+    return ChunkedBodyHttpToolsProtocol if HttpToolsProtocol is not None else None

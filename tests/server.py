@@ -34,6 +34,10 @@ class Server:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), **kw)
 
 
+# the body protocol rev88 serve runs uvicorn with (app/http_protocol.py), so every server test uses it
+PROTOCOL = "app.http_protocol:ChunkedBodyHttpToolsProtocol"
+
+
 @contextlib.contextmanager
 def running_server(tmp_path: Path, env: dict[str, str] | None = None, ready: bool = True, timeout: float = 120,
                    gate: Path | None = None):
@@ -49,7 +53,7 @@ def running_server(tmp_path: Path, env: dict[str, str] | None = None, ready: boo
     if gate is not None:
         child_env["REV88_TEST_GATE_FILE"] = str(gate)
         factory = "tests.gates:create_app"
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", factory,
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", factory, "--http", PROTOCOL,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=fh, stderr=subprocess.STDOUT)
