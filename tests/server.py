@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from app.http_protocol import protocol_class
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,7 @@ class Server:
 
 
 # the body protocol rev88 serve runs uvicorn with (app/http_protocol.py), so every server test uses it
-PROTOCOL = "app.http_protocol:ChunkedBodyHttpToolsProtocol"
+PROTOCOL = "app.http_protocol:ChunkedBodyHttpToolsProtocol" if protocol_class() is not None else "auto"
 
 
 @contextlib.contextmanager
