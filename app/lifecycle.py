@@ -185,8 +185,10 @@ async def settle(service: Service, acc: Accepted, gone=None) -> Settled:
     else:
         settled = Settled(200, answer_for(service, acc, job, value), outcome=value)
     try:
-        await service.ledger_writer.run(service.ledger.finish, acc.task_id, "succeeded", settled.body, None,
-                                        settled.json(), False, input_hashes(acc.task))
+        content = settled.json()
+        await service.ledger_writer.run(  # the hashes there, not here: never waited for on the event loop
+            lambda: service.ledger.finish(acc.task_id, "succeeded", settled.body, None, content, False,
+                                          input_hashes(acc.task)))
     except AlreadyFinished:  # cancelled in the ledger meanwhile (a restart's leftovers): keep the answer
         log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
     except Exception as exc:  # noqa: BLE001 - the answer stands; the ledger could not keep it
