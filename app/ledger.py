@@ -577,11 +577,15 @@ class Ledger:
         """queued (or running, after a restart re-queued it) -> running; sets started_at."""
         with self._write(f"mark task {task_id} running") as conn:
             self._unfinished_record(conn, task_id)
-            conn.execute(
-                "UPDATE tasks SET status = 'running', started_at = ?, device = COALESCE(?, device),"
-                " attempts = attempts + 1 WHERE id = ?",
-                (time.time(), device, task_id),
-            )
+            self._set_running(conn, task_id, device, time.time())
+
+    @staticmethod
+    def _set_running(conn: sqlite3.Connection, task_id: str, device: str | None, started_at: float) -> None:
+        conn.execute(
+            "UPDATE tasks SET status = 'running', started_at = ?, device = COALESCE(?, device),"
+            " attempts = attempts + 1 WHERE id = ?",
+            (started_at, device, task_id),
+        )
 
     def mark_running_many(self, started: list[tuple[str, str | None, float]]) -> list[str]:
         """``(task id, device, started_at)`` of tasks a launch started, in one transaction: each
@@ -595,11 +599,7 @@ class Ledger:
                 except (KeyError, AlreadyFinished):
                     skipped.append(task_id)
                     continue
-                conn.execute(
-                    "UPDATE tasks SET status = 'running', started_at = ?, device = COALESCE(?, device),"
-                    " attempts = attempts + 1 WHERE id = ?",
-                    (started_at, device, task_id),
-                )
+                self._set_running(conn, task_id, device, started_at)
         return skipped
 
     def finish(self, task_id: str, status: str, answer: dict | None = None,

@@ -32,7 +32,7 @@ class LedgerWriter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="rev88-ledger", daemon=True)
         self._thread.start()
-        self.batches = 0  # transactions that marked tasks running (for tests and /metrics-style checks)
+        self.batches = 0  # transactions that marked tasks running (tests/test_ledger_writer.py counts them)
 
     def started(self, task_id: str, device: str | None, started_at: float) -> None:
         """From a device worker: returns at once; the task is marked running soon after."""
