@@ -52,7 +52,7 @@ COPY rev88 ./rev88
 RUN pip install "torch===2.13.0" ".[gpu]" \
  && rm -rf build ./*.egg-info \
  && cd / \
- && python -c "import learner, app.main, app.commands, rev88.cli; from learner.backends import cpu_fast; \
+ && python -c "import learner, app.main, rev88.cli; from learner.backends import cpu_fast; \
 assert not learner.__file__.startswith('/opt/rev88/'), learner.__file__; \
 assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; \
 print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel built')"

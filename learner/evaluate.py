@@ -38,7 +38,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .cli import CliError
+from rev88.cli.common import CliError  # moves with the evaluate command (rev88/cli)
+
 from .data import bundled_mnist_dir
 
 DRAW_SEED_BASE = 2026091400

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app import commands
 from learner.hashing import array_sha256
 from learner.taskio import save_task
 from rev88.cli import main as rev88
+from rev88.cli import tasks as commands
 from tests.conftest import small_task
 from tests.gates import FileGate
 from tests.server import free_port, running_server, wait_for

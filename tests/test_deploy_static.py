@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.commands import SERVE_ENV, add_serve, cmd_serve, graceful_shutdown_s
 from app.service import FORCE_EXIT_GRACE_S
 from app.settings import Settings
+from rev88.cli.serve import SERVE_ENV, add_serve, cmd_serve, graceful_shutdown_s
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

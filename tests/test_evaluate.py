@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import pytest
 
-from learner.cli import CliError
 from learner.config import Config
 from learner.evaluate import (
     ServiceRunner,
@@ -27,6 +26,7 @@ from learner.hashing import array_sha256
 from learner.report_plot import Frame, accuracy_svg, spread_labels, y_range
 from learner.taskio import ALLOWED_MEMBERS, TaskArrays, read_npz
 from rev88.cli import main
+from rev88.cli.common import CliError
 
 from .conftest import small_task
 from .server import running_server

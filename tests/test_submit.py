@@ -19,8 +19,9 @@ import httpx
 import numpy as np
 import pytest
 
-from app import commands
 from rev88.cli import main as rev88
+from rev88.cli import serve as serve_cli
+from rev88.cli import tasks as commands
 from tests.conftest import small_task
 from tests.gates import FileGate
 from tests.server import ROOT, free_port, running_server, wait_for
@@ -316,13 +317,13 @@ def test_serve_flags_set_the_settings_variables():
                                        task_timeout=12.5, drain_timeout=7.0, api_key="k", log_level="warning",
                                        threads=2)
     env: dict[str, str] = {"REV88_QUEUE_SIZE": "99", "REV88_LOG_LEVEL": "debug"}
-    commands.apply_serve_flags(args, env)
+    serve_cli.apply_serve_flags(args, env)
     s = Settings.from_env(env)
     assert (s.host, s.port, s.backend, s.queue_size, s.max_body_bytes) == ("0.0.0.0", 9001, "cpu", 3, 1234)
     assert (s.task_timeout_s, s.drain_timeout_s, s.api_key, s.log_level, s.threads) == (12.5, 7.0, "k", "warning", 2)
     # a flag not given leaves the environment's value
     env = {"REV88_QUEUE_SIZE": "5"}
-    commands.apply_serve_flags(commands.argparse.Namespace(queue_size=None), env)
+    serve_cli.apply_serve_flags(commands.argparse.Namespace(queue_size=None), env)
     assert env == {"REV88_QUEUE_SIZE": "5"}
 
 

@@ -1,7 +1,8 @@
 """``rev88 ...``: every command of the learner and the service behind one parser.
 
 Exit status: 0 success, 2 bad input or usage (the message says why), 1 anything else.
-This module sits above ``learner`` and ``app`` and imports both; neither imports it.
+Each command lives in a module of this package (learner.py, evaluate.py, measure.py, serve.py,
+tasks.py); this package sits above ``learner`` and ``app`` and imports both; neither imports it.
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.commands import add_cancel, add_serve, add_submit, add_task, add_tasks
 from learner import __version__
 from learner.backends import BackendUnavailable
-from learner.cli import CliError, add_make_task, add_run, add_score
 from learner.errors import TaskError
 from learner.evaluate import add_evaluate
 from learner.measure import add_measure
+
+from .common import CliError
+from .learner import add_make_task, add_run, add_score
+from .serve import add_serve
+from .tasks import add_cancel, add_submit, add_task, add_tasks
 
 COMMANDS = [add_run, add_make_task, add_score, add_evaluate, add_measure, add_serve, add_submit, add_tasks, add_task,
             add_cancel]

@@ -1,44 +1,25 @@
 """The learner's own commands: ``rev88 run``, ``make-task`` and ``score``.
 
-The command line itself (the parser, ``main`` and exit statuses) is ``rev88/cli.py``, which
-collects these with the commands of ``learner.evaluate``, ``learner.measure`` and ``app.commands``.
+The parser, ``main`` and exit statuses are in ``rev88/cli/__init__.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
-
-class CliError(Exception):
-    """A user-facing error: printed without a traceback, exit status ``code``."""
-
-    def __init__(self, message: str, code: int = 2) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def predictions_path(output: Path) -> Path:
-    """``result.json`` -> ``result.predictions.npy`` beside it."""
-    return output.with_name(output.stem + ".predictions.npy")
-
+from .common import CliError, predictions_path, write_json
 
 # --------------------------------------------------------------------------- run
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .budget import check_budget, estimate, limits_from_env
-    from .config import Config, load_config_file
-    from .result import run_task
-    from .taskio import load_task
+    from learner.budget import check_budget, estimate, limits_from_env
+    from learner.config import Config, load_config_file
+    from learner.result import run_task
+    from learner.taskio import load_task
 
     max_work, max_bytes = limits_from_env()  # REV88_MAX_TASK_WORK, REV88_MAX_TASK_BYTES
     config = load_config_file(args.config) if args.config else Config()
@@ -61,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_run(sub) -> None:
-    from .backends import NAMES
+    from learner.backends import NAMES
 
     p = sub.add_parser(
         "run",
@@ -81,8 +62,8 @@ def add_run(sub) -> None:
 
 
 def cmd_make_task(args: argparse.Namespace) -> int:
-    from .hashing import array_sha256
-    from .taskio import make_task, save_task
+    from learner.hashing import array_sha256
+    from learner.taskio import make_task, save_task
 
     task, query_labels = make_task(args.mnist_dir, args.dataset_seed)
     out = Path(args.output)

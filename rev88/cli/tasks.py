@@ -1,8 +1,4 @@
-"""``rev88 serve`` and ``rev88 submit``: the service's two ends on the command line.
-
-``serve`` turns its flags into the ``REV88_*`` environment variables that
-:mod:`app.settings` reads (a flag overrides the environment), checks them the
-way the service will, and runs uvicorn on the ``app.main:create_app`` factory.
+"""``rev88 submit``, ``tasks``, ``task`` and ``cancel``: the service's client end on the command line.
 
 ``submit`` uploads a task npz to a running service with httpx, streaming the file
 with a progress bar on stderr, retries a 503 (queue full, not ready, draining) as
@@ -27,175 +23,13 @@ import email.utils
 import json
 import math
 import os
-import signal
 import sys
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from learner.cli import CliError, write_json
-
-# --------------------------------------------------------------------------- serve
-
-# flag destination -> the environment variable app.settings reads
-SERVE_ENV = {
-    "host": "REV88_HOST",
-    "port": "REV88_PORT",
-    "backend": "REV88_BACKEND",
-    "queue_size": "REV88_QUEUE_SIZE",
-    "max_body_bytes": "REV88_MAX_BODY_BYTES",
-    "task_timeout": "REV88_TASK_TIMEOUT_S",
-    "drain_timeout": "REV88_DRAIN_TIMEOUT_S",
-    "api_key": "REV88_API_KEY",
-    "log_level": "REV88_LOG_LEVEL",
-    "threads": "REV88_THREADS",
-    "batch_max": "REV88_BATCH_MAX",
-    "batch_wait_ms": "REV88_BATCH_WAIT_MS",
-    "workers": "REV88_WORKERS",
-    "max_task_work": "REV88_MAX_TASK_WORK",
-    "max_task_bytes": "REV88_MAX_TASK_BYTES",
-    "data_dir": "REV88_DATA_DIR",
-    "retain_tasks": "REV88_RETAIN_TASKS",
-    "retain_bytes": "REV88_RETAIN_BYTES",
-}
-
-
-def apply_serve_flags(args: argparse.Namespace, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Copy every flag given on the command line into its REV88_* variable."""
-    for dest, var in SERVE_ENV.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            environ[var] = str(value)
-
-
-def graceful_shutdown_s(drain_timeout_s: float, force_exit_grace_s: float) -> int:
-    """Whole seconds uvicorn waits for open requests after SIGTERM."""
-    return max(1, math.ceil(drain_timeout_s + force_exit_grace_s))
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    apply_serve_flags(args)
-    from .settings import Settings, SettingsError
-
-    try:
-        settings = Settings.from_env()
-    except SettingsError as exc:
-        raise CliError(str(exc)) from None
-
-    import uvicorn
-
-    from learner.backends import BackendUnavailable
-
-    from .devices import PlanError, plan
-    from .service import FORCE_EXIT_GRACE_S
-    from .tasks import check_backend
-
-    try:
-        backend = check_backend(settings.backend)  # e.g. "cuda" without a GPU: say so before uvicorn starts
-    except BackendUnavailable as exc:
-        raise CliError(f"{exc} (REV88_BACKEND / --backend)") from None
-    try:
-        workers = plan(backend, settings.workers, settings.queue_size, settings.batch_max)
-    except PlanError as exc:
-        raise CliError(f"{exc} (REV88_WORKERS / --workers)") from None
-
-    from .ledger import Ledger, LedgerError
-
-    try:  # a corrupt, newer or unwritable ledger: say so before uvicorn starts
-        Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes).close()
-    except LedgerError as exc:
-        raise CliError(f"{exc} (REV88_DATA_DIR / --data-dir)") from None
-
-    from . import allocator, http_protocol
-
-    malloc = allocator.tune()  # before the app allocates its first task
-    protocol = http_protocol.protocol_class() or "auto"
-    shown = "[::1]" if settings.host == "::1" else settings.host
-    print(
-        f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
-        f"worker(s), queue {workers.queue_size}, ledger {settings.ledger_dir}, drain {settings.drain_timeout_s:g} s, auth "
-        f"{'on' if settings.auth_enabled else 'off'}; {malloc}); API docs at /docs",
-        file=sys.stderr,
-    )
-    # On SIGTERM the app starts draining (ready -> 503, no new tasks) and uvicorn stops
-    # accepting and waits for open requests: a task waiting or running holds its request
-    # open. At the drain timeout the app answers what is left with 503 and, if a client
-    # still holds uvicorn FORCE_EXIT_GRACE_S later, tells it to exit. uvicorn's own
-    # graceful-shutdown timeout is the same total, a backstop that never cuts earlier.
-    # (Kubernetes: terminationGracePeriodSeconds must exceed preStop + this.)
-    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        uvicorn.run(
-            "app.main:create_app",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=1,
-            log_level=settings.log_level,
-            access_log=False,  # the app logs each request itself (JSON, with its request id)
-            timeout_graceful_shutdown=graceful_shutdown_s(settings.drain_timeout_s, FORCE_EXIT_GRACE_S),
-            proxy_headers=False,
-            http=protocol,  # uvicorn's httptools protocol, a body's chunks kept (app/http_protocol.py)
-        )
-    except _Stopped:
-        pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
-
-
-class _Stopped(Exception):
-    pass
-
-
-def _stopped(signum, frame) -> None:
-    # uvicorn handles SIGTERM/SIGINT while it runs (the app drains), and once it has shut
-    # down it raises the same signal again under the handlers it found: this one, so a
-    # drained shutdown ends with status 0 (and Ctrl-C without a KeyboardInterrupt trace).
-    raise _Stopped()
-
-
-def add_serve(sub) -> None:
-    from .settings import BACKENDS, LOG_LEVELS
-
-    p = sub.add_parser(
-        "serve",
-        help="run the HTTP service (uvicorn); flags override the REV88_* environment variables",
-        description="Run the rev88 HTTP service. Each flag sets the REV88_* variable named in its help "
-        "and overrides it; unset flags keep the environment's value or the default.",
-    )
-    p.add_argument("--host", help="bind address [REV88_HOST, default 127.0.0.1; the container uses 0.0.0.0]")
-    p.add_argument("--port", type=int, help="bind port [REV88_PORT, default 8000]")
-    p.add_argument("--backend", help=f"{' | '.join(BACKENDS)} [REV88_BACKEND, default auto: the GPU when one is usable]")
-    p.add_argument("--queue-size", type=int, help="tasks that may wait for a device [REV88_QUEUE_SIZE, default: "
-                   "max(8, 4 x workers) on the CPU, 2 x batch_max x workers on GPUs]")
-    p.add_argument("--max-body-bytes", type=int, help="largest request body [REV88_MAX_BODY_BYTES, default 64 MiB]")
-    p.add_argument("--task-timeout", type=float, help="seconds of queue wait + run per task [REV88_TASK_TIMEOUT_S, default 300]")
-    p.add_argument("--drain-timeout", type=float,
-                   help="seconds to finish accepted work after SIGTERM [REV88_DRAIN_TIMEOUT_S, default 30]")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but health "
-                   "[REV88_API_KEY; prefer the variable: a flag shows in the process list]")
-    p.add_argument("--log-level", help=f"{' | '.join(LOG_LEVELS)} [REV88_LOG_LEVEL, default info]")
-    p.add_argument("--threads", type=int, help="torch/BLAS threads [REV88_THREADS, default: library default]")
-    p.add_argument("--batch-max", type=int,
-                   help="most tasks of one shape and config in one launch on a backend with batched launches "
-                   "(fused); 1 turns batching off [REV88_BATCH_MAX, default: the GPU's SM count; 1 on the CPU]")
-    p.add_argument("--batch-wait-ms", type=float,
-                   help="milliseconds a launch waits for more matching tasks [REV88_BATCH_WAIT_MS, default 5]")
-    p.add_argument("--workers", type=int, help="device workers [REV88_WORKERS, default: one per usable core "
-                   "for the CPU backends, one per visible GPU for cuda/fused]")
-    p.add_argument("--max-task-work", type=int, help="a task's estimated work limit [REV88_MAX_TASK_WORK, "
-                   "default 50,000,000; see learner/budget.py]")
-    p.add_argument("--data-dir", help="the task ledger's folder [REV88_DATA_DIR, default $XDG_DATA_HOME/rev88 "
-                   "or ~/.local/share/rev88]")
-    p.add_argument("--retain-tasks", type=int, help="finished tasks kept in the ledger [REV88_RETAIN_TASKS, default 10000]")
-    p.add_argument("--retain-bytes", type=int, help="bytes of stored answers kept [REV88_RETAIN_BYTES, default 1 GiB]")
-    p.add_argument("--max-task-bytes", type=int, help="a task's estimated memory limit in bytes "
-                   "[REV88_MAX_TASK_BYTES, default 1 GiB]")
-    p.set_defaults(func=cmd_serve)
-
+from .common import CliError, write_json
 
 # --------------------------------------------------------------------------- submit
 
@@ -709,8 +543,9 @@ def write_answer(output: Path, doc: dict[str, Any]) -> Path | None:
     ``rev88 run`` writes them, checked against the answer's predictions_sha256."""
     import numpy as np
 
-    from learner.cli import predictions_path
     from learner.hashing import array_sha256
+
+    from .common import predictions_path
 
     pred_file = None
     predictions = doc.get("predictions")
