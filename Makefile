@@ -44,8 +44,11 @@ serve: install
 test: install-test
 	$(BIN)/python -m pytest -q
 
+# ruff, and the dependency rules of pyproject.toml's [tool.importlinter] (rev88 -> app -> learner;
+# app's rooms top to bottom; no import cycle)
 lint: install-test
-	$(BIN)/ruff check learner app tests bench scripts
+	$(BIN)/ruff check learner app rev88 tests bench scripts deploy
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,10 +1,29 @@
 """Errors the service itself raises (the task's own errors are learner.errors.TaskError).
 
-Each carries its HTTP status and the outcome label counted in /metrics; the
-app turns every one into a JSON body ``{"error": message, ...}``.
+Each carries its HTTP status and the outcome label counted in /metrics. ``error_answer`` is the
+one mapping from any exception to its HTTP status, JSON body ``{"error": message, ...,
+"request_id": ...}`` and headers: the exception handlers (app/api/errors.py) and the task runner
+(a failed task's recorded error) both use it.
 """
 
 from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from learner.backends import BackendUnavailable
+from learner.errors import (
+    ArchiveError,
+    ArchiveTooLargeError,
+    BudgetExceeded,
+    TaskError,
+    TrainingDivergedError,
+)
+
+from .ledger import LedgerUnavailable
+
+log = logging.getLogger("rev88." + __name__)
 
 
 class ServiceError(Exception):
@@ -24,14 +43,6 @@ class ServiceError(Exception):
 class BadRequest(ServiceError):
     status = 400
     outcome = "bad_archive"
-
-
-class Unauthorized(ServiceError):
-    status = 401
-    outcome = "unauthorized"
-
-    def headers(self) -> dict[str, str]:
-        return {"WWW-Authenticate": 'Bearer realm="rev88"'}
 
 
 class BodyTooLarge(ServiceError):
@@ -89,8 +100,41 @@ class NotFound(ServiceError):
     outcome = "not_found"
 
 
-class LedgerDown(ServiceError):
-    """The task ledger cannot be read or written (disk full, I/O error): nothing is accepted."""
+def outcome_of(exc: BaseException) -> str:
+    """The /metrics outcome label of a failed request."""
+    if isinstance(exc, ServiceError):
+        return exc.outcome
+    if isinstance(exc, ArchiveTooLargeError):
+        return "too_large"
+    if isinstance(exc, ArchiveError):
+        return "bad_archive"
+    if isinstance(exc, TrainingDivergedError):
+        return "diverged"
+    if isinstance(exc, BudgetExceeded):
+        return "over_budget"
+    if isinstance(exc, (TaskError, BackendUnavailable)):
+        return "invalid"
+    return "error"
 
-    status = 503
-    outcome = "unavailable"
+
+def json_safe(details: dict[str, Any]) -> dict[str, Any]:
+    """Error details as plain JSON values (anything else becomes its str())."""
+    return json.loads(json.dumps(details, default=str))
+
+
+def error_answer(exc: BaseException, request_id: str | None) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, JSON body, headers) of the error answer for ``exc``."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, ServiceError):
+        status, body, headers = exc.status, {"error": exc.message, **json_safe(exc.details)}, exc.headers()
+    elif isinstance(exc, TaskError):
+        status, body = exc.status, {"error": exc.message, "type": type(exc).__name__, **json_safe(exc.details)}
+    elif isinstance(exc, BackendUnavailable):
+        status, body = 422, {"error": str(exc), "type": "BackendUnavailable"}
+    elif isinstance(exc, LedgerUnavailable):
+        status, body, headers = 503, {"error": f"the task ledger is unavailable: {exc}"}, {"Retry-After": "30"}
+    else:
+        log.error("unexpected error", exc_info=exc)
+        status, body = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
+    body["request_id"] = request_id
+    return status, body, headers

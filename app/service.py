@@ -1,4 +1,5 @@
-"""The service's state: settings, the device executor, energy meter, warm-up, draining.
+"""The service: it builds the parts (ledger and writer, device executor, energy meters, metrics,
+task runner) from the settings, and owns the warm-up, readiness and draining.
 
 Lifecycle (driven by the FastAPI lifespan):
 
@@ -28,18 +29,20 @@ import numpy as np
 from learner.backends import get_backend, loaded_backends
 from learner.config import Config
 from learner.result import run_task, versions
-from learner.taskio import TaskArrays, validate_task
+from learner.taskio import validate_task
 from learner.validate import cached_validation
 
-from .devices import GPU_BACKENDS, PlanError, engine_device, plan
-from .executor import Batch, DeviceExecutor, current_worker
-from .ledger import Ledger
-from .ledger_writer import LedgerWriter
-from .metrics import Metrics
+from .ledger import Ledger, LedgerWriter
+from .runtime.devices import GPU_BACKENDS, PlanError, plan
+from .runtime.energy import Energy
+from .runtime.executor import DeviceExecutor
+from .runtime.metrics import Metrics
 from .settings import Settings, SettingsError
-from .tasks import Engines, check_backend, has_run_many, launch_key, run_many_on_device
+from .tasks.device import Engines, worker_engine
+from .tasks.options import check_backend
+from .tasks.runner import TaskRunner
 
-log = logging.getLogger("rev88.app.service")
+log = logging.getLogger("rev88." + __name__)
 
 FORCE_EXIT_GRACE_S = 5.0  # after the drain deadline, before uvicorn is told to stop waiting
 IDLE_SAMPLE_INTERVAL_S = 1.0
@@ -65,88 +68,6 @@ def _describe(engine) -> dict:
     return {"backend": engine.name, "device": engine.device, "describe": "busy; retry"}
 
 
-class Energy:
-    """The GPU meters (learner.energy), one per worker's GPU, or why there are none; the idle
-    power baseline of each."""
-
-    def __init__(self) -> None:
-        self.meters: dict[str, Any] = {}  # "cuda:0" -> meter
-        self.idles: dict[str, Any] = {}
-        self.reason: str | None = "the energy meter has not been opened yet"
-        self.request_energy: Any = None
-        self.gpu_telemetry: Any = None
-        self._idle_baseline: Any = None
-
-    @property
-    def meter(self) -> Any:
-        """The first GPU's meter (None without one)."""
-        return next(iter(self.meters.values()), None)
-
-    @property
-    def idle(self) -> Any:
-        """The first GPU's idle baseline (one exists even without a meter)."""
-        first = next(iter(self.idles.values()), None)
-        return first if first is not None else self._idle_baseline
-
-    def open(self, devices: list[str] | None = None) -> None:
-        try:
-            from learner import energy
-        except ImportError as exc:  # a checkout without the energy module
-            self.reason = f"learner.energy is unavailable: {exc}"
-            return
-        self.request_energy = energy.request_energy
-        self.gpu_telemetry = energy.gpu_telemetry
-        self._idle_baseline = energy.IdleBaseline()
-        gpus = [d for d in devices or [] if d.startswith("cuda")]
-        if not gpus:
-            _meter, self.reason = energy.open_meter(None)
-            if _meter is not None:  # a GPU exists but the workers are CPU ones: no per-task GPU energy
-                self.reason = "the service's workers run on the CPU; GPU energy is measured for GPU backends only"
-            return
-        reasons = []
-        for device in gpus:
-            index = int(device.split(":", 1)[1])
-            meter, reason = energy.open_meter(index)
-            if meter is None:
-                reasons.append(f"{device}: {reason}")
-                continue
-            self.meters[device] = meter
-            self.idles[device] = energy.IdleBaseline()
-        self.reason = "; ".join(reasons) or None
-
-    def _device(self, engine) -> str:
-        device = str(engine.device)
-        return "cuda:0" if device == "cuda" else device
-
-    def meter_for(self, engine) -> tuple[Any, str | None]:
-        if not str(engine.device).startswith("cuda"):
-            return None, (
-                f"backend {engine.name!r} runs on the CPU; the GPU energy counter (NVML) measures GPUs only"
-                + (f" (and here: {self.reason})" if not self.meters and self.reason else "")
-            )
-        meter = self.meters.get(self._device(engine))
-        if meter is None:
-            return None, self.reason or f"no energy meter for {engine.device}"
-        return meter, None
-
-    def idle_for(self, engine) -> Any:
-        idle = self.idles.get(self._device(engine))
-        return idle if idle is not None else self.idle
-
-    def telemetry(self) -> tuple[dict | None, str | None]:
-        if self.gpu_telemetry is None:
-            return None, self.reason
-        return self.gpu_telemetry()
-
-    def sample_idle(self) -> None:
-        """On a worker: sample the idle power of that worker's GPU."""
-        worker = current_worker()
-        device = worker.device if worker is not None else next(iter(self.meters), None)
-        meter = self.meters.get(device)
-        if meter is not None:
-            self.idles[device].sample(meter)
-
-
 class Service:
     """``engines`` maps a backend name to the backend object that runs it; the default,
     ``learner.backends.get_backend``, is the registry every other path uses. Embedding
@@ -166,8 +87,6 @@ class Service:
         # The task ledger: a corrupt, newer or unwritable database stops startup here (LedgerError).
         self.ledger = Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes)
         self.ledger_writer = LedgerWriter(self.ledger)  # running marks and results, off the device workers
-        self.pending: dict[str, Any] = {}  # task id -> lifecycle.Accepted, while queued or running here
-        self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
         self.recovered: dict[str, int] | None = None
         self.started_at = time.time()
         self._t0 = time.monotonic()
@@ -193,6 +112,11 @@ class Service:
             ready=lambda: 1 if self.ready else 0,
         )
         self.metrics.watch_workers(self.executor)
+        self.runner = TaskRunner(
+            ledger=self.ledger, writer=self.ledger_writer, executor=self.executor, energy=self.energy,
+            engines=self.engines, metrics=self.metrics, task_timeout_s=settings.task_timeout_s,
+            batch_max=self.batch_max, versions=self.versions,
+        )
         self._uploads = 0  # requests past admission, reading or parsing their body
         self._uploads_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -241,24 +165,6 @@ class Service:
     def versions(self) -> dict[str, Any]:
         return versions()
 
-    def engine(self, backend: str):
-        """The backend object for ``backend`` on the calling worker's device."""
-        worker = current_worker()
-        return self.engines(backend, engine_device(backend, worker.device if worker else "cpu:0"))
-
-    def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
-        """How a task job may share a launch with queued tasks of its launch key
-        (None when REV88_BATCH_MAX is 1). Whether it does is decided on the device
-        thread: only when the backend object has ``run_many``."""
-        if self.batch_max <= 1:
-            return None
-        return Batch(
-            key=launch_key(task, config, backend),
-            item=(task, config, cancel),
-            run=lambda items: run_many_on_device(items, backend, self.energy, self.engines),
-            ready=lambda: has_run_many(self.engine(backend)),
-        )
-
     # ------------------------------------------------------------------ admission of uploads
     def admit_upload(self) -> bool:
         """At most queue_size + 1 requests read/parse bodies at once (bounds memory)."""
@@ -293,9 +199,7 @@ class Service:
             job = self.executor.submit(self._warm_up, kind="warmup", label=f"warm-up {self.plan.devices[i]}",
                                        reserved=True, pin=i)
             job.future.add_done_callback(self._warmed_up)
-        from .lifecycle import recover
-
-        self.recovered = await recover(self)  # accepted asynchronous tasks a stop left unfinished
+        self.recovered = await self.runner.recover()  # accepted asynchronous tasks a stop left unfinished
         self._hook_signals()
         log.info(
             "service starting",
@@ -312,7 +216,7 @@ class Service:
             failed = [f"{c['dtype']} depth {c['depth']}" for c in validation.get("checks", []) if not c.get("passed")]
             raise RuntimeError(f"learner validation failed: {', '.join(failed) or 'see /health'}")
         t1 = time.perf_counter()
-        engine = self.engine(self.backend)
+        engine = worker_engine(self.backend, self.engines)
         result = run_task(warmup_task(), Config(), engine)
         t2 = time.perf_counter()
         return {
@@ -410,8 +314,8 @@ class Service:
         ended = await asyncio.to_thread(self.executor.stop, left + 1.0)
         for timer in self._timers:
             timer.cancel()
-        if self.background:  # let settling asynchronous tasks record what the workers answered
-            await asyncio.wait(list(self.background), timeout=5.0)
+        if self.runner.background:  # let settling asynchronous tasks record what the workers answered
+            await asyncio.wait(list(self.runner.background), timeout=5.0)
         self._unhook_signals()
         if not await asyncio.to_thread(self.ledger_writer.close, 10.0):
             log.error("the ledger writer did not finish its writes within 10 s")

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends.base import Prepared
 from .cancel import CancelToken, check
 from .config import Config
 from .errors import TrainingDivergedError
 from .model import CLASSES, FEATURES, WIDTH, lift, scores
+from .prepared import Prepared
 from .taskio import TaskArrays
 
 

@@ -8,12 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from learner.data import DATA_DIR
-
-ROOT = Path(__file__).resolve().parents[1]
-MNIST_DIR = DATA_DIR / "mnist"  # the repository's own copy (data/README.md)
-REFERENCE_DIR = DATA_DIR / "reference"
-DRAW0_SEED = 2026091400
+from .helpers import DRAW0_SEED, MNIST_DIR, REFERENCE_DIR, ROOT, small_task  # noqa: F401 - ROOT, MNIST_DIR: re-exported
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -84,18 +79,6 @@ def draw0_cpu_result(draw0):
     from learner.result import run_task
 
     return run_task(draw0[0], backend="cpu")
-
-
-def small_task(n: int = 19, m: int = 7, seed: int = 0):
-    """A synthetic task with pixels in [0, 1] and labels 0..9."""
-    from learner.taskio import validate_task
-
-    rng = np.random.default_rng(seed)
-    return validate_task(
-        rng.random((n, 1, 9, 9), dtype=np.float32),
-        rng.integers(0, 10, n).astype(np.int64),
-        rng.random((m, 1, 9, 9), dtype=np.float32),
-    )
 
 
 @pytest.fixture

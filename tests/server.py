@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from app.http_protocol import protocol_class
+from app.http.protocol import protocol_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +36,8 @@ class Server:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), **kw)
 
 
-# the body protocol rev88 serve runs uvicorn with (app/http_protocol.py), so every server test uses it
-PROTOCOL = "app.http_protocol:ChunkedBodyHttpToolsProtocol" if protocol_class() is not None else "auto"
+# the body protocol rev88 serve runs uvicorn with (app/http/protocol.py), so every server test uses it
+PROTOCOL = "app.http.protocol:ChunkedBodyHttpToolsProtocol" if protocol_class() is not None else "auto"
 
 
 @contextlib.contextmanager

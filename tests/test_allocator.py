@@ -17,7 +17,7 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is
 
 def tune(env: dict[str, str]) -> str:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", "from app import allocator; print(allocator.tune())"],
+    out = subprocess.run([sys.executable, "-c", "from app.runtime import allocator; print(allocator.tune())"],
                          cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip()
 

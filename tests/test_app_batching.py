@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from app.errors import TaskTimeout, Unavailable
-from app.executor import Batch, DeviceExecutor
 from app.main import create_app
+from app.runtime.executor import Batch, DeviceExecutor
 from app.service import Service
 from app.settings import Settings, SettingsError
-from app.tasks import BATCH_METHOD, launch_key, share_energy
+from app.tasks.device import BATCH_METHOD, launch_key, share_energy
 from learner.backends import get_backend
 from learner.backends.cpu import CpuBackend
 from learner.config import make_config
@@ -35,7 +35,7 @@ from learner.errors import TrainingDivergedError
 from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
+from .helpers import small_task
 from .server import inprocess_server, post_task, wait_for
 
 CONFIG = make_config({"batch_size": 16, "epochs": 2})
@@ -107,11 +107,11 @@ def make_service(recorder, **settings) -> Service:
 
 def submit_task(service: Service, task, config=CONFIG, label=""):
     """What app/submit.py does for a task job."""
-    from app.tasks import run_on_device
+    from app.tasks.device import run_on_device
 
     return service.executor.submit(
         lambda: run_on_device(task, config, "cpu", service.energy, service.engines),
-        kind="task", label=label, batch=service.task_batch(task, config, "cpu"),
+        kind="task", label=label, batch=service.runner.task_batch(task, config, "cpu"),
     )
 
 
@@ -386,7 +386,7 @@ FUSED_CHILD = """
 import json, threading, time
 from app.service import Service
 from app.settings import Settings
-from app.tasks import run_on_device
+from app.tasks.device import run_on_device
 from learner.backends.fused import FusedBackend
 from learner.config import make_config
 from learner.result import run_task
@@ -403,7 +403,7 @@ while not ex.busy:
 config = make_config({"depth": 1, "batch_size": 16})
 items = [(small_task(40, 8, seed=i), config.replace(seed=3 + i % 2)) for i in range(3)]
 jobs = [ex.submit(lambda t=t, c=c: run_on_device(t, c, "fused", service.energy, service.engines),
-                  batch=service.task_batch(t, c, "fused")) for t, c in items]
+                  batch=service.runner.task_batch(t, c, "fused")) for t, c in items]
 gate.set()
 keys = ("predictions_sha256", "scores_sha256", "final_parameter_sha256", "final_velocity_sha256")
 out = []

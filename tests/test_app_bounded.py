@@ -18,8 +18,8 @@ from learner.config import SEED_MAX, make_config
 from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
 from .gates import Gate, gated_engines
+from .helpers import small_task
 from .server import inprocess_server, post_task, wait_for
 
 

@@ -13,14 +13,14 @@ import httpx
 import pytest
 
 from app.errors import QueueFull, TaskTimeout, Unavailable
-from app.executor import DeviceExecutor
+from app.runtime.executor import DeviceExecutor
 from learner.config import make_config
 from learner.hashing import array_sha256
 from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
 from .gates import FileGate
+from .helpers import small_task
 from .server import post_task, running_job, running_server, wait_for
 
 # --------------------------------------------------------------------------- the executor alone

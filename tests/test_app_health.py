@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from app.devices import plan
+from app.runtime.devices import plan
 from app.settings import Settings, SettingsError
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
+from .helpers import small_task
 from .server import post_task, running_server
 
 KEY = "s3cret-key"

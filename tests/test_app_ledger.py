@@ -19,8 +19,8 @@ from learner.hashing import array_sha256
 from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
 from .gates import FileGate
+from .helpers import small_task
 from .server import ROOT, free_port, post_task, running_job, running_server, wait_for
 
 ASYNC = {"Prefer": "respond-async"}

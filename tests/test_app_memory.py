@@ -9,7 +9,7 @@ import pytest
 
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
+from .helpers import small_task
 from .server import post_task, running_server
 
 MIB = 1024 * 1024

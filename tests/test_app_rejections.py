@@ -15,7 +15,7 @@ import pytest
 from learner.errors import InputError
 from learner.taskio import task_to_npz_bytes, validate_task
 
-from .conftest import small_task
+from .helpers import small_task
 from .server import post_task, running_server
 
 LIMIT = 1_000_000  # REV88_MAX_BODY_BYTES for this module's server

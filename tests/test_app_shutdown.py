@@ -18,8 +18,8 @@ from learner.config import make_config
 from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
 from .gates import FileGate
+from .helpers import small_task
 from .server import inprocess_server, post_task, running_job, running_server, wait_for
 
 

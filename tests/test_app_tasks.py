@@ -17,7 +17,7 @@ from learner.hashing import array_sha256
 from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
+from .helpers import small_task
 from .server import ROOT, post_task, running_server
 
 TIMING_KEYS = {"queue_wait_ms", "parse_ms", "run_ms", "total_ms"}

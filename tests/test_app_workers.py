@@ -9,7 +9,7 @@
   backend's -- to show that each worker uses its own device's backend object, energy meter
   and idle baseline, that pinned jobs (the per-GPU warm-up) stay on their worker and that
   batches are gathered per worker;
-* shutdown drains every worker; ``app.devices.plan`` and the cgroup CPU quota.
+* shutdown drains every worker; ``app.runtime.devices.plan`` and the cgroup CPU quota.
 
 Nothing here assumes how fast the machine is: a task is "running" because a gate holds it,
 and the tests wait for states (``wait_for``), never for durations.
@@ -26,15 +26,16 @@ import threading
 import numpy as np
 import pytest
 
-import app.devices as devices_mod
+import app.runtime.devices as devices_mod
 import app.service as service_mod
-from app.devices import PlanError, cgroup_cpu_limit, engine_device, plan, usable_cores
 from app.errors import Unavailable
-from app.executor import Batch, DeviceExecutor, current_worker
 from app.main import create_app
-from app.service import Energy, Service, warmup_task
+from app.runtime.devices import PlanError, cgroup_cpu_limit, engine_device, plan, usable_cores
+from app.runtime.energy import Energy
+from app.runtime.executor import Batch, DeviceExecutor, current_worker
+from app.service import Service, warmup_task
 from app.settings import Settings, SettingsError
-from app.tasks import run_on_device, worker_engine
+from app.tasks.device import run_on_device, worker_engine
 from learner.backends import get_backend
 from learner.backends.cpu import CpuBackend
 from learner.cancel import CancelToken
@@ -43,8 +44,8 @@ from learner.energy import IdleBaseline, SimulatedMeter, request_energy
 from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
-from .conftest import small_task
 from .gates import Gate, gated_engines
+from .helpers import small_task
 from .server import inprocess_server, post_task, wait_for
 
 CONFIG = make_config({"batch_size": 16, "epochs": 2})
@@ -72,7 +73,7 @@ def submit_task(service: Service, task, config, backend: str, pin: int | None = 
     token = CancelToken()
     return service.executor.submit(
         lambda: run_on_device(task, config, backend, service.energy, service.engines, cancel=token),
-        kind="task", label=label, batch=service.task_batch(task, config, backend, token), cancel=token, pin=pin,
+        kind="task", label=label, batch=service.runner.task_batch(task, config, backend, token), cancel=token, pin=pin,
     )
 
 
@@ -444,8 +445,8 @@ def test_each_worker_uses_its_own_devices_backend_object(fake_gpus):
     ex = service.executor
     try:
         assert [w.device for w in ex.workers] == ["cuda:0", "cuda:1", "cuda:2"]
-        picked = [ex.submit(lambda: (current_worker().device, service.engine("fused"),
-                                     worker_engine("fused", fleet), service.engine("cpu")), pin=i).future.result(60)
+        picked = [ex.submit(lambda: (current_worker().device, worker_engine("fused", service.engines),
+                                     worker_engine("fused", fleet), worker_engine("cpu", service.engines)), pin=i).future.result(60)
                   for i in range(3)]
         for i, (device, engine, same, cpu) in enumerate(picked):
             assert device == f"cuda:{i}"
@@ -814,7 +815,7 @@ def test_the_service_applies_the_plan_and_refuses_more_workers_than_gpus(fake_gp
     derived = Service(Settings(backend="fused"), engines=fleet)
     assert [w.device for w in derived.executor.workers] == ["cuda:0", "cuda:1", "cuda:2"]
     assert (derived.executor.capacity, derived.executor.batch_max) == (648, 108)
-    from app.health import health
+    from app.api.health import health
 
     _, doc = health(derived)
     assert doc["workers"]["devices"] == ["cuda:0", "cuda:1", "cuda:2"] and doc["limits"]["workers"] == 3

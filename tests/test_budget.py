@@ -27,7 +27,7 @@ from learner.errors import BudgetExceeded, ConfigError, TaskError
 from learner.taskio import task_to_npz_bytes
 from learner.train import parameter_count
 
-from .conftest import small_task
+from .helpers import small_task
 
 
 def unchecked(**values):

@@ -20,7 +20,7 @@ from learner.errors import TaskCancelled, TaskError
 from learner.result import run_task
 from learner.train import prepare
 
-from .conftest import small_task
+from .helpers import small_task
 
 SAFETY_S = 600  # only so that a broken cancel fails instead of hanging; never a speed assertion
 

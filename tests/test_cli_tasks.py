@@ -197,7 +197,7 @@ def test_local_input_errors(tmp_path, capsys):
 
 
 def test_statuses_match_the_ledgers():
-    from app.ledger import STATUSES
+    from app.ledger.store import STATUSES
 
     assert commands.TASK_STATUSES == STATUSES
 

@@ -18,7 +18,7 @@ from learner.config import (
 )
 from learner.errors import ConfigError
 
-from .conftest import small_task
+from .helpers import small_task
 
 
 def test_frozen_defaults_match_record(run_record):

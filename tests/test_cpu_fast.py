@@ -16,7 +16,7 @@ from learner.errors import TrainingDivergedError
 from learner.result import run_task
 from learner.train import prepare
 
-from .conftest import small_task
+from .helpers import small_task
 
 TOLERANCE = {"atol": 2e-5, "rtol": 3e-3}
 

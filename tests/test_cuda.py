@@ -13,7 +13,7 @@ from learner.config import make_config
 from learner.reference_check import TOLERANCE, max_violation, ordinary_sgd
 from learner.train import prepare
 
-from .conftest import small_task
+from .helpers import small_task
 
 pytestmark = [
     pytest.mark.gpu,

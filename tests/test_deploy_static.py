@@ -149,7 +149,7 @@ def metric_names() -> set[str]:
     """Every metric the app's registry exports (as /metrics renders it)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from app.metrics import Metrics
+    from app.runtime.metrics import Metrics
 
     metrics = Metrics()
     metrics.bind(depth=lambda: 0, in_flight=lambda: 0, busy=lambda: 0, ready=lambda: 0)

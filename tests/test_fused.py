@@ -246,7 +246,7 @@ def test_launch_checks_shape_and_config():
     from learner.errors import ConfigError
     from learner.train import prepare
 
-    from .conftest import small_task
+    from .helpers import small_task
 
     a, b = small_task(20, 5, 1), small_task(21, 5, 2)
     cfg = make_config({"batch_size": 8})

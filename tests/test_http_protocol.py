@@ -1,4 +1,4 @@
-"""app/http_protocol.py: the bodies its protocol hands the app are uvicorn's own, byte for byte.
+"""app/http/protocol.py: the bodies its protocol hands the app are uvicorn's own, byte for byte.
 
 Two real uvicorn servers on loopback (its httptools protocol, and ours) run one plain ASGI app
 that answers with what it received; the same requests go to both: empty, tiny, around the
@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from app.http_protocol import READ_AHEAD_BYTES, protocol_class
+from app.http.protocol import READ_AHEAD_BYTES, protocol_class
 
 httptools = pytest.importorskip("uvicorn.protocols.http.httptools_impl")
 

@@ -14,7 +14,7 @@ import pytest
 from learner.errors import ArchiveError, ArchiveMemberError, ArchiveTooLargeError, InputError
 from learner.taskio import Limits, load_task, read_npz, task_to_npz_bytes, validate_task
 
-from .conftest import small_task
+from .helpers import small_task
 
 
 def arrays(n=5, m=3):

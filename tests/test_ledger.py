@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app import ledger as ledger_mod
-from app.ledger import (
+from app.ledger import store as ledger_mod
+from app.ledger.store import (
     FINISHED,
     SCHEMA_VERSION,
     STATUSES,

@@ -1,4 +1,4 @@
-"""app/ledger_writer.py with a real ledger file: a device worker's hand-over never waits for the
+"""app/ledger/writer.py with a real ledger file: a device worker's hand-over never waits for the
 database, the running marks of a launch share one transaction, and a task's running mark is
 always written before its result."""
 
@@ -8,7 +8,7 @@ import threading
 import time
 
 from app.ledger import Ledger
-from app.ledger_writer import LedgerWriter
+from app.ledger.writer import LedgerWriter
 
 from .test_ledger import answer_for, create
 

@@ -13,7 +13,7 @@ from learner.config import Config, make_config
 from learner.hashing import array_sha256, named_sha256
 from learner.train import epoch_permutations, initial_parameters, parameter_names
 
-from .conftest import small_task
+from .helpers import small_task
 
 
 def test_initial_parameters_match_record(run_record):

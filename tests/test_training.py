@@ -16,7 +16,7 @@ from learner.result import run_task
 from learner.train import batch_sizes, epoch_permutations, initial_parameters, prepare, train
 from learner.validate import run_validation
 
-from .conftest import small_task
+from .helpers import small_task
 
 TOL = dict(atol=2e-5, rtol=3e-3)
 

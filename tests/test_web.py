@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.middleware import is_open
+from app.http.middleware import is_open
 from learner.config import make_config
 from learner.hashing import array_sha256
 from learner.result import run_task

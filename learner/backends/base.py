@@ -7,19 +7,10 @@ from typing import Protocol
 
 import numpy as np
 
-from ..cancel import CancelToken
-from ..config import Config
+from ..prepared import Prepared
 from ..taskio import TaskArrays
 
-
-@dataclasses.dataclass
-class Prepared:
-    """Seed-derived inputs every backend shares (computed once per task by the runner)."""
-
-    config: Config
-    initial: list[np.ndarray]  # float32, in parameter order
-    permutations: list[np.ndarray]  # int64, one per epoch
-    cancel: CancelToken | None = None  # checked by the backend while it runs (learner.cancel)
+__all__ = ["Backend", "Prepared", "RunOutput"]
 
 
 @dataclasses.dataclass

@@ -65,9 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from app.devices import PlanError, plan
+    from app.runtime.devices import PlanError, plan
     from app.service import FORCE_EXIT_GRACE_S
-    from app.tasks import check_backend
+    from app.tasks.options import check_backend
     from learner.backends import BackendUnavailable
 
     try:
@@ -86,7 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except LedgerError as exc:
         raise CliError(f"{exc} (REV88_DATA_DIR / --data-dir)") from None
 
-    from app import allocator, http_protocol
+    from app.http import protocol as http_protocol
+    from app.runtime import allocator
 
     malloc = allocator.tune()  # before the app allocates its first task
     protocol = http_protocol.protocol_class() or "auto"
@@ -115,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             access_log=False,  # the app logs each request itself (JSON, with its request id)
             timeout_graceful_shutdown=graceful_shutdown_s(settings.drain_timeout_s, FORCE_EXIT_GRACE_S),
             proxy_headers=False,
-            http=protocol,  # uvicorn's httptools protocol, a body's chunks kept (app/http_protocol.py)
+            http=protocol,  # uvicorn's httptools protocol, a body's chunks kept (app/http/protocol.py)
         )
     except _Stopped:
         pass

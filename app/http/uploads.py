@@ -14,7 +14,7 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
-from .errors import BadRequest, BodyTooLarge, InvalidRequest, UnsupportedMediaType
+from ..errors import BadRequest, BodyTooLarge, InvalidRequest, UnsupportedMediaType
 
 RAW_TYPES = ("application/octet-stream", "application/x-npz")
 MULTIPART = "multipart/form-data"

@@ -14,10 +14,10 @@ import uuid
 
 from starlette.datastructures import Headers
 
+from ..runtime.metrics import Metrics
 from .logs import request_id_var
-from .metrics import Metrics
 
-log = logging.getLogger("rev88.app.access")
+log = logging.getLogger("rev88." + __name__)
 
 PROBE_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})  # the health probes
 # Open without the key: the probes, and the web page (app/web), whose HTML and scripts carry no

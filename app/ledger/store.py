@@ -51,7 +51,7 @@ from typing import Any
 
 import orjson
 
-log = logging.getLogger("rev88.app.ledger")
+log = logging.getLogger("rev88." + __name__)
 
 DB_NAME = "ledger.sqlite3"
 UPLOADS = "uploads"

@@ -19,9 +19,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .ledger import Ledger
+from .store import Ledger
 
-log = logging.getLogger("rev88.app.ledger")
+log = logging.getLogger("rev88." + __name__)
 
 _STOP = object()
 

@@ -1,4 +1,5 @@
-"""Health documents: /health (everything), /v2/health/live, /v2/health/ready.
+"""Health: /health (everything), /v2/health/live, /v2/health/ready, and /metrics; the documents
+are plain functions of the service, the routes below them thin.
 
 /health answers 200 while the service is ready and 503 otherwise (starting,
 failed, draining); the body is the same full document either way.
@@ -9,7 +10,13 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from .service import Service
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from ..models import Health, Probe
+from ..service import Service
+from .deps import ServiceDep
 
 
 def live() -> dict[str, Any]:
@@ -79,3 +86,36 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
         }
     )
     return (200 if service.ready else 503), doc
+
+
+# --------------------------------------------------------------------------- routes
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health", summary="Status, device, GPU telemetry, learner state, queue, workers, limits, versions",
+            response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
+async def get_health(service: ServiceDep) -> JSONResponse:
+    status, doc = await run_in_threadpool(health, service)
+    return JSONResponse(doc, status_code=status)
+
+
+@router.get("/v2/health/live", summary="Liveness: the process is up", response_model=Probe,
+            response_model_exclude_none=True)
+async def get_live() -> dict:
+    return live()
+
+
+@router.get("/v2/health/ready", summary="Readiness: validated, warmed up, not draining", response_model=Probe,
+            responses={503: {"model": Probe}})
+async def get_ready(service: ServiceDep) -> JSONResponse:
+    status, doc = readiness(service)
+    return JSONResponse(doc, status_code=status)
+
+
+@router.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "Prometheus text format 0.0.4"}})
+async def get_metrics(service: ServiceDep) -> Response:
+    body, content_type = await run_in_threadpool(service.metrics.render)
+    return Response(body, media_type=content_type)

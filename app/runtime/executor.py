@@ -51,9 +51,9 @@ from typing import Any
 from learner.cancel import CancelToken
 from learner.errors import TaskCancelled
 
-from .errors import QueueFull, TaskStopped, TaskTimeout, Unavailable
+from ..errors import QueueFull, TaskStopped, TaskTimeout, Unavailable
 
-log = logging.getLogger("rev88.app.executor")
+log = logging.getLogger("rev88." + __name__)
 
 QUEUED, RUNNING, DONE, EXPIRED, ABANDONED, CANCELLED, DROPPED = (
     "queued", "running", "done", "expired", "abandoned", "cancelled", "dropped",

@@ -3,7 +3,7 @@
 Cheap checks come first (draining, content type, query options, a full queue),
 so a request that cannot succeed is refused before its body is read. Then the
 body is parsed and validated in a thread, the budget checked, and the task
-recorded in the ledger (app/lifecycle.py) before it is queued.
+recorded in the ledger by the task runner (app/tasks/runner.py) before it is queued.
 
 ``Prefer: respond-async`` answers ``202 Accepted`` with ``Location: /tasks/{id}`` once the task
 and its npz are durable in the ledger; without it the request waits for the answer (and a
@@ -26,15 +26,17 @@ from learner.budget import check_budget, estimate
 from learner.hashing import bytes_sha256
 from learner.taskio import load_task
 
-from . import lifecycle, uploads
-from .errors import Conflict, InvalidRequest, QueueFull, Unavailable
-from .ledger import IdempotencyConflict, TaskRecord
-from .tasks import parse_options, task_npz, wants_npz
+from ..errors import Conflict, InvalidRequest, QueueFull, Unavailable, outcome_of
+from ..http import uploads
+from ..ledger import IdempotencyConflict, TaskRecord
+from ..tasks.answers import Settled, status_answer, task_npz
+from ..tasks.options import parse_options, wants_npz
+from ..tasks.runner import Accepted, new_task_id
 
 if TYPE_CHECKING:
-    from .service import Service
+    from ..service import Service
 
-log = logging.getLogger("rev88.app.tasks")
+log = logging.getLogger("rev88." + __name__)
 
 _KEY = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, 1-200 characters
 
@@ -85,8 +87,6 @@ async def handle(request: Request, service: Service) -> Response:
     try:
         return await _handle(request, service, t0, request_id)
     except Exception as exc:  # refused before the task was accepted
-        from .tasks import outcome_of
-
         service.metrics.outcome(outcome_of(exc))
         raise
 
@@ -121,27 +121,28 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     check_budget(estimate(task.train_count, task.test_count, config),
                  service.settings.max_task_work, service.settings.max_task_bytes)
 
-    acc = lifecycle.Accepted(
-        task_id=lifecycle.new_task_id(), task=task, config=config, backend=options.backend,
+    runner = service.runner
+    acc = Accepted(
+        task_id=new_task_id(), task=task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parse_s,
     )
     try:  # durable before the 202: an asynchronous task's npz is stored with its record
         record, created = await asyncio.to_thread(
-            lifecycle.record, service, acc, body_sha256, len(body), body if asynchronous else None, key)
+            runner.record, acc, body_sha256, len(body), body if asynchronous else None, key)
     except IdempotencyConflict as exc:
         raise Conflict(f"{exc}; use a new key for a new task", task_id=exc.task_id) from None
     del body
     if not created:
         return await _existing(request, service, record, asynchronous)
     try:
-        lifecycle.submit(service, acc)
+        runner.queue(acc)
     except (QueueFull, Unavailable) as exc:  # the queue filled up meanwhile: not accepted after all
         await asyncio.to_thread(service.ledger.finish, acc.task_id, "failed", None,
                                 {"status": exc.status, "error": f"not accepted: {exc.message}"})
         raise
     if asynchronous:
-        lifecycle.run_in_background(service, acc)
+        runner.settle_in_background(acc)
         return accepted_response(record)
     # A synchronous task's input hashes (4.6 ms for draw 0) are computed in a thread of their own
     # while it runs (started only now: beside the recording and queueing above, which hold the
@@ -149,7 +150,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     # takes them (TaskArrays.input_hashes waits for this thread if it has not finished).
     asyncio.get_running_loop().run_in_executor(None, task.input_hashes)
 
-    settled = await lifecycle.settle(service, acc, client_gone(request))
+    settled = await runner.settle(acc, client_gone(request))
     if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):
         return npz_response(acc.task_id, settled)
     return Response(settled.json(), status_code=settled.status, headers=settled.headers, media_type="application/json")
@@ -162,34 +163,15 @@ def accepted_response(record: TaskRecord) -> JSONResponse:
 
 async def _existing(request: Request, service: Service, record: TaskRecord, asynchronous: bool) -> Response:
     """An Idempotency-Key seen before with the same body: that task, not a second training."""
-    acc = service.pending.get(record.id)
-    if not asynchronous and not record.finished and acc is not None and acc.job is not None:
-        try:  # the first request's task is still in this process: wait for it too
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(acc.job.future)),
-                                   service.settings.task_timeout_s)
-        except BaseException:  # noqa: BLE001 - its outcome is recorded by the first request
-            pass
-        for _ in range(100):
-            record = await asyncio.to_thread(service.ledger.get, record.id) or record
-            if record.finished:
-                break
-            await asyncio.sleep(0.02)
+    if not asynchronous and not record.finished and record.id in service.runner.pending:
+        # the first request's task is still in this process: wait for it too
+        record = await service.runner.finished_record(record.id, service.settings.task_timeout_s) or record
     if asynchronous or not record.finished:
         return accepted_response(record)
     return JSONResponse(*status_answer(record), headers={"Idempotent-Replayed": "true"})
 
 
-def status_answer(record: TaskRecord) -> tuple[dict, int]:
-    """GET /tasks/{id}'s JSON: a finished task's answer (the same JSON as the synchronous one,
-    plus its ``status``) or its error; otherwise its status document."""
-    if record.status == "succeeded" and record.answer is not None:
-        return {**record.answer, "status": "succeeded"}, 200
-    doc = record.document()
-    doc.pop("answer", None)
-    return doc, 200
-
-
-def npz_response(task_id: str, settled: lifecycle.Settled) -> Response:
+def npz_response(task_id: str, settled: Settled) -> Response:
     result = settled.outcome.result
     timing = settled.body["timing"]
     return Response(

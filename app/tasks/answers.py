@@ -1,0 +1,109 @@
+"""A task's answer as it leaves the service: the JSON document, encoded once, and the npz/npy files."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any
+
+import numpy as np
+import orjson
+
+from learner.result import TaskResult
+
+from .device import DeviceOutcome
+from .options import NPZ_TYPE  # noqa: F401 - the answers' media type, named beside them
+
+
+@dataclasses.dataclass
+class Settled:
+    """A task's outcome as HTTP sees it: status code and JSON body (and the device outcome on success)."""
+
+    status: int
+    body: dict[str, Any]
+    outcome: DeviceOutcome | None = None
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    content: bytes | None = None  # ``body`` as JSON, encoded once (orjson): what is sent and what the ledger keeps
+
+    def json(self) -> bytes:
+        if self.content is None:
+            self.content = encode_json(self.body)
+        return self.content
+
+
+def encode_json(doc: dict[str, Any]) -> bytes:
+    """A JSON answer's bytes (orjson: 0.06 ms for a 10k-query answer against 0.9 ms for json.dumps;
+    non-finite floats become null, as JSON has no NaN). What orjson cannot encode (an integer
+    over 64 bits in an error's details, say) goes through the standard encoder instead."""
+    try:
+        return orjson.dumps(doc)
+    except TypeError:
+        return json.dumps(doc, default=str, separators=(",", ":")).encode("utf-8")
+
+
+def task_answer(task_id: str, request_id: str | None, outcome: DeviceOutcome, timing: dict, include_scores: bool) -> dict:
+    result = outcome.result
+    answer: dict[str, Any] = {
+        "id": task_id,
+        "request_id": request_id,
+        "predictions": result.predictions.tolist(),
+        "predictions_sha256": result.predictions_sha256,
+        "scores_sha256": result.scores_sha256,
+    }
+    if include_scores:
+        answer["scores"] = result.scores.tolist()  # float32 -> float is exact; float32(x) recovers the bits
+    answer.update(
+        {
+            "metadata": result.metadata,
+            "timing": timing,
+            "energy": outcome.energy,
+        }
+    )
+    if outcome.energy is None:
+        answer["energy_reason"] = outcome.energy_reason
+    answer["device"] = result.metadata["device"]
+    answer["versions"] = result.metadata["versions"]
+    return answer
+
+
+def task_npz(result: TaskResult) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, predictions=result.predictions.astype(np.int64), scores=result.scores.astype(np.float32))
+    return buf.getvalue()
+
+
+def run_timing(result: TaskResult) -> tuple[float, str]:
+    """(ms, clock) of the learner's own run: CUDA events where present, else the host clock."""
+    meta = result.metadata
+    if meta.get("cuda_ms") is not None:
+        return float(meta["cuda_ms"]), "cuda_events"
+    return float(meta["training_prediction_seconds"]) * 1000.0, "perf_counter"
+
+
+def answer_npz(answer: dict) -> bytes:
+    """A stored answer as npz: predictions (int64), and scores (float32) when the task kept them."""
+    buf = io.BytesIO()
+    arrays = {"predictions": np.asarray(answer["predictions"], dtype=np.int64)}
+    if answer.get("scores") is not None:
+        arrays["scores"] = np.asarray(answer["scores"], dtype=np.float32)
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def predictions_npy(predictions: list[int]) -> bytes:
+    """The .npy bytes ``np.save`` writes for the predictions (int64): its SHA-256 of the array
+    equals the answer's predictions_sha256."""
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(predictions, dtype=np.int64))
+    return buf.getvalue()
+
+
+def status_answer(record) -> tuple[dict, int]:
+    """GET /tasks/{id}'s JSON: a finished task's answer (the same JSON as the synchronous one,
+    plus its ``status``) or its error; otherwise its status document."""
+    if record.status == "succeeded" and record.answer is not None:
+        return {**record.answer, "status": "succeeded"}, 200
+    doc = record.document()
+    doc.pop("answer", None)
+    return doc, 200

@@ -1,0 +1,190 @@
+"""What runs on a device worker: one task, a measurement, or a batched launch of tasks.
+
+The task path is the CLI's: ``learner.taskio.load_task`` (safe reader + validation),
+``learner.config.make_config`` and ``learner.result.run_task``; the service adds only HTTP
+concerns, so the same npz and backend give the same predictions and hashes as ``rev88 run``.
+
+Batched launches: on a backend with ``run_many`` (fused), queued tasks of one shape and config
+(seeds may differ) can share one launch (app/runtime/executor.py gathers them);
+``run_many_on_device`` then prepares each task as ``run_task`` does and builds each task's
+result with ``learner.result.finish_task``, the same code that ``run_task`` uses, so each answer
+has its own predictions, hashes and metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from learner.backends import Backend, Prepared, RunOutput, get_backend
+from learner.cancel import CancelToken
+from learner.config import Config
+from learner.errors import TaskCancelled
+from learner.result import TaskResult, finish_task, run_task
+from learner.taskio import TaskArrays
+from learner.train import prepare
+from learner.validate import cached_validation
+
+from ..runtime.devices import engine_device
+from ..runtime.executor import current_worker
+
+Engines = Callable[[str, str], Backend]  # (backend name, device) -> backend object (learner.backends.get_backend)
+
+
+# --------------------------------------------------------------------------- the device side
+
+
+class MeteredBackend:
+    """A backend whose ``run`` (and only that: the synchronized device work) is bracketed
+    by NVML energy-counter readings; the reading of the last run is kept in ``energy``."""
+
+    def __init__(self, inner: Backend, meter: Any, idle: Any, request_energy: Any) -> None:
+        self.inner, self.meter, self.idle, self._request_energy = inner, meter, idle, request_energy
+        self.name, self.device = inner.name, inner.device
+        self.energy: dict | None = None
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+    def run(self, task, prepared: Prepared) -> RunOutput:
+        out, self.energy = self._request_energy(self.meter, lambda: self.inner.run(task, prepared), self.idle)
+        return out
+
+
+@dataclasses.dataclass
+class DeviceOutcome:
+    result: TaskResult
+    energy: dict | None
+    energy_reason: str | None
+
+
+def worker_engine(backend: str, engines: Engines = get_backend) -> Backend:
+    """On a worker: the backend object for ``backend`` on that worker's device."""
+    worker = current_worker()
+    return engines(backend, engine_device(backend, worker.device if worker is not None else "cpu:0"))
+
+
+def run_on_device(task, config: Config, backend: str, energy: Any, engines: Engines = get_backend,
+                  cancel: CancelToken | None = None) -> DeviceOutcome:
+    """The executor's job for one task: the learner's run, metered where a GPU meter exists,
+    stopped at the backend's next safe point once ``cancel`` is set."""
+    engine = worker_engine(backend, engines)
+    meter, reason = energy.meter_for(engine)
+    if meter is None:
+        return DeviceOutcome(run_task(task, config, engine, cancel=cancel), None, reason)
+    metered = MeteredBackend(engine, meter, energy.idle_for(engine), energy.request_energy)
+    result = run_task(task, config, metered, cancel=cancel)
+    return DeviceOutcome(result, metered.energy, None)
+
+
+def measure_on_device(task, config: Config, backend: str, arguments: dict[str, Any], energy: Any,
+                      engines: Engines = get_backend) -> dict:
+    """The executor's job for ?measure=energy: learner.measure's protocol, device held throughout
+    (it is not stopped by a timeout or a disconnect once it runs; a queued one is dropped)."""
+    from learner.measure import measure_task
+
+    engine = worker_engine(backend, engines)
+    meter, _ = energy.meter_for(engine)
+    return measure_task(task, config, engine, meter=meter, **arguments)
+
+
+# --------------------------------------------------------------------------- batched launches
+
+BATCH_METHOD = "batched launch, divided equally by task count"
+
+
+def launch_key(task: TaskArrays, config: Config, backend: str) -> tuple:
+    """Tasks with equal keys may share one ``run_many`` launch: one backend, one
+    (train_count, test_count) shape, one config except the seed (each task's
+    seed-derived initial parameters and permutations are its own)."""
+    shared = tuple((k, v) for k, v in config.as_dict().items() if k != "seed")
+    return (backend, task.train_count, task.test_count, shared)
+
+
+def has_run_many(engine: Any) -> bool:
+    """Whether the backend object can train several tasks in one launch."""
+    return callable(getattr(engine, "run_many", None))
+
+
+def share_energy(reading: dict, tasks: int) -> dict:
+    """One launch's energy reading, divided equally among the ``tasks`` it trained.
+
+    The NVML counter sees the launch as a whole; an equal share is the honest split
+    for tasks of one shape and config (the same work each). The launch's own figures
+    stay beside the shares (``launch_gross_j``, ``launch_idle_adjusted_j``)."""
+    if tasks == 1:
+        return reading
+    out = dict(reading)
+    for name in ("gross_j", "idle_adjusted_j"):
+        value = reading.get(name)
+        out[name] = None if value is None else value / tasks
+        out[f"launch_{name}"] = value
+    out["tasks_in_launch"] = tasks
+    out["method"] = f"{reading.get('method')}; {BATCH_METHOD}"
+    out["note"] = (
+        f"{BATCH_METHOD}: this task shared one launch with {tasks - 1} other task(s); gross_j and "
+        f"idle_adjusted_j are the launch's figures / {tasks} (launch_gross_j, launch_idle_adjusted_j: the "
+        "whole launch); duration_s and the counter readings are the launch's. " + str(reading.get("note", ""))
+    )
+    return out
+
+
+def run_many_on_device(
+    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend
+) -> list[DeviceOutcome | BaseException]:
+    """The executor's call for gathered tasks of one launch key: one ``run_many`` launch,
+    metered as a whole where a GPU meter exists; one outcome per item, in order. An item is
+    ``(task, config)`` or ``(task, config, cancel_token)``.
+
+    A task whose preparation or result fails (say, its training diverged) is answered
+    with its own error; the others are unaffected. An error of the launch itself is
+    raised, and the executor answers every task of the launch with it. A launch cannot be
+    interrupted: a task cancelled before it starts is left out of it; one cancelled while it
+    runs has its result discarded (TaskCancelled)."""
+    engine = worker_engine(backend, engines)
+    cached_validation()  # as run_task: computed once per process, before the first run
+    outcomes: list[DeviceOutcome | BaseException | None] = [None] * len(items)
+    slots, tasks, prepareds, host_prep = [], [], [], []
+    for i, item in enumerate(items):
+        task, config = item[0], item[1]
+        cancel = item[2] if len(item) > 2 else None
+        if cancel is not None and cancel.cancelled:
+            outcomes[i] = TaskCancelled(cancel.reason or "cancelled", 0, 0, config.epochs)
+            continue
+        t0 = time.perf_counter()
+        try:
+            prepared = prepare(task, config)
+        except Exception as exc:  # noqa: BLE001 - this task's answer
+            outcomes[i] = exc
+            continue
+        slots.append(i)
+        tasks.append(task)
+        prepareds.append(prepared)
+        host_prep.append(time.perf_counter() - t0)
+    if not tasks:
+        return outcomes
+    meter, reason = energy.meter_for(engine)
+    reading = None
+    if meter is None:
+        outs = engine.run_many(tasks, prepareds)
+    else:
+        outs, reading = energy.request_energy(meter, lambda: engine.run_many(tasks, prepareds), energy.idle_for(engine))
+    if len(outs) != len(tasks):
+        raise RuntimeError(f"backend {engine.name!r} returned {len(outs)} outputs for a launch of {len(tasks)} tasks")
+    share = None if reading is None else share_energy(reading, len(tasks))
+    for k, i in enumerate(slots):
+        config = items[i][1]
+        cancel = items[i][2] if len(items[i]) > 2 else None
+        if cancel is not None and cancel.cancelled:  # stopped while the launch ran: discard its result
+            outcomes[i] = TaskCancelled(cancel.reason or "cancelled", config.epochs, 0, config.epochs)
+            continue
+        try:
+            result = finish_task(tasks[k], config, engine, prepareds[k], outs[k], host_prep[k],
+                                 tasks_in_launch=len(tasks))
+        except Exception as exc:  # noqa: BLE001 - e.g. TrainingDivergedError: this task's answer
+            outcomes[i] = exc
+            continue
+        outcomes[i] = DeviceOutcome(result, share, None if share is not None else reason)
+    return outcomes

@@ -1,0 +1,136 @@
+"""A task request's options: backend, include, measure=energy and config overrides from the query.
+
+Checked before the body is read, so a request that cannot succeed is refused before its upload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+import torch
+
+from learner.backends import BackendUnavailable, resolve
+from learner.config import Config, coerce_config_strings, make_config
+
+from ..errors import InvalidRequest
+
+SERVICE_PARAMS = ("backend", "include", "measure")
+MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
+    "trials": (int, 1, 10, 3),
+    "target_seconds": (float, 0.1, 60.0, 5.0),
+    "settle_seconds": (float, 0.0, 30.0, 3.0),
+    "idle_seconds": (float, 0.0, 30.0, 3.0),
+}
+INCLUDES = ("scores",)
+NPZ_TYPE = "application/x-npz"
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOptions:
+    config_overrides: dict[str, Any]  # from the query, already type-coerced and checked
+    backend: str  # concrete: a name from learner.backends.NAMES other than "auto"
+    include_scores: bool = False
+    measure: dict[str, Any] | None = None  # protocol arguments for ?measure=energy
+
+    def config(self, form_config: dict[str, Any] | None = None) -> Config:
+        """Query overrides merged with a multipart ``config`` field; a key in both is an error."""
+        if not form_config:
+            return make_config(self.config_overrides)
+        both = sorted(set(form_config) & set(self.config_overrides))
+        if both:
+            raise InvalidRequest(f"config key(s) given both as query parameter and in the 'config' field: {', '.join(both)}")
+        return make_config({**form_config, **self.config_overrides})
+
+
+def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOptions:
+    """Query parameters -> options. Anything not a service parameter is a config key (unknown -> 422)."""
+    keys = [k for k, _ in items]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise InvalidRequest(f"query parameter(s) given more than once: {', '.join(repeated)}")
+    query = dict(items)
+    backend = check_backend(query.pop("backend", default_backend))
+    include = [p.strip() for p in query.pop("include", "").split(",") if p.strip()]
+    unknown = [p for p in include if p not in INCLUDES]
+    if unknown:
+        raise InvalidRequest(f"include={','.join(unknown)} is not known; allowed: {', '.join(INCLUDES)}")
+    measure = query.pop("measure", None)
+    protocol = {name: query.pop(name) for name in list(query) if name in MEASURE_PARAMS}
+    if measure is None and protocol:
+        raise InvalidRequest(f"{', '.join(sorted(protocol))} only apply with measure=energy")
+    if measure is not None and measure != "energy":
+        raise InvalidRequest(f"measure={measure!r} is not known; the one measurement is measure=energy")
+    overrides = coerce_config_strings(query)
+    make_config(overrides)  # fail fast, before the upload is read
+    return TaskOptions(
+        config_overrides=overrides,
+        backend=backend,
+        include_scores="scores" in include,
+        measure=None if measure is None else measure_arguments(protocol),
+    )
+
+
+def measure_arguments(raw: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (kind, low, high, default) in MEASURE_PARAMS.items():
+        if name not in raw:
+            out[name] = default
+            continue
+        try:
+            value = kind(raw[name])
+        except ValueError:
+            raise InvalidRequest(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw[name]!r}") from None
+        if not low <= value <= high:  # also rejects nan
+            raise InvalidRequest(f"{name} must be in [{low:g}, {high:g}], got {raw[name]}")
+        out[name] = value
+    return out
+
+
+def measure_timeout_s(arguments: dict[str, Any], task_timeout_s: float) -> float:
+    """A measurement's timeout: its windows, plus the task timeout for each single run the
+    protocol makes outside them (first, calibration, after) and for each trial's last repeat."""
+    windows = arguments["trials"] * (arguments["target_seconds"] + 2 * (arguments["settle_seconds"] + arguments["idle_seconds"]))
+    return windows + (3 + arguments["trials"]) * task_timeout_s
+
+
+def check_backend(name: str) -> str:
+    """A name from learner.backends.NAMES -> a concrete backend this machine can run,
+    else BackendUnavailable (422 for a request; at startup it stops the service)."""
+    concrete = resolve(name)
+    if concrete in ("cuda", "fused") and not torch.cuda.is_available():
+        raise BackendUnavailable(
+            f"backend {concrete!r} needs a CUDA GPU and none is available on this server; use backend=cpu"
+        )
+    if concrete == "fused" and importlib.util.find_spec("triton") is None:
+        raise BackendUnavailable(
+            "backend 'fused' needs triton, which is not installed on this server (pip install 'rev88[gpu]'); "
+            "use backend=cuda"
+        )
+    if concrete == "cpu-fast":
+        from learner.backends.cpu_fast import KERNEL_ERROR, kernel_available
+
+        if not kernel_available():
+            raise BackendUnavailable(f"backend 'cpu-fast' is unavailable on this server: {KERNEL_ERROR}; use backend=cpu")
+    return concrete
+
+
+def wants_npz(accept: str | None) -> bool:
+    """True when Accept asks for application/x-npz at least as much as for JSON."""
+    best: dict[str, float] = {}
+    for part in (accept or "").split(","):
+        fields = [f.strip() for f in part.split(";")]
+        kind = fields[0].lower()
+        q = 1.0
+        for f in fields[1:]:
+            if f.lower().startswith("q="):
+                try:
+                    q = float(f[2:])
+                except ValueError:
+                    q = 0.0
+        if kind:
+            best[kind] = max(q, best.get(kind, 0.0))
+    npz = best.get(NPZ_TYPE, 0.0)
+    return npz > 0 and npz >= best.get("application/json", 0.0)

@@ -1,0 +1,340 @@
+"""The task runner: a task from acceptance to its recorded answer, whoever waits for it.
+
+``TaskRunner`` is built by the service (app/service.py) from the parts it needs -- the ledger
+and its writer, the device executor, the energy meters, the metrics -- and never imports the
+service. It owns the tasks in flight in this process (``pending``) and the settling of the
+asynchronous ones (``background``).
+
+``record``  writes the task to the ledger (an asynchronous one together with its npz, durable
+            before the 202).
+``queue``   puts its job on the device workers.
+``settle``  waits for its job (timeout; client disconnect for a synchronous request), builds
+            the answer or the error, records it in the ledger and returns it. The synchronous
+            route awaits it; an asynchronous task has it run in the background.
+``cancel``  stops a task: a queued one never runs, a running one is stopped at its next safe
+            point; the answer is its record once the ledger says it has finished.
+``recover`` at start: every asynchronous task the ledger still has queued or running (the
+            service stopped before it finished, say by ``kill -9``) is queued again from its
+            stored npz -- runs are deterministic, so its answer is the one the first run would
+            have given; a synchronous one (its client's connection is gone) is recorded failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from learner.cancel import CancelToken
+from learner.config import Config, make_config
+from learner.taskio import TaskArrays, load_task
+
+from ..errors import TaskStopped, Unavailable, error_answer, outcome_of
+from ..ledger import AlreadyFinished, Ledger, LedgerWriter, TaskRecord
+from ..runtime.executor import Batch, DeviceExecutor, Job
+from ..runtime.metrics import Metrics
+from .answers import Settled, run_timing, task_answer
+from .device import (
+    DeviceOutcome,
+    Engines,
+    has_run_many,
+    launch_key,
+    measure_on_device,
+    run_many_on_device,
+    run_on_device,
+    worker_engine,
+)
+from .options import measure_timeout_s
+
+log = logging.getLogger("rev88." + __name__)
+
+
+def new_task_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+@dataclasses.dataclass
+class Accepted:
+    """Everything a task's job needs, now or after a restart (``options`` is what the ledger keeps)."""
+
+    task_id: str
+    task: TaskArrays
+    config: Config
+    backend: str
+    include_scores: bool = False
+    measure: dict[str, Any] | None = None
+    mode: str = "sync"
+    request_id: str | None = None
+    t0: float = dataclasses.field(default_factory=time.perf_counter)  # arrival (perf_counter)
+    receive_s: float = 0.0
+    parse_s: float = 0.0
+    cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
+    job: Job | None = None
+
+    @property
+    def kind(self) -> str:
+        return "measure" if self.measure is not None else "task"
+
+    def options(self) -> dict[str, Any]:
+        return {"include_scores": self.include_scores, "measure": self.measure}
+
+
+def input_hashes(task: TaskArrays) -> dict[str, str]:
+    """The task's input hashes (computed once per task where TaskArrays caches them)."""
+    cached = getattr(task, "input_hashes", None)
+    if callable(cached):
+        return cached()
+    from learner.hashing import array_sha256
+
+    return {name: array_sha256(arr) for name, arr in task.as_dict().items()}
+
+
+class TaskRunner:
+    """Accept, settle, cancel and recover tasks over the ledger and the device executor."""
+
+    def __init__(self, *, ledger: Ledger, writer: LedgerWriter, executor: DeviceExecutor, energy: Any,
+                 engines: Engines, metrics: Metrics, task_timeout_s: float, batch_max: int,
+                 versions: Callable[[], dict[str, Any]]) -> None:
+        self.ledger, self.writer, self.executor = ledger, writer, executor
+        self.energy, self.engines, self.metrics = energy, engines, metrics
+        self.task_timeout_s, self.batch_max, self.versions = task_timeout_s, batch_max, versions
+        self.pending: dict[str, Accepted] = {}  # task id -> its acceptance, while queued or running here
+        self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
+
+    # ------------------------------------------------------------------ accept
+    def record(self, acc: Accepted, body_sha256: str | None, body_bytes: int, body: bytes | None,
+               idempotency_key: str | None) -> tuple[TaskRecord, bool]:
+        """Write the task to the ledger (blocking: call it in a thread). ``body`` makes it durable.
+        A synchronous task's input hashes are still being computed beside it: they are recorded
+        when it finishes (``settle``)."""
+        return self.ledger.create(
+            task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
+            options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
+            body_sha256=body_sha256, body_bytes=body_bytes,
+            input_hashes=input_hashes(acc.task) if acc.mode == "async" else None,
+            body=body, idempotency_key=idempotency_key,
+        )
+
+    def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
+        """How a task job may share a launch with queued tasks of its launch key
+        (None when REV88_BATCH_MAX is 1). Whether it does is decided on the device
+        thread: only when the backend object has ``run_many``."""
+        if self.batch_max <= 1:
+            return None
+        return Batch(
+            key=launch_key(task, config, backend),
+            item=(task, config, cancel),
+            run=lambda items: run_many_on_device(items, backend, self.energy, self.engines),
+            ready=lambda: has_run_many(worker_engine(backend, self.engines)),
+        )
+
+    def queue(self, acc: Accepted, reserved: bool = False) -> Job:
+        """Queue the task's job on the workers (``reserved``: recovered work skips the capacity check)."""
+        self.pending[acc.task_id] = acc
+
+        def started(job) -> None:  # on the device worker: hands the write over, does not wait for it
+            self.writer.started(acc.task_id, job.worker, time.time())
+
+        if acc.measure is not None:
+            arguments = acc.measure
+            job = self.executor.submit(
+                lambda: measure_on_device(acc.task, acc.config, acc.backend, arguments, self.energy, self.engines),
+                kind="measure", label=acc.task_id, reserved=reserved, cancel=acc.cancel, on_start=started,
+            )
+        else:
+            job = self.executor.submit(
+                lambda: run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel),
+                kind="task", label=acc.task_id, batch=self.task_batch(acc.task, acc.config, acc.backend, acc.cancel),
+                reserved=reserved, cancel=acc.cancel, on_start=started,
+            )
+        acc.job = job
+        return job
+
+    def timeout_for(self, acc: Accepted) -> float:
+        if acc.measure is not None:
+            return measure_timeout_s(acc.measure, self.task_timeout_s)
+        return self.task_timeout_s
+
+    # ------------------------------------------------------------------ settle
+    async def settle(self, acc: Accepted, gone: Awaitable | None = None) -> Settled:
+        """Wait for the task's job, build its answer (or error), record it, return it. The task
+        stays in ``pending`` until the ledger has its outcome, so a cancel arriving meanwhile
+        finds it here (and that its job has ended) rather than a record to mark cancelled."""
+        try:
+            return await self._settle(acc, gone)
+        finally:
+            self.pending.pop(acc.task_id, None)
+
+    async def _settle(self, acc: Accepted, gone: Awaitable | None) -> Settled:
+        job = acc.job
+        try:
+            value = await self.executor.wait(job, self.timeout_for(acc), gone)
+        except BaseException as exc:  # noqa: BLE001 - every failure is answered and recorded
+            status, body, headers = error_answer(exc, acc.request_id)
+            settled = Settled(status, body, headers=headers)
+            await self._record_failure(acc, exc, settled)
+            self.metrics.outcome(outcome_of(exc) if isinstance(exc, Exception) else "error")
+            return settled
+        if acc.measure is not None:
+            settled = Settled(200, self.measure_answer(acc, job, value))
+        else:
+            settled = Settled(200, self.answer_for(acc, job, value), outcome=value)
+        try:
+            content = settled.json()
+            await self.writer.run(  # the hashes there, not here: never waited for on the event loop
+                lambda: self.ledger.finish(acc.task_id, "succeeded", settled.body, None, content, False,
+                                           input_hashes(acc.task)))
+        except AlreadyFinished:  # cancelled in the ledger meanwhile (a restart's leftovers): keep the answer
+            log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
+        except Exception as exc:  # noqa: BLE001 - the answer stands; the ledger could not keep it
+            log.error("could not record the answer in the ledger", extra={"task_id": acc.task_id, "error": str(exc)})
+            settled.headers["X-Ledger-Error"] = str(exc)[:200]
+        self.metrics.outcome("ok")
+        return settled
+
+    def answer_for(self, acc: Accepted, job: Job, outcome: DeviceOutcome) -> dict[str, Any]:
+        run_ms, clock = run_timing(outcome.result)
+        self.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
+        self.metrics.run_seconds.observe(run_ms / 1000.0)
+        if outcome.energy is not None and self.metrics.task_energy is not None and outcome.energy.get("gross_j"):
+            self.metrics.task_energy.inc(outcome.energy["gross_j"])
+        timing = {
+            "receive_ms": _ms(acc.receive_s),
+            "parse_ms": _ms(acc.parse_s),
+            "queue_wait_ms": _ms(job.queue_wait_s or 0.0),
+            "run_ms": round(run_ms, 3),
+            "run_clock": clock,
+            "device_ms": _ms(job.device_s or 0.0),
+            "tasks_in_launch": job.launch_size,
+            "total_ms": _ms(time.perf_counter() - acc.t0),
+        }
+        log.info(
+            "task answered",
+            extra={"task_id": acc.task_id, "train_count": acc.task.train_count, "test_count": acc.task.test_count,
+                   "backend": outcome.result.metadata["backend"], "device": job.worker, "mode": acc.mode,
+                   "timing": timing},
+        )
+        return task_answer(acc.task_id, acc.request_id, outcome, timing, acc.include_scores)
+
+    def measure_answer(self, acc: Accepted, job: Job, doc: dict) -> dict[str, Any]:
+        self.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
+        timing = {
+            "receive_ms": _ms(acc.receive_s),
+            "parse_ms": _ms(acc.parse_s),
+            "queue_wait_ms": _ms(job.queue_wait_s or 0.0),
+            "device_ms": _ms(job.device_s or 0.0),
+            "total_ms": _ms(time.perf_counter() - acc.t0),
+        }
+        answer = {
+            "id": acc.task_id,
+            "request_id": acc.request_id,
+            "measure": "energy",
+            "protocol": acc.measure,
+            "predictions_sha256": doc.get("predictions_sha256"),
+            "scores_sha256": doc.get("scores_sha256"),
+            "energy": doc.get("energy"),
+        }
+        if doc.get("energy") is None:
+            answer["energy_reason"] = doc.get("energy_reason")
+        answer.update({"measurement": doc, "timing": timing, "device": doc.get("device"), "versions": self.versions()})
+        log.info("measurement answered", extra={"task_id": acc.task_id, "timing": timing})
+        return answer
+
+    async def _record_failure(self, acc: Accepted, exc: BaseException, settled: Settled) -> None:
+        if isinstance(exc, Unavailable) and acc.mode == "async":
+            # the drain deadline: an accepted asynchronous task stays queued in the ledger and the
+            # next start runs it again; nothing accepted is lost
+            log.warning("asynchronous task left for the next start", extra={"task_id": acc.task_id})
+            return
+        status = "cancelled" if isinstance(exc, TaskStopped) else "failed"
+        error = {"status": settled.status, **settled.body}
+        error.pop("request_id", None)
+        try:
+            await self.writer.run(lambda: self.ledger.finish(acc.task_id, status, None, error,
+                                                             input_hashes=input_hashes(acc.task)))
+        except AlreadyFinished:
+            pass
+        except Exception as exc2:  # noqa: BLE001
+            log.error("could not record the failure in the ledger", extra={"task_id": acc.task_id, "error": str(exc2)})
+
+    def settle_in_background(self, acc: Accepted) -> None:
+        """An asynchronous task: settle it without a waiting client."""
+        task = asyncio.get_running_loop().create_task(self.settle(acc))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def finished_record(self, task_id: str, timeout: float) -> TaskRecord | None:
+        """Wait (within ``timeout``) for a task of this process to finish, then for its settling
+        coroutine to record it; its record as the ledger then holds it."""
+        acc = self.pending.get(task_id)
+        if acc is not None and acc.job is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(acc.job.future)), timeout)
+            except BaseException:  # noqa: BLE001 - the job's own outcome is recorded by settle
+                pass
+        record = None
+        for _ in range(100):  # settle runs on this loop: let it record
+            record = await asyncio.to_thread(self.ledger.get, task_id)
+            if record is None or record.finished:
+                return record
+            await asyncio.sleep(0.02)
+        return record
+
+    # ------------------------------------------------------------------ cancel
+    async def cancel(self, task_id: str) -> TaskRecord | None:
+        """Stop a task: a queued one never runs, a running one is stopped at its next safe point.
+        Returns its record once the ledger says it has finished (None for an unknown id); a task
+        that finished some other way first (it completed meanwhile) has that status, not
+        ``cancelled``."""
+        record = await asyncio.to_thread(self.ledger.get, task_id)
+        if record is None or record.finished:
+            return record
+        acc = self.pending.get(task_id)
+        if acc is not None and acc.job is not None:
+            self.executor.withdraw(acc.job, "cancel", f"was cancelled (POST /tasks/{task_id}/cancel)")
+            return await self.finished_record(task_id, 15.0)
+        # in the ledger but not in this process's queue (e.g. a restart's leftover not yet re-queued)
+        try:
+            return await asyncio.to_thread(self.ledger.finish, task_id, "cancelled", None,
+                                           {"status": 409, "error": "cancelled before it ran"})
+        except AlreadyFinished as exc:
+            return exc.record
+
+    # ------------------------------------------------------------------ recover
+    async def recover(self) -> dict[str, int]:
+        """Queue again every asynchronous task the ledger left unfinished; fail the synchronous ones."""
+        counts = {"requeued": 0, "failed": 0}
+        for rec in await asyncio.to_thread(self.ledger.unfinished):
+            if rec.mode != "async":
+                await asyncio.to_thread(self.ledger.finish, rec.id, "failed", None, {
+                    "status": 503, "error": "the service stopped while this synchronous task was queued or running; "
+                    "its client's connection was lost with it; submit the task again"})
+                counts["failed"] += 1
+                continue
+            try:
+                body = await asyncio.to_thread(self.ledger.load_upload, rec.id)
+                task = await asyncio.to_thread(load_task, body)
+                config = make_config(rec.config)
+            except Exception as exc:  # noqa: BLE001 - a record that cannot be re-run is failed, loudly
+                log.error("cannot re-run a recovered task", extra={"task_id": rec.id, "error": str(exc)})
+                await asyncio.to_thread(self.ledger.finish, rec.id, "failed", None, {
+                    "status": 500, "error": f"could not re-run the task after a restart: {exc}"})
+                counts["failed"] += 1
+                continue
+            acc = Accepted(task_id=rec.id, task=task, config=config, backend=rec.backend,
+                           include_scores=bool(rec.options.get("include_scores")), measure=rec.options.get("measure"),
+                           mode="async")
+            self.queue(acc, reserved=True)
+            self.settle_in_background(acc)
+            counts["requeued"] += 1
+        if counts["requeued"] or counts["failed"]:
+            log.info("recovered the ledger's unfinished tasks", extra=counts)
+        return counts

@@ -1,0 +1,92 @@
+"""The OpenAPI document is the service's exact contract: schemathesis (every check, a fixed seed,
+bounded examples) against a real server must find nothing -- no 5xx, no schema-valid request
+refused, no response off its documented schema. And the contract's own details, read from the
+document: config ranges from learner.config.BOUNDS, status enums, /metrics as text."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from learner.config import BOUNDS, FIELDS, INT_FIELDS
+from learner.taskio import task_to_npz_bytes
+
+from .helpers import small_task
+from .server import post_task, running_server
+
+# Which answers are right for a schema-valid request that the schema cannot fully describe:
+# any bytes are a schema-valid npz body, but only a real npz trains (400/413/415/422 name what
+# is wrong with the rest); a cursor is opaque (only one a previous page returned is accepted).
+CONFIG = """
+[[operations]]
+include-name = "POST /tasks"
+checks.positive_data_acceptance.expected-statuses = [200, 202, 400, 413, 415, 422, 503]
+
+[[operations]]
+include-name = "GET /tasks"
+checks.positive_data_acceptance.expected-statuses = [200, 422]
+
+[parameters]
+task_id = "{task_id}"
+"""
+
+
+def test_schemathesis_finds_nothing(tmp_path):
+    st = shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or shutil.which("schemathesis")
+    if st is None:
+        pytest.fail("schemathesis is not installed (it is in the test extra: pip install -e '.[test]')")
+    with running_server(tmp_path, env={"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1"}) as server:
+        with server.client() as c:  # one real task, so the {task_id} operations reach a task
+            done = post_task(c, task_to_npz_bytes(small_task()), params={"epochs": 1})
+            assert done.status_code == 200, done.text
+        config = tmp_path / "schemathesis.toml"
+        config.write_text(CONFIG.format(task_id=done.json()["id"]))
+        run = subprocess.run(
+            [st, "--config-file", str(config), "run", f"{server.url}/openapi.json", "--checks", "all",
+             "--seed", "88", "--max-examples", "25", "--workers", "1", "--no-shrink"],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+        assert " passed" in run.stdout and "failures" not in run.stdout.split("SUMMARY")[-1].lower(), run.stdout[-3000:]
+        assert "500" not in server.logs().split("Internal Server Error")[0][-1:], server.logs()[-2000:]
+
+
+def _document():
+    from app.main import create_app
+    from app.settings import Settings
+
+    return create_app(Settings(backend="cpu")).openapi()
+
+
+def test_config_fields_carry_their_ranges():
+    params = {p["name"]: p["schema"] for p in _document()["paths"]["/tasks"]["post"]["parameters"]}
+    for name in FIELDS:
+        schema, (low, high) = params[name], BOUNDS[name]
+        assert schema["type"] == ("integer" if name in INT_FIELDS else "number")
+        assert schema.get("minimum", schema.get("exclusiveMinimum")) == low
+        assert schema.get("maximum", schema.get("exclusiveMaximum")) == high
+    assert params["depth"] == {"type": "integer", "minimum": 1, "maximum": 64}
+    assert params["learning_rate"]["exclusiveMinimum"] == 0 and "minimum" not in params["learning_rate"]
+    assert params["momentum"]["exclusiveMaximum"] == 1 and "maximum" not in params["momentum"]
+
+
+def test_statuses_bodies_and_metrics_are_documented():
+    doc = _document()
+    status = next(p for p in doc["paths"]["/tasks"]["get"]["parameters"] if p["name"] == "status")
+    enum = next(s["enum"] for s in status["schema"]["anyOf"] if "enum" in s)
+    assert enum == ["queued", "running", "succeeded", "failed", "cancelled"]
+    body = doc["paths"]["/tasks"]["post"]["requestBody"]["content"]
+    assert {"application/octet-stream", "application/x-npz", "multipart/form-data"} <= set(body)
+    assert body["multipart/form-data"]["schema"]["required"] == ["file"]
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "application/json" not in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    for path, item in doc["paths"].items():  # every documented error answer has its model
+        for method, op in item.items():
+            for code, response in op["responses"].items():
+                if int(code) >= 400:
+                    ref = response["content"]["application/json"]["schema"]["$ref"]
+                    assert ref.rsplit("/", 1)[-1] in ("ErrorBody", "Health", "Probe"), (method, path, code, ref)
