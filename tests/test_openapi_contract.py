@@ -48,7 +48,7 @@ def test_schemathesis_finds_nothing(tmp_path):
         run = subprocess.run(
             [st, "--config-file", str(config), "run", f"{server.url}/openapi.json", "--checks", "all",
              "--seed", "88", "--max-examples", "25", "--workers", "1", "--no-shrink"],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
         assert " passed" in run.stdout and "failures" not in run.stdout.split("SUMMARY")[-1].lower(), run.stdout[-3000:]
