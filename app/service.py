@@ -18,6 +18,7 @@ Lifecycle (driven by the FastAPI lifespan):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import signal
 import threading
@@ -41,6 +42,7 @@ from .settings import Settings, SettingsError
 from .tasks.device import Engines, worker_engine
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
+from .threads import name_os_thread
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -181,6 +183,9 @@ class Service:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # asyncio.to_thread's pool, its threads named for the OS (bench/bench_shell.py, top -H)
+        self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix="rev88-io", initializer=name_os_thread, initargs=("rev88-io",)))
         if self.settings.threads:
             import torch
 

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..threads import name_os_thread
 from .store import Ledger
 
 log = logging.getLogger("rev88." + __name__)
@@ -54,6 +55,7 @@ class LedgerWriter:
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
+        name_os_thread()  # "rev88-ledger"
         while True:
             items = [self._queue.get()]
             while True:  # everything queued meanwhile: consecutive "running" marks share a transaction

@@ -52,6 +52,7 @@ from learner.cancel import CancelToken
 from learner.errors import TaskCancelled
 
 from ..errors import QueueFull, TaskStopped, TaskTimeout, Unavailable
+from ..threads import name_os_thread
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -165,6 +166,7 @@ class Worker:
         }
 
     def _loop(self) -> None:
+        name_os_thread(f"rev88-w{self.index}")
         _local.worker = self
         ex = self.executor
         while True:
