@@ -4,7 +4,9 @@ tasks, the history, cancel, idempotency, restarts (clean and kill -9), retention
 from __future__ import annotations
 
 import hashlib
+import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 from learner.config import make_config
 from learner.hashing import array_sha256
 from learner.result import run_task
-from learner.taskio import task_to_npz_bytes
+from learner.taskio import load_task, task_to_npz_bytes
 
 from .gates import FileGate
 from .helpers import small_task
@@ -274,3 +276,48 @@ def test_concurrent_async_submissions_are_each_recorded_once(server):
     with server.client() as c:
         docs = [finished(c, i) for i in ids]
     assert len(set(ids)) == 6 and all(d["status"] == "succeeded" for d in docs)
+
+
+def test_a_running_synchronous_task_is_visible_and_cancellable(server):
+    """A synchronous task (no Idempotency-Key) is written to the ledger once, when it has finished;
+    while it is queued or running this replica still answers for it, and cancels it."""
+    body = task_to_npz_bytes(small_task(40, 5, seed=51))
+    answers = []
+    with server.client() as c:
+        server.gate.hold()
+        try:
+            caller = threading.Thread(target=lambda: answers.append(post_task(server.client(), body)))
+            caller.start()
+            running = wait_for(lambda: (running_job(server) or {}).get("id"), 60, what="the sync task running")
+            doc = c.get(f"/tasks/{running}").json()
+            assert doc["status"] == "running" and doc["mode"] == "sync" and doc["train_count"] == 40
+            assert running not in {t["id"] for t in c.get("/tasks", params={"limit": 500}).json()["tasks"]}
+            cancelled = c.post(f"/tasks/{running}/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+        finally:
+            server.gate.release()
+        caller.join(60)
+        assert answers[0].status_code == 409 and "cancelled" in answers[0].json()["error"]
+        listed = {t["id"]: t for t in c.get("/tasks", params={"limit": 500}).json()["tasks"]}
+        assert listed[running]["status"] == "cancelled" and listed[running]["attempts"] == 1
+
+
+def test_a_synchronous_task_is_recorded_when_its_client_leaves_right_after_the_answer(server):
+    """The answer is sent only once its one record is handed to the ledger writer and written:
+    a client that reads the status line and hangs up still finds its task in the ledger."""
+    body = task_to_npz_bytes(small_task(30, 4, seed=52))
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /tasks HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(4096)
+        task_id = re.search(rb'"id":"([0-9a-f]+)"', head + sock.recv(65536)).group(1).decode()
+    assert head.startswith(b"HTTP/1.1 200")
+    with server.client() as c:
+        doc = c.get(f"/tasks/{task_id}").json()
+        assert doc["status"] == "succeeded"
+        listed = {t["id"]: t for t in c.get("/tasks", params={"limit": 500}).json()["tasks"]}
+        assert listed[task_id]["mode"] == "sync" and listed[task_id]["input_hashes"] == doc["metadata"]["input_hashes"]
+        assert doc["predictions_sha256"] == run_task(load_task(body), None, "cpu-fast").predictions_sha256

@@ -299,6 +299,7 @@ def test_failed_retention_does_not_fail_the_finish(ledger, monkeypatch, caplog):
         raise sqlite3.OperationalError("database or disk is full")
 
     monkeypatch.setattr(ledger, "_apply_retention", full)
+    monkeypatch.setattr(ledger, "retain_tasks", 0)  # over the limit: retention must run (within it, none opens)
     record, _ = create(ledger)
     with caplog.at_level("WARNING", logger="rev88.app.ledger"):
         done = ledger.finish(record.id, "succeeded", answer=answer_for(record.id))

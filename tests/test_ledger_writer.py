@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from app.ledger import Ledger
+from app.ledger import FinishedTask, Ledger
 from app.ledger.writer import LedgerWriter
 
 from .test_ledger import answer_for, create
@@ -62,4 +62,48 @@ def test_a_failing_call_reaches_its_caller_and_the_writer_goes_on(tmp_path):
     record, _ = create(ledger)
     assert writer.call(ledger.get, record.id).result(30).status == "queued"
     assert writer.close(30)
+    ledger.close()
+
+
+def finished_task(i: int, **kw) -> FinishedTask:
+    return FinishedTask(task_id=f"sync-{i:04d}", kind="task", mode="sync", backend="cpu", config={"seed": i},
+                        options={"include_scores": False, "measure": None}, train_count=10, test_count=2,
+                        body_bytes=1234, created_at=time.time(), status="succeeded",
+                        answer=answer_for(f"sync-{i:04d}"), input_hashes=lambda: {"train_images": "ab" * 32},
+                        started_at=time.time(), device="cpu:0", **kw)
+
+
+def test_finished_synchronous_tasks_share_one_group_commit(tmp_path):
+    """Records handed over while the writer is busy are written together: one transaction."""
+    ledger = Ledger(tmp_path / "data")
+    writer = LedgerWriter(ledger)
+    hold, holding = threading.Event(), threading.Event()
+    writer.call(lambda: (holding.set(), hold.wait(30)))
+    assert holding.wait(30)
+    futures = [writer.finished(finished_task(i)) for i in range(50)]
+    assert ledger.get("sync-0000") is None  # not written while the writer is held
+    hold.set()
+    assert [f.result(30) for f in futures] == [None] * 50
+    assert writer.group_commits == 1
+    record = ledger.get("sync-0007")
+    assert record.status == "succeeded" and record.mode == "sync" and record.attempts == 1
+    assert record.answer == answer_for("sync-0007") and record.input_hashes == {"train_images": "ab" * 32}
+    assert record.device == "cpu:0" and record.finished_at >= record.started_at >= record.created_at
+    assert ledger.counts()["tasks"]["succeeded"] == 50
+    # the same id twice is refused (nothing of that batch is written), and every waiting caller hears it
+    again = writer.finished(finished_task(7))
+    try:
+        again.result(30)
+        raise AssertionError("an id already in the ledger must be refused")
+    except ValueError as exc:
+        assert "already in the ledger" in str(exc)
+    assert writer.close(30)
+    ledger.close()
+
+
+def test_retention_applies_to_tasks_recorded_when_finished(tmp_path):
+    ledger = Ledger(tmp_path / "data", retain_tasks=5)
+    ledger.add_finished([finished_task(i) for i in range(12)])
+    assert ledger.counts()["total"] == 5
+    assert ledger.get("sync-0011") is not None  # the newest are kept
     ledger.close()

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rev88." + __name__)
 
+# Bodies up to this size are parsed (and their inputs hashed) on the event loop: for them the
+# hop to a thread and back costs more than the work (bench/bench_shell.py, docs/performance.md).
+PARSE_ON_LOOP_BYTES = 256 * 1024
 _KEY = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, 1-200 characters
 
 
@@ -111,7 +114,11 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         if kind == uploads.MULTIPART:
             body, form_config = await uploads.split_multipart(request.headers, body)
         config = options.config(form_config)
-        task, body_sha256 = await asyncio.to_thread(_parse, body, asynchronous or key is not None, asynchronous)
+        hash_body = asynchronous or key is not None
+        if len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
+            task, body_sha256 = _parse(body, hash_body, True)
+        else:
+            task, body_sha256 = await asyncio.to_thread(_parse, body, hash_body, asynchronous)
         parse_s = time.perf_counter() - t_parse
     finally:
         service.release_upload()
@@ -125,30 +132,34 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     acc = Accepted(
         task_id=new_task_id(), task=task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
-        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parse_s,
+        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parse_s, body_bytes=len(body),
+        deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
     )
-    try:  # durable before the 202: an asynchronous task's npz is stored with its record
-        record, created = await asyncio.to_thread(
-            runner.record, acc, body_sha256, len(body), body if asynchronous else None, key)
-    except IdempotencyConflict as exc:
-        raise Conflict(f"{exc}; use a new key for a new task", task_id=exc.task_id) from None
+    record = None
+    if not acc.deferred:
+        try:  # durable before the 202: an asynchronous task's npz is stored with its record
+            record, created = await asyncio.to_thread(
+                runner.record, acc, body_sha256, len(body), body if asynchronous else None, key)
+        except IdempotencyConflict as exc:
+            raise Conflict(f"{exc}; use a new key for a new task", task_id=exc.task_id) from None
+        if not created:
+            return await _existing(request, service, record, asynchronous)
     del body
-    if not created:
-        return await _existing(request, service, record, asynchronous)
     try:
         runner.queue(acc)
     except (QueueFull, Unavailable) as exc:  # the queue filled up meanwhile: not accepted after all
-        await asyncio.to_thread(service.ledger.finish, acc.task_id, "failed", None,
-                                {"status": exc.status, "error": f"not accepted: {exc.message}"})
+        if record is not None:
+            await asyncio.to_thread(service.ledger.finish, acc.task_id, "failed", None,
+                                    {"status": exc.status, "error": f"not accepted: {exc.message}"})
         raise
     if asynchronous:
         runner.settle_in_background(acc)
         return accepted_response(record)
-    # A synchronous task's input hashes (4.6 ms for draw 0) are computed in a thread of their own
-    # while it runs (started only now: beside the recording and queueing above, which hold the
-    # GIL, it slowed them by ~2 ms): they are needed only in its answer, where the run's result
-    # takes them (TaskArrays.input_hashes waits for this thread if it has not finished).
-    asyncio.get_running_loop().run_in_executor(None, task.input_hashes)
+    if acc.task.train_images.nbytes + acc.task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
+        # A large synchronous task's input hashes (4.6 ms for draw 0) are computed in a thread of
+        # their own while it runs: they are needed only in its answer, where the run's result takes
+        # them (TaskArrays.input_hashes waits for this thread if it has not finished).
+        asyncio.get_running_loop().run_in_executor(None, acc.task.input_hashes)
 
     settled = await runner.settle(acc, client_gone(request))
     if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):

@@ -20,7 +20,7 @@ router = APIRouter(tags=["tasks"])
 
 
 async def _record(service, task_id: str):
-    record = await run_in_threadpool(service.ledger.get, task_id)
+    record = await service.runner.get(task_id)
     if record is None:
         raise NotFound(f"no task {task_id!r} in this replica's ledger (each replica keeps its own)")
     return record

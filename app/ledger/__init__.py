@@ -3,6 +3,7 @@ records (app/ledger/writer.py)."""
 
 from .store import (
     AlreadyFinished,
+    FinishedTask,
     IdempotencyConflict,
     Ledger,
     LedgerError,
@@ -11,5 +12,5 @@ from .store import (
 )
 from .writer import LedgerWriter
 
-__all__ = ["AlreadyFinished", "IdempotencyConflict", "Ledger", "LedgerError", "LedgerUnavailable", "LedgerWriter",
+__all__ = ["AlreadyFinished", "FinishedTask", "IdempotencyConflict", "Ledger", "LedgerError", "LedgerUnavailable", "LedgerWriter",
            "TaskRecord"]

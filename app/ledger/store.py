@@ -45,7 +45,7 @@ import sqlite3
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +255,41 @@ def decode_answer(blob: bytes | None, codec: str | None) -> dict | None:
     if codec != ANSWER_CODEC:
         raise LedgerError(f"stored answer has an unknown encoding {codec!r}")
     return orjson.loads(zlib.decompress(blob))
+
+
+def _answer_columns(answer: dict | None) -> tuple[str | None, float | None, float | None]:
+    """(predictions_sha256, run_ms, energy_j) of an answer, as the list columns keep them."""
+    if answer is None:
+        return None, None, None
+    sha = answer.get("predictions_sha256") if isinstance(answer.get("predictions_sha256"), str) else None
+    timing = answer.get("timing")
+    energy = answer.get("energy")
+    return (sha, _number(timing.get("run_ms")) if isinstance(timing, dict) else None,
+            _number(energy.get("gross_j")) if isinstance(energy, dict) else None)
+
+
+@dataclasses.dataclass
+class FinishedTask:
+    """A task recorded once, when it has finished (``Ledger.add_finished``)."""
+
+    task_id: str
+    kind: str
+    mode: str
+    backend: str
+    config: dict
+    options: dict
+    train_count: int
+    test_count: int
+    body_bytes: int
+    created_at: float
+    status: str
+    answer: dict | None = None
+    answer_json: bytes | None = None
+    error: dict | None = None
+    input_hashes: dict | Callable[[], dict] | None = None  # a callable is called where it is written
+    body_sha256: str | None = None
+    started_at: float | None = None
+    device: str | None = None
 
 
 def _encode_cursor(created_at: float, task_id: str) -> str:
@@ -622,13 +657,7 @@ class Ledger:
             raise ValueError("answer_json without the answer it encodes")
         blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
         error_text = None if error is None else _dumps(error)
-        sha = run_ms = energy_j = None
-        if answer is not None:
-            sha = answer.get("predictions_sha256") if isinstance(answer.get("predictions_sha256"), str) else None
-            timing = answer.get("timing")
-            run_ms = _number(timing.get("run_ms")) if isinstance(timing, dict) else None
-            energy = answer.get("energy")
-            energy_j = _number(energy.get("gross_j")) if isinstance(energy, dict) else None
+        sha, run_ms, energy_j = _answer_columns(answer)
         with self._write(f"record the result of task {task_id}") as conn:
             self._unfinished_record(conn, task_id)
             conn.execute(
@@ -651,15 +680,61 @@ class Ledger:
         except OSError as exc:
             log.warning("cannot delete the upload %s of finished task %s: %s (deleted at the next start)",
                         upload, task_id, exc)
-        # The result is committed: a retention that fails (a full disk can refuse even a delete)
-        # loses nothing, so it is reported and retried after the next finish, not raised.
+        self._retain(keep=task_id)
+        return record
+
+    def _retain(self, keep: str) -> None:
+        """Retention after a result is committed. A retention that fails (a full disk can refuse
+        even a delete) loses nothing, so it is reported and retried after the next finish, not
+        raised. Within the limits (the running totals say so) no transaction is opened at all."""
+        if self._totals is not None and self._totals[0] <= self.retain_tasks and self._totals[1] <= self.retain_bytes:
+            return
         try:
             with self._write("apply retention") as conn:
-                self._apply_retention(conn, keep=task_id)
+                self._apply_retention(conn, keep=keep)
         except LedgerUnavailable as exc:
             self._totals = None  # recounted next time: the deletes may have been rolled back
             log.warning("task ledger retention skipped: %s", exc)
-        return record
+
+    def add_finished(self, tasks: list[FinishedTask]) -> None:
+        """Record tasks that ran and finished without a record before (synchronous tasks sent
+        without an Idempotency-Key: their client holds the answer, so nothing is written before it
+        runs), all in one transaction, then apply retention once. ValueError for a bad outcome or
+        an id already in the ledger (nothing is written then)."""
+        rows = []
+        added_bytes = 0
+        for t in tasks:
+            if t.kind not in KINDS or t.mode not in MODES or t.status not in FINISHED:
+                raise ValueError(f"bad finished task {t.task_id}: kind {t.kind!r}, mode {t.mode!r}, status {t.status!r}")
+            if (t.status == "succeeded") != (t.answer is not None) or (t.answer is None and t.error is None):
+                raise ValueError(f"finished task {t.task_id}: a succeeded task has its answer, any other its error")
+            self.upload_path(t.task_id)  # validates the id
+            hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
+            blob, json_bytes = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0)
+            sha, run_ms, energy_j = _answer_columns(t.answer)
+            added_bytes += len(blob or b"")
+            rows.append((
+                t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at, time.time(),
+                1 if t.started_at is not None else 0, t.backend, _dumps(t.config), _dumps(t.options),
+                int(t.train_count), int(t.test_count), None if hashes is None else _dumps(hashes),
+                t.body_sha256, int(t.body_bytes), t.device, blob, ANSWER_CODEC if blob is not None else None,
+                len(blob or b""), json_bytes, None if t.error is None else _dumps(t.error), sha, run_ms, energy_j,
+            ))
+        if not rows:
+            return
+        try:
+            with self._write(f"record {len(rows)} finished task(s)") as conn:
+                conn.executemany(
+                    "INSERT INTO tasks (id, status, kind, mode, created_at, started_at, finished_at, attempts,"
+                    " backend, config, options, train_count, test_count, input_hashes, body_sha256, body_bytes,"
+                    " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
+                    " run_ms, energy_j, has_upload) VALUES"
+                    " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)", rows)
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"a finished task's id is already in the ledger ({exc})") from exc
+        if self._totals is not None:
+            self._totals = (self._totals[0] + len(rows), self._totals[1] + added_bytes)
+        self._retain(keep=rows[-1][0])
 
     def _apply_retention(self, conn: sqlite3.Connection, keep: str | None) -> int:
         # Finished tasks and their stored bytes: counted once by a scan, then kept up to date

@@ -7,6 +7,10 @@ SQLite transaction (synchronous=FULL, ~0.5 ms here), and a batched launch starts
 over since its last write in one transaction (``Ledger.mark_running_many``). The same thread
 records the tasks' outcomes (``run``), so a task's ``running`` is always written before its
 result: the worker hands it over before its job starts, and the result comes after the job.
+
+A synchronous task sent without an Idempotency-Key is written once, when it has finished
+(``finished``): every such record handed over since the last write shares one transaction
+(group commit), so a stream of small tasks costs one commit per batch, not three per task.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..threads import name_os_thread
-from .store import Ledger
+from .store import FinishedTask, Ledger
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -34,10 +38,17 @@ class LedgerWriter:
         self._thread = threading.Thread(target=self._loop, name="rev88-ledger", daemon=True)
         self._thread.start()
         self.batches = 0  # transactions that marked tasks running (tests/test_ledger_writer.py counts them)
+        self.group_commits = 0  # transactions that recorded finished tasks (add_finished)
 
     def started(self, task_id: str, device: str | None, started_at: float) -> None:
         """From a device worker: returns at once; the task is marked running soon after."""
         self._queue.put(("running", (task_id, device, started_at)))
+
+    def finished(self, task: FinishedTask) -> concurrent.futures.Future:
+        """A finished task's only record (``Ledger.add_finished``), in the next group commit."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(("finished", (task, future)))
+        return future
 
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -64,12 +75,17 @@ class LedgerWriter:
                 except queue.Empty:
                     break
             running: list[tuple[str, str | None, float]] = []
+            finished: list[tuple[FinishedTask, concurrent.futures.Future]] = []
             for kind, payload in items:
                 if kind == "running":
                     running.append(payload)
                     continue
+                if kind == "finished":
+                    finished.append(payload)
+                    continue
                 self._mark(running)
-                running = []
+                self._add(finished)
+                running, finished = [], []
                 if kind is _STOP:
                     return
                 fn, args, future = payload
@@ -80,6 +96,7 @@ class LedgerWriter:
                 except BaseException as exc:  # noqa: BLE001 - the caller gets it
                     future.set_exception(exc)
             self._mark(running)
+            self._add(finished)
 
     def _mark(self, running: list[tuple[str, str | None, float]]) -> None:
         if not running:
@@ -90,3 +107,17 @@ class LedgerWriter:
         except Exception as exc:  # noqa: BLE001 - the runs go on; their results are still recorded
             log.error("could not record tasks as running", extra={"tasks": [t for t, _, _ in running],
                                                                   "error": str(exc)})
+
+    def _add(self, finished: list[tuple[FinishedTask, concurrent.futures.Future]]) -> None:
+        live = [(task, future) for task, future in finished if future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            self.ledger.add_finished([task for task, _ in live])
+            self.group_commits += 1
+        except Exception as exc:  # noqa: BLE001 - every waiting caller gets the failure
+            for _, future in live:
+                future.set_exception(exc)
+            return
+        for _, future in live:
+            future.set_result(None)

@@ -34,7 +34,7 @@ from learner.config import Config, make_config
 from learner.taskio import TaskArrays, load_task
 
 from ..errors import TaskStopped, Unavailable, error_answer, outcome_of
-from ..ledger import AlreadyFinished, Ledger, LedgerWriter, TaskRecord
+from ..ledger import AlreadyFinished, FinishedTask, Ledger, LedgerWriter, TaskRecord
 from ..runtime.executor import Batch, DeviceExecutor, Job
 from ..runtime.metrics import Metrics
 from .answers import Settled, run_timing, task_answer
@@ -78,6 +78,13 @@ class Accepted:
     parse_s: float = 0.0
     cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
     job: Job | None = None
+    # A synchronous task without an Idempotency-Key is recorded once, when it has finished (its
+    # client holds the answer): nothing is written before it runs, nothing waits for the disk.
+    deferred: bool = False
+    created_at: float = dataclasses.field(default_factory=time.time)
+    body_bytes: int = 0
+    started_at: float | None = None
+    device: str | None = None
 
     @property
     def kind(self) -> str:
@@ -85,6 +92,17 @@ class Accepted:
 
     def options(self) -> dict[str, Any]:
         return {"include_scores": self.include_scores, "measure": self.measure}
+
+    def record(self) -> TaskRecord:
+        """A deferred task's record while it is queued or running here (the ledger has none yet)."""
+        return TaskRecord(
+            id=self.task_id, status="queued" if self.started_at is None else "running", kind=self.kind,
+            mode=self.mode, created_at=self.created_at, started_at=self.started_at, finished_at=None,
+            backend=self.backend, config=self.config.as_dict(), options=self.options(),
+            train_count=self.task.train_count, test_count=self.task.test_count, input_hashes=None,
+            body_sha256=None, body_bytes=self.body_bytes, idempotency_key=None, device=self.device, answer=None,
+            error=None, predictions_sha256=None, run_ms=None, energy_j=None,
+            attempts=0 if self.started_at is None else 1)
 
 
 def input_hashes(task: TaskArrays) -> dict[str, str]:
@@ -141,7 +159,10 @@ class TaskRunner:
         self.pending[acc.task_id] = acc
 
         def started(job) -> None:  # on the device worker: hands the write over, does not wait for it
-            self.writer.started(acc.task_id, job.worker, time.time())
+            if acc.deferred:
+                acc.started_at, acc.device = time.time(), job.worker
+            else:
+                self.writer.started(acc.task_id, job.worker, time.time())
 
         if acc.measure is not None:
             arguments = acc.measure
@@ -189,9 +210,13 @@ class TaskRunner:
             settled = Settled(200, self.answer_for(acc, job, value), outcome=value)
         try:
             content = settled.json()
-            await self.writer.run(  # the hashes there, not here: never waited for on the event loop
-                lambda: self.ledger.finish(acc.task_id, "succeeded", settled.body, None, content, False,
-                                           input_hashes(acc.task)))
+            if acc.deferred:
+                await asyncio.wrap_future(self.writer.finished(
+                    self.finished_task(acc, "succeeded", answer=settled.body, answer_json=content)))
+            else:
+                await self.writer.run(  # the hashes there, not here: never waited for on the event loop
+                    lambda: self.ledger.finish(acc.task_id, "succeeded", settled.body, None, content, False,
+                                               input_hashes(acc.task)))
         except AlreadyFinished:  # cancelled in the ledger meanwhile (a restart's leftovers): keep the answer
             log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
         except Exception as exc:  # noqa: BLE001 - the answer stands; the ledger could not keep it
@@ -258,12 +283,24 @@ class TaskRunner:
         error = {"status": settled.status, **settled.body}
         error.pop("request_id", None)
         try:
-            await self.writer.run(lambda: self.ledger.finish(acc.task_id, status, None, error,
-                                                             input_hashes=input_hashes(acc.task)))
+            if acc.deferred:
+                await asyncio.wrap_future(self.writer.finished(self.finished_task(acc, status, error=error)))
+            else:
+                await self.writer.run(lambda: self.ledger.finish(acc.task_id, status, None, error,
+                                                                 input_hashes=input_hashes(acc.task)))
         except AlreadyFinished:
             pass
         except Exception as exc2:  # noqa: BLE001
             log.error("could not record the failure in the ledger", extra={"task_id": acc.task_id, "error": str(exc2)})
+
+    @staticmethod
+    def finished_task(acc: Accepted, status: str, **outcome: Any) -> FinishedTask:
+        """A deferred task's one record (its input hashes read on the ledger writer's thread)."""
+        return FinishedTask(
+            task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
+            options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
+            body_bytes=acc.body_bytes, created_at=acc.created_at, status=status,
+            input_hashes=lambda: input_hashes(acc.task), started_at=acc.started_at, device=acc.device, **outcome)
 
     def settle_in_background(self, acc: Accepted) -> None:
         """An asynchronous task: settle it without a waiting client."""
@@ -282,10 +319,19 @@ class TaskRunner:
                 pass
         record = None
         for _ in range(100):  # settle runs on this loop: let it record
-            record = await asyncio.to_thread(self.ledger.get, task_id)
+            record = await self.get(task_id)
             if record is None or record.finished:
                 return record
             await asyncio.sleep(0.02)
+        return record
+
+    async def get(self, task_id: str) -> TaskRecord | None:
+        """The task's record: the ledger's, or a deferred task's own while it is in flight here."""
+        record = await asyncio.to_thread(self.ledger.get, task_id)
+        if record is None:
+            acc = self.pending.get(task_id)
+            if acc is not None and acc.deferred:
+                return acc.record()
         return record
 
     # ------------------------------------------------------------------ cancel
@@ -294,7 +340,7 @@ class TaskRunner:
         Returns its record once the ledger says it has finished (None for an unknown id); a task
         that finished some other way first (it completed meanwhile) has that status, not
         ``cancelled``."""
-        record = await asyncio.to_thread(self.ledger.get, task_id)
+        record = await self.get(task_id)
         if record is None or record.finished:
             return record
         acc = self.pending.get(task_id)
