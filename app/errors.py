@@ -45,6 +45,16 @@ class BadRequest(ServiceError):
     outcome = "bad_archive"
 
 
+class UploadTimeout(ServiceError):
+    """The body did not arrive in time (REV88_UPLOAD_TIMEOUT_S): answered, then the connection closed."""
+
+    status = 408
+    outcome = "upload_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
 class BodyTooLarge(ServiceError):
     status = 413
     outcome = "too_large"

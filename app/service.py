@@ -33,6 +33,7 @@ from learner.result import run_task, versions
 from learner.taskio import validate_task
 from learner.validate import cached_validation
 
+from .http.uploads import UploadBudget
 from .ledger import Ledger, LedgerWriter
 from .runtime.devices import GPU_BACKENDS, PlanError, plan
 from .runtime.energy import Energy
@@ -119,8 +120,10 @@ class Service:
             engines=self.engines, metrics=self.metrics, task_timeout_s=settings.task_timeout_s,
             batch_max=self.batch_max, versions=self.versions,
         )
-        self._uploads = 0  # requests past admission, reading or parsing their body
-        self._uploads_lock = threading.Lock()
+        # The bytes of the bodies being received or parsed (app/http/uploads.py): by default what
+        # queue_size + 1 uploads of the largest size hold.
+        self.uploads = UploadBudget(settings.upload_buffer_bytes or (self.queue_size + 1) * settings.max_body_bytes)
+        self._uploads_lock = threading.Lock()  # the warm-ups' bookkeeping
         self._loop: asyncio.AbstractEventLoop | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._timers: list[threading.Timer] = []
@@ -166,19 +169,6 @@ class Service:
 
     def versions(self) -> dict[str, Any]:
         return versions()
-
-    # ------------------------------------------------------------------ admission of uploads
-    def admit_upload(self) -> bool:
-        """At most queue_size + 1 requests read/parse bodies at once (bounds memory)."""
-        with self._uploads_lock:
-            if self._uploads > self.queue_size:
-                return False
-            self._uploads += 1
-            return True
-
-    def release_upload(self) -> None:
-        with self._uploads_lock:
-            self._uploads -= 1
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

@@ -74,6 +74,17 @@ class Settings:
     data_dir: str | None = None  # None: default_data_dir() (per user)
     retain_tasks: int = 10_000
     retain_bytes: int = 1 << 30
+    # Slow uploads (docs/configuration.md): a body must arrive within upload_timeout_s plus one
+    # second per upload_min_rate bytes it declares, else 408 and the connection is closed; the
+    # bodies being received or parsed hold at most upload_buffer_bytes (None: (queue + 1) x
+    # max_body_bytes); a connection must finish its request headers within header_timeout_s;
+    # at most max_connections connections at once (uvicorn's limit_concurrency: 503 beyond).
+    upload_timeout_s: float = 60.0
+    upload_min_rate: int = 1 << 20
+    upload_buffer_bytes: int | None = None
+    header_timeout_s: float = 10.0
+    keepalive_s: float = 5.0
+    max_connections: int = 4096
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -103,6 +114,17 @@ class Settings:
             raise SettingsError(f"REV88_RETAIN_TASKS must be >= 1, got {self.retain_tasks}")
         if self.retain_bytes < 0:
             raise SettingsError(f"REV88_RETAIN_BYTES must be >= 0, got {self.retain_bytes}")
+        for name, value in (("REV88_UPLOAD_TIMEOUT_S", self.upload_timeout_s),
+                            ("REV88_HEADER_TIMEOUT_S", self.header_timeout_s), ("REV88_KEEPALIVE_S", self.keepalive_s)):
+            if not math.isfinite(value) or value <= 0:
+                raise SettingsError(f"{name} must be a finite number of seconds > 0, got {value}")
+        if self.upload_min_rate < 1:
+            raise SettingsError(f"REV88_UPLOAD_MIN_RATE must be >= 1 byte per second, got {self.upload_min_rate}")
+        if self.upload_buffer_bytes is not None and self.upload_buffer_bytes < self.max_body_bytes:
+            raise SettingsError(f"REV88_UPLOAD_BUFFER_BYTES must be at least REV88_MAX_BODY_BYTES "
+                                f"({self.max_body_bytes}), got {self.upload_buffer_bytes}")
+        if self.max_connections < 16:
+            raise SettingsError(f"REV88_MAX_CONNECTIONS must be >= 16, got {self.max_connections}")
         if self.batch_max is not None and self.batch_max < 1:
             raise SettingsError(f"REV88_BATCH_MAX must be >= 1 (1 turns batching off), got {self.batch_max}")
         if not (math.isfinite(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS):
@@ -165,4 +187,10 @@ class Settings:
             data_dir=text("REV88_DATA_DIR", None),
             retain_tasks=integer("REV88_RETAIN_TASKS", defaults.retain_tasks),
             retain_bytes=integer("REV88_RETAIN_BYTES", defaults.retain_bytes),
+            upload_timeout_s=number("REV88_UPLOAD_TIMEOUT_S", defaults.upload_timeout_s),
+            upload_min_rate=integer("REV88_UPLOAD_MIN_RATE", defaults.upload_min_rate),
+            upload_buffer_bytes=integer("REV88_UPLOAD_BUFFER_BYTES", None),
+            header_timeout_s=number("REV88_HEADER_TIMEOUT_S", defaults.header_timeout_s),
+            keepalive_s=number("REV88_KEEPALIVE_S", defaults.keepalive_s),
+            max_connections=integer("REV88_MAX_CONNECTIONS", defaults.max_connections),
         )

@@ -101,14 +101,12 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     asynchronous = wants_async(request.headers.get("prefer"))
     key = idempotency_key(request)
     service.executor.check_capacity()
-    if not service.admit_upload():
-        raise QueueFull(
-            f"too many uploads in progress (limit {service.queue_size + 1}: REV88_QUEUE_SIZE + 1); retry later",
-            retry_after=service.executor.retry_after(),
-        )
+    settings = service.settings
+    reservation = service.uploads.reservation()  # the body's bytes, as they arrive, until it is parsed
     try:
         t_recv = time.perf_counter()
-        body = await uploads.read_body(request, service.settings.max_body_bytes)
+        body = await uploads.read_body(request, settings.max_body_bytes, timeout_s=settings.upload_timeout_s,
+                                       min_rate=settings.upload_min_rate, reservation=reservation)
         t_parse = time.perf_counter()
         form_config = None
         if kind == uploads.MULTIPART:
@@ -121,7 +119,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
             task, body_sha256 = await asyncio.to_thread(_parse, body, hash_body, asynchronous)
         parse_s = time.perf_counter() - t_parse
     finally:
-        service.release_upload()
+        reservation.release()
     service.metrics.parse_seconds.observe(parse_s)
     _gate(service)  # a drain may have begun while the body streamed in
     # The budget, before the task is queued: its estimated work and memory (learner.budget).

@@ -86,5 +86,5 @@ TASK_RESPONSES: dict[int | str, dict[str, Any]] = {
           "predictions and scores with Accept: application/x-npz)",
           "content": {NPZ_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
     202: {"model": TaskSummary, "description": "Prefer: respond-async: accepted and durable; poll Location"},
-    **error_responses(400, 401, 409, 413, 415, 422, 503, 504),
+    **error_responses(400, 401, 408, 409, 413, 415, 422, 503, 504),
 }

@@ -12,6 +12,11 @@ The read-ahead limit (uvicorn pauses reading a connection while this much of its
 the app) is 1 MiB instead of uvicorn's 64 KiB: fewer pause/resume round trips per upload, and
 at most 1 MiB waiting per connection. Everything else is uvicorn's own code path.
 
+It also closes a connection that has not finished a request's headers within
+REV88_HEADER_TIMEOUT_S (10 s by default) of connecting or of the request's first byte: uvicorn
+itself waits for ever on a connection that never completes its headers (its keep-alive timer only
+starts after a response). The body's own deadline is the app's (app/http/uploads.py, 408).
+
 ``protocol_class()`` returns this class, or None where uvicorn's httptools protocol is not
 there (uvicorn without the ``[standard]`` extra) or is older than 0.42: ``rev88 serve`` then
 keeps uvicorn's default. It touches two uvicorn internals (``HttpToolsProtocol.on_body`` and the
@@ -21,6 +26,9 @@ it (``uvicorn --http app.http_protocol:ChunkedBodyHttpToolsProtocol``, ``tests/s
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import uvicorn
 
@@ -65,7 +73,39 @@ if _VERSION < (0, 42):
 if HttpToolsProtocol is not None:
 
     class ChunkedBodyHttpToolsProtocol(HttpToolsProtocol):
-        """``--http app.http_protocol:ChunkedBodyHttpToolsProtocol`` for uvicorn's own CLI."""
+        """``--http app.http.protocol:ChunkedBodyHttpToolsProtocol`` for uvicorn's own CLI."""
+
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm_header_timer()
+
+        def on_headers_complete(self) -> None:
+            self._disarm_header_timer()
+            super().on_headers_complete()
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout_s(), self._headers_too_slow)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
 
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle
@@ -79,6 +119,16 @@ if HttpToolsProtocol is not None:
             if len(cycle.body) > READ_AHEAD_BYTES:
                 self.flow.pause_reading()
             cycle.message_event.set()
+
+
+@functools.cache
+def header_timeout_s() -> float:
+    """REV88_HEADER_TIMEOUT_S (checked by app.settings when the app starts; 10 s if unset)."""
+    try:
+        value = float(os.environ.get("REV88_HEADER_TIMEOUT_S") or 10.0)
+    except ValueError:
+        value = 10.0
+    return value if value > 0 else 10.0
 
 
 def protocol_class() -> type | None:

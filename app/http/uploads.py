@@ -1,20 +1,29 @@
-"""Request bodies: content types, the body-size limit, and multipart extraction.
+"""Request bodies: content types, the body-size limit, the upload deadline and memory, multipart.
 
-The limit is enforced twice, before anything is parsed: on a declared
-Content-Length, and by counting bytes while the body streams in (a chunked
-upload has no Content-Length). Reading stops at the first byte over the limit.
+The size limit is enforced twice, before anything is parsed: on a declared Content-Length, and
+by counting bytes while the body streams in (a chunked upload has no Content-Length). Reading
+stops at the first byte over the limit.
+
+Slow uploads cannot hold the service: a body must arrive by its deadline (REV88_UPLOAD_TIMEOUT_S,
+plus a second per REV88_UPLOAD_MIN_RATE bytes it declares), else it is answered 408 and its
+connection closed. Nothing is reserved for an upload before its bytes arrive: the bodies being
+received or parsed are bounded by the bytes they hold (``UploadBudget``), so a thousand
+connections trickling a byte at a time hold a few kilobytes, not the upload slots a real
+upload needs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from typing import Any
 
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
-from ..errors import BadRequest, BodyTooLarge, InvalidRequest, UnsupportedMediaType
+from ..errors import BadRequest, BodyTooLarge, InvalidRequest, QueueFull, UnsupportedMediaType, UploadTimeout
 
 RAW_TYPES = ("application/octet-stream", "application/x-npz")
 MULTIPART = "multipart/form-data"
@@ -43,9 +52,57 @@ def _too_large(limit: int, seen: str) -> BodyTooLarge:
     return BodyTooLarge(f"request body {seen} exceeds the limit of {limit} bytes (REV88_MAX_BODY_BYTES)", limit=limit)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) a declared or streamed size over ``limit``."""
+class UploadBudget:
+    """The bytes that request bodies being received or parsed may hold together (thread-safe).
+    Each request reserves what it has received, as it arrives, and gives it back once its body
+    is released (``Reservation.release``)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self.uploads = 0  # requests holding a reservation
+        self._lock = threading.Lock()
+
+    def reservation(self) -> Reservation:
+        return Reservation(self)
+
+
+class Reservation:
+    def __init__(self, budget: UploadBudget) -> None:
+        self.budget, self.bytes, self._open = budget, 0, False
+
+    def take(self, n: int) -> bool:
+        b = self.budget
+        with b._lock:
+            if b.held + n > b.capacity:
+                return False
+            b.held += n
+            if not self._open:
+                self._open = True
+                b.uploads += 1
+        self.bytes += n
+        return True
+
+    def release(self) -> None:
+        b = self.budget
+        with b._lock:
+            b.held -= self.bytes
+            if self._open:
+                b.uploads -= 1
+        self.bytes, self._open = 0, False
+
+
+def upload_deadline_s(declared: int | None, timeout_s: float, min_rate: int) -> float:
+    """Seconds a body may take: the timeout, plus a second per ``min_rate`` bytes declared."""
+    return timeout_s + (declared or 0) / min_rate
+
+
+async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, min_rate: int = 1 << 20,
+                    reservation: Reservation | None = None) -> bytes:
+    """The whole body, refusing (413) a declared or streamed size over ``limit``, (408) a body
+    that has not arrived by its deadline, and (503) one the upload budget cannot hold."""
     declared = request.headers.get("content-length")
+    size = None
     if declared is not None:
         try:
             size = int(declared)
@@ -53,17 +110,29 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BadRequest(f"invalid Content-Length header {declared!r}") from None
         if size > limit:
             raise _too_large(limit, f"of {size} bytes (Content-Length)")
+    deadline = upload_deadline_s(size, timeout_s, min_rate)
     chunks: list[bytes] = []
     received = 0
     try:
-        async for chunk in request.stream():
-            received += len(chunk)
-            if received > limit:
-                raise _too_large(limit, f"of more than {limit} bytes (counted while streaming)")
-            chunks.append(chunk)
+        async with asyncio.timeout(deadline):
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit:
+                    raise _too_large(limit, f"of more than {limit} bytes (counted while streaming)")
+                if reservation is not None and not reservation.take(len(chunk)):
+                    b = reservation.budget
+                    raise QueueFull(f"too much upload data in progress ({b.held} bytes in {b.uploads} uploads; "
+                                    f"limit {b.capacity}: REV88_UPLOAD_BUFFER_BYTES); retry later", retry_after=2)
+                chunks.append(chunk)
+    except TimeoutError:
+        of = f" of {size}" if size is not None else ""
+        raise UploadTimeout(
+            f"the request body did not arrive in time: {received}{of} bytes in {deadline:.4g} s "
+            f"(REV88_UPLOAD_TIMEOUT_S {timeout_s:g} s plus 1 s per REV88_UPLOAD_MIN_RATE {min_rate} bytes declared)",
+            received=received, deadline_s=round(deadline, 3)) from None
     except ClientDisconnect:
         raise BadRequest("the client disconnected before the body was complete") from None
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _one_chunk(body: bytes):

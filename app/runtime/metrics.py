@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 OUTCOMES = (
     "ok", "bad_archive", "too_large", "unsupported_media_type", "invalid", "diverged",
-    "queue_full", "unavailable", "timeout", "stopped", "over_budget", "conflict", "error",
+    "queue_full", "unavailable", "timeout", "upload_timeout", "stopped", "over_budget", "conflict", "error",
 )
 ROUTES = ("/tasks", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "other")
 LAUNCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

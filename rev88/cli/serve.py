@@ -38,6 +38,12 @@ SERVE_ENV = {
     "data_dir": "REV88_DATA_DIR",
     "retain_tasks": "REV88_RETAIN_TASKS",
     "retain_bytes": "REV88_RETAIN_BYTES",
+    "upload_timeout": "REV88_UPLOAD_TIMEOUT_S",
+    "upload_min_rate": "REV88_UPLOAD_MIN_RATE",
+    "upload_buffer_bytes": "REV88_UPLOAD_BUFFER_BYTES",
+    "header_timeout": "REV88_HEADER_TIMEOUT_S",
+    "keepalive": "REV88_KEEPALIVE_S",
+    "max_connections": "REV88_MAX_CONNECTIONS",
 }
 
 
@@ -90,12 +96,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.runtime import allocator
 
     malloc = allocator.tune()  # before the app allocates its first task
+    files = raise_open_files(settings.max_connections)
     protocol = http_protocol.protocol_class() or "auto"
     shown = "[::1]" if settings.host == "::1" else settings.host
     print(
         f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
         f"worker(s), queue {workers.queue_size}, ledger {settings.ledger_dir}, drain {settings.drain_timeout_s:g} s, auth "
-        f"{'on' if settings.auth_enabled else 'off'}; {malloc}); API docs at /docs",
+        f"{'on' if settings.auth_enabled else 'off'}; {malloc}; {files}); API docs at /docs",
         file=sys.stderr,
     )
     # On SIGTERM the app starts draining (ready -> 503, no new tasks) and uvicorn stops
@@ -117,6 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=graceful_shutdown_s(settings.drain_timeout_s, FORCE_EXIT_GRACE_S),
             proxy_headers=False,
             http=protocol,  # uvicorn's httptools protocol, a body's chunks kept (app/http/protocol.py)
+            limit_concurrency=settings.max_connections,  # beyond: 503 at once (uvicorn)
+            timeout_keep_alive=settings.keepalive_s,
         )
     except _Stopped:
         pass
@@ -124,6 +133,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def raise_open_files(connections: int) -> str:
+    """Raise the soft open-file limit to fit ``connections`` sockets (plus 256 for the rest), as
+    far as the hard limit allows; says what it is."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want:
+        return (f"open files {soft}: fewer than REV88_MAX_CONNECTIONS {connections} + 256, "
+                "connections beyond it are refused by the kernel")
+    return f"open files {soft}"
 
 
 class _Stopped(Exception):
@@ -174,4 +203,17 @@ def add_serve(sub) -> None:
     p.add_argument("--retain-bytes", type=int, help="bytes of stored answers kept [REV88_RETAIN_BYTES, default 1 GiB]")
     p.add_argument("--max-task-bytes", type=int, help="a task's estimated memory limit in bytes "
                    "[REV88_MAX_TASK_BYTES, default 1 GiB]")
+    p.add_argument("--upload-timeout", type=float, help="seconds a request body may take, plus 1 s per "
+                   "--upload-min-rate bytes it declares; then 408 and the connection closed [REV88_UPLOAD_TIMEOUT_S, "
+                   "default 60]")
+    p.add_argument("--upload-min-rate", type=int, help="bytes per second an upload is allowed beyond the timeout "
+                   "[REV88_UPLOAD_MIN_RATE, default 1 MiB]")
+    p.add_argument("--upload-buffer-bytes", type=int, help="bytes the bodies being received or parsed may hold "
+                   "together; beyond, 503 [REV88_UPLOAD_BUFFER_BYTES, default (queue size + 1) x max body bytes]")
+    p.add_argument("--header-timeout", type=float, help="seconds a connection has to send a request's headers "
+                   "[REV88_HEADER_TIMEOUT_S, default 10]")
+    p.add_argument("--keepalive", type=float, help="seconds an idle keep-alive connection stays open "
+                   "[REV88_KEEPALIVE_S, default 5]")
+    p.add_argument("--max-connections", type=int, help="connections (and requests) at once; beyond, 503 at once "
+                   "[REV88_MAX_CONNECTIONS, default 4096; the open-file limit is raised to fit where it can]")
     p.set_defaults(func=cmd_serve)
