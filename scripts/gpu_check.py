@@ -27,11 +27,25 @@ check is listed in each section's ``not_checked_in_dry_run``.
 
 Output under --out: gpu_check.json (everything: ``sections.<name>``), summary.txt (the table
 printed last), and each section's own file (precheck.json, cuda.json, energy_check.json,
-fused.json, service.json, service_server.log).
+fused.json, service.json, service_server.log). gpu_check.json and summary.txt are rewritten
+after every section; each section writes its own file however it ends, so an error or an
+interrupt keeps the figures it had (``partial: true``). ``--publish DIR`` (scripts/gpu_device_run.sh
+passes $OUT) copies gpu_check.json and summary.txt into DIR and tars --out into
+DIR/gpu-check-bundle.tar.gz after every section: DIR never holds more than those and a file
+being replaced (the device returns at most 8 files), and --out must lie outside it.
 
-Exit status: 0 every section passed; 1 a section failed, was skipped for the time budget, or
-the run was interrupted; 2 bad input (an MNIST folder without the four files, or no CUDA GPU
-without --dry-run) -- the report says which, in both modes.
+The budget (--budget-s) is a hard limit: a section is not started with fewer seconds left than
+its minimum (MIN_START_S), and when the budget runs out inside a section, or SIGTERM arrives
+(the device script's `timeout`), that section is interrupted (gpu_check.Interrupted), keeps its
+partial figures, and the rest are marked not run.
+
+Exit status: 0 every section passed; 1 a section that ran to its end failed (also when the
+budget ran out later: more time would not fix it); 2 bad input (an MNIST folder without the
+four files, or no CUDA GPU without --dry-run) -- the report says which, in both modes; 3 the
+time budget ran out -- a section was interrupted (by the budget or SIGTERM), not started for
+lack of time, or skipped a step for it (``budget_cut``: fused's energy trials), and nothing
+failed on its own. scripts/gpu_device_run.sh adds 4 (killed) and 5
+(no final report); docs/gpu.md has the table.
 """
 
 from __future__ import annotations
@@ -39,10 +53,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
+import shutil
 import signal
 import sys
+import tarfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -68,18 +84,92 @@ MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy":
 # service   start: imports, learner validation, fused warm-up (one more compile, ~10 s); the
 #           requests (~10 s); drain ~2 s
 DEVICE_ESTIMATE_S = {"precheck": 20, "cuda": 30, "energy": 25, "fused": 180, "service": 75}
-# Fewer seconds left than this and a section is not started (it is then failed as "skipped").
-MIN_START_S = {"precheck": 0, "cuda": 20, "energy": 20, "fused": 90, "service": 45}
-DEFAULT_BUDGET_S = {"device": 480, "dry-run": 300}
+# Fewer seconds left than this and a section is not started (it is then marked "skipped" for the
+# budget): on a GPU from the estimates above; in a dry run from its own times here (2-core machine,
+# quiet: precheck 1-3 s, cuda 2-13 s, energy 4-11 s, fused 17-75 s, service 7-46 s), low enough
+# that a short budget (--budget-s 20) starts a section and interrupts it.
+MIN_START_S = {
+    "device": {"precheck": 0, "cuda": 20, "energy": 20, "fused": 90, "service": 45},
+    "dry-run": {"precheck": 0, "cuda": 3, "energy": 3, "fused": 5, "service": 5},
+}
+DEFAULT_BUDGET_S = {"device": 400, "dry-run": 300}
+EXIT_STATUS = {
+    0: "every section passed",
+    1: "a section failed",
+    2: "bad input, or no CUDA GPU without --dry-run",
+    3: "the time budget ran out: a section interrupted or not started, the figures partial",
+}
+BUNDLE = "gpu-check-bundle.tar.gz"
+# keys of a section's report that are not figures (left out of an interrupted section's list)
+BOOKKEEPING = ("interrupted", "passed", "partial", "mode", "error", "traceback", "seconds", "missing_steps",
+               "not_checked_in_dry_run", "server_log_tail", "command")
+PUBLISHED = ("gpu_check.json", "summary.txt")
 
 
 class Interrupted(BaseException):
-    """SIGTERM (``timeout`` on the device): not an Exception, so no section swallows it; each
-    section's cleanup (the service's child server) runs, and the report is still written."""
+    """SIGTERM (``timeout`` on the device) or the run's own budget (SIGALRM): not an Exception,
+    so no section swallows it; each section's cleanup (the service's child server) runs and
+    its partial report is kept, and the report is still written."""
 
 
-def _on_sigterm(signum, frame):
-    raise Interrupted(f"received {signal.Signals(signum).name}")
+class _Signals:
+    """SIGTERM and the budget's alarm raise Interrupted once, in the main thread; a second signal
+    while the sections clean up is only recorded (``late``), so the cleanup and the report's
+    writing are never cut short by it."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self.fired: str | None = None
+        self.late: list[str] = []
+        self.previous: dict = {}
+
+    def _raise(self, why: str):
+        if self.fired is None:
+            self.fired = why
+            raise Interrupted(why)
+        self.late.append(why)
+
+    def _on_signal(self, signum, frame):
+        if signum == signal.SIGALRM:
+            self._raise(f"the time budget of {self.budget_s:g} s ran out")
+        else:
+            self._raise(f"received {signal.Signals(signum).name}")
+
+    def arm(self, seconds: float) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False  # signals reach only the main thread: the budget is then checked between sections
+        for sig in (signal.SIGTERM, signal.SIGALRM):
+            self.previous[sig] = signal.signal(sig, self._on_signal)
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+        return True
+
+    def quiet(self) -> None:
+        """From here on no signal raises (the final report is being written)."""
+        if self.fired is None:
+            self.fired = "(the sections had ended)"
+
+    def disarm(self) -> None:
+        if self.previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            self.previous = {}
+
+
+def publish(work: Path, dest: Path) -> None:
+    """gpu_check.json, summary.txt and the tarred --out folder into ``dest``, each replaced
+    whole (written beside its name, then renamed): ``dest`` holds at most one file more than
+    these three and the device script's run.log."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in PUBLISHED:
+        if (work / name).exists():
+            part = dest / f".{name}.part"
+            shutil.copyfile(work / name, part)
+            os.replace(part, dest / name)
+    part = dest / f".{BUNDLE}.part"
+    with tarfile.open(part, "w:gz", compresslevel=6) as tar:
+        tar.add(work, arcname="check")
+    os.replace(part, dest / BUNDLE)
 
 
 def load_section(name: str) -> Callable[..., dict]:
@@ -143,14 +233,19 @@ def headline(name: str, r: dict) -> str:
 
 
 def summary_text(report: dict) -> str:
-    lines = [f"rev88 GPU check ({report['mode']}): {'PASSED' if report['passed'] else 'FAILED'} "
-             f"in {report['seconds']:.0f} s, exit status {report['exit_status']}"]
+    finished = report.get("finished", False)
+    verdict = ("PASSED" if report["passed"] else "FAILED") if finished else "UNFINISHED"
+    status = report.get("exit_status")
+    lines = [f"rev88 GPU check ({report['mode']}): {verdict} in {report['seconds']:.0f} s of a "
+             f"{report['budget_s']:g} s budget" + (f", exit status {status} ({EXIT_STATUS.get(status, '?')})"
+                                                   if finished else " (written after each section; the run goes on)")]
     inputs = report.get("inputs") or {}
     if not inputs.get("passed", False):
         lines.append(f"  inputs   FAIL {inputs.get('error')}")
     lines.append(f"  {'section':9s} {'result':6s} {'s':>6s} {'est.GPU s':>9s}  detail")
     for name, s in report["sections"].items():
-        result = "ok" if s.get("passed") is True else ("skip" if "skipped" in s else "FAIL")
+        result = ("ok" if s.get("passed") is True else "skip" if "skipped" in s
+                  else "STOP" if "interrupted" in s else "cut" if "budget_cut" in s else "FAIL")
         lines.append(f"  {name:9s} {result:6s} {s.get('seconds', 0.0):6.1f} {DEVICE_ESTIMATE_S.get(name, 0):9d}  "
                      f"{s.get('headline', '')}")
     if report.get("interrupted"):
@@ -158,82 +253,139 @@ def summary_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def exit_status(report: dict) -> int:
+    """0 passed; 1 a section that ran to its end failed; 3 the budget ran out (a section
+    interrupted, not started, or cut short by its own budget check -- ``budget_cut``, set only
+    when the rest of it passed) and nothing failed on its own. (2 is set by the caller.)"""
+    sections = report["sections"].values()
+    if report["passed"]:
+        return 0
+    cut = ("skipped", "interrupted", "budget_cut")  # what the budget did, not the code
+    failed = [s for s in sections if s.get("passed") is not True and not any(k in s for k in cut)]
+    if failed:
+        return 1
+    if report.get("interrupted") or report.get("budget_ran_out") or any("budget_cut" in s for s in sections):
+        return 3
+    return 1
+
+
 def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], budget_s: float,
               runners: dict[str, Callable[..., dict]] | None = None, keep_going: bool = False,
-              log=print, argv: list[str] | None = None) -> tuple[dict, int]:
+              log=print, argv: list[str] | None = None, publish_dir: Path | None = None) -> tuple[dict, int]:
     """Run ``sections`` (precheck first), write the report after each; return (report, exit status).
-    ``runners`` replaces section functions (tests)."""
+    ``runners`` replaces section functions (tests). The budget is enforced by an alarm when this
+    runs in the main thread (else only between sections); SIGTERM interrupts the same way."""
     t0 = time.monotonic()
     deadline = t0 + budget_s
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    mode = common.mode_name(dry_run)
+    if publish_dir is not None:
+        publish_dir = Path(publish_dir)
+        if out.resolve().is_relative_to(publish_dir.resolve()):
+            raise ValueError(f"--out {out} lies inside --publish {publish_dir}: its files would count among "
+                             "the 8 files that come back; give --out a folder outside it")
     report: dict = {
-        "tool": "scripts/gpu_check.py", "mode": common.mode_name(dry_run), "argv": argv,
+        "tool": "scripts/gpu_check.py", "mode": mode, "argv": argv,
         "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "budget_s": budget_s, "mnist_dir": str(mnist_dir), "sections": {},
-        "device_estimate_s": dict(DEVICE_ESTIMATE_S),
+        "budget_s": budget_s, "mnist_dir": str(mnist_dir), "sections": {}, "finished": False,
+        "device_estimate_s": dict(DEVICE_ESTIMATE_S), "min_start_s": dict(MIN_START_S[mode]),
     }
     ordered = [s for s in SECTIONS if s in sections]
 
     def write() -> None:
         report["seconds"] = time.monotonic() - t0
-        (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        common.write_json(out / "gpu_check.json", report)
+        (out / "summary.txt").write_text(summary_text(report))
+        if publish_dir is not None:
+            try:
+                publish(out, publish_dir)
+            except Exception as exc:  # noqa: BLE001 - the report under --out is still there
+                report.setdefault("publish_errors", []).append(f"{type(exc).__name__}: {exc}")
+                log(f"publishing into {publish_dir} failed: {type(exc).__name__}: {exc}")
 
     def skip_rest(names, why: str) -> None:
         for name in names:
             report["sections"][name] = {"passed": False, "skipped": why, "seconds": 0.0, "headline": why}
 
-    report["inputs"] = common.check_mnist(mnist_dir)
+    signals = _Signals(budget_s)
+    report["budget_enforced_by"] = "alarm" if signals.arm(budget_s) else "checks between sections"
     status = None
-    if not report["inputs"]["passed"]:
-        log(f"bad input: {report['inputs']['error']}")
-        skip_rest(ordered, "not run: bad input (see inputs)")
-        status = 2
-    else:
-        for i, name in enumerate(ordered):
-            left = deadline - time.monotonic()
-            if left < MIN_START_S[name]:
-                skip_rest(ordered[i:], f"not started: {left:.0f} s of the {budget_s:.0f} s budget left")
-                break
-            log(f"== {name} ==")
-            reserve = sum(DEVICE_ESTIMATE_S[s] for s in ordered[i + 1:]) if not dry_run else 0.0
-            t = time.perf_counter()
-            try:
-                run = (runners or {}).get(name) or load_section(name)
-                result = run(out, mnist_dir=mnist_dir, dry_run=dry_run, log=log, deadline=deadline, reserve_s=reserve)
-                if not isinstance(result, dict):
-                    result = {"passed": False, "error": f"section returned {type(result).__name__}, not a report"}
-            except (Interrupted, KeyboardInterrupt) as exc:
-                report["interrupted"] = str(exc) or type(exc).__name__
-                result = {"passed": False, "error": f"interrupted: {exc}"}
-            except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
-                result = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            result["passed"] = section_passed(result)
-            result["seconds"] = time.perf_counter() - t
-            result["estimated_device_seconds"] = DEVICE_ESTIMATE_S[name]
-            result["headline"] = headline(name, result)
-            report["sections"][name] = result
-            if name == "cuda":
-                (out / "cuda.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-            log(f"== {name}: {'ok' if result['passed'] else 'FAILED'} in {result['seconds']:.1f} s -- {result['headline']}")
-            write()
+    try:
+        try:
+            report["inputs"] = common.check_mnist(mnist_dir)
+        except Interrupted as exc:
+            report["interrupted"] = str(exc)
+            report["inputs"] = {"passed": False, "error": f"interrupted while checking the inputs: {exc}"}
+        if not report["inputs"]["passed"]:
             if report.get("interrupted"):
-                skip_rest(ordered[i + 1:], f"not run: {report['interrupted']}")
-                break
-            if name == "precheck" and not result["passed"] and not keep_going:
-                no_gpu = not dry_run and not (result.get("checks", {}).get("cuda") or {}).get("passed", True)
-                skip_rest(ordered[i + 1:], "not run: the toolchain pre-check failed (see sections.precheck)")
-                if no_gpu:
-                    status = 2
-                break
+                skip_rest(ordered, f"not run: {report['interrupted']}")
+            else:
+                log(f"bad input: {report['inputs']['error']}")
+                skip_rest(ordered, "not run: bad input (see inputs)")
+                status = 2
+        else:
+            for i, name in enumerate(ordered):
+                left = deadline - time.monotonic()
+                if left < MIN_START_S[mode][name]:  # a later section with a smaller minimum may still fit
+                    report["budget_ran_out"] = True
+                    skip_rest([name], f"not started for the budget: {max(left, 0):.1f} s of the {budget_s:g} s left, "
+                                      f"{name} needs {MIN_START_S[mode][name]} s to start")
+                    continue
+                log(f"== {name} ==")
+                reserve = sum(DEVICE_ESTIMATE_S[s] for s in ordered[i + 1:]) if not dry_run else 0.0
+                t = time.perf_counter()
+                partial: dict = {}  # the section fills it as it goes: what survives an interrupt
+                try:
+                    run = (runners or {}).get(name) or load_section(name)
+                    result = run(out, mnist_dir=mnist_dir, dry_run=dry_run, log=log, deadline=deadline,
+                                 reserve_s=reserve, report=partial)
+                    if not isinstance(result, dict):
+                        result = {"passed": False, "error": f"section returned {type(result).__name__}, not a report"}
+                except (Interrupted, KeyboardInterrupt) as exc:
+                    why = str(exc) or type(exc).__name__
+                    report["interrupted"] = why
+                    result = partial
+                    if "error" in result:
+                        result["error_before_interrupt"] = result.pop("error")
+                    result["interrupted"] = why
+                    kept = sorted(k for k in result if k not in BOOKKEEPING)
+                    result["error"] = (f"interrupted after {time.perf_counter() - t:.0f} s: {why}; partial figures kept: "
+                                       f"{', '.join(kept) or 'none yet'}")
+                except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
+                    result = partial
+                    result.update({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+                result["passed"] = section_passed(result)
+                result["seconds"] = time.perf_counter() - t
+                result["estimated_device_seconds"] = DEVICE_ESTIMATE_S[name]
+                result["headline"] = headline(name, result)
+                report["sections"][name] = result
+                log(f"== {name}: {'ok' if result['passed'] else 'FAILED'} in {result['seconds']:.1f} s -- {result['headline']}")
+                if report.get("interrupted"):
+                    skip_rest(ordered[i + 1:], f"not run: {report['interrupted']}")
+                    break
+                write()
+                if name == "precheck" and not result["passed"] and not keep_going:
+                    no_gpu = not dry_run and not (result.get("checks", {}).get("cuda") or {}).get("passed", True)
+                    skip_rest(ordered[i + 1:], "not run: the toolchain pre-check failed (see sections.precheck)")
+                    if no_gpu:
+                        status = 2
+                    break
+    except Interrupted as exc:  # between sections (the budget's alarm while writing a report)
+        report["interrupted"] = str(exc)
+        skip_rest([n for n in ordered if n not in report["sections"]], f"not run: {exc}")
+    finally:
+        signals.quiet()
+        signals.disarm()
+    if signals.late:
+        report["signals_while_stopping"] = signals.late
     report["passed"] = bool(report["inputs"]["passed"] and ordered
                             and all(report["sections"][s].get("passed") is True for s in ordered))
     if status is None:
-        status = 0 if report["passed"] else 1
+        status = exit_status(report)
     report["exit_status"] = status
-    write()
-    text = summary_text(report)
-    (out / "summary.txt").write_text(text)
+    report["exit_meaning"] = EXIT_STATUS[status]
+    report["finished"] = True
     write()
     return report, status
 
@@ -243,17 +395,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mnist-dir", type=Path, default=None,
                         help="MNIST folder (default: the repository's data/mnist, or $REV88_MNIST_DIR)")
     parser.add_argument("--out", type=Path, default=Path("gpu-check-out"))
+    parser.add_argument("--publish", type=Path, default=None,
+                        help="after each section, copy gpu_check.json and summary.txt here and tar --out into "
+                             f"{BUNDLE} (scripts/gpu_device_run.sh: $OUT)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)} (the pre-check always runs first)")
     parser.add_argument("--dry-run", action="store_true", help="rehearse every section on the CPU")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="time budget of the whole run (default 480 on a GPU, 300 dry)")
+                        help=f"time budget of the whole run, a hard limit (default {DEFAULT_BUDGET_S['device']} on a GPU, "
+                             f"{DEFAULT_BUDGET_S['dry-run']} dry)")
     parser.add_argument("--keep-going", action="store_true", help="run the other sections even if the pre-check fails")
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s must be a positive number of seconds, not {args.budget_s:g}")
+    if args.publish is not None and args.out.resolve().is_relative_to(args.publish.resolve()):
+        parser.error(f"--out {args.out} lies inside --publish {args.publish}: its files would count among the "
+                     "8 files that come back; give --out a folder outside it")
     if "precheck" not in sections:
         sections.insert(0, "precheck")
     if args.dry_run:
@@ -262,12 +423,8 @@ def main(argv: list[str] | None = None) -> int:
 
     mnist_dir = args.mnist_dir or bundled_mnist_dir()
     budget = args.budget_s or DEFAULT_BUDGET_S[common.mode_name(args.dry_run)]
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        report, status = run_check(args.out, mnist_dir, args.dry_run, sections, budget,
-                                   keep_going=args.keep_going, argv=sys.argv[1:] if argv is None else argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    report, status = run_check(args.out, mnist_dir, args.dry_run, sections, budget, keep_going=args.keep_going,
+                               argv=sys.argv[1:] if argv is None else argv, publish_dir=args.publish)
     print("\n" + (args.out / "summary.txt").read_text(), end="", flush=True)
     return status
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import math
 import platform
 import sys
@@ -35,8 +36,11 @@ DISTRIBUTIONS = (
 SERVICE_MODULES = {
     "fastapi": "fastapi", "starlette": "starlette", "pydantic": "pydantic", "pydantic-core": "pydantic_core",
     "uvicorn": "uvicorn", "python-multipart": "python_multipart", "httpx": "httpx",
-    "prometheus-client": "prometheus_client", "opentelemetry-api": "opentelemetry",
+    "prometheus-client": "prometheus_client", "opentelemetry-api": "opentelemetry", "orjson": "orjson",
 }
+# After an interrupt, how long a child process (the service's server) gets between SIGTERM and
+# SIGKILL: well inside the 10 s that scripts/gpu_device_run.sh's `timeout -k 10` leaves Python.
+INTERRUPT_GRACE_S = 5.0
 
 
 def mode_name(dry_run: bool) -> str:
@@ -267,3 +271,41 @@ class BusyEngine:
 def out_of_time(deadline: float | None, need_s: float) -> bool:
     """True when fewer than ``need_s`` seconds are left before ``deadline`` (time.monotonic)."""
     return deadline is not None and deadline - time.monotonic() < need_s
+
+
+def seconds_left(deadline: float | None, cap: float) -> float:
+    """How long a wait may last: ``cap`` seconds, or fewer when the run's budget (``deadline``,
+    time.monotonic) ends sooner -- never below 0.1 s, so a wait still looks once."""
+    if deadline is None:
+        return cap
+    return max(0.1, min(cap, deadline - time.monotonic()))
+
+
+def write_json(path: Path, doc: dict) -> None:
+    Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def kept(report: dict, path: Path, finish=None):
+    """The section's report, written to ``path`` however the block ends. On an error or an
+    interrupt (gpu_check.Interrupted is a BaseException) the figures gathered so far stay in
+    ``report`` -- the dict gpu_check.py passed in and keeps -- with ``passed`` false, ``partial``
+    true and why it stopped; the exception goes on. ``finish(report)`` runs first in every case
+    (a section's verdict and totals); it cannot turn a stopped section into a pass."""
+    stopped = None
+    try:
+        yield report
+    except BaseException as exc:
+        stopped = exc
+        raise
+    finally:
+        try:
+            if finish is not None:
+                finish(report)
+        finally:
+            if stopped is not None:
+                report["passed"] = False
+                report["partial"] = True
+                key = "error" if isinstance(stopped, Exception) else "interrupted"
+                report.setdefault(key, f"{type(stopped).__name__}: {stopped}")
+            write_json(path, report)

@@ -28,7 +28,17 @@ import gpu_check_common as common  # noqa: E402
 DRY_SLICE = (0, 1000, 500)  # first row, train count, query count of each draw in the dry run
 
 
-def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, **_) -> dict:
+def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, report: dict | None = None, **_) -> dict:
+    """The section; its report (``report``: gpu_check.py's dict, filled as it goes) is written to
+    cuda.json however it ends, partial on an error or an interrupt."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {} if report is None else report
+    with common.kept(report, out_dir / "cuda.json"):
+        return _run(report, mnist_dir, dry_run, log)
+
+
+def _run(report: dict, mnist_dir: Path, dry_run: bool, log) -> dict:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -43,8 +53,8 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, **_) -
     from learner.train import initial_parameters, prepare
 
     device = "cpu" if dry_run else "cuda"
-    report: dict = {"mode": common.mode_name(dry_run), "device": device,
-                    "gpu": None if dry_run else torch.cuda.get_device_name(0), "cases": []}
+    report.update({"mode": common.mode_name(dry_run), "device": device,
+                   "gpu": None if dry_run else torch.cuda.get_device_name(0), "cases": []})
     rng = np.random.default_rng(781)
     small = validate_task(rng.random((19, 1, 9, 9), dtype=np.float32), rng.integers(0, 10, 19),
                           rng.random((7, 1, 9, 9), dtype=np.float32))

@@ -20,7 +20,6 @@ must hold on real hardware; a failed one is reported, never hidden.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -74,16 +73,26 @@ def per_request_check(task, meter=None, backend=None) -> dict:
     return figures
 
 
-def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log=print, **_) -> dict:
+def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log=print,
+        report: dict | None = None, **_) -> dict:
+    """``report``: gpu_check.py's dict, filled as the steps end, so an interrupt keeps their
+    figures; energy_check.json is written however the section ends (partial then)."""
     import torch
 
     import learner  # noqa: F401  (sets CUBLAS_WORKSPACE_CONFIG before CUDA starts)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    result = {} if report is None else report
     if not dry_run and not torch.cuda.is_available():
-        return {"ok": False, "passed": False, "reason": "no CUDA GPU visible to torch"}
+        result.update({"ok": False, "passed": False, "reason": "no CUDA GPU visible to torch"})
+        return result
+    saved: dict = {"mode": common.mode_name(dry_run)}  # energy_check.json
+    with common.kept(saved, out_dir / "energy_check.json"):
+        return _run(result, saved, mnist_dir, dry_run, log)
 
+
+def _run(result: dict, saved: dict, mnist_dir: Path | None, dry_run: bool, log) -> dict:
     from learner.backends.cuda import GraphBackend
     from learner.config import Config
     from learner.energy import gpu_telemetry, open_meter
@@ -101,13 +110,16 @@ def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log
         meter, meter_reason = open_meter()
         engine = "cuda"
         protocol = dict(trials=2, target_seconds=2.0, settle_seconds=1.0, idle_seconds=1.0)
+    result.update({"mode": common.mode_name(dry_run), "meter_reason": meter_reason, "protocol": protocol})
     health, health_reason = gpu_telemetry()
+    saved["gpu_telemetry"] = health
+    result["gpu_telemetry_reason"] = health_reason
     doc = measure_task(task, Config(), engine, **protocol, meter=meter if dry_run else None)
+    saved["measure"] = doc
+    result.update({"energy_reason": doc.get("energy_reason"), "calibration_ms": doc["calibration_ms"],
+                   "summary": None if doc["energy"] is None else doc["energy"]["summary"]})
     request = per_request_check(task, meter, engine) if dry_run else per_request_check(task)
-    (out_dir / "energy_check.json").write_text(
-        json.dumps({"mode": common.mode_name(dry_run), "measure": doc, "gpu_telemetry": health,
-                    "per_request": request}, indent=2, default=str) + "\n"
-    )
+    saved["per_request"] = request
 
     energy = doc["energy"]
     checks: dict[str, bool] = {
@@ -152,7 +164,7 @@ def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log
                 and t["active"]["energy_j"] > 0 and t["idle_before"]["energy_j"] > 0
             )
     ok = all(checks.values())
-    result = {
+    result.update({
         "mode": common.mode_name(dry_run),
         "ok": ok,
         "passed": ok,
@@ -172,7 +184,7 @@ def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log
         "predictions_sha256": doc["predictions_sha256"],
         "predictions_match_cpu_reference": None if dry_run else doc["predictions_sha256"] == CPU_PREDICTIONS_SHA256,
         "seconds": time.perf_counter() - started,
-    }
+    })
     if dry_run:
         result["not_checked_in_dry_run"] = [
             "NVML (the meter is simulated)", "GPU telemetry", "CUDA-event calibration", "the CUDA memory peak",

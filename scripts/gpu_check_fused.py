@@ -23,7 +23,8 @@ Fails loudly: ``passed`` is false when a check fails or a figure could not be me
 energy counter, time budget spent) -- a missing figure is reported with its reason, never
 invented. The energy trials start only while enough of the run's time budget is left
 (``deadline`` minus ``reserve_s`` for the sections after this one); otherwise they are
-skipped, said so, and the section fails.
+skipped, said so (``budget_cut`` when everything else passed: gpu_check.py then counts the
+budget, exit status 3, not a failure), and the section fails.
 
 ``--dry-run``: the same steps on the CPU in Triton's interpreter (TRITON_INTERPRET=1), on a
 160/32 slice of draw 0 (minibatches 128 + 32), the self-check on the CPU, and the T-task
@@ -131,9 +132,10 @@ def _energy_per_task(engine, task, config, per_invocation: int, trials: int, tar
 
 def performance(task, config, device: str, count: int, timing_repeats: int, batched_repeats: int,
                 trials: int, target_seconds: float, settle_seconds: float, idle_seconds: float,
-                energy: bool, meter=None, log=print) -> dict:
+                energy: bool, meter=None, log=print, into: dict | None = None) -> dict:
     """ms and mJ per task of cuda, fused and fused-T (T = ``count``) on ``task``; raises on failure.
-    On the CPU (dry run) times are wall ms and ``meter`` is the simulated one."""
+    On the CPU (dry run) times are wall ms and ``meter`` is the simulated one. ``into``: the dict
+    to fill (each variant's figures as they are measured, so an interrupt keeps them)."""
     import torch
 
     from learner.backends.cuda import GraphBackend
@@ -148,9 +150,10 @@ def performance(task, config, device: str, count: int, timing_repeats: int, batc
     variants = {"cuda": (cuda, 1), "fused": (fused, 1), "fused-T": (batched, count)}
     if meter is not None:
         variants = {k: (common.BusyEngine(e, meter), per) for k, (e, per) in variants.items()}
-    report: dict = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-                    "tasks_per_launch": count, "config": config.as_dict(),
-                    "clock": "cuda_events" if device == "cuda" else "wall (dry run: no CUDA events)", "variants": {}}
+    report = {} if into is None else into
+    report.update({"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                   "tasks_per_launch": count, "config": config.as_dict(),
+                   "clock": "cuda_events" if device == "cuda" else "wall (dry run: no CUDA events)", "variants": {}})
     for name, (engine, per) in variants.items():
         t = time.perf_counter()
         first = engine.run(task, prepared)  # capture / compile outside every measurement
@@ -215,12 +218,32 @@ def performance(task, config, device: str, count: int, timing_repeats: int, batc
 
 
 def run(out_dir: Path, mnist_dir: Path | None = None, log=print, dry_run: bool = False,
-        deadline: float | None = None, reserve_s: float = 0.0, **_) -> dict:
+        deadline: float | None = None, reserve_s: float = 0.0, report: dict | None = None, **_) -> dict:
+    """The section. ``report``: gpu_check.py's dict, filled step by step; fused.json is written
+    however the section ends (partial on an error or an interrupt, ``passed`` false)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {} if report is None else report
+    t_start = time.perf_counter()
+
+    def finish(report: dict) -> None:
+        report["seconds"] = time.perf_counter() - t_start
+        if dry_run:
+            report["not_checked_in_dry_run"] = [
+                "the kernel compiled for and run on a GPU (interpreter only)", "CUDA-event times", "NVML joules",
+                "draw 0's 10k/10k task (slices ran)", "T = the SM count (T = 2 ran)", "fused_ready() itself (needs CUDA)"]
+
+    with common.kept(report, out_dir / "fused.json", finish):
+        return _run(report, t_start, mnist_dir, log, dry_run, deadline, reserve_s)
+
+
+def _run(report: dict, t_start: float, mnist_dir: Path | None, log, dry_run: bool, deadline: float | None,
+         reserve_s: float) -> dict:
     import torch
 
     import learner  # noqa: F401  (sets CUBLAS_WORKSPACE_CONFIG before CUDA starts)
 
-    t_start = time.perf_counter()
+    report["mode"] = common.mode_name(dry_run)
     bench = _bench()
     if dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -239,8 +262,6 @@ def run(out_dir: Path, mnist_dir: Path | None = None, log=print, dry_run: bool =
 
     device = "cpu" if dry_run else "cuda"
     mnist_dir = mnist_dir or bundled_mnist_dir()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = Config()
     task, labels = make_task(mnist_dir, DRAW0_SEED)
     if dry_run:
@@ -248,12 +269,12 @@ def run(out_dir: Path, mnist_dir: Path | None = None, log=print, dry_run: bool =
         count = DRY_TASKS_PER_LAUNCH
     else:
         count = bench.sm_count()
-    report: dict = {"mode": common.mode_name(dry_run), "device": device,
-                    "gpu": None if dry_run else torch.cuda.get_device_name(),
-                    "sm_count": None if dry_run else bench.sm_count(), "tasks_per_launch": count,
-                    "task": {"train_count": task.train_count, "test_count": task.test_count,
-                             "what": "draw 0" if not dry_run else f"draw 0 rows {DRY_SLICE}"},
-                    "torch": torch.__version__, "triton": triton.__version__}
+    report.update({"mode": common.mode_name(dry_run), "device": device,
+                   "gpu": None if dry_run else torch.cuda.get_device_name(),
+                   "sm_count": None if dry_run else bench.sm_count(), "tasks_per_launch": count,
+                   "task": {"train_count": task.train_count, "test_count": task.test_count,
+                            "what": "draw 0" if not dry_run else f"draw 0 rows {DRY_SLICE}"},
+                   "torch": torch.__version__, "triton": triton.__version__})
 
     # 1. draw 0: fused vs cuda (and cpu)
     cuda, fused = GraphBackend(device), FusedBackend(device)
@@ -319,27 +340,24 @@ def run(out_dir: Path, mnist_dir: Path | None = None, log=print, dry_run: bool =
 
     # 4. ms and mJ per task, in one run
     do_energy = not common.out_of_time(deadline, reserve_s + ENERGY_NEED_S)
-    if dry_run:
-        perf_task, _ = common.small_task(task, labels, *DRY_PERF_SLICE)
-        perf = performance(perf_task, config, device, count, timing_repeats=2, batched_repeats=1, trials=1,
-                           target_seconds=0.2, settle_seconds=0.0, idle_seconds=0.2, energy=do_energy,
-                           meter=common.dry_run_meter(), log=log)
-    else:
-        perf = performance(task, config, device, count, timing_repeats=10, batched_repeats=5, trials=2,
-                           target_seconds=2.0, settle_seconds=1.0, idle_seconds=1.0, energy=do_energy, log=log)
+    perf = report["performance"] = {}
     if not do_energy:
         perf["energy_skipped"] = (f"at {time.perf_counter() - t_start:.0f} s into the section, less than "
                                   f"{ENERGY_NEED_S} s + {reserve_s:.0f} s (later sections) of the budget was left")
-    report["performance"] = perf
+    if dry_run:
+        perf_task, _ = common.small_task(task, labels, *DRY_PERF_SLICE)
+        performance(perf_task, config, device, count, timing_repeats=2, batched_repeats=1, trials=1,
+                    target_seconds=0.2, settle_seconds=0.0, idle_seconds=0.2, energy=do_energy,
+                    meter=common.dry_run_meter(), log=log, into=perf)
+    else:
+        performance(task, config, device, count, timing_repeats=10, batched_repeats=5, trials=2,
+                    target_seconds=2.0, settle_seconds=1.0, idle_seconds=1.0, energy=do_energy, log=log, into=perf)
     energy_ok = do_energy and all("error" not in (v.get("energy") or {"error": 1}) for v in perf["variants"].values())
     report["energy_measured"] = energy_ok
-    report["seconds"] = time.perf_counter() - t_start
-    report["passed"] = bool(draw0["passed"] and batched["passed"] and report["auto_self_check"]["passed"] and energy_ok)
-    if dry_run:
-        report["not_checked_in_dry_run"] = [
-            "the kernel compiled for and run on a GPU (interpreter only)", "CUDA-event times", "NVML joules",
-            "draw 0's 10k/10k task (slices ran)", "T = the SM count (T = 2 ran)", "fused_ready() itself (needs CUDA)"]
-    (out_dir / "fused.json").write_text(json.dumps(report, indent=2, default=str))
+    checked = bool(draw0["passed"] and batched["passed"] and report["auto_self_check"]["passed"])
+    report["passed"] = checked and energy_ok
+    if checked and not do_energy:  # only the budget stood between this section and a pass
+        report["budget_cut"] = perf["energy_skipped"]
     return report
 
 

@@ -29,6 +29,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -136,6 +137,26 @@ def libcuda_dirs() -> tuple[list[str], str]:
     return ld, "LD_LIBRARY_PATH"
 
 
+# ELF e_machine of the architectures this can run on (the device is x86-64).
+ELF_MACHINES = {62: "x86-64", 183: "aarch64", 3: "i386", 40: "arm"}
+RUNNING_MACHINE = {"x86_64": "x86-64", "amd64": "x86-64", "aarch64": "aarch64", "arm64": "aarch64"}
+
+
+def elf_arch(path: str) -> str:
+    """'64-bit x86-64' and the like from a shared object's ELF header (what a 32-bit libcuda
+    in ldconfig's cache would betray), or why it could not be read."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(20)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return "not an ELF file"
+    bits = {1: "32-bit", 2: "64-bit"}.get(head[4], f"class {head[4]}")
+    machine = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+    return f"{bits} {ELF_MACHINES.get(machine, f'machine {machine}')}"
+
+
 def check_libcuda(workdir: Path) -> dict:
     out: dict = {"TRITON_LIBCUDA_PATH": os.environ.get("TRITON_LIBCUDA_PATH")}
     try:
@@ -153,6 +174,12 @@ def check_libcuda(workdir: Path) -> dict:
     if not with_so1:
         return {**out, "passed": False, "error": f"no libcuda.so.1 where Triton looks ({how}: {dirs}); set "
                 "TRITON_LIBCUDA_PATH to a folder holding libcuda.so.1 and a libcuda.so symlink to it"}
+    first = os.path.realpath(os.path.join(with_so1[0], "libcuda.so.1"))
+    want = "64-bit " + RUNNING_MACHINE.get(platform.machine().lower(), platform.machine())
+    out.update({"libcuda_so_1": first, "libcuda_so_1_arch": elf_arch(first), "machine_arch": want})
+    if out["libcuda_so_1_arch"] != want:
+        return {**out, "passed": False, "error": f"the libcuda.so.1 Triton finds first ({first}) is "
+                f"{out['libcuda_so_1_arch']}, not {want}: point TRITON_LIBCUDA_PATH at the driver's {want} library"}
     cc = find_compiler()
     if cc is None:
         return {**out, "passed": False, "error": "no C compiler to link with"}
@@ -238,42 +265,48 @@ def check_service_packages() -> dict:
     return out
 
 
-def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log=print, **_) -> dict:
+def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log=print,
+        report: dict | None = None, **_) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    report: dict = {"mode": common.mode_name(dry_run), "versions": common.versions(), "checks": {}}
+    report = {} if report is None else report  # gpu_check.py's: what is in it survives an interrupt
+    report.update({"mode": common.mode_name(dry_run), "checks": {}})
     checks = report["checks"]
-    import torch
 
-    if not dry_run:
-        ok = torch.cuda.is_available() and torch.cuda.device_count() > 0
-        checks["cuda"] = {"passed": ok, "device_count": torch.cuda.device_count()}
-        if not ok:
-            checks["cuda"]["error"] = "torch sees no CUDA GPU (use --dry-run on a machine without one)"
-    with tempfile.TemporaryDirectory(prefix="rev88-precheck-") as tmp:
-        work = Path(tmp)
-        checks["python_h"] = check_python_h()
-        checks["c_compiler"] = check_compiler()
-        checks["python_extension"] = check_python_extension(work)
+    def finish(report: dict) -> None:
+        failed = [name for name in BLOCKING if name in checks and not checks[name]["passed"]]
+        report["failed_blocking"] = failed
+        report["passed"] = not failed
+        report["seconds"] = time.perf_counter() - t0
+
+    with common.kept(report, out_dir / "precheck.json", finish):
+        report["versions"] = common.versions()
+        import torch
+
         if not dry_run:
-            checks["libcuda"] = check_libcuda(work)
-    if dry_run or checks["cuda"]["passed"]:
-        checks["triton_kernel"] = check_triton_kernel(dry_run)
-    else:
-        checks["triton_kernel"] = {"passed": False, "error": "not tried: no CUDA GPU"}
-    checks["service_packages"] = check_service_packages()
-    if dry_run:
-        report["not_checked_in_dry_run"] = ["cuda", "libcuda (no driver here)",
-                                            "the kernel's GPU compile and launcher build (interpreter only)"]
-    failed = [name for name in BLOCKING if name in checks and not checks[name]["passed"]]
-    report["failed_blocking"] = failed
-    report["passed"] = not failed
-    report["seconds"] = time.perf_counter() - t0
-    for name, check in checks.items():
-        flag = "ok  " if check["passed"] else ("FAIL" if name in BLOCKING else "warn")
-        log(f"  precheck {flag} {name}" + (f": {check['error']}" if not check["passed"] and "error" in check else ""))
-    (out_dir / "precheck.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+            ok = torch.cuda.is_available() and torch.cuda.device_count() > 0
+            checks["cuda"] = {"passed": ok, "device_count": torch.cuda.device_count()}
+            if not ok:
+                checks["cuda"]["error"] = "torch sees no CUDA GPU (use --dry-run on a machine without one)"
+        with tempfile.TemporaryDirectory(prefix="rev88-precheck-") as tmp:
+            work = Path(tmp)
+            checks["python_h"] = check_python_h()
+            checks["c_compiler"] = check_compiler()
+            checks["python_extension"] = check_python_extension(work)
+            if not dry_run:
+                checks["libcuda"] = check_libcuda(work)
+        if dry_run or checks["cuda"]["passed"]:
+            checks["triton_kernel"] = check_triton_kernel(dry_run)
+        else:
+            checks["triton_kernel"] = {"passed": False, "error": "not tried: no CUDA GPU"}
+        checks["service_packages"] = check_service_packages()
+        if dry_run:
+            report["not_checked_in_dry_run"] = ["cuda", "libcuda (no driver here)",
+                                                "the kernel's GPU compile and launcher build (interpreter only)"]
+        for name, check in checks.items():
+            flag = "ok  " if check["passed"] else ("FAIL" if name in BLOCKING else "warn")
+            log(f"  precheck {flag} {name}" + (f": {check['error']}" if not check["passed"] and "error" in check else ""))
     return report
 
 

@@ -1,38 +1,67 @@
 #!/usr/bin/env bash
-# The one-shot GPU acceptance on a lent device: one `run` call, about 8 minutes.
+# The one-shot GPU acceptance on a lent device: one `run` call of at most 8 minutes (docs/gpu.md).
 #
 # Here, once, before the call (needs PyPI; the device has no network):
-#     bash scripts/make_device_wheels.sh          # -> .device-wheels/ (ignored by git, ~3 MiB)
+#     bash scripts/make_device_wheels.sh          # -> .device-wheels/ (ignored by git, ~3.4 MiB)
 #     .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu-dry   # every section rehearsed
 # Then the call (command, carry, timeout):
-#     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=590)
-# Carry only .device-wheels: the repository (data/mnist included, ~12 MB) travels by itself,
-# and the wheels add ~3 MiB of the 64 MiB limit. Rerun a part on the still-warm machine with
-# `SECTIONS=fused,service bash scripts/gpu_device_run.sh` (the pre-check always runs first).
-# Rehearse this script here, without a GPU: `DRY_RUN=1 PYTHON=.venv/bin/python OUT=/tmp/o bash
-# scripts/gpu_device_run.sh` (gpu_check.py --dry-run; the cp312 wheels then do not install on
-# another Python, which it reports and goes on).
+#     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)
+# Carry only .device-wheels: the repository (data/mnist included, ~12 MB) travels by itself.
+# 480 s plus the machine's 1-2 minute start leaves about 4-5 of the session's 15 minutes: a focused
+# rerun on the still-warm machine (it is given back 30 s after a call) fits only if it is sent at
+# once and is short, e.g. with 300 s of device time left
+#     run(command="SECTIONS=fused BUDGET_S=160 DEVICE_TIMEOUT_S=240 bash scripts/gpu_device_run.sh",
+#         carry=[".device-wheels"], timeout_s=240)
+# (the pre-check always runs first); otherwise call give_back at once.
 #
-# What it does, everything under $OUT (at most 8 files come back, so the rest is bundled):
-#   1. installs the carried wheels into /tmp/rev88-site and puts it and the checkout on PYTHONPATH
+# Knobs (environment): BUDGET_S (400: gpu_check.py --budget-s, a hard limit), DEVICE_TIMEOUT_S
+# (480: the call's timeout_s; the budget is lowered so that everything fits inside it),
+# INNER_TIMEOUT_S (BUDGET_S + 40: the backstop `timeout`; set it lower only to rehearse a
+# timeout), SECTIONS, DRY_RUN=1, PYTHON, OUT, WORK (the bundle's folder, outside $OUT), WHEELS.
+# Rehearse it here, without a GPU:
+#     DRY_RUN=1 PYTHON=.venv/bin/python OUT=/tmp/o bash scripts/gpu_device_run.sh
+# (gpu_check.py --dry-run; the cp312 wheels do not install on another Python, which it reports).
+#
+# What it does:
+#   1. installs the carried wheels into /tmp/rev88-site and puts it and the checkout on PYTHONPATH,
+#      then says which of the service's packages are still missing (the service section then
+#      fails at once; the others run: the learner needs none of the wheels)
 #   2. makes /tmp/rev88-libcuda with libcuda.so.1 and an unversioned libcuda.so pointing at the
-#      driver's libcuda.so.1, and exports TRITON_LIBCUDA_PATH (older Tritons link -lcuda)
+#      driver's 64-bit libcuda.so.1 (scripts/gpu_find_libcuda.sh), exports TRITON_LIBCUDA_PATH
 #   3. if the running Python's Python.h is not where sysconfig says, looks for it and exports
 #      C_INCLUDE_PATH (Triton compiles its launcher with it)
-#   4. runs scripts/gpu_check.py (the pre-check first; it stops the run early if the toolchain is
-#      broken) under `timeout`, with a 470 s budget
-#   5. writes $OUT/gpu_check.json, $OUT/summary.txt, $OUT/run.log and $OUT/gpu-check-bundle.tar.gz
-#      (every section's files), and prints the summary last.
-# Exit status: gpu_check.py's (0 passed, 1 a section failed, 2 bad input / no GPU; 124 timeout).
+#   4. runs scripts/gpu_check.py --out $WORK --publish $OUT --budget-s 400 under `timeout -k 10 440`
+#      (BUDGET_S, INNER_TIMEOUT_S; both lowered if the setup left too little of DEVICE_TIMEOUT_S)
+#   5. $OUT holds at most 5 files at any moment: gpu_check.json, summary.txt, run.log,
+#      gpu-check-bundle.tar.gz (every section's own file, the server's log), each replaced after
+#      every section, and a file being replaced; the summary is printed last.
+# Exit status: 0 passed, 1 a section failed, 2 bad input / no GPU, 3 the time budget ran out
+# (a section interrupted or not started; the inner timeout's 124 lands here when gpu_check.py
+# wrote its final report), 4 gpu_check.py was killed (the timeout's SIGKILL, 137, or another
+# signal): the files are those of the last finished section, 5 no final report (gpu_check.py did
+# not start or crashed: see run.log).
 set -uo pipefail
+T0=$SECONDS
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 OUT=${OUT:-/tmp/rev88-gpu-out}
-WORK=$OUT/check
+WORK=${WORK:-/tmp/rev88-gpu-check}
+WHEELS=${WHEELS:-.device-wheels}
+BUDGET_S=${BUDGET_S:-400}
+DEVICE_TIMEOUT_S=${DEVICE_TIMEOUT_S:-480}
+KILL_AFTER_S=10   # SIGTERM -> SIGKILL; the service's child server gets 5 of these (INTERRUPT_GRACE_S)
+TAIL_S=15         # after gpu_check.py: the last tar and the summary
+GRACE_S=40        # budget -> backstop: a section stuck in a long C call still gets its SIGTERM
+case "$(realpath -m "$WORK")/" in "$(realpath -m "$OUT")"/*)
+  echo "WORK=$WORK lies inside OUT=$OUT: its files would count among the 8 that come back" >&2; exit 5 ;;
+esac
+mkdir -p "$OUT"
+rm -rf "$WORK"
 mkdir -p "$WORK"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/rev88-triton-cache
-LOG=$WORK/run.log
+LOG=$OUT/run.log
+: >"$LOG"
 say() { echo "[device] $*" | tee -a "$LOG"; }
 
 say "$(date -u +%FT%TZ) on $(hostname): $($PY -V 2>&1) at $(command -v $PY)"
@@ -40,42 +69,46 @@ say "$(date -u +%FT%TZ) on $(hostname): $($PY -V 2>&1) at $(command -v $PY)"
 
 # 1. the service's wheels
 SITE=/tmp/rev88-site
-if compgen -G ".device-wheels/*.whl" >/dev/null; then
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
   if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      .device-wheels/*.whl >>"$LOG" 2>&1; then
-    say "installed $(ls .device-wheels/*.whl | wc -l) wheels into $SITE"
+      "$WHEELS"/*.whl >>"$LOG" 2>&1; then
+    say "installed $(ls "$WHEELS"/*.whl | wc -l) wheels into $SITE"
   else
-    say "WARNING: installing the wheels failed (see run.log); the service section will fail"
+    say "WARNING: installing the wheels from $WHEELS failed (pip's output is in run.log)"
   fi
   export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
-  say "WARNING: no .device-wheels/*.whl (carry .device-wheels; make it with scripts/make_device_wheels.sh)"
+  say "WARNING: no $WHEELS/*.whl (carry .device-wheels; make it with scripts/make_device_wheels.sh)"
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# what the sections will find: said as a fact, not guessed
+missing=$($PY - <<'EOF' 2>>"$LOG"
+import importlib.util, sys
+sys.path.insert(0, "scripts")
+import gpu_check_common as c
+print(" ".join(d for d, m in c.SERVICE_MODULES.items() if importlib.util.find_spec(m) is None))
+EOF
+) || missing="(could not be checked: see run.log)"
+if [ -n "$missing" ]; then
+  say "WARNING: the service's packages $missing are missing: the service section will fail at once (the others run)"
 fi
 
 # 2. libcuda for Triton's launcher
-real=""
-for cand in $(/sbin/ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF}') \
-    $(echo "${LD_LIBRARY_PATH:-}" | tr ':' '\n' | sed -n 's|$|/libcuda.so.1|p') \
-    /usr/local/nvidia/lib64/libcuda.so.1 /usr/local/nvidia/lib/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 \
-    /usr/lib64/libcuda.so.1 /usr/local/cuda/compat/libcuda.so.1; do
-  if [ -e "$cand" ]; then real=$(readlink -f "$cand"); break; fi
-done
-if [ -n "$real" ]; then
+if real=$(bash scripts/gpu_find_libcuda.sh 2>>"$LOG"); then
   mkdir -p /tmp/rev88-libcuda
   ln -sf "$real" /tmp/rev88-libcuda/libcuda.so.1
   ln -sf "$real" /tmp/rev88-libcuda/libcuda.so
   export TRITON_LIBCUDA_PATH=/tmp/rev88-libcuda
   say "TRITON_LIBCUDA_PATH=/tmp/rev88-libcuda -> $real"
 else
-  say "WARNING: no libcuda.so.1 found (ldconfig -p, LD_LIBRARY_PATH, the usual folders); the pre-check will say more"
+  say "WARNING: no 64-bit libcuda.so.1 found (ldconfig -p, LD_LIBRARY_PATH, the usual folders; see run.log); the pre-check will say more"
 fi
 
 # 3. Python.h where Triton's compiler will look
 inc=$($PY -c 'import sysconfig as s; k=s.get_default_scheme(); k="posix_prefix" if k=="posix_local" else k; print(s.get_paths(scheme=k)["include"])')
 ver=$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 if [ ! -f "$inc/Python.h" ]; then
-  found=$(find /usr/include /usr/local/include /opt /root -maxdepth 6 -path "*python$ver*/Python.h" 2>/dev/null | head -1)
+  found=$(timeout 20 find /usr/include /usr/local/include /opt /root -maxdepth 6 -path "*python$ver*/Python.h" 2>/dev/null | head -1)
   if [ -n "$found" ]; then
     export C_INCLUDE_PATH="$(dirname "$found")${C_INCLUDE_PATH:+:$C_INCLUDE_PATH}"
     say "Python.h not in $inc; using $found (C_INCLUDE_PATH)"
@@ -84,19 +117,47 @@ if [ ! -f "$inc/Python.h" ]; then
   fi
 fi
 
-# 4. the check
-say "running scripts/gpu_check.py ${DRY_RUN:+--dry-run }${SECTIONS:+--sections $SECTIONS}"
-timeout -k 15 540 $PY scripts/gpu_check.py --out "$WORK" --budget-s 470 ${DRY_RUN:+--dry-run} \
-  ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tee -a "$LOG"
+# 4. the check, inside the call's timeout: setup so far + inner timeout + kill + tail <= DEVICE_TIMEOUT_S
+inner=${INNER_TIMEOUT_S:-$((BUDGET_S + GRACE_S))}
+room=$((DEVICE_TIMEOUT_S - (SECONDS - T0) - KILL_AFTER_S - TAIL_S))
+if [ "$inner" -gt "$room" ]; then
+  inner=$room
+  if [ $((inner - GRACE_S)) -lt "$BUDGET_S" ]; then BUDGET_S=$((inner - GRACE_S)); fi
+  say "only $room s of the call's $DEVICE_TIMEOUT_S s are left for the check: budget $BUDGET_S s, timeout $inner s"
+fi
+if [ "$BUDGET_S" -lt 1 ] || [ "$inner" -lt 1 ]; then
+  say "no time left for the check (budget $BUDGET_S s, timeout $inner s of DEVICE_TIMEOUT_S=$DEVICE_TIMEOUT_S)"
+  echo "not run: no time left in DEVICE_TIMEOUT_S=$DEVICE_TIMEOUT_S (exit status 5)" >"$OUT/summary.txt"
+  exit 5
+fi
+say "running scripts/gpu_check.py ${DRY_RUN:+--dry-run }--budget-s $BUDGET_S ${SECTIONS:+--sections $SECTIONS }under timeout -k $KILL_AFTER_S $inner"
+timeout -k "$KILL_AFTER_S" "$inner" $PY scripts/gpu_check.py --out "$WORK" --publish "$OUT" --budget-s "$BUDGET_S" \
+  ${DRY_RUN:+--dry-run} ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
-say "gpu_check.py exit status $rc"
+final=$($PY -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["exit_status"] if r.get("finished") else "")' \
+  "$WORK/gpu_check.json" 2>/dev/null)
+case "$rc" in
+  0|1|2|3) if [ "$final" = "$rc" ]; then status=$rc; else status=5; fi ;;
+  124) if [ -n "$final" ]; then status=$final; else status=4; fi ;;  # SIGTERM from timeout, report written
+  *) if [ "$rc" -gt 128 ]; then status=4; else status=5; fi ;;          # 137: SIGKILL; else a crash
+esac
+meaning=(passed "a section failed" "bad input or no GPU" "the time budget ran out: partial figures"
+         "gpu_check.py was killed: the files are those of its last finished section"
+         "no final report: gpu_check.py did not start or crashed (see run.log)")
+say "gpu_check.py exit status $rc (timeout: 124 = SIGTERM sent, 137 = SIGKILL); this script's exit status $status: ${meaning[$status]}"
 
-# 5. what comes back: four files
-cp "$WORK/gpu_check.json" "$OUT/" 2>/dev/null
-cp "$WORK/summary.txt" "$OUT/" 2>/dev/null || echo "no summary (exit status $rc): see run.log" >"$OUT/summary.txt"
-cp "$LOG" "$OUT/run.log"
-tar -czf "$OUT/gpu-check-bundle.tar.gz" -C "$OUT" check && rm -rf "$WORK"
+# 5. what comes back: gpu_check.json, summary.txt, run.log, gpu-check-bundle.tar.gz
+[ -f "$WORK/gpu_check.json" ] && [ ! -f "$OUT/gpu_check.json" ] && cp "$WORK/gpu_check.json" "$OUT/"
+if [ "$status" -ge 4 ] || [ ! -f "$WORK/summary.txt" ]; then
+  { cat "$WORK/summary.txt" 2>/dev/null || echo "no summary from gpu_check.py"; } >"$WORK/summary.txt.new"
+  mv -f "$WORK/summary.txt.new" "$WORK/summary.txt"
+fi
+echo "gpu_device_run.sh: exit status $status (${meaning[$status]}; gpu_check.py $rc)" >>"$WORK/summary.txt"
+cp "$WORK/summary.txt" "$OUT/.summary.txt.part" && mv -f "$OUT/.summary.txt.part" "$OUT/summary.txt"
+cp "$LOG" "$WORK/run.log"
+tar -czf "$OUT/.gpu-check-bundle.tar.gz.part" -C "$(dirname "$WORK")" --transform "s|^$(basename "$WORK")|check|" \
+  "$(basename "$WORK")" && mv -f "$OUT/.gpu-check-bundle.tar.gz.part" "$OUT/gpu-check-bundle.tar.gz"
 ls -l "$OUT"
 echo
 cat "$OUT/summary.txt"
-exit "$rc"
+exit "$status"

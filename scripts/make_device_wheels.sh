@@ -4,11 +4,12 @@
 # and has torch, triton, numpy, nvidia-ml-py, httpx, anyio, h11, click, prometheus-client and
 # annotated-doc, but not fastapi, starlette, pydantic, pydantic-core, uvicorn, python-multipart,
 # nor annotated-types and typing-inspection (pydantic needs them) or opentelemetry-api (fastapi
-# imports it), nor orjson and zlib-ng (not in H200.md's package list), which the
-# service and the npz reader import. It has no network, so they travel with the call:
+# imports it), nor orjson and zlib-ng (not in H200.md's package list): the service imports
+# orjson; the npz reader uses zlib-ng's faster CRC-32 when it is there (zlib's otherwise, same
+# values: the learner needs none of these). It has no network, so they travel with the call:
 #
 #     bash scripts/make_device_wheels.sh            # once, here (needs PyPI)
-#     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=590)
+#     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)
 #
 # scripts/gpu_device_run.sh installs them with `pip install --no-index --no-deps --target` into a
 # folder on PYTHONPATH. The versions are the ones the test suite runs with here, one of each (two

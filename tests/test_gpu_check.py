@@ -1,9 +1,11 @@
-"""scripts/gpu_check.py: exit status and report shape, without a GPU.
+"""scripts/gpu_check.py and scripts/gpu_device_run.sh: exit status, report shape, partial
+reports, the budget, the files that come back -- without a GPU.
 
-Most tests drive ``run_check`` with stand-in section functions (fast); two run the real
-script as a child process (bad input: an empty MNIST folder; the real pre-check and service
-sections in --dry-run, ~25 s). The whole real dry run (every section, about 3-4 minutes on a
-2-core machine) is opt-in: REV88_GPU_CHECK_DRY_RUN=1.
+Most tests drive ``run_check`` with stand-in section functions (fast); some run the real
+scripts as child processes: gpu_check.py on bad input; the real pre-check and service sections
+in --dry-run (~8 s); gpu_device_run.sh's dry run without the wheels (~8 s), with a 20 s budget
+(~25 s) and with an inner timeout shorter than the budget (~15 s). The whole real dry run
+(every section, 30 s to 4 minutes on a 2-core machine) is marked slow.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import struct
 import subprocess
 import sys
+import tarfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,16 +46,16 @@ SECTIONS = list(gpu_check.SECTIONS)
 
 def _passing(name):
     def run(out, **kw):
-        assert set(kw) >= {"mnist_dir", "dry_run", "log", "deadline", "reserve_s"}
+        assert set(kw) >= {"mnist_dir", "dry_run", "log", "deadline", "reserve_s", "report"}
         return {"passed": True, "name": name}
 
     return run
 
 
-def _check(tmp_path, runners=None, sections=SECTIONS, budget=300.0, mnist=None, **kw):
+def _check(tmp_path, runners=None, sections=SECTIONS, budget=300.0, mnist=None, dry_run=True, **kw):
     runners = {**{s: _passing(s) for s in SECTIONS}, **(runners or {})}
     mnist = mnist or ROOT / "data" / "mnist"
-    return gpu_check.run_check(tmp_path / "out", mnist, True, list(sections), budget, runners=runners,
+    return gpu_check.run_check(tmp_path / "out", mnist, dry_run, list(sections), budget, runners=runners,
                                log=lambda *a: None, **kw)
 
 
@@ -129,11 +136,62 @@ def test_an_empty_mnist_folder_is_bad_input_status_2(tmp_path):
     assert all(report["sections"][s]["passed"] is False for s in SECTIONS)
 
 
-def test_a_spent_budget_skips_what_is_left(tmp_path):
-    report, status = _check(tmp_path, budget=30.0)  # below fused's minimum start time
-    assert status == 1
-    assert report["sections"]["cuda"]["passed"] is True
+def test_a_spent_budget_skips_what_is_left_status_3(tmp_path):
+    # device minimums: 30 s is below fused's (90 s), not cuda's or energy's (20 s)
+    report, status = _check(tmp_path, budget=30.0, dry_run=False)
+    assert status == 3 and report["exit_status"] == 3 and report["budget_ran_out"] is True
+    assert report["sections"]["cuda"]["passed"] is True and report["sections"]["energy"]["passed"] is True
     assert "budget" in report["sections"]["fused"]["skipped"] and "budget" in report["sections"]["service"]["skipped"]
+    assert "exit status 3" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_a_failure_outranks_the_budget(tmp_path):
+    """1, not 3: a section that failed on its own is not fixed by more time."""
+    report, status = _check(tmp_path, {"cuda": lambda out, **kw: {"passed": False}}, budget=30.0, dry_run=False)
+    assert status == 1 and report["budget_ran_out"] is True
+
+
+def test_a_step_cut_for_the_budget_is_status_3_not_a_failure(tmp_path):
+    cut = {"passed": False, "budget_cut": "energy trials skipped: 40 s left"}
+    report, status = _check(tmp_path, {"fused": lambda out, **kw: dict(cut)})
+    assert status == 3 and "cut" in (tmp_path / "out" / "summary.txt").read_text()
+    report, status = _check(tmp_path, {"fused": lambda out, **kw: dict(cut), "cuda": lambda out, **kw: {"passed": False}})
+    assert status == 1
+
+
+def test_the_budget_interrupts_a_running_section_and_keeps_its_figures(tmp_path):
+    """The budget is a hard limit (an alarm): a section still running when it ends is interrupted,
+    keeps what it had put in its report, and the rest are not run; exit status 3."""
+    def slow(out, report, **kw):
+        report["checks"] = {"python_h": {"passed": True}}
+        time.sleep(30)
+        report["never"] = True
+        return report
+
+    before = signal.getsignal(signal.SIGALRM)
+    t = time.monotonic()
+    report, status = _check(tmp_path, {"precheck": slow}, budget=1.5)
+    assert time.monotonic() - t < 10
+    assert status == 3 and report["exit_status"] == 3 and "1.5 s ran out" in report["interrupted"]
+    first = report["sections"]["precheck"]
+    assert first["passed"] is False and first["checks"] == {"python_h": {"passed": True}} and "never" not in first
+    assert "ran out" in first["interrupted"] and "checks" in first["error"]
+    assert all("ran out" in report["sections"][s]["skipped"] for s in SECTIONS[1:])
+    on_disk = _report(tmp_path)
+    assert on_disk["finished"] is True and on_disk["sections"]["precheck"]["checks"] == first["checks"]
+    assert "STOP" in (tmp_path / "out" / "summary.txt").read_text()
+    assert signal.getsignal(signal.SIGALRM) == before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_an_exception_keeps_the_figures_gathered_before_it(tmp_path):
+    def broken(out, report, **kw):
+        report["draw0"] = {"passed": True}
+        raise RuntimeError("launch failed")
+
+    report, status = _check(tmp_path, {"fused": broken})
+    assert status == 1
+    fused = report["sections"]["fused"]
+    assert fused["draw0"] == {"passed": True} and "launch failed" in fused["error"] and fused["passed"] is False
 
 
 def test_the_script_exits_2_on_an_empty_mnist_folder(tmp_path):
@@ -174,6 +232,10 @@ def test_dry_run_of_the_precheck_and_the_service(tmp_path):
     steps = report["sections"]["service"]["steps"]
     assert set(steps) == {"start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "drain"}
     assert steps["draw0"]["predictions_sha256"] == common.DRAW0_PREDICTIONS_SHA256
+    assert steps["draw0"]["checks"]["predictions_equal_cpu"] and steps["draw0"]["checks"]["correct_8887"]
+    assert steps["draw0"]["predictions_sha256_is_cpu_hash"] is True and "vs_cpu" not in steps["draw0"]
+    assert steps["alt_backend"]["checks"]["predictions_equal_in_process_cpu"]
+    assert all(row["predictions_equal_cpu"] for row in steps["batch"]["answers"])
     assert steps["drain"]["checks"]["in_flight_answered_200"] and steps["drain"]["exit_code"] in (0, -15)
     pre = report["sections"]["precheck"]
     assert pre["checks"]["triton_kernel"]["interpreted"] is True
@@ -281,23 +343,381 @@ def test_precheck_python_h_and_service_packages():
     assert packages["passed"] is True and packages["found"]["fastapi"]
 
 
-def test_device_script_and_command_line():
+def _script_default(text: str, name: str) -> int:
+    import re
+
+    match = re.search(rf"^{name}=\$\{{{name}:-(\d+)\}}|^{name}=(\d+)", text, re.M)
+    assert match, f"{name} has no default in gpu_device_run.sh"
+    return int(match.group(1) or match.group(2))
+
+
+def test_device_script_numbers_fit_the_session():
+    """The numbers of the one call, and that they fit: 15 minutes of device time, a 1-2 minute
+    start, 10 minutes per command, and a focused rerun on the warm machine."""
     script = SCRIPTS / "gpu_device_run.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    assert subprocess.run(["bash", "-n", str(SCRIPTS / "make_device_wheels.sh")]).returncode == 0
+    for name in ("gpu_device_run.sh", "make_device_wheels.sh", "gpu_find_libcuda.sh"):
+        assert subprocess.run(["bash", "-n", str(SCRIPTS / name)]).returncode == 0, name
     text = script.read_text()
-    assert 'run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=590)' in text
-    assert "TRITON_LIBCUDA_PATH" in text and "--budget-s 470" in text and "timeout -k 15 540" in text
+    assert 'run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)' in text
+    budget, device_timeout = _script_default(text, "BUDGET_S"), _script_default(text, "DEVICE_TIMEOUT_S")
+    grace, kill, tail = (_script_default(text, n) for n in ("GRACE_S", "KILL_AFTER_S", "TAIL_S"))
+    assert (budget, device_timeout, budget + grace, kill) == (400, 480, 440, 10)
+    assert budget == gpu_check.DEFAULT_BUDGET_S["device"]
+    assert sum(gpu_check.DEVICE_ESTIMATE_S.values()) < budget  # the estimates fit the budget
+    assert budget + grace + kill + tail + 15 <= device_timeout  # 15 s of setup (wheels, nvidia-smi)
+    assert common.INTERRUPT_GRACE_S < kill  # the child server is killed before Python is
+    start_s, session_s, warm_s, min_start_s = 120, 900, 30, 240
+    left = session_s - start_s - device_timeout
+    assert left >= 240 + 30  # the documented rerun (timeout_s=240, ~30 s of transfers) on the warm machine
+    assert "SECTIONS=fused BUDGET_S=160 DEVICE_TIMEOUT_S=240 bash" in text and 'timeout_s=240)' in text
+    assert 160 + grace + kill + tail + 15 <= 240  # the rerun's numbers fit as the first call's do
+    # after the warm window a fresh machine (start, then a whole call) no longer fits: give_back
+    assert left - warm_s < min_start_s + start_s and left - warm_s - start_s < device_timeout
+    assert "give_back" in text
     assert "/.device-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+    doc = (ROOT / "docs" / "gpu.md").read_text()
+    assert "timeout_s=480" in doc and "give_back" in doc
+    for status in range(6):
+        assert f"| {status} |" in doc, f"exit status {status} undocumented in docs/gpu.md"
 
 
 def test_an_interrupt_is_recorded_and_stops_the_run(tmp_path):
-    """SIGTERM (the device's ``timeout``) raises gpu_check.Interrupted inside a section."""
-    def interrupted(out, **kw):
+    """SIGTERM (the device's ``timeout``) raises gpu_check.Interrupted inside a section; what the
+    section had put in its report is kept."""
+    def interrupted(out, report, **kw):
+        report["calibration_ms"] = 1.5
         raise gpu_check.Interrupted("received SIGTERM")
 
     report, status = _check(tmp_path, {"energy": interrupted})
-    assert status == 1 and report["interrupted"] == "received SIGTERM"
-    assert report["sections"]["energy"]["passed"] is False
+    assert status == 3 and report["interrupted"] == "received SIGTERM"
+    energy = report["sections"]["energy"]
+    assert energy["passed"] is False and energy["calibration_ms"] == 1.5 and energy["interrupted"] == "received SIGTERM"
     assert all("SIGTERM" in report["sections"][s]["skipped"] for s in ("fused", "service"))
-    assert _report(tmp_path)["exit_status"] == 1
+    assert _report(tmp_path)["exit_status"] == 3
+
+
+def test_sigterm_interrupts_a_running_section(tmp_path):
+    def waits(out, report, **kw):
+        report["started"] = True
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()  # while this section runs
+        time.sleep(30)
+
+    before = signal.getsignal(signal.SIGTERM)
+    report, status = _check(tmp_path, {"cuda": waits})
+    assert status == 3 and report["interrupted"] == "received SIGTERM"
+    assert report["sections"]["cuda"]["started"] is True and report["sections"]["precheck"]["passed"] is True
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_kept_writes_the_partial_report_on_an_interrupt(tmp_path):
+    report = {}
+    with pytest.raises(gpu_check.Interrupted):
+        with common.kept(report, tmp_path / "s.json", finish=lambda r: r.update(passed=True, seconds=1.0)):
+            report["draw0"] = {"correct": 1}
+            raise gpu_check.Interrupted("the time budget of 20 s ran out")
+    on_disk = json.loads((tmp_path / "s.json").read_text())
+    assert on_disk == report
+    assert on_disk["passed"] is False and on_disk["partial"] is True and on_disk["draw0"] == {"correct": 1}
+    assert "ran out" in on_disk["interrupted"] and on_disk["seconds"] == 1.0  # finish ran, could not pass it
+    with common.kept(report := {}, tmp_path / "t.json", finish=lambda r: r.update(passed=True)):
+        pass
+    assert json.loads((tmp_path / "t.json").read_text()) == {"passed": True}
+
+
+def test_seconds_left_caps_a_wait_by_the_budget():
+    assert common.seconds_left(None, 300) == 300
+    assert common.seconds_left(time.monotonic() + 1000, 300) == 300
+    assert 9 < common.seconds_left(time.monotonic() + 10, 300) <= 10
+    assert common.seconds_left(time.monotonic() - 5, 300) == 0.1
+
+
+def test_publish_keeps_out_small_and_outside(tmp_path):
+    dest = tmp_path / "OUT"
+    report, status = _check(tmp_path, publish_dir=dest)
+    assert status == 0
+    assert sorted(p.name for p in dest.iterdir()) == ["gpu-check-bundle.tar.gz", "gpu_check.json", "summary.txt"]
+    assert json.loads((dest / "gpu_check.json").read_text())["finished"] is True
+    with tarfile.open(dest / "gpu-check-bundle.tar.gz") as tar:
+        names = tar.getnames()
+    assert "check/gpu_check.json" in names and "check/summary.txt" in names
+    with pytest.raises(ValueError, match="inside --publish"):
+        gpu_check.run_check(dest / "check", ROOT / "data" / "mnist", True, ["precheck"], 10.0,
+                            runners={"precheck": _passing("precheck")}, log=lambda *a: None, publish_dir=dest)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--dry-run", "--out", str(dest / "w"),
+                           "--publish", str(dest)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "inside --publish" in proc.stderr
+
+
+# --------------------------------------------------------------------------- the service's rules
+
+
+class _Ref:
+    def __init__(self, scores):
+        self.scores = np.asarray(scores, dtype=np.float32)
+        self.predictions = self.scores.argmax(1)
+
+
+def test_service_accepts_what_equals_the_reference_and_explains_a_flipped_near_tie():
+    service = _load("gpu_check_service")
+    ref = _Ref([[0.0, 1.0, 0.2], [2.0, 1.999, 0.0], [0.0, 0.0, 5.0]])
+    labels = np.array([1, 0, 2])
+    doc: dict = {}
+    assert service.compare_predictions(doc, "fused", ref.predictions.copy(), ref.scores.copy(), "cuda", ref, labels)
+    assert doc == {}
+    flipped = ref.scores.copy()
+    flipped[1] = [1.999, 2.0, 0.0]
+    assert service.compare_predictions(doc, "fused", flipped.argmax(1), flipped, "cuda", ref, labels) is False
+    assert doc["differing_from_cuda"] == 1
+    row = doc["vs_cuda"]["differing_queries"][0]
+    assert row["query"] == 1 and row["fused_margin"] == pytest.approx(0.001, abs=1e-6)
+    assert doc["vs_cuda"]["cuda_correct"] == 3 and doc["vs_cuda"]["fused_correct"] == 2
+    without_scores: dict = {}
+    assert service.compare_predictions(without_scores, "fused", flipped.argmax(1), None, "cuda", ref, labels) is False
+    assert without_scores == {"differing_from_cuda": 1}
+    assert service.compare_predictions({}, "fused", np.array([1, 0]), None, "cuda", ref, labels) is False
+
+
+def test_service_stop_server_kills_a_child_that_ignores_sigterm():
+    service = _load("gpu_check_service")
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    t = time.monotonic()
+    record: dict = {}
+    service.stop_server(proc, 0.5, record)
+    assert "SIGKILL" in record["server_stopped"] and record["server_exit_code"] == -signal.SIGKILL
+    assert time.monotonic() - t < 5
+    service.stop_server(proc, 0.5, record)
+    assert record["server_stopped"] == "had exited"
+
+
+def test_service_stop_server_kills_at_once_when_interrupted_during_its_wait():
+    """The budget's alarm (or SIGTERM) arriving while the server drains: SIGKILL at once, then the
+    interrupt goes on -- the server never outlives the section."""
+    service = _load("gpu_check_service")
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+
+    class Stop(BaseException):
+        pass
+
+    def interrupt(signum, frame):
+        raise Stop("the time budget ran out")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    record: dict = {}
+    t = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Stop):
+            service.stop_server(proc, 30, record)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t < 5 and proc.returncode == -signal.SIGKILL
+    assert "at once" in record["server_stopped"] and record["server_exit_code"] == -signal.SIGKILL
+
+
+# --------------------------------------------------------------------------- libcuda lookup
+
+
+def _fake_elf(path: Path, bits: int, machine: int = 62) -> Path:
+    head = bytearray(64)
+    head[:4], head[4], head[5] = b"\x7fELF", 1 if bits == 32 else 2, 1
+    head[18:20] = struct.pack("<H", machine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(head))
+    return path
+
+
+def _find_libcuda(tmp_path, ldconfig_lines, **env):
+    fake = tmp_path / "ldconfig"
+    fake.write_text("#!/bin/sh\nprintf '" + "".join(f"\\t{line}\\n" for line in ldconfig_lines) + "'\n")
+    fake.chmod(0o755)
+    full = {**os.environ, "LDCONFIG": str(fake), "LIBCUDA_DIRS": str(tmp_path / "none"),
+            "COMPAT_DIR": str(tmp_path / "compat"), "LD_LIBRARY_PATH": "", "DRIVER_VERSION": "555.42.06", **env}
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_find_libcuda.sh")], capture_output=True, text=True,
+                          timeout=30, env=full)
+    return proc.returncode, proc.stdout.strip(), proc.stderr
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the fake libraries are x86-64")
+def test_libcuda_lookup_takes_the_64_bit_entry_and_the_compat_folder_only_for_the_driver(tmp_path):
+    lib32 = _fake_elf(tmp_path / "lib32" / "libcuda.so.1", 32, machine=3)
+    lib64 = _fake_elf(tmp_path / "lib64" / "libcuda.so.555.42.06", 64)
+    (tmp_path / "lib64" / "libcuda.so.1").symlink_to(lib64.name)
+    rc, found, err = _find_libcuda(tmp_path, [f"libcuda.so.1 (libc6) => {lib32}",
+                                              f"libcuda.so.1 (libc6,x86-64) => {tmp_path}/lib64/libcuda.so.1"])
+    assert rc == 0 and found == str(lib64), err
+    # a 32-bit library found on LD_LIBRARY_PATH is skipped, saying why
+    rc, found, err = _find_libcuda(tmp_path, [], LD_LIBRARY_PATH=str(lib32.parent))
+    assert rc == 1 and found == "" and "not a 64-bit" in err
+    # the compat folder: not for another driver's version, yes for the running one's
+    compat = _fake_elf(tmp_path / "compat" / "libcuda.so.560.1", 64)
+    (tmp_path / "compat" / "libcuda.so.1").symlink_to(compat.name)
+    rc, found, err = _find_libcuda(tmp_path, [])
+    assert rc == 1 and "running driver is 555.42.06" in err
+    rc, found, err = _find_libcuda(tmp_path, [], DRIVER_VERSION="560.1")
+    assert rc == 0 and found == str(compat)
+
+
+def test_precheck_reads_the_elf_class():
+    precheck = _load("gpu_check_precheck")
+    assert precheck.elf_arch(sys.executable).startswith("64-bit")
+    assert precheck.elf_arch(__file__) == "not an ELF file"
+
+
+# --------------------------------------------------------------------------- taskio without zlib-ng
+
+
+def test_taskio_falls_back_to_zlib_crc32_with_the_same_values(tmp_path):
+    """The GPU machine lacks zlib-ng unless its wheel travels: taskio must import and read tasks
+    (CRC checked) with zlib.crc32, whose values are zlib-ng's."""
+    code = """
+import io, sys, zlib
+sys.modules["zlib_ng"] = None
+sys.modules["zlib_ng.zlib_ng"] = None
+import numpy as np
+from learner import taskio
+from learner.errors import ArchiveError
+assert taskio.crc32 is zlib.crc32, taskio.crc32
+rng = np.random.default_rng(1)
+task = taskio.validate_task(rng.random((20, 1, 9, 9), dtype=np.float32), rng.integers(0, 10, 20),
+                            rng.random((5, 1, 9, 9), dtype=np.float32))
+body = taskio.task_to_npz_bytes(task)
+back = taskio.load_task(body)
+assert np.array_equal(back.train_images, task.train_images) and np.array_equal(back.test_images, task.test_images)
+bad = bytearray(body)
+bad[body.index(b"NUMPY") + 200] ^= 1
+try:
+    taskio.load_task(bytes(bad))
+except ArchiveError as exc:
+    assert "CRC" in str(exc), exc
+else:
+    raise SystemExit("a corrupted member was read")
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    zlib_ng = pytest.importorskip("zlib_ng.zlib_ng")
+    import zlib
+
+    rng = np.random.default_rng(7)
+    for data in (b"", b"a", rng.bytes(1), rng.bytes(4097), rng.bytes(3 << 20)):
+        assert zlib_ng.crc32(data) == zlib.crc32(data)
+        assert zlib_ng.crc32(data, 12345) == zlib.crc32(data, 12345)
+
+
+# --------------------------------------------------------------------------- gpu_device_run.sh, dry
+
+
+_BLOCKED_ON_THE_DEVICE = ("zlib_ng", "fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn",
+                          "python_multipart", "orjson", "opentelemetry")
+
+
+def _device_run(tmp_path, env: dict, block: tuple[str, ...] = (), timeout: float = 240):
+    """scripts/gpu_device_run.sh with DRY_RUN=1, OUT and WORK under tmp_path, no wheels; the
+    number of files under OUT is watched while it runs. ``block``: modules made unimportable
+    (a sitecustomize on PYTHONPATH), as on the GPU machine without the carried wheels."""
+    out, work = tmp_path / "OUT", tmp_path / "work"
+    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    full.update({"DRY_RUN": "1", "PYTHON": sys.executable, "OUT": str(out), "WORK": str(work),
+                 "WHEELS": str(tmp_path / "no-wheels"), **env})
+    if block:
+        site = tmp_path / "block"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(f"import sys\nfor name in {block!r}:\n    sys.modules[name] = None\n")
+        full["PYTHONPATH"] = str(site)
+    most, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            if out.exists():
+                most[0] = max(most[0], sum(1 for p in out.rglob("*") if p.is_file()))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        proc = subprocess.run(["bash", str(SCRIPTS / "gpu_device_run.sh")], capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT, env=full)
+    finally:
+        stop.set()
+        watcher.join()
+    files = sorted(p.name for p in out.iterdir())
+    return proc, out, files, most[0]
+
+
+def test_device_run_without_the_wheels_still_reports(tmp_path):
+    """No .device-wheels and none of the service's packages nor zlib-ng (the GPU image): the
+    learner still imports, gpu_check.json comes back, and the script's warning is true -- the
+    service section fails at once, naming the missing packages; exit status 1."""
+    pytest.importorskip("triton")
+    proc, out, files, most = _device_run(tmp_path, {"SECTIONS": "service"}, block=_BLOCKED_ON_THE_DEVICE)
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert files == ["gpu-check-bundle.tar.gz", "gpu_check.json", "run.log", "summary.txt"] and most <= 8
+    log = (out / "run.log").read_text()
+    assert "no " in log and "no-wheels/*.whl" in log
+    assert "fastapi" in log and "the service section will fail at once" in log
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["finished"] and report["exit_status"] == 1
+    assert report["sections"]["precheck"]["passed"] is True
+    assert "fastapi" in report["sections"]["precheck"]["checks"]["service_packages"]["missing"]
+    service = report["sections"]["service"]
+    assert service["passed"] is False and "missing" in service["error"] and "fastapi" in service["error"]
+    assert service["seconds"] < 5
+    assert "exit status 1" in (out / "summary.txt").read_text()
+
+
+def test_device_run_with_a_20_s_budget_keeps_partial_figures(tmp_path):
+    """--budget-s 20, every section (about 30-40 s dry here): gpu_check.json holds each started
+    section's figures -- whole, or partial where the budget interrupted it (typically fused, 17-75 s
+    dry) --, summary.txt and the bundle come back, OUT never holds more than 8 files, and the exit
+    status is 3. (Which section the budget stops depends on the machine's load; a deterministic
+    interrupt of fused is the next test's.)"""
+    pytest.importorskip("triton")
+    proc, out, files, most = _device_run(tmp_path, {"BUDGET_S": "20"})
+    assert proc.returncode == 3, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert files == ["gpu-check-bundle.tar.gz", "gpu_check.json", "run.log", "summary.txt"] and most <= 8
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["finished"] and report["exit_status"] == 3 and report["seconds"] < 30
+    assert list(report["sections"]) == SECTIONS and report["sections"]["precheck"]["passed"] is True
+    assert report.get("interrupted") or report.get("budget_ran_out") or any(
+        "budget_cut" in s for s in report["sections"].values())
+    with tarfile.open(out / "gpu-check-bundle.tar.gz") as tar:
+        names = set(tar.getnames())
+        assert {"check/run.log", "check/precheck.json", "check/gpu_check.json"} <= names
+        own = {"precheck": "precheck.json", "cuda": "cuda.json", "energy": "energy_check.json",
+               "fused": "fused.json", "service": "service.json"}
+        for name, section in report["sections"].items():
+            if "skipped" in section:
+                assert "budget" in section["skipped"] or "ran out" in section["skipped"], section
+                continue
+            assert section["passed"] is True or "interrupted" in section or "budget_cut" in section, section
+            on_disk = json.load(tar.extractfile(f"check/{own[name]}"))  # written however it ended
+            if "interrupted" in section:
+                assert "20 s ran out" in section["interrupted"] and section["partial"] is True
+                assert on_disk["partial"] is True and "mode" in section and "error" in section
+    summary = (out / "summary.txt").read_text()
+    assert "exit status 3" in summary and "gpu_device_run.sh: exit status 3" in summary
+
+
+def test_device_run_maps_the_inner_timeout_to_status_3(tmp_path):
+    """The backstop `timeout` firing before the budget (12 s, inside the fused section's 17-75 s):
+    SIGTERM interrupts gpu_check.py, whose fused section keeps its partial figures and which
+    writes its final report; timeout's 124 becomes 3."""
+    pytest.importorskip("triton")
+    proc, out, files, most = _device_run(tmp_path, {"BUDGET_S": "300", "INNER_TIMEOUT_S": "12", "SECTIONS": "fused"})
+    assert proc.returncode == 3, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert files == ["gpu-check-bundle.tar.gz", "gpu_check.json", "run.log", "summary.txt"] and most <= 8
+    assert "gpu_check.py exit status 124" in (out / "run.log").read_text()
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["finished"] and report["interrupted"] == "received SIGTERM" and report["exit_status"] == 3
+    fused = report["sections"]["fused"]
+    assert fused["interrupted"] == "received SIGTERM" and fused["passed"] is False and fused["partial"] is True
+    assert fused["task"]["train_count"] == 160  # figures from before the interrupt
+    with tarfile.open(out / "gpu-check-bundle.tar.gz") as tar:
+        fused_file = json.load(tar.extractfile("check/fused.json"))
+    assert fused_file["partial"] is True and fused_file["task"] == fused["task"]
+    assert "STOP" in (out / "summary.txt").read_text()
