@@ -1,15 +1,14 @@
-"""``rev88 evaluate``: reproduce the published multi-draw MNIST-medium result.
+"""The published multi-draw MNIST-medium result, as a library (``rev88 evaluate`` is its command).
 
-For each draw k (dataset seed 2026091400 + k) the evaluator builds the task
-exactly as ``make-task`` does, runs it — in this process, or through a running
-service when ``--url`` is given — and scores the predictions against that
-draw's held-back query labels. The labels never leave the evaluator: the
-learner (or the service) only ever receives the three allowed arrays.
+For each draw k (dataset seed 2026091400 + k) ``evaluate`` builds the task exactly as
+``make-task`` does, hands it to a runner — ``InProcessRunner`` here, or one that sends it to a
+service (rev88/cli/evaluate.py) — and scores the predictions against that draw's held-back query
+labels. The labels never leave the evaluator: a runner only ever receives the three allowed arrays.
 
-Output folder:
+Report folder (``write_report``):
   summary.json               per-draw figures and hashes, totals, error bands, config, versions
   predictions/draw-NN.npy    int64 predictions, query order
-  README.md                  the table printed at the end
+  README.md                  the table
   accuracy.svg               per-draw accuracy, mean ± SD, the error-band thresholds
 
 Draws are limited to the published ones, k = 0..10: ``correct / 110,000`` and
@@ -23,30 +22,20 @@ make 1 - 0.95 slightly larger than 0.05). Only the SD is a float (a square root)
 
 from __future__ import annotations
 
-import argparse
-import email.utils
 import json
 import math
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 import numpy as np
-
-from rev88.cli.common import CliError  # moves with the evaluate command (rev88/cli)
-
-from .data import bundled_mnist_dir
 
 DRAW_SEED_BASE = 2026091400
 PUBLISHED_DRAWS = range(0, 11)
 ERROR_BANDS_PERCENT = (2, 3, 5, 8, 12)
-DEFAULT_RETRIES = 5
-MAX_RETRY_WAIT_S = 120.0
 OUTPUT_FILES = ("summary.json", "README.md", "accuracy.svg")
 
 
@@ -55,48 +44,6 @@ OUTPUT_FILES = ("summary.json", "README.md", "accuracy.svg")
 
 def dataset_seed(draw: int) -> int:
     return DRAW_SEED_BASE + draw
-
-
-def parse_draws(text: str) -> list[int]:
-    """``"0-10"``, ``"0,3,5"``, ``"2"`` or a mix (``"0-2,7"``) -> sorted draw numbers.
-
-    Every draw must be one of the published draws 0..10; duplicates, empty
-    items, reversed ranges and non-numbers are errors that say which item is wrong.
-    """
-    if not text or not text.strip():
-        raise CliError("--draws is empty; give e.g. 0-10, 0,3,5 or 2")
-    seen: list[int] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            raise CliError(f"--draws {text!r} has an empty item; give e.g. 0-10, 0,3,5 or 2")
-        if "-" in item[1:]:
-            a_text, b_text = item.split("-", 1)
-            a, b = _draw_number(a_text, text), _draw_number(b_text, text)
-            if b < a:
-                raise CliError(f"--draws range {item!r} runs backwards; write {b}-{a}")
-            values = list(range(a, b + 1))
-        else:
-            values = [_draw_number(item, text)]
-        for v in values:
-            if v in seen:
-                raise CliError(f"--draws {text!r} names draw {v} more than once")
-            seen.append(v)
-    outside = [v for v in seen if v not in PUBLISHED_DRAWS]
-    if outside:
-        raise CliError(
-            f"draw(s) {', '.join(map(str, outside))} outside the published draws "
-            f"{PUBLISHED_DRAWS.start}..{PUBLISHED_DRAWS.stop - 1} (dataset seeds "
-            f"{dataset_seed(PUBLISHED_DRAWS.start)}..{dataset_seed(PUBLISHED_DRAWS.stop - 1)})"
-        )
-    return sorted(seen)
-
-
-def _draw_number(item: str, whole: str) -> int:
-    item = item.strip()
-    if not item.isdigit():
-        raise CliError(f"--draws {whole!r}: {item!r} is not a draw number (0..10) or a range like 0-10")
-    return int(item)
 
 
 # --------------------------------------------------------------------------- figures (pure)
@@ -198,188 +145,20 @@ class InProcessRunner:
         return RunAnswer(result.predictions, result.metadata, wall)
 
 
-@dataclass
-class ServiceRunner:
-    """Posts each task to ``{url}/tasks`` and checks the answer against local hashes."""
-
-    url: str
-    config: Any
-    backend: str | None
-    api_key: str | None = None
-    retries: int = DEFAULT_RETRIES
-    timeout_s: float = 900.0
-    sleep: Callable[[float], None] = time.sleep
-    transport: Any = None  # an httpx transport; None = the network
-    log: TextIO = field(default_factory=lambda: sys.stderr)
-
-    def describe(self) -> str:
-        return f"service {self.url}" + (f", backend {self.backend}" if self.backend else "")
-
-    def params(self) -> dict[str, str]:
-        # Every config field, sent explicitly, so the service cannot silently use other defaults.
-        out = {k: (repr(v) if isinstance(v, float) else str(v)) for k, v in self.config.as_dict().items()}
-        if self.backend:
-            out["backend"] = self.backend
-        return out
-
-    def headers(self) -> dict[str, str]:
-        h = {"Content-Type": "application/octet-stream", "Accept": "application/json"}
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
-        return h
-
-    def __call__(self, task) -> RunAnswer:
-        import httpx
-
-        from .taskio import task_to_npz_bytes
-
-        body = task_to_npz_bytes(task)  # exactly train_images, train_labels, test_images
-        t0 = time.perf_counter()
-        with httpx.Client(
-            timeout=httpx.Timeout(self.timeout_s, connect=10.0), transport=self.transport
-        ) as client:
-            response = self._post(client, body)
-        wall = time.perf_counter() - t0
-        return self._answer(response, task, wall)
-
-    def _post(self, client, body: bytes):
-        import httpx
-
-        endpoint = self.url + "/tasks"
-        for attempt in range(self.retries + 1):
-            try:
-                r = client.post(endpoint, content=body, params=self.params(), headers=self.headers())
-            except httpx.TimeoutException as exc:
-                raise CliError(
-                    f"the service at {self.url} did not answer within {self.timeout_s:.0f} s: {exc}", 1
-                ) from None
-            except httpx.HTTPError as exc:
-                raise CliError(f"cannot reach the service at {self.url}: {exc}", 1) from None
-            if r.status_code == 503 and attempt < self.retries:
-                wait = retry_after_seconds(r.headers.get("Retry-After"), attempt)
-                print(
-                    f"service busy (503: {_error_text(r)}); retry {attempt + 1}/{self.retries} in {wait:.1f} s",
-                    file=self.log,
-                    flush=True,
-                )
-                self.sleep(wait)
-                continue
-            if r.status_code == 200:
-                return r
-            raise _http_error(r, self.url, attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _answer(self, r, task, wall: float) -> RunAnswer:
-        from .hashing import array_sha256
-
-        try:
-            doc = r.json()
-            raw, meta = doc["predictions"], doc["metadata"]
-            if not isinstance(raw, list) or not isinstance(meta, dict):
-                raise TypeError("predictions must be a list and metadata an object")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CliError(
-                f"the service's answer is not the documented JSON (id, predictions, metadata): {exc}", 1
-            ) from None
-        if len(raw) != task.test_count:
-            raise CliError(f"the service returned {len(raw)} predictions for {task.test_count} queries", 1)
-        if not all(type(p) is int and 0 <= p <= 9 for p in raw):
-            raise CliError("the service's predictions are not all class numbers 0..9", 1)
-        preds = np.asarray(raw, dtype=np.int64)
-        digest = array_sha256(preds)
-        if digest != doc.get("predictions_sha256") or digest != meta.get("predictions_sha256"):
-            raise CliError("the service's predictions do not hash to the predictions_sha256 it reported", 1)
-        sent = {name: array_sha256(arr) for name, arr in task.as_dict().items()}
-        if meta.get("input_hashes") != sent:
-            raise CliError("the service reports input hashes that differ from the arrays sent", 1)
-        if meta.get("config") != self.config.as_dict():
-            raise CliError(
-                f"the service ran config {meta.get('config')} instead of {self.config.as_dict()}", 1
-            )
-        service = {key: doc.get(key) for key in ("id", "timing", "device", "energy", "energy_reason")}
-        return RunAnswer(preds, meta, wall, service=service, versions=doc.get("versions"))
-
-
-def retry_after_seconds(value: str | None, attempt: int) -> float:
-    """Seconds to wait from a Retry-After header (seconds or HTTP date), else 1, 2, 4 ... s; capped."""
-    wait: float | None = None
-    if value:
-        value = value.strip()
-        if value.isdigit():
-            wait = float(value)
-        else:
-            try:
-                when = email.utils.parsedate_to_datetime(value)
-                wait = when.timestamp() - time.time()
-            except (TypeError, ValueError):
-                wait = None
-    if wait is None:
-        wait = float(2**attempt)
-    return min(max(wait, 0.0), MAX_RETRY_WAIT_S)
-
-
-def _error_text(r) -> str:
-    try:
-        doc = r.json()
-    except ValueError:
-        return r.text[:300] or r.reason_phrase
-    if isinstance(doc, dict):
-        msg = doc.get("error") or doc.get("detail") or doc
-        return msg if isinstance(msg, str) else json.dumps(msg)[:300]
-    return str(doc)[:300]
-
-
-def _http_error(r, url: str, attempt: int) -> CliError:
-    status, text = r.status_code, _error_text(r)
-    if status == 503:
-        return CliError(f"the service at {url} stayed busy (503) after {attempt} retries: {text}", 1)
-    if status == 401:
-        return CliError(f"the service refused the request (401 unauthorized: {text}); pass --api-key", 2)
-    if 400 <= status < 500:
-        return CliError(f"the service rejected the task ({status}): {text}", 2)
-    return CliError(f"the service failed ({status}): {text}", 1)
-
-
-# --------------------------------------------------------------------------- progress
-
-
-class Progress:
-    """A dependency-free progress bar over draws on stderr (one line per draw when not a TTY)."""
-
-    def __init__(self, count: int, stream: TextIO | None = None, width: int = 24) -> None:
-        self.count, self.done, self.width = count, 0, width
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0 = time.perf_counter()
-
-    def _bar(self) -> str:
-        filled = round(self.width * self.done / self.count)
-        return "[" + "#" * filled + "-" * (self.width - filled) + f"] {self.done}/{self.count}"
-
-    def start(self, draw: int) -> None:
-        if self.tty:
-            self.stream.write(f"\r\033[Kevaluate {self._bar()} running draw {draw} …")
-            self.stream.flush()
-
-    def finish(self, draw: int, correct: int, total: int, seconds: float) -> None:
-        self.done += 1
-        note = f"draw {draw}: {correct:,} / {total:,} ({100 * correct / total:.2f} %) in {seconds:.2f} s"
-        elapsed = time.perf_counter() - self.t0
-        if self.tty:
-            self.stream.write(f"\r\033[Kevaluate {self._bar()} {note}; {elapsed:.0f} s elapsed")
-            if self.done == self.count:
-                self.stream.write("\n")
-        else:
-            self.stream.write(f"evaluate {self._bar()} {note}\n")
-        self.stream.flush()
-
-
 # --------------------------------------------------------------------------- evaluation
+
+
+class DrawProgress(Protocol):
+    """What ``evaluate`` tells of its progress (rev88/cli/evaluate.py draws it as a bar)."""
+
+    def start(self, draw: int) -> None: ...
+
+    def finish(self, draw: int, correct: int, total: int, seconds: float) -> None: ...
 
 
 def score(predictions: np.ndarray, labels: np.ndarray) -> int:
     if predictions.shape != labels.shape:
-        raise CliError(f"predictions have shape {predictions.shape} but the query labels {labels.shape}", 1)
+        raise ValueError(f"predictions have shape {predictions.shape} but the query labels {labels.shape}")
     return int((predictions == labels).sum())
 
 
@@ -388,9 +167,10 @@ def evaluate(
     draws: Sequence[int],
     runner: Callable,
     output: Path,
-    progress: Progress | None = None,
+    progress: DrawProgress | None = None,
 ) -> list[dict[str, Any]]:
-    """Build, run and score each draw; write predictions/draw-NN.npy; return per-draw records."""
+    """Build, run and score each draw; write predictions/draw-NN.npy; return per-draw records.
+    ``runner(task) -> RunAnswer`` gets the task's three arrays only."""
     from .hashing import array_sha256
     from .taskio import make_task
 
@@ -460,7 +240,7 @@ def build_summary(
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    """The Markdown table ``evaluate`` prints and writes to README.md."""
+    """The Markdown table of a summary (``write_report`` writes it to README.md)."""
     lines = [
         "| draw | dataset seed | correct / total | accuracy | train+predict (s) | wall (s) | predictions sha256 |",
         "|---:|---:|---:|---:|---:|---:|:---|",
@@ -525,94 +305,3 @@ def write_report(output: Path, summary: dict[str, Any]) -> str:
         )
     )
     return table
-
-
-# --------------------------------------------------------------------------- command
-
-
-def prepare_output(output: Path, overwrite: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise CliError(f"--output {output} exists and is not a folder")
-    if output.is_dir() and any(output.iterdir()):
-        if not overwrite:
-            raise CliError(f"--output {output} is not empty; choose a new folder or pass --overwrite")
-        for name in OUTPUT_FILES:
-            (output / name).unlink(missing_ok=True)
-        for old in (output / "predictions").glob("draw-*.npy"):
-            old.unlink()  # stale draws from an earlier run would mislead
-    output.mkdir(parents=True, exist_ok=True)
-
-
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    from .config import Config, load_config_file
-
-    draws = parse_draws(args.draws)
-    mnist_dir = Path(args.mnist_dir) if args.mnist_dir else bundled_mnist_dir()
-    if not mnist_dir.is_dir():
-        raise CliError(
-            f"--mnist-dir {mnist_dir} is not a folder (it needs train-images/train-labels idx[.gz])"
-        )
-    if args.retries < 0:
-        raise CliError(f"--retries must be >= 0, got {args.retries}")
-    api_key = (args.api_key or os.environ.get("REV88_API_KEY")) if args.url else None
-    if args.api_key and not args.url:
-        raise CliError("--api-key only applies with --url (the service); in-process runs need no key")
-    config = load_config_file(args.config) if args.config else Config()
-    if args.url:
-        url = args.url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise CliError(f"--url must start with http:// or https://, got {args.url!r}")
-        runner: Any = ServiceRunner(url, config, args.backend, api_key, retries=args.retries)
-    else:
-        url = None
-        runner = InProcessRunner(config, args.backend or "auto")
-    output = Path(args.output)
-    prepare_output(output, args.overwrite)
-    print(f"evaluating draw(s) {args.draws} ({len(draws)} task(s)), {runner.describe()}", file=sys.stderr)
-    t0 = time.perf_counter()
-    records = evaluate(mnist_dir, draws, runner, output, Progress(len(draws)))
-    summary = build_summary(records, config, args.backend, url, time.perf_counter() - t0)
-    table = write_report(output, summary)
-    print(table)
-    print(
-        f"\nwrote {output}/summary.json, README.md, accuracy.svg and predictions/draw-NN.npy", file=sys.stderr
-    )
-    return 0
-
-
-def add_evaluate(sub) -> None:
-    from .backends import NAMES
-
-    p = sub.add_parser(
-        "evaluate",
-        help="run the published MNIST-medium draws and report accuracy, SD and error bands",
-        description="Build each draw (dataset seed 2026091400 + k), run it in process or through a "
-        "service, score it against the held-back query labels and write a report folder.",
-    )
-    p.add_argument("--mnist-dir", help="folder with train-images/train-labels idx[.gz] "
-                   "[default: $REV88_MNIST_DIR, else the checkout's data/mnist]")
-    p.add_argument(
-        "--draws",
-        default="0-10",
-        help="published draws k in 0..10: a range 0-10, a list 0,3,5, a single 2 or a mix (default 0-10)",
-    )
-    p.add_argument("--config", help="JSON object of config overrides (unknown keys are an error)")
-    p.add_argument(
-        "--backend",
-        choices=NAMES,
-        default=None,
-        help="learner backend (default auto in process; the service's default with --url)",
-    )
-    p.add_argument("--url", help="run through the service at this base URL instead of in process")
-    p.add_argument("--api-key", help="service API key (Authorization: Bearer); default $REV88_API_KEY")
-    p.add_argument(
-        "--retries",
-        type=int,
-        default=DEFAULT_RETRIES,
-        help=f"retries of a 503 (busy) answer, honoring Retry-After (default {DEFAULT_RETRIES})",
-    )
-    p.add_argument(
-        "--output", required=True, help="report folder (created; must be empty unless --overwrite)"
-    )
-    p.add_argument("--overwrite", action="store_true", help="reuse a non-empty report folder")
-    p.set_defaults(func=cmd_evaluate)

@@ -13,20 +13,14 @@ import numpy as np
 import pytest
 
 from learner.config import Config
-from learner.evaluate import (
-    ServiceRunner,
-    bands_met,
-    evaluate,
-    parse_draws,
-    retry_after_seconds,
-    sample_sd_pp,
-    totals,
-)
+from learner.evaluate import bands_met, evaluate, sample_sd_pp, totals
 from learner.hashing import array_sha256
 from learner.report_plot import Frame, accuracy_svg, spread_labels, y_range
 from learner.taskio import ALLOWED_MEMBERS, TaskArrays, read_npz
 from rev88.cli import main
 from rev88.cli.common import CliError
+from rev88.cli.evaluate import ServiceRunner, parse_draws
+from rev88.client import retry_after_seconds
 
 from .conftest import small_task
 from .server import running_server

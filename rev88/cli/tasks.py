@@ -1,12 +1,12 @@
-"""``rev88 submit``, ``tasks``, ``task`` and ``cancel``: the service's client end on the command line.
+"""``rev88 submit``, ``tasks``, ``task`` and ``cancel``: the service's client end on the command line,
+over ``rev88.Client`` (rev88/client.py: the requests, the 503 retry policy, the typed errors).
 
-``submit`` uploads a task npz to a running service with httpx, streaming the file
-with a progress bar on stderr, retries a 503 (queue full, not ready, draining) as
-the server's Retry-After asks within a bounded number of tries, and writes the
-JSON answer. Exit status: 0 answer written; 2 the server refused the task (4xx,
-its message printed) or bad local input; 1 anything else (no connection, 5xx,
-still busy after the last retry). ``submit --async`` asks for ``Prefer: respond-async``
-and prints the task id (the last line of stdout) once the server has stored the task.
+``submit`` uploads a task npz to a running service, streaming the file with a progress bar on
+stderr, retries a 503 (queue full, not ready, draining) as the server's Retry-After asks within a
+bounded number of tries, and writes the JSON answer. Exit status: 0 answer written; 2 the server
+refused the task (4xx, its message printed) or bad local input; 1 anything else (no connection,
+5xx, still busy after the last retry). ``submit --async`` asks for ``Prefer: respond-async`` and
+prints the task id (the last line of stdout) once the server has stored the task.
 
 ``tasks`` lists the ledger (GET /tasks, newest first, ``--all`` through every page), ``task ID``
 shows one (GET /tasks/{id}; ``--wait`` polls until it has finished; ``--output`` writes its JSON
@@ -19,23 +19,83 @@ the task succeeded, 1 if it failed, was cancelled or is still unfinished at ``--
 from __future__ import annotations
 
 import argparse
-import email.utils
+import functools
 import json
-import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from .common import CliError, write_json
+from rev88.client import (
+    DEFAULT_RETRY_WAIT_S,
+    FINISHED,
+    TASK_STATUSES,
+    Answer,
+    BadInput,
+    Client,
+    ClientError,
+    NotFinished,
+    Refused,
+    TaskFailed,
+    TaskStatus,
+    TimedOut,
+    Unavailable,
+    task_error_text,
+)
+from rev88.client import retry_after_seconds as retry_after_seconds  # the one retry policy, also known here
+
+from .common import CliError, predictions_path, write_json
+
+_sleep = time.sleep  # the tests replace this to record the waits (retries and polls)
+
+
+def _pause(seconds: float) -> None:
+    _sleep(seconds)  # looked up at each call, so a replaced _sleep is the one used
+
+
+def exit_status(exc: ClientError) -> int:
+    """2: refused (4xx), bad local input, or a task that failed for a 4xx reason; 1 otherwise."""
+    if isinstance(exc, (Refused, BadInput)):
+        return 2
+    if isinstance(exc, TaskFailed) and isinstance(exc.status, int) and 400 <= exc.status < 500:
+        return 2
+    return 1
+
+
+def _client_errors(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command whose ClientError becomes a CliError: its message, its exit status."""
+
+    @functools.wraps(cmd)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return cmd(args)
+        except ClientError as exc:
+            raise CliError(str(exc), exit_status(exc)) from None
+
+    return run
+
+
+def open_client(args: argparse.Namespace, timeout: float) -> Client:
+    """The Client for a command's --url, --api-key, --retries and --max-wait; busy notices on stderr."""
+    url = args.url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise CliError(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.retries < 0:
+        raise CliError(f"--retries must be >= 0, got {args.retries}")
+    if not args.max_wait >= 0:
+        raise CliError(f"--max-wait must be >= 0 seconds, got {args.max_wait}")
+
+    def busy(exc: Unavailable, wait: float, retry: int) -> None:
+        sys.stderr.write(f"server busy (503: {exc.message}); retrying in {wait:g} s (retry {retry} of {args.retries})\n")
+        sys.stderr.flush()
+
+    return Client(url, api_key=args.api_key, timeout=timeout, retries=args.retries, max_wait=args.max_wait,
+                  on_retry=busy, sleep=_pause)
+
 
 # --------------------------------------------------------------------------- submit
-
-CHUNK = 256 * 1024
-DEFAULT_RETRY_WAIT_S = 2.0  # when a 503 names no Retry-After
-_sleep = time.sleep  # the tests replace this to record the waits
 
 
 class Progress:
@@ -82,48 +142,23 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def file_chunks(path: Path, progress: Progress) -> Iterator[bytes]:
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            progress.update(len(chunk))
-            yield chunk
-    progress.finish()
+def upload_progress(waiting: str, stream: IO[str] | None = None) -> Callable[[int, int], None]:
+    """The Client's progress callback drawing a ``Progress`` bar: a new bar for each try."""
+    bars: list[Progress] = []
+
+    def report(sent: int, total: int) -> None:
+        if sent == 0:
+            bars.append(Progress(total, stream=stream, waiting=waiting))
+        bar = bars[-1]
+        bar.update(sent - bar.done)
+        if sent >= total:
+            bar.finish()
+
+    return report
 
 
-def retry_after_seconds(value: str | None, default: float = DEFAULT_RETRY_WAIT_S) -> float:
-    """Seconds to wait from a Retry-After header: delta-seconds or an HTTP date."""
-    if value is None or not value.strip():
-        return default
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return default
-        if when is None:
-            return default
-        seconds = when.timestamp() - time.time()
-    if not math.isfinite(seconds):
-        return default
-    return max(0.0, seconds)
-
-
-def error_message(response) -> str:
-    """The server's {"error": ...} message, or the start of whatever it sent."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and "error" in body:
-        return str(body["error"])
-    text = response.text.strip()
-    return text[:300] if text else response.reason_phrase or "no message"
-
-
-def config_params(path: str) -> dict[str, str]:
-    """A JSON object of config overrides -> query parameters (the server validates them)."""
+def config_overrides(path: str) -> dict[str, Any]:
+    """A JSON object of config overrides, each a number (the server validates them)."""
     from learner.config import read_config_json
     from learner.errors import ConfigError
 
@@ -131,242 +166,55 @@ def config_params(path: str) -> dict[str, str]:
         data = read_config_json(path)
     except ConfigError as exc:
         raise CliError(exc.message) from None
-    params = {}
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise CliError(f"config file {path}: {key} must be a number, got {value!r}")
-        params[str(key)] = repr(value) if isinstance(value, float) else str(value)
-    return params
+    return {str(k): v for k, v in data.items()}
 
 
-def tasks_url(url: str) -> str:
-    """Accept the service's base URL or its /tasks URL."""
-    url = url.rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise CliError(f"--url must start with http:// or https://, got {url!r}")
-    return url if url.endswith("/tasks") else url + "/tasks"
+def _task_failed(exc: TaskFailed) -> CliError:
+    return CliError(str(exc), exit_status(exc))
 
 
-# --------------------------------------------------------------------------- the tasks API client
-
-TASK_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")  # app.ledger.STATUSES
-FINISHED = ("succeeded", "failed", "cancelled")
-POLL_FIRST_S, POLL_MAX_S, POLL_GROWTH = 0.1, 2.0, 1.5
-_clock = time.monotonic  # with _sleep, what a test may replace to wait without waiting
-
-
-def task_url(url: str, task_id: str) -> str:
-    """…/tasks/{id}, the id quoted (an id never needs it, a typo might)."""
-    from urllib.parse import quote
-
-    if not task_id or not task_id.strip():
-        raise CliError("a task id is required")
-    return f"{tasks_url(url)}/{quote(task_id.strip(), safe='')}"
-
-
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _send(client, method: str, target: str, *, retries: int, max_wait: float, stream: IO[str],
-          content=None, timeout_hint: str = "", **kw):
-    """One request, a 503 retried as its Retry-After asks (at most ``retries`` times, each
-    wait capped by ``max_wait``); a connection failure or timeout -> CliError(…, 1).
-    ``content`` may be a callable that makes the body afresh for each try (a streamed file)."""
-    import httpx
-
-    for attempt in range(retries + 1):
-        body = content() if callable(content) else content
-        try:
-            response = client.request(method, target, content=body, **kw)
-        except httpx.ConnectError as exc:
-            raise CliError(f"cannot connect to {target}: {exc} (is the service running?)", 1) from None
-        except httpx.TimeoutException as exc:
-            raise CliError(f"no answer from {target} within the timeout ({type(exc).__name__})"
-                           f"{timeout_hint}", 1) from None
-        except httpx.HTTPError as exc:
-            raise CliError(f"request to {target} failed: {type(exc).__name__}: {exc}", 1) from None
-        if response.status_code == 503 and attempt < retries:
-            wait = min(retry_after_seconds(response.headers.get("Retry-After")), max_wait)
-            stream.write(f"server busy (503: {error_message(response)}); retrying in {wait:g} s "
-                         f"(retry {attempt + 1} of {retries})\n")
-            stream.flush()
-            _sleep(wait)
-            continue
-        return response
-    raise AssertionError("unreachable")  # the last try returns whatever it got
-
-
-def _refused(response, what: str, retries: int) -> CliError:
-    """The CliError for a response that is not the one hoped for: 2 for a 4xx, 1 otherwise."""
-    status, message = response.status_code, error_message(response)
-    if status == 503:
-        return CliError(f"server still busy after {retries} retries (503): {message}", 1)
-    if 400 <= status < 500:
-        return CliError(f"the server refused {what} ({status}): {message}", 2)
-    return CliError(f"the server failed ({status}): {message}", 1)
-
-
-def _json_object(response) -> dict[str, Any]:
-    try:
-        data = response.json()
-    except ValueError:
-        raise CliError(f"the server answered {response.status_code} but not with JSON: "
-                       f"{response.text[:200]!r}", 1) from None
-    if not isinstance(data, dict):
-        raise CliError(f"the server answered {response.status_code} with JSON that is not an object", 1)
-    return data
-
-
-def _client(timeout: float):
-    import httpx
-
-    return httpx.Client(timeout=httpx.Timeout(connect=10.0, read=timeout, write=timeout, pool=10.0))
-
-
-def get_task(url: str, task_id: str, *, api_key: str | None = None, retries: int = 5, max_wait: float = 60.0,
-             timeout: float = 60.0, stream: IO[str] | None = None, client=None) -> dict[str, Any]:
-    """GET /tasks/{id}: the answer (succeeded) or the status document. 404 -> CliError(…, 2)."""
-    stream = stream if stream is not None else sys.stderr
-    target = task_url(url, task_id)
-    if client is None:
-        with _client(timeout) as own:
-            return get_task(url, task_id, api_key=api_key, retries=retries, max_wait=max_wait,
-                            timeout=timeout, stream=stream, client=own)
-    response = _send(client, "GET", target, retries=retries, max_wait=max_wait, stream=stream,
-                     headers={"Accept": "application/json", **_auth(api_key)})
-    if response.status_code != 200:
-        raise _refused(response, f"the lookup of task {task_id}", retries)
-    return _json_object(response)
-
-
-def wait_task(url: str, task_id: str, *, api_key: str | None = None, timeout: float = 900.0, retries: int = 5,
-              max_wait: float = 60.0, stream: IO[str] | None = None, first: dict[str, Any] | None = None,
-              ) -> dict[str, Any]:
-    """Poll GET /tasks/{id} until it has finished (the interval grows from 0.1 s to 2 s);
-    CliError(…, 1) if it has not within ``timeout`` seconds. Returns its last document."""
-    stream = stream if stream is not None else sys.stderr
-    deadline = _clock() + timeout
-    interval = POLL_FIRST_S
-    with _client(60.0) as client:
-        doc = first if first is not None else get_task(url, task_id, api_key=api_key, retries=retries,
-                                                       max_wait=max_wait, stream=stream, client=client)
-        while doc.get("status") not in FINISHED:
-            left = deadline - _clock()
-            if left <= 0:
-                raise CliError(f"task {task_id} is still {doc.get('status', '?')} after {timeout:g} s "
-                               f"(--timeout); it goes on: rev88 task {task_id} --wait", 1)
-            _sleep(min(interval, left))
-            interval = min(POLL_MAX_S, interval * POLL_GROWTH)
-            doc = get_task(url, task_id, api_key=api_key, retries=retries, max_wait=max_wait,
-                           stream=stream, client=client)
-    return doc
-
-
-def post_task(
-    path: Path,
-    url: str,
-    *,
-    api_key: str | None = None,
-    params: dict[str, str] | None = None,
-    asynchronous: bool = False,
-    idempotency_key: str | None = None,
-    retries: int = 5,
-    max_wait: float = 60.0,
-    timeout: float = 900.0,
-    progress: bool = True,
-    stream: IO[str] | None = None,
-) -> tuple[int, dict[str, Any], str | None]:
-    """Upload ``path`` to ``url`` (…/tasks): (status 200 or 202, its JSON, the absolute
-    Location of a 202). Anything else raises CliError."""
-    from urllib.parse import urljoin
-
-    stream = stream if stream is not None else sys.stderr
-    size = path.stat().st_size
-    headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size), **_auth(api_key)}
-    if asynchronous:
-        headers["Prefer"] = "respond-async"
-    if idempotency_key is not None:
-        headers["Idempotency-Key"] = idempotency_key
-    target = tasks_url(url)
-    waiting = ("waiting for the server to accept it..." if asynchronous
-               else "waiting for the result (queue + training)...")
-    with _client(timeout) as client:
-        response = _send(
-            client, "POST", target, retries=retries, max_wait=max_wait, stream=stream,
-            content=lambda: file_chunks(path, Progress(size, stream=stream, enabled=progress, waiting=waiting)),
-            params=params or {}, headers=headers, timeout_hint="; raise --timeout for long tasks",
-        )
-    if response.status_code not in (200, 202):
-        raise _refused(response, "the task", retries)
-    location = response.headers.get("Location")
-    return response.status_code, _json_object(response), urljoin(target, location) if location else None
-
-
-def submit(path: Path, url: str, **kw) -> dict[str, Any]:
-    """Upload ``path`` to ``url`` (…/tasks) and return the JSON answer; raise CliError otherwise.
-    (With ``asynchronous=True``: the 202's summary.)"""
-    return post_task(path, url, **kw)[1]
-
-
-def _check_finished(doc: dict[str, Any], task_id: str) -> None:
-    """A task that failed or was cancelled -> CliError: 2 when its error was a 4xx (the task's
-    own fault, or a cancel), 1 otherwise."""
-    status = doc.get("status")
-    if status in ("failed", "cancelled"):
-        err = doc.get("error") or {}
-        code = err.get("status") if isinstance(err, dict) else None
-        exit_code = 2 if isinstance(code, int) and 400 <= code < 500 else 1
-        raise CliError(f"task {task_id} {status}: {_error_text(doc)}", exit_code)
-
-
+@_client_errors
 def cmd_submit(args: argparse.Namespace) -> int:
     path = Path(args.task)
     if not path.is_file():
         raise CliError(f"task file not found: {path}")
-    if args.retries < 0:
-        raise CliError(f"--retries must be >= 0, got {args.retries}")
-    if not args.max_wait >= 0:
-        raise CliError(f"--max-wait must be >= 0 seconds, got {args.max_wait}")
     if not args.asynchronous and not args.output:
         raise CliError("--output is required (where to write the JSON answer) unless --async")
-    params: dict[str, str] = {}
-    if args.config:
-        params.update(config_params(args.config))
-    if args.backend:
-        params["backend"] = args.backend
-    if args.include_scores:
-        params["include"] = "scores"
-    status, answer, location = post_task(
-        path,
-        args.url,
-        api_key=args.api_key,
-        params=params,
-        asynchronous=args.asynchronous,
-        idempotency_key=args.idempotency_key,
-        retries=args.retries,
-        max_wait=args.max_wait,
-        timeout=args.timeout,
-        progress=not args.no_progress,
-    )
-    output = Path(args.output) if args.output else None
-    if args.asynchronous:
-        task_id = str(answer.get("id", ""))
-        if not task_id:
-            raise CliError("the server accepted the task but named no task id", 1)
-        if output is not None:
-            write_json(output, answer)
-        print(f"task {task_id} {answer.get('status', 'accepted')}; poll {location or task_url(args.url, task_id)}"
-              f" or: rev88 task {task_id} --url {args.url} --wait" + (f"; wrote {output}" if output else ""))
-        print(task_id)
-        return 0
-    if status == 202:  # an Idempotency-Key seen before whose task has not finished yet: wait for it
-        task_id = str(answer.get("id", ""))
-        print(f"task {task_id} (this Idempotency-Key's) is {answer.get('status', '?')}; waiting for it",
-              file=sys.stderr)
-        answer = wait_task(args.url, task_id, api_key=args.api_key, timeout=args.timeout,
-                           retries=args.retries, max_wait=args.max_wait, first=answer)
-    _check_finished(answer, str(answer.get("id", "?")))
+    config = config_overrides(args.config) if args.config else {}
+    waiting = ("waiting for the server to accept it..." if args.asynchronous
+               else "waiting for the result (queue + training)...")
+    with open_client(args, args.timeout) as client:
+        try:
+            got = client.send(path, respond_async=args.asynchronous, backend=args.backend or None,
+                              include_scores=args.include_scores, idempotency_key=args.idempotency_key,
+                              progress=None if args.no_progress else upload_progress(waiting), **config)
+        except TimedOut as exc:
+            raise CliError(f"{exc}; raise --timeout for long tasks", 1) from None
+        output = Path(args.output) if args.output else None
+        if args.asynchronous:
+            doc = got.document
+            task_id = str(doc.get("id", ""))
+            if not task_id:
+                raise CliError("the server accepted the task but named no task id", 1)
+            if output is not None:
+                write_json(output, doc)
+            location = got.location if isinstance(got, TaskStatus) else None
+            print(f"task {task_id} {doc.get('status', 'accepted')}; poll {location or client.task_url(task_id)}"
+                  f" or: rev88 task {task_id} --url {args.url} --wait" + (f"; wrote {output}" if output else ""))
+            print(task_id)
+            return 0
+        if isinstance(got, TaskStatus):  # an Idempotency-Key seen before whose task has not finished yet
+            print(f"task {got.id} (this Idempotency-Key's) is {got.status or '?'}; waiting for it", file=sys.stderr)
+            try:
+                got = client.wait(got.id, timeout=args.timeout)
+            except TaskFailed as exc:
+                raise _task_failed(exc) from None
+            except NotFinished as exc:
+                raise CliError(f"{exc} (--timeout); it goes on: rev88 task {got.id} --wait", 1) from None
+    answer = got.document
     write_json(output, answer)
     predictions = answer.get("predictions")
     count = len(predictions) if isinstance(predictions, list) else "?"
@@ -384,7 +232,9 @@ def _add_client_flags(p, timeout_help: str, timeout: float = 60.0) -> None:
     p.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8000")
     p.add_argument("--api-key", default=os.environ.get("REV88_API_KEY") or None,
                    help="sent as 'Authorization: Bearer KEY' [default: $REV88_API_KEY]")
-    p.add_argument("--retries", type=int, default=5, help="how often to retry a 503 (default 5)")
+    p.add_argument("--retries", type=int, default=5,
+                   help="how often to retry a 503 (default 5), after its Retry-After, else "
+                   f"{DEFAULT_RETRY_WAIT_S:g} s doubling with each retry")
     p.add_argument("--max-wait", type=float, default=60.0,
                    help="longest wait between retries in seconds, whatever Retry-After says (default 60)")
     p.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
@@ -447,42 +297,16 @@ def format_table(tasks: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def list_tasks(url: str, *, api_key: str | None = None, status: str | None = None, limit: int | None = None,
-               cursor: str | None = None, every_page: bool = False, retries: int = 5, max_wait: float = 60.0,
-               timeout: float = 60.0, stream: IO[str] | None = None) -> tuple[list[dict[str, Any]], str | None]:
-    """GET /tasks, newest first: (summaries, the next page's cursor or None). ``every_page``
-    follows next_cursor to the end."""
-    stream = stream if stream is not None else sys.stderr
-    target = tasks_url(url)
-    found: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    with _client(timeout) as client:
-        while True:
-            params = {k: v for k, v in (("status", status), ("limit", limit), ("cursor", cursor)) if v is not None}
-            response = _send(client, "GET", target, retries=retries, max_wait=max_wait, stream=stream,
-                             params=params, headers={"Accept": "application/json", **_auth(api_key)})
-            if response.status_code != 200:
-                raise _refused(response, "the task list", retries)
-            page = _json_object(response)
-            tasks, cursor = page.get("tasks"), page.get("next_cursor")
-            if not isinstance(tasks, list):
-                raise CliError("the server's task list has no 'tasks' list", 1)
-            found.extend(tasks)
-            if not every_page or cursor is None:
-                return found, cursor
-            if cursor in seen:  # a server that hands back a cursor twice would never end
-                raise CliError(f"the server repeated the page cursor {cursor!r}; stopping", 1)
-            seen.add(cursor)
-
-
+@_client_errors
 def cmd_tasks(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise CliError(f"--limit must be >= 1, got {args.limit}")
-    if args.retries < 0:
-        raise CliError(f"--retries must be >= 0, got {args.retries}")
-    tasks, cursor = list_tasks(args.url, api_key=args.api_key, status=args.status, limit=args.limit,
-                               cursor=args.cursor, every_page=args.all, retries=args.retries,
-                               max_wait=args.max_wait, timeout=args.timeout)
+    with open_client(args, args.timeout) as client:
+        if args.all:  # every page from --cursor (or the first) to the last
+            tasks, cursor = [t.document for t in client.tasks(args.status, args.limit, cursor=args.cursor)], None
+        else:
+            page = client.page(args.status, args.limit, args.cursor)
+            tasks, cursor = [t.document for t in page.tasks], page.next_cursor
     if args.json:
         print(json.dumps(tasks, indent=2))
     elif tasks:
@@ -503,14 +327,6 @@ def add_tasks(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the task summaries as a JSON list instead of a table")
     _add_client_flags(p, "seconds to wait for each page (default 60)")
     p.set_defaults(func=cmd_tasks)
-
-
-def _error_text(doc: dict[str, Any]) -> str:
-    err = doc.get("error")
-    if isinstance(err, dict):
-        code = err.get("status")
-        return f"({code}) {err.get('error', 'no message')}" if code is not None else str(err.get("error"))
-    return str(err) if err else "no error recorded"
 
 
 def status_line(doc: dict[str, Any]) -> str:
@@ -534,51 +350,46 @@ def status_line(doc: dict[str, Any]) -> str:
     if details:
         line += f" ({details})"
     if status in ("failed", "cancelled"):
-        line += f": {_error_text(doc)}"
+        line += f": {task_error_text(doc)}"
     return line
 
 
-def write_answer(output: Path, doc: dict[str, Any]) -> Path | None:
+def write_answer(output: Path, got: Answer | TaskStatus) -> Path | None:
     """The JSON at ``output``; for a succeeded task its predictions (int64) beside it too, as
-    ``rev88 run`` writes them, checked against the answer's predictions_sha256."""
+    ``rev88 run`` writes them, checked against the answer's predictions_sha256 (BadAnswer if not)."""
     import numpy as np
 
-    from learner.hashing import array_sha256
-
-    from .common import predictions_path
-
     pred_file = None
-    predictions = doc.get("predictions")
-    if doc.get("status") == "succeeded" and isinstance(predictions, list):
-        array = np.asarray(predictions, dtype=np.int64)
-        expected = doc.get("predictions_sha256")
-        if expected is not None and array_sha256(array) != expected:
-            raise CliError(f"the predictions do not hash to the answer's predictions_sha256 {expected}", 1)
+    if isinstance(got, Answer):
+        array = got.predictions  # decoded and checked against predictions_sha256
         pred_file = predictions_path(output)
         pred_file.parent.mkdir(parents=True, exist_ok=True)
         np.save(pred_file, array)
-    write_json(output, doc)
+    write_json(output, got.document)
     return pred_file
 
 
+@_client_errors
 def cmd_task(args: argparse.Namespace) -> int:
-    if args.retries < 0:
-        raise CliError(f"--retries must be >= 0, got {args.retries}")
     if not args.timeout > 0:
         raise CliError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    if args.wait:
-        doc = wait_task(args.url, args.task_id, api_key=args.api_key, timeout=args.timeout,
-                        retries=args.retries, max_wait=args.max_wait)
-    else:
-        doc = get_task(args.url, args.task_id, api_key=args.api_key, retries=args.retries,
-                       max_wait=args.max_wait, timeout=min(args.timeout, 60.0))
-    line = status_line(doc)
+    with open_client(args, 60.0 if args.wait else min(args.timeout, 60.0)) as client:
+        if not args.wait:
+            got = client.get(args.task_id)
+        else:
+            try:
+                got = client.wait(args.task_id, timeout=args.timeout)
+            except TaskFailed as exc:  # failed or cancelled: its status document, and exit status 1
+                got = TaskStatus(exc.document or {})
+            except NotFinished as exc:
+                raise CliError(f"{exc} (--timeout); it goes on: rev88 task {args.task_id} --wait", 1) from None
+    line = status_line(got.document)
     if args.output:
         output = Path(args.output)
-        pred_file = write_answer(output, doc)
+        pred_file = write_answer(output, got)
         line += f"; wrote {output}" + (f" and {pred_file}" if pred_file else "")
     print(line)
-    if args.wait and doc.get("status") != "succeeded":
+    if args.wait and not isinstance(got, Answer):
         return 1
     return 0
 
@@ -594,16 +405,10 @@ def add_task(sub) -> None:
     p.set_defaults(func=cmd_task)
 
 
+@_client_errors
 def cmd_cancel(args: argparse.Namespace) -> int:
-    if args.retries < 0:
-        raise CliError(f"--retries must be >= 0, got {args.retries}")
-    target = task_url(args.url, args.task_id) + "/cancel"
-    with _client(args.timeout) as client:
-        response = _send(client, "POST", target, retries=args.retries, max_wait=args.max_wait, stream=sys.stderr,
-                         headers={"Accept": "application/json", **_auth(args.api_key)})
-    if response.status_code != 200:
-        raise _refused(response, f"to cancel task {args.task_id}", args.retries)
-    doc = _json_object(response)
+    with open_client(args, args.timeout) as client:
+        doc = client.cancel(args.task_id).document
     print(status_line(doc))
     status = doc.get("status")
     if status == "cancelled":
