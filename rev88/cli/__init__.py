@@ -13,11 +13,11 @@ import sys
 from learner import __version__
 from learner.backends import BackendUnavailable
 from learner.errors import TaskError
-from learner.measure import add_measure
 
 from .common import CliError
 from .evaluate import add_evaluate
 from .learner import add_make_task, add_run, add_score
+from .measure import add_measure
 from .serve import add_serve
 from .tasks import add_cancel, add_submit, add_task, add_tasks
 

@@ -1,87 +1,38 @@
-"""Every NVML access of the project, behind one small interface.
+"""Every NVML access of the project.
 
-``Meter`` is what the measurement code needs from a GPU: the cumulative energy
-counter (``nvmlDeviceGetTotalEnergyConsumption``, millijoules since the driver
-loaded), instantaneous power, a little telemetry, the hardware's identity and a
-monotonic clock. ``NvmlMeter`` reads a real GPU through pynvml (package
-nvidia-ml-py); ``SimulatedMeter`` is a scripted counter and clock, so the
-protocol's arithmetic (learner/measure.py) can be tested on a machine without a
-GPU. Everything here degrades to ``None`` plus a reason that says what is
-missing (no pynvml, no NVML library, no driver, no GPU, no energy counter).
+``NvmlMeter`` reads a real GPU through pynvml (package nvidia-ml-py): the cumulative energy
+counter (``nvmlDeviceGetTotalEnergyConsumption``, millijoules since the driver loaded),
+instantaneous power, a little telemetry, the compute processes on the device and the
+hardware's identity, on the process's monotonic clock (``time.perf_counter``: on Linux
+CLOCK_MONOTONIC, one clock for every process of the machine, which the separate power
+sampler (sampler.py) relies on). Everything here degrades to ``None`` plus a reason that says
+what is missing (no pynvml, no NVML library, no driver, no GPU, no energy counter).
 
-The NVML counter advances in steps (its update period is tens of ms), so the
-energy of a window only a few periods long is an estimate; ``request_energy``
-says so in its note, and the paired-idle protocol (``rev88 measure``) repeats
-the task inside a window of seconds to get a figure worth comparing.
+The NVML handle of a CUDA device is chosen by its PCI bus id, else by its UUID (torch's
+device uuid against ``nvmlDeviceGetUUID``); the choice is recorded as
+``nvml_handle_selected_by`` in ``hardware()``. The selection is tested with a fake pynvml
+(tests/test_energy.py).
 
-The NVML handle of a CUDA device is chosen by its PCI bus id, else by its UUID
-(torch's device uuid against ``nvmlDeviceGetUUID``); the choice is recorded as
-``nvml_handle_selected_by`` in ``hardware()``. The selection is tested with a fake
-pynvml (tests/test_energy.py).
+Power for the sampler: ``nvmlDeviceGetPowerUsage`` is, on GPUs newer than GA100, an average
+over about one second (NVML's documentation); ``power_reader`` prefers the instantaneous
+field ``NVML_FI_DEV_POWER_INSTANT`` where the driver answers it and says which it used.
 
-Not verifiable on the development machine (no GPU, no NVML library): every
-code path of ``NvmlMeter``, ``open_meter`` and ``gpu_telemetry`` past NVML's
+Not verifiable on the development machine (no GPU, no NVML library): every code path of
+``NvmlMeter``, ``open_meter``, ``power_reader`` and ``gpu_telemetry`` past NVML's
 initialization against a real driver. scripts/gpu_check_energy.py exercises them on a GPU.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import statistics
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
+
+from .meter import Meter
 
 T = TypeVar("T")
-
-# Windows shorter than this span only a few updates of the NVML energy counter.
-SHORT_WINDOW_S = 0.1
-COUNTER_NOTE = (
-    "NVML's total-energy counter (mJ) advances in steps of tens of ms; a window shorter than "
-    f"{SHORT_WINDOW_S * 1000:.0f} ms covers only a few steps, so its energy is an estimate that can "
-    "read 0 or include neighbouring work. Use `rev88 measure` (POST /tasks?measure=energy) for the "
-    "paired-idle figure."
-)
-
-
-class Meter(Protocol):
-    def energy_mj(self) -> int: ...
-
-    def power_w(self) -> float: ...
-
-    def telemetry(self) -> dict: ...
-
-    def hardware(self) -> dict: ...
-
-    def now(self) -> float: ...
-
-
-# --------------------------------------------------------------------------- readings
-
-
-@dataclasses.dataclass(frozen=True)
-class Reading:
-    """One counter reading, stamped at the midpoint of the clock reads around it."""
-
-    energy_mj: int
-    time_s: float
-    query_latency_s: float
-
-    def as_dict(self) -> dict:
-        return {"energy_mj": self.energy_mj, "time_s": self.time_s, "query_latency_s": self.query_latency_s}
-
-
-def read(meter: Meter) -> Reading:
-    before = meter.now()
-    energy = int(meter.energy_mj())
-    after = meter.now()
-    return Reading(energy, (before + after) / 2, after - before)
-
-
-# --------------------------------------------------------------------------- NVML access
 
 _lock = threading.RLock()
 _nvml: Any = None  # the pynvml module once nvmlInit succeeded
@@ -294,6 +245,45 @@ class NvmlMeter:
     def now(self) -> float:
         return time.perf_counter()
 
+    def compute_processes(self) -> list[int]:
+        """The PIDs NVML lists as compute processes on this device (raises NVMLError when the
+        query fails; the caller records that as a check that could not be made)."""
+        nv = self._nv
+        return [int(p.pid) for p in nv.nvmlDeviceGetComputeRunningProcesses(self._device.handle)]
+
+    def sampler_target(self) -> dict:
+        """What a separate sampler process needs to open the same device by itself."""
+        return {"nvml_pci_bus_id": self._device.nvml_pci_bus_id,
+                "uuid": _try(lambda: _text(self._nv.nvmlDeviceGetUUID(self._device.handle)))}
+
+
+# Union member of nvmlValue_t for each NVML_VALUE_TYPE_* (pynvml's c_nvmlValue_t field names).
+_VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
+def power_reader(nv: Any, handle: Any) -> tuple[Callable[[], float], str]:
+    """A function returning the device's power in watts, and which NVML query it uses: the
+    instantaneous field (NVML_FI_DEV_POWER_INSTANT, milliwatts) where one trial read answers it,
+    else nvmlDeviceGetPowerUsage (on GPUs newer than GA100 a ~1 s average, which smears a
+    window's edges)."""
+
+    def instant() -> float:
+        value = nv.nvmlDeviceGetFieldValues(handle, [nv.NVML_FI_DEV_POWER_INSTANT])[0]
+        if value.nvmlReturn != nv.NVML_SUCCESS:
+            raise nv.NVMLError(value.nvmlReturn)
+        return float(getattr(value.value, _VALUE_FIELDS.get(value.valueType, "uiVal"))) / 1000.0
+
+    def average() -> float:
+        return nv.nvmlDeviceGetPowerUsage(handle) / 1000.0
+
+    if hasattr(nv, "NVML_FI_DEV_POWER_INSTANT") and hasattr(nv, "nvmlDeviceGetFieldValues"):
+        try:
+            instant()
+            return instant, "NVML_FI_DEV_POWER_INSTANT (instantaneous)"
+        except nv.NVMLError:
+            pass
+    return average, "nvmlDeviceGetPowerUsage (a ~1 s average on GPUs newer than GA100)"
+
 
 def _power_limit_w(nv: Any, h: Any) -> float | None:
     limit = _try(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
@@ -395,197 +385,3 @@ def gpu_telemetry() -> tuple[dict | None, str | None]:
     }, None
 
 
-# --------------------------------------------------------------------------- simulation
-
-
-class SimulatedMeter:
-    """A scripted GPU: power is piecewise constant, the clock moves only when told.
-
-    ``advance(seconds, power_w)`` lets ``seconds`` pass at ``power_w`` (default: the
-    idle power); the counter integrates exactly and reads as whole millijoules,
-    optionally only at multiples of ``update_period_s`` (as NVML's counter does).
-    ``sleep`` is ``advance`` at idle power, for the protocol's settle/idle waits.
-    """
-
-    def __init__(
-        self,
-        idle_w: float = 60.0,
-        start_mj: int = 1_000_000,
-        start_s: float = 100.0,
-        update_period_s: float = 0.0,
-        hardware: dict | None = None,
-    ) -> None:
-        self.idle_w = idle_w
-        self._t = float(start_s)
-        self._energy_j = start_mj / 1000.0
-        self._power_w = idle_w
-        self.update_period_s = update_period_s
-        self._updates: list[tuple[float, float]] = [(self._t, self._energy_j)]
-        self._hardware = hardware or {
-            "gpu": "simulated",
-            "uuid": None,
-            "total_memory_bytes": None,
-            "power_limit_w": None,
-            "driver": None,
-            "cuda_pci_bus_id": None,
-            "nvml_pci_bus_id": None,
-            "nvml_handle_selected_by_cuda_pci_bus_id": False,
-            "nvml_handle_selected_by": None,
-        }
-
-    def advance(self, seconds: float, power_w: float | None = None) -> None:
-        if seconds < 0:
-            raise ValueError("time cannot go backwards")
-        self._power_w = self.idle_w if power_w is None else power_w
-        self._energy_j += self._power_w * seconds
-        self._t += seconds
-        self._updates.append((self._t, self._energy_j))
-
-    def sleep(self, seconds: float) -> None:
-        self.advance(seconds)
-
-    def energy_mj(self) -> int:
-        energy = self._energy_j
-        if self.update_period_s > 0:  # the value at the last update tick at or before now
-            tick = (self._t // self.update_period_s) * self.update_period_s
-            energy = self._energy_at(tick)
-        return int(round(energy * 1000.0))
-
-    def _energy_at(self, t: float) -> float:
-        prev_t, prev_e = self._updates[0]
-        for ut, ue in self._updates[1:]:
-            if ut > t:
-                rate = (ue - prev_e) / (ut - prev_t) if ut > prev_t else 0.0
-                return prev_e + rate * (t - prev_t)
-            prev_t, prev_e = ut, ue
-        return prev_e
-
-    def power_w(self) -> float:
-        return self._power_w
-
-    def telemetry(self) -> dict:
-        return {"temperature_c": None, "power_w": self._power_w, "graphics_clock_mhz": None, "memory_clock_mhz": None}
-
-    def hardware(self) -> dict:
-        return dict(self._hardware)
-
-    def now(self) -> float:
-        return self._t
-
-
-# --------------------------------------------------------------------------- per-request figures
-
-
-class IdleBaseline:
-    """Power samples taken while the device is idle; their median is the baseline
-    subtracted from a request's energy. Bounded: the newest ``capacity`` samples."""
-
-    def __init__(self, capacity: int = 60) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
-        self._samples: collections.deque[float] = collections.deque(maxlen=capacity)
-        self._lock = threading.Lock()
-        self.last_error: str | None = None
-
-    def sample(self, meter: Meter) -> float | None:
-        """Record the meter's power now; the caller makes sure the device is idle.
-        A failed read is remembered in ``last_error`` and skipped."""
-        try:
-            watts = float(meter.power_w())
-        except Exception as exc:  # a telemetry hiccup must not stop the sampler
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            return None
-        with self._lock:
-            self._samples.append(watts)
-        return watts
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._samples)
-
-    def median_w(self) -> float | None:
-        with self._lock:
-            return statistics.median(self._samples) if self._samples else None
-
-
-def request_energy(meter: Meter, run: Callable[[], T], idle: IdleBaseline) -> tuple[T, dict]:
-    """Counter and clock read around ``run`` (which must return only after the device
-    finished its work, as ``backend.run`` does). Gross joules, and joules above the idle
-    baseline where one has been sampled."""
-    start = read(meter)
-    result = run()
-    end = read(meter)
-    duration = end.time_s - start.time_s
-    delta = end.energy_mj - start.energy_mj
-    baseline = idle.median_w()
-    note = COUNTER_NOTE
-    if delta < 0:  # the counter restarted (driver reload): no figure
-        gross = adjusted = None
-        note = "the energy counter went backwards (driver reloaded?); no figure. " + note
-    else:
-        gross = delta / 1000.0
-        adjusted = None if baseline is None else gross - baseline * duration
-    if baseline is None:
-        note = "no idle power sampled yet, so no idle-adjusted figure. " + note
-    estimate = duration < SHORT_WINDOW_S
-    if estimate:
-        note = f"estimate: the {duration * 1000:.1f} ms window is shorter than {SHORT_WINDOW_S * 1000:.0f} ms. " + note
-    return result, {
-        "gross_j": gross,
-        "idle_baseline_w": baseline,
-        "idle_baseline_samples": len(idle),
-        "idle_adjusted_j": adjusted,
-        "duration_s": duration,
-        "counter_start_mj": start.energy_mj,
-        "counter_end_mj": end.energy_mj,
-        "method": "nvml-total-energy-counter-delta",
-        "estimate": estimate,
-        "note": note,
-    }
-
-
-# --------------------------------------------------------------------------- CPU package energy (RAPL)
-
-POWERCAP = Path("/sys/class/powercap")
-RAPL_LABEL = (
-    "CPU package energy from RAPL (/sys/class/powercap): every package domain, the whole machine's "
-    "CPU packages including other processes; not idle-adjusted; not GPU energy"
-)
-
-
-def rapl_packages(root: Path = POWERCAP) -> tuple[dict[str, tuple[Path, int]] | None, str | None]:
-    """The package-level RAPL domains ({name: (energy_uj path, max_energy_range_uj)}), or why not."""
-    if not root.is_dir():
-        return None, f"{root} does not exist (no RAPL powercap interface)"
-    domains: dict[str, tuple[Path, int]] = {}
-    for zone in sorted(root.glob("*-rapl:*")):
-        if zone.name.count(":") != 1:  # sub-zones (core, uncore, dram) are inside a package
-            continue
-        try:
-            name = (zone / "name").read_text().strip()
-            if not name.startswith("package"):
-                continue
-            max_range = int((zone / "max_energy_range_uj").read_text())
-            int((zone / "energy_uj").read_text())
-        except (OSError, ValueError) as exc:
-            return None, f"RAPL zone {zone} is not readable: {exc}"
-        domains[f"{zone.name}:{name}"] = (zone / "energy_uj", max_range)
-    if not domains:
-        return None, f"no RAPL package zones under {root}"
-    return domains, None
-
-
-def rapl_read(domains: dict[str, tuple[Path, int]]) -> dict[str, int]:
-    return {name: int(path.read_text()) for name, (path, _) in domains.items()}
-
-
-def rapl_delta_j(domains: dict[str, tuple[Path, int]], start: dict[str, int], end: dict[str, int]) -> float:
-    """Joules between two readings, summed over packages; each counter wraps to 0 after
-    reaching its max_energy_range_uj (one wrap at most between readings is assumed)."""
-    total_uj = 0
-    for name, (_, max_range) in domains.items():
-        delta = end[name] - start[name]
-        if delta < 0:
-            delta += max_range
-        total_uj += delta
-    return total_uj / 1e6

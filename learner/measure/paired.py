@@ -24,34 +24,35 @@ statistics per task (median, mean, sample SD, min, max), ``energy: null`` and
 the reason; settle and idle waits are skipped (there is nothing to measure in
 them). Where RAPL is readable the CPU package energy is added, labelled as such.
 
+The gated protocol (two meters, reference windows, a sham, a harness control and gates:
+learner/measure/gated.py, docs/energy.md) builds on these functions; ``rev88 measure``
+(rev88/cli/measure.py) runs it.
+
 Not verified on the development machine (no GPU): the CUDA paths (CUDA-event
 calibration, memory peaks, NVML readings); scripts/gpu_check_energy.py runs them.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import energy as energy_mod
-from .backends import Backend, get_backend
-from .config import Config
-from .errors import TaskError
-from .result import TaskResult, run_task
-from .taskio import TaskArrays
-from .train import prepare
+from .. import energy as energy_mod
+from ..backends import Backend, get_backend
+from ..config import Config
+from ..errors import TaskError
+from ..result import TaskResult, run_task
+from ..taskio import TaskArrays
+from ..train import prepare
 
 MIN_REPEATS, MAX_REPEATS = 1, 1000
 STATE_HASH_KEYS = (
@@ -446,78 +447,3 @@ def measure_task(
 ) -> dict:
     """The measurement document (see ``measure_run``)."""
     return measure_run(task, config, backend, trials, target_seconds, settle_seconds, idle_seconds, meter, sleep)[1]
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _fmt(stat: dict | None, unit: str) -> str:
-    if stat is None:
-        return "n/a"
-    sd = stat.get("sample_sd")
-    return f"{stat['mean']:.3f} {unit}" + ("" if sd is None else f" (sample SD {sd:.3f})")
-
-
-def cmd_measure(args: argparse.Namespace) -> int:
-    from .cli import write_json
-    from .config import load_config_file
-    from .taskio import load_task
-
-    check_protocol(args.trials, args.target_seconds, args.settle_seconds, args.idle_seconds)
-    config = load_config_file(args.config) if args.config else Config()
-    task = load_task(args.input)
-    doc = measure_task(
-        task,
-        config,
-        args.backend,
-        trials=args.trials,
-        target_seconds=args.target_seconds,
-        settle_seconds=args.settle_seconds,
-        idle_seconds=args.idle_seconds,
-    )
-    output = Path(args.output)
-    write_json(output, doc)
-    print(
-        f"backend {doc['backend']} on {doc['device']}: calibration {doc['calibration_ms']:.3f} ms, "
-        f"{doc['repeats_per_trial']} tasks per trial x {args.trials} trials"
-    )
-    wall = doc["timing"]["wall_ms_per_task"]
-    print(
-        f"wall ms per task: median {wall['median']:.3f}, mean {wall['mean']:.3f}, "
-        f"min {wall['min']:.3f}, max {wall['max']:.3f}"
-        + ("" if wall["sample_sd"] is None else f", sample SD {wall['sample_sd']:.3f}")
-    )
-    energy = doc["energy"]
-    if energy is None:
-        print(f"energy: none ({doc['energy_reason']})")
-    else:
-        s = energy["summary"]
-        print(f"idle-adjusted energy per task: {_fmt(s['idle_adjusted_mj_per_task'], 'mJ')}")
-        print(f"unadjusted energy per task:    {_fmt(s['unadjusted_mj_per_task'], 'mJ')}")
-        print(f"cuda ms per task:              {_fmt(s['cuda_ms_per_task'], 'ms')}")
-    print(
-        f"repeat predictions equal: {doc['repeat_predictions_equal']}, "
-        f"state hashes equal: {doc['repeat_state_hashes_equal']}; wrote {output}"
-    )
-    if not (doc["repeat_predictions_equal"] and doc["repeat_state_hashes_equal"]):
-        print("rev88 measure: error: the run after the trials differs from the run before them", file=sys.stderr)
-        return 1
-    return 0
-
-
-def add_measure(sub) -> None:
-    from .backends import NAMES
-
-    p = sub.add_parser(
-        "measure",
-        help="joules and milliseconds per task (the paired-idle NVML protocol; timing only on CPU)",
-    )
-    p.add_argument("--input", required=True, help="task npz: train_images, train_labels, test_images")
-    p.add_argument("--config", help="JSON object of config overrides (unknown keys are an error)")
-    p.add_argument("--backend", default="auto", choices=NAMES)
-    p.add_argument("--trials", type=int, default=3, help="trials (>= 1; default 3)")
-    p.add_argument("--target-seconds", type=float, default=5.0, help="active window per trial (> 0; default 5)")
-    p.add_argument("--settle-seconds", type=float, default=3.0, help="wait before each idle window (>= 0; default 3)")
-    p.add_argument("--idle-seconds", type=float, default=3.0, help="each idle window (>= 0; default 3)")
-    p.add_argument("--output", required=True, help="measurement JSON to write")
-    p.set_defaults(func=cmd_measure)
