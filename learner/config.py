@@ -146,15 +146,25 @@ def check_value(name: str, value: Any) -> int | float:
     return float(value)
 
 
+_DEFAULTS: Config | None = None  # Config() once: it is frozen, and checking it costs 8 field checks
+
+
 def make_config(overrides: Mapping[str, Any] | None = None, base: Config | None = None) -> Config:
     """Defaults (or ``base``) with ``overrides`` applied; unknown keys are an error."""
+    global _DEFAULTS
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(FIELDS))
     if unknown:
         raise ConfigError(
             f"unknown config key(s): {', '.join(unknown)}; allowed: {', '.join(FIELDS)}"
         )
-    values = (base or Config()).as_dict()
+    if base is None:
+        if _DEFAULTS is None:
+            _DEFAULTS = Config()
+        base = _DEFAULTS
+        if not overrides:
+            return base
+    values = base.as_dict()
     values.update(overrides)
     return Config(**values)
 

@@ -9,7 +9,8 @@ from fastapi import Depends, Request
 from ..service import Service
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
+    """``async``: FastAPI runs a plain ``def`` dependency in a worker thread, for every request."""
     return request.app.state.service
 
 
