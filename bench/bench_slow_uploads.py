@@ -45,6 +45,8 @@ def start(port: int, data: Path, upload_timeout: float | None, log: Path) -> sub
     raw = build_request("127.0.0.1", port, "GET", "/v2/health/ready")
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"rev88 serve exited with {proc.returncode}:\n{log.read_text()}")
         try:
             conn = Connection("127.0.0.1", port)
             status, _, _ = conn.request(raw)
