@@ -4,7 +4,7 @@ reports, the budget, the files that come back -- without a GPU.
 Most tests drive ``run_check`` with stand-in section functions (fast); some run the real
 scripts as child processes: gpu_check.py on bad input; the real pre-check and service sections
 in --dry-run (~8 s); gpu_device_run.sh's dry run without the wheels (~8 s), with a 20 s budget
-(~25 s) and with an inner timeout shorter than the budget (~15 s). The whole real dry run
+(~25 s) and with an inner timeout shorter than the budget (~17 s). The whole real dry run
 (every section, 30 s to 4 minutes on a 2-core machine) is marked slow.
 """
 
@@ -704,11 +704,11 @@ def test_device_run_with_a_20_s_budget_keeps_partial_figures(tmp_path):
 
 
 def test_device_run_maps_the_inner_timeout_to_status_3(tmp_path):
-    """The backstop `timeout` firing before the budget (12 s, inside the fused section's 17-75 s):
+    """The backstop `timeout` firing before the budget (15 s, inside the fused section's 17-75 s):
     SIGTERM interrupts gpu_check.py, whose fused section keeps its partial figures and which
     writes its final report; timeout's 124 becomes 3."""
     pytest.importorskip("triton")
-    proc, out, files, most = _device_run(tmp_path, {"BUDGET_S": "300", "INNER_TIMEOUT_S": "12", "SECTIONS": "fused"})
+    proc, out, files, most = _device_run(tmp_path, {"BUDGET_S": "300", "INNER_TIMEOUT_S": "15", "SECTIONS": "fused"})
     assert proc.returncode == 3, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert files == ["gpu-check-bundle.tar.gz", "gpu_check.json", "run.log", "summary.txt"] and most <= 8
     assert "gpu_check.py exit status 124" in (out / "run.log").read_text()
