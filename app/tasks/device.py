@@ -81,13 +81,15 @@ def run_on_device(task, config: Config, backend: str, energy: Any, engines: Engi
 
 def measure_on_device(task, config: Config, backend: str, arguments: dict[str, Any], energy: Any,
                       engines: Engines = get_backend) -> dict:
-    """The executor's job for ?measure=energy: learner.measure's protocol, device held throughout
-    (it is not stopped by a timeout or a disconnect once it runs; a queued one is dropped)."""
-    from learner.measure import measure_task
+    """The executor's job for ?measure=energy: the gated protocol (learner.measure.gated,
+    docs/energy.md) on the worker's GPU through its meter, device held throughout (it is not
+    stopped by a timeout or a disconnect once it runs; a queued one is dropped). Without a
+    meter (a CPU worker, no NVML) the timing-only document, ``valid: null``."""
+    from learner.measure.gated import measure_energy
 
     engine = worker_engine(backend, engines)
     meter, _ = energy.meter_for(engine)
-    return measure_task(task, config, engine, meter=meter, **arguments)
+    return measure_energy(task, config, engine, meter=meter, **arguments)
 
 
 # --------------------------------------------------------------------------- batched launches

@@ -22,7 +22,14 @@ MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measur
     "target_seconds": (float, 0.1, 60.0, 5.0),
     "settle_seconds": (float, 0.0, 30.0, 3.0),
     "idle_seconds": (float, 0.0, 30.0, 3.0),
+    "reference_seconds": (float, 0.1, 30.0, 10.0),
+    "sham_seconds": (float, 0.1, 30.0, 5.0),
 }
+# The gated protocol's own windows (learner.measure.gated, docs/energy.md): in a measurement's
+# arguments only when the request gives them -- otherwise the protocol's defaults apply, and the
+# measurement's plan records the values used -- so the arguments stored for earlier
+# measurements (the ledger's options) stay what they were.
+GATED_WINDOW_PARAMS = ("reference_seconds", "sham_seconds")
 INCLUDES = ("scores",)
 NPZ_TYPE = "application/x-npz"
 
@@ -77,7 +84,8 @@ def measure_arguments(raw: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (kind, low, high, default) in MEASURE_PARAMS.items():
         if name not in raw:
-            out[name] = default
+            if name not in GATED_WINDOW_PARAMS:
+                out[name] = default
             continue
         try:
             value = kind(raw[name])
@@ -90,10 +98,18 @@ def measure_arguments(raw: dict[str, str]) -> dict[str, Any]:
 
 
 def measure_timeout_s(arguments: dict[str, Any], task_timeout_s: float) -> float:
-    """A measurement's timeout: its windows, plus the task timeout for each single run the
-    protocol makes outside them (first, calibration, after) and for each trial's last repeat."""
-    windows = arguments["trials"] * (arguments["target_seconds"] + 2 * (arguments["settle_seconds"] + arguments["idle_seconds"]))
-    return windows + (3 + arguments["trials"]) * task_timeout_s
+    """A measurement's timeout: every phase of the gated protocol -- two reference windows, the
+    sham, the harness control (a target-length window) and the trials, each framed by
+    2 x (settle + idle) -- plus the protocol's allowance for the reference matmul's preparation
+    and the sampler process's start and stop, plus the task timeout for each single run it makes
+    outside the windows (first, calibration, after) and for each trial's last repeat."""
+    from learner.measure.gated import OVERHEAD_ALLOWANCE_S
+
+    a = {name: arguments.get(name, spec[3]) for name, spec in MEASURE_PARAMS.items()}
+    frame = 2 * (a["settle_seconds"] + a["idle_seconds"])
+    windows = (2 * (a["reference_seconds"] + frame) + (a["sham_seconds"] + frame)
+               + (a["trials"] + 1) * (a["target_seconds"] + frame))
+    return windows + OVERHEAD_ALLOWANCE_S + (3 + a["trials"]) * task_timeout_s
 
 
 def check_backend(name: str) -> str:

@@ -28,6 +28,8 @@ COUNTER_NOTE = (
     "read 0 or include neighbouring work. Use `rev88 measure` (POST /tasks?measure=energy) for a "
     f"gated figure: two meters, reference windows, a sham window and pass/fail gates ({GATED_DOC})."
 )
+GATED_FIGURE = (f"not this figure: a gated one comes from POST /tasks?measure=energy or `rev88 measure` "
+                f"({GATED_DOC}): two meters, reference windows, a sham window and seven gates")
 
 
 class IdleBaseline:
@@ -94,6 +96,8 @@ def request_energy(meter: Meter, run: Callable[[], T], idle: IdleBaseline) -> tu
         "counter_end_mj": end.energy_mj,
         "method": "nvml-total-energy-counter-delta",
         "estimate": estimate,
+        "gated": False,
+        "gated_figure": GATED_FIGURE,
         "note": note,
     }
 

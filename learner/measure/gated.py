@@ -51,6 +51,9 @@ DEFAULTS = {"trials": 3, "target_seconds": 5.0, "settle_seconds": 3.0, "idle_sec
             "reference_seconds": 10.0, "sham_seconds": 5.0}
 REFERENCE_CALIBRATION_CALLS = 3
 SAMPLER_MARGIN_S = 4 * SAMPLE_PERIOD_S  # the sampler runs this long before the first and after the last window
+# Beyond the windows and the single runs: the reference matmul's preparation and calibration, the
+# two product checks, the sampler's start (sampler.START_TIMEOUT_S at most) and stop (STOP_TIMEOUT_S).
+OVERHEAD_ALLOWANCE_S = 120.0
 HARDWARE_NOTE = (
     "Written and rehearsed on a simulated board only: when this code was written no GPU had run the NVML "
     "board, the sampler's NVML source, the CUDA reference matmul or the process check (docs/energy.md)."
