@@ -1,5 +1,9 @@
-"""The task ledger (app/ledger.py) against a real SQLite file in tmp_path: round trips, uploads,
-paging, idempotency, restarts, a real SIGKILL, retention, corrupt / newer / full databases."""
+"""The task ledger against both stores: a real SQLite file in tmp_path, and a real PostgreSQL
+database (tests/pg.py: a throwaway server, or REV88_TEST_DATABASE_URL) -- round trips, uploads,
+paging, idempotency, restarts, a real SIGKILL, retention. The ``store`` fixture runs a test on
+each; the tests that take ``tmp_path`` alone (corrupt / newer / full database files, the upload
+folder) are the SQLite store's own. PostgreSQL's own (migrations, claims, leases) are in
+tests/test_ledger_pg.py."""
 
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from app.ledger.store import (
     LedgerError,
     LedgerUnavailable,
 )
+
+from .pg import pg_server  # noqa: F401 - the fixture the postgres store runs on
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"epochs": 2, "batch_size": 128, "learning_rate": 0.1, "momentum": 0.9, "seed": 11}
@@ -70,11 +76,87 @@ def answer_for(task_id: str, n: int = 50, seed: int = 0) -> dict:
     }
 
 
+class SqliteStore:
+    """Ledgers in folders of tmp_path: ``open(name)`` opens (or reopens) the one named."""
+
+    name = "sqlite"
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+
+    def open(self, name: str = "data", **kw) -> Ledger:
+        return Ledger(self.tmp_path / name, **kw)
+
+    def location(self, name: str = "data") -> str:
+        return str(self.tmp_path / name)
+
+    def uploads(self, ledger) -> list[str]:
+        """The task ids with a stored upload (every file in the uploads folder counts)."""
+        return sorted(p.name.removesuffix(".npz") for p in ledger.uploads_dir.iterdir())
+
+    def close(self) -> None:
+        pass
+
+
+class PostgresStore:
+    """Ledgers in databases of a real PostgreSQL server: one database per name, created on first
+    use; every ledger opened is the same replica ("test-replica"), as a restarted process is."""
+
+    name = "postgres"
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.urls: dict[str, str] = {}
+
+    def location(self, name: str = "data") -> str:
+        if name not in self.urls:
+            self.urls[name] = self.server.new_database()
+        return self.urls[name]
+
+    def open(self, name: str = "data", **kw):
+        from app.ledger.postgres import PostgresLedger
+
+        return PostgresLedger(self.location(name), owner="test-replica", **kw)
+
+    def uploads(self, ledger) -> list[str]:
+        with ledger._conn("list the stored inputs", transaction=False) as conn:
+            return sorted(r[0] for r in conn.execute("SELECT task_id FROM rev88_task_inputs").fetchall())
+
+    def close(self) -> None:
+        for url in self.urls.values():
+            self.server.drop(url)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, tmp_path):
+    """Each test that takes it runs once per store (the postgres one skips, saying why, without a server)."""
+    st = SqliteStore(tmp_path) if request.param == "sqlite" else PostgresStore(request.getfixturevalue("pg_server"))
+    yield st
+    st.close()
+
+
 @pytest.fixture
-def ledger(tmp_path):
+def ledger(store):
+    led = store.open()
+    yield led
+    led.close()
+
+
+@pytest.fixture
+def sqlite_ledger(tmp_path):
+    """For the SQLite store's own tests (its files and folders)."""
     led = Ledger(tmp_path / "data")
     yield led
     led.close()
+
+
+def store_error(store, message: str) -> Exception:
+    """The error the store's database driver raises, as its ledger would meet it."""
+    if store.name == "sqlite":
+        return sqlite3.OperationalError(message)
+    import psycopg
+
+    return psycopg.OperationalError(message)
 
 
 def test_fresh_database_is_wal_at_the_current_schema(tmp_path):
@@ -150,18 +232,21 @@ def test_failed_and_cancelled_keep_their_error(ledger):
     assert ledger.get(bogus.id).status == "queued"
 
 
-def test_async_body_is_stored_then_deleted_on_finish(ledger):
+def test_async_body_is_stored_then_deleted_on_finish(store, ledger):
     body = os.urandom(100_000)
     record, created = create(ledger, body=body)
     assert created and record.mode == "async" and record.body_bytes == len(body)
-    upload = ledger.upload_path(record.id)
-    assert upload.read_bytes() == body and ledger.load_upload(record.id) == body
-    assert not list(upload.parent.glob("*.tmp"))
+    assert ledger.load_upload(record.id) == body and store.uploads(ledger) == [record.id]
+    if store.name == "sqlite":
+        upload = ledger.upload_path(record.id)
+        assert upload.read_bytes() == body
+        assert not list(upload.parent.glob("*.tmp"))
     assert ledger.counts()["upload_files"] == 1 and ledger.counts()["upload_bytes"] == len(body)
     ledger.mark_running(record.id, device="cuda:0")
     ledger.finish(record.id, "succeeded", answer=answer_for(record.id))
-    assert not upload.exists()
-    with pytest.raises(LedgerError, match=str(upload)):
+    assert store.uploads(ledger) == []
+    with pytest.raises(LedgerError, match=str(ledger.upload_path(record.id)) if store.name == "sqlite"
+                       else f"upload of task {record.id} is missing"):
         ledger.load_upload(record.id)
     assert ledger.counts()["upload_files"] == 0
     with pytest.raises(ValueError, match="body_bytes"):
@@ -219,13 +304,13 @@ def test_list_newest_first_pages_and_status_filter(ledger):
         ledger.list(limit=0)
 
 
-def test_idempotent_create(ledger):
+def test_idempotent_create(store, ledger):
     body = b"npz bytes " * 100
     first, created = create(ledger, body=body, key="key-1")
     assert created
     again, created_again = create(ledger, body=body, key="key-1")
     assert not created_again and again.id == first.id
-    assert len(list(ledger.uploads_dir.iterdir())) == 1  # the repeat wrote no file
+    assert store.uploads(ledger) == [first.id]  # the repeat stored no upload
 
     with pytest.raises(IdempotencyConflict) as info:
         create(ledger, body=b"another body", key="key-1")
@@ -236,7 +321,7 @@ def test_idempotent_create(ledger):
         create(ledger, body=body, key="key-1", backend="cpu-fast")
     with pytest.raises(IdempotencyConflict):
         create(ledger, body=body, key="key-1", config={**CONFIG, "seed": 12})
-    assert len(list(ledger.uploads_dir.iterdir())) == 1
+    assert store.uploads(ledger) == [first.id]
 
     # Still the same task once it has finished; key order in dicts does not matter.
     ledger.finish(first.id, "succeeded", answer=answer_for(first.id))
@@ -250,7 +335,7 @@ def test_idempotent_create(ledger):
         create(ledger, task_id=first.id)
 
 
-def test_idempotent_create_from_many_threads_makes_one_task(ledger):
+def test_idempotent_create_from_many_threads_makes_one_task(store, ledger):
     body = os.urandom(50_000)
     results, errors = [], []
 
@@ -268,7 +353,7 @@ def test_idempotent_create_from_many_threads_makes_one_task(ledger):
     assert not errors
     assert sum(created for _, created in results) == 1
     assert len({record.id for record, _ in results}) == 1
-    assert [p.name for p in ledger.uploads_dir.iterdir()] == [f"{results[0][0].id}.npz"]
+    assert store.uploads(ledger) == [results[0][0].id]
 
 
 def test_many_threads_create_run_and_finish(ledger):
@@ -294,9 +379,9 @@ def test_many_threads_create_run_and_finish(ledger):
     assert ledger.counts()["tasks"]["succeeded"] == 90 and ledger.counts()["upload_files"] == 0
 
 
-def test_failed_retention_does_not_fail_the_finish(ledger, monkeypatch, caplog):
+def test_failed_retention_does_not_fail_the_finish(store, ledger, monkeypatch, caplog):
     def full(conn, keep):
-        raise sqlite3.OperationalError("database or disk is full")
+        raise store_error(store, "database or disk is full")
 
     monkeypatch.setattr(ledger, "_apply_retention", full)
     monkeypatch.setattr(ledger, "retain_tasks", 0)  # over the limit: retention must run (within it, none opens)
@@ -307,9 +392,8 @@ def test_failed_retention_does_not_fail_the_finish(ledger, monkeypatch, caplog):
     assert "retention skipped" in caplog.text and "database or disk is full" in caplog.text
 
 
-def test_reopen_after_close_keeps_everything(tmp_path):
-    data = tmp_path / "data"
-    led = Ledger(data)
+def test_reopen_after_close_keeps_everything(store):
+    led = store.open()
     done, _ = create(led, key="k")
     answer = answer_for(done.id, n=1000, seed=3)
     led.mark_running(done.id, device="cpu")
@@ -320,7 +404,7 @@ def test_reopen_after_close_keeps_everything(tmp_path):
     with pytest.raises(LedgerUnavailable, match="closed"):
         led.get(done.id)
 
-    led = Ledger(data)
+    led = store.open()
     assert led.get(done.id) == done and led.get(done.id).answer == answer
     assert led.get(waiting.id).status == "queued" and led.load_upload(waiting.id) == b"payload"
     after = led.counts()
@@ -330,9 +414,8 @@ def test_reopen_after_close_keeps_everything(tmp_path):
     led.close()
 
 
-def test_unfinished_after_a_simulated_crash(tmp_path):
-    data = tmp_path / "data"
-    led = Ledger(data)
+def test_unfinished_after_a_simulated_crash(store):
+    led = store.open()
     queued, _ = create(led, body=b"first")
     running, _ = create(led, body=b"second")
     finished, _ = create(led, body=b"third")
@@ -342,12 +425,12 @@ def test_unfinished_after_a_simulated_crash(tmp_path):
     led.mark_running(sync.id)
     del led  # no close, no finish: the process "died"
 
-    led = Ledger(data)
+    led = store.open()
     left = led.unfinished()
     assert [r.id for r in left] == [queued.id, running.id, sync.id]  # oldest first
     assert [r.status for r in left] == ["queued", "running", "running"]
     assert led.load_upload(queued.id) == b"first" and led.load_upload(running.id) == b"second"
-    assert not led.upload_path(finished.id).exists()
+    assert finished.id not in store.uploads(led)
     # Re-run after the restart: running again counts a second attempt.
     led.mark_running(running.id, device="cuda:1")
     again = led.get(running.id)
@@ -358,7 +441,11 @@ def test_unfinished_after_a_simulated_crash(tmp_path):
 CHILD = r"""
 import hashlib, sys
 from app.ledger import Ledger
-led = Ledger(sys.argv[1])
+if sys.argv[1].startswith("postgresql://"):
+    from app.ledger.postgres import PostgresLedger
+    led = PostgresLedger(sys.argv[1], owner="child")
+else:
+    led = Ledger(sys.argv[1])
 body = bytes(range(256)) * 4096
 record, created = led.create(
     task_id=sys.argv[2], kind="task", mode="async", backend="cpu", config={"seed": 11},
@@ -369,11 +456,10 @@ sys.stdin.read()  # wait to be killed
 """
 
 
-def test_sigkill_right_after_create_loses_nothing(tmp_path):
-    data = tmp_path / "data"
+def test_sigkill_right_after_create_loses_nothing(store):
     task_id = new_id()
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(data), task_id], cwd=ROOT, stdin=subprocess.PIPE,
+        [sys.executable, "-c", CHILD, store.location(), task_id], cwd=ROOT, stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -388,18 +474,18 @@ def test_sigkill_right_after_create_loses_nothing(tmp_path):
             child.wait()
     assert child.returncode == -signal.SIGKILL
 
-    led = Ledger(data)
+    led = store.open()
     [record] = led.unfinished()
     body = bytes(range(256)) * 4096
     assert record.id == task_id and record.status == "queued" and record.options == {"include_scores": True}
     assert record.body_sha256 == hashlib.sha256(body).hexdigest()
     assert led.load_upload(task_id) == body
-    assert not list(led.uploads_dir.glob("*.tmp"))
+    assert store.uploads(led) == [task_id]  # no temp file either
     led.close()
 
 
-def test_retention_deletes_the_oldest_finished_first(tmp_path):
-    led = Ledger(tmp_path / "data", retain_tasks=3)
+def test_retention_deletes_the_oldest_finished_first(store):
+    led = store.open(retain_tasks=3)
     queued, _ = create(led, body=b"waits")
     running, _ = create(led)
     led.mark_running(running.id)
@@ -419,14 +505,14 @@ def test_retention_deletes_the_oldest_finished_first(tmp_path):
     led.close()
 
     # A lower limit at the next start applies at open.
-    led = Ledger(tmp_path / "data", retain_tasks=1)
+    led = store.open(retain_tasks=1)
     assert led.counts()["tasks"] == {"queued": 0, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 1}
     assert led.get(queued.id) is not None
     led.close()
 
 
-def test_retention_by_stored_bytes_keeps_the_task_just_finished(tmp_path):
-    led = Ledger(tmp_path / "data", retain_bytes=10_000)
+def test_retention_by_stored_bytes_keeps_the_task_just_finished(store):
+    led = store.open(retain_bytes=10_000)
     ids = []
     for i in range(4):
         record, _ = create(led)
@@ -437,7 +523,7 @@ def test_retention_by_stored_bytes_keeps_the_task_just_finished(tmp_path):
     assert stored <= 10_000
     assert led.get(ids[-1]) is not None and led.get(ids[0]) is None
     # A single answer over the whole budget is still kept until the next finish.
-    tiny = Ledger(tmp_path / "tiny", retain_bytes=100)
+    tiny = store.open("tiny", retain_bytes=100)
     big, _ = create(tiny)
     tiny.finish(big.id, "succeeded", answer=answer_for(big.id, n=5000))
     assert tiny.get(big.id).answer is not None
@@ -545,8 +631,8 @@ def test_a_version_1_ledger_is_migrated_with_its_rows(tmp_path, monkeypatch):
     assert new.get(unhashed.id).body_sha256 is None
 
 
-def test_an_unhashed_body_is_refused_where_its_hash_is_needed(tmp_path):
-    ledger = Ledger(tmp_path / "data")
+def test_an_unhashed_body_is_refused_where_its_hash_is_needed(store):
+    ledger = store.open()
     with pytest.raises(ValueError, match="body_sha256"):
         create(ledger, body_sha256=None, key="needs-a-hash")
     with pytest.raises(ValueError, match="body_sha256"):
@@ -577,7 +663,9 @@ def test_full_database_is_ledger_unavailable_on_write(tmp_path):
     led.close()
 
 
-def test_upload_write_failure_is_ledger_unavailable_and_records_nothing(ledger, monkeypatch):
+def test_upload_write_failure_is_ledger_unavailable_and_records_nothing(sqlite_ledger, monkeypatch):
+    ledger = sqlite_ledger
+
     def no_space(fd):
         raise OSError(28, "No space left on device")
 
@@ -589,7 +677,8 @@ def test_upload_write_failure_is_ledger_unavailable_and_records_nothing(ledger, 
     assert ledger.counts()["total"] == 0 and list(ledger.uploads_dir.iterdir()) == []
 
 
-def test_uploads_folder_gone_at_run_time_is_ledger_unavailable(ledger):
+def test_uploads_folder_gone_at_run_time_is_ledger_unavailable(sqlite_ledger):
+    ledger = sqlite_ledger
     ledger.uploads_dir.rmdir()
     ledger.uploads_dir.write_bytes(b"a regular file where the folder was")
     with pytest.raises(LedgerUnavailable, match="cannot store the upload"):

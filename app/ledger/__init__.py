@@ -1,6 +1,8 @@
-"""The task ledger: the store (SQLite, app/ledger/store.py) and the thread that writes a run's
-records (app/ledger/writer.py)."""
+"""The task ledger: one interface (app/ledger/base.py), two stores -- SQLite (app/ledger/store.py,
+the default) and PostgreSQL (app/ledger/postgres.py, REV88_DATABASE_URL: shared by replicas) --
+and the thread that writes a run's records (app/ledger/writer.py)."""
 
+from .base import Claim, LeaseLost, Renewal, SharedLedger, TaskLedger, is_shared, ledger_engine, open_ledger
 from .store import (
     AlreadyFinished,
     FinishedTask,
@@ -13,4 +15,5 @@ from .store import (
 from .writer import LedgerWriter
 
 __all__ = ["AlreadyFinished", "FinishedTask", "IdempotencyConflict", "Ledger", "LedgerError", "LedgerUnavailable", "LedgerWriter",
-           "TaskRecord"]
+           "TaskRecord", "Claim", "LeaseLost", "Renewal", "SharedLedger", "TaskLedger", "is_shared", "ledger_engine",
+           "open_ledger"]

@@ -337,6 +337,9 @@ def _fsync_dir(path: Path) -> None:
 class Ledger:
     """The task ledger of one replica. Thread-safe: one connection, guarded by a lock."""
 
+    shared = False  # one replica's (app/ledger/base.py); PostgresLedger is the shared one
+    engine = "sqlite"
+
     def __init__(self, data_dir: str | Path, retain_tasks: int = 10_000, retain_bytes: int = 1 << 30,
                  *, max_db_bytes: int | None = None):
         """``max_db_bytes``: an optional hard cap on the database file (SQLite's max_page_count);

@@ -1,0 +1,135 @@
+"""One ledger interface, two stores (issue #22).
+
+``TaskLedger`` is what the service asks of a ledger; both stores provide all of it with the same
+behaviour, and tests/test_ledger.py runs against each:
+
+    SQLite      app/ledger/store.py     ``Ledger``: embedded, one replica, the data dir
+    PostgreSQL  app/ledger/postgres.py  ``PostgresLedger``: many replicas share one database
+
+``shared`` tells them apart where the service must act differently: with a shared ledger an
+asynchronous task is not queued on the replica that accepted it but claimed from the database by
+whichever replica has an idle worker (``SharedLedger``: claims, leases, fencing, reaping; see
+postgres.py). ``open_ledger`` picks the store from the settings: ``database_url`` set means
+PostgreSQL, otherwise SQLite in the data dir, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+from .store import FinishedTask, Ledger, TaskRecord
+
+
+class LeaseLost(Exception):
+    """A write of a leased task refused because this replica no longer holds its lease (it
+    expired and another replica claimed the task, or it was released): the task's row is left
+    as the current holder has it. Its message names the task and who holds it now."""
+
+    def __init__(self, task_id: str, message: str) -> None:
+        self.task_id = task_id
+        super().__init__(message)
+
+
+@dataclasses.dataclass
+class Claim:
+    """A queued asynchronous task this replica has claimed: its record, and the lease's epoch
+    (``claims``: the fence a result is written under, together with the owner)."""
+
+    record: TaskRecord
+    epoch: int
+
+
+@dataclasses.dataclass
+class Renewal:
+    """What a lease renewal found: ids still held, ids lost (expired and taken over, or
+    finished by someone else), and held ids whose cancellation was requested."""
+
+    held: list[str]
+    lost: list[str]
+    cancel: list[str]
+
+
+@runtime_checkable
+class TaskLedger(Protocol):
+    """The interface both stores implement (their docstrings hold the details)."""
+
+    shared: bool
+    engine: str
+    path: Any  # the SQLite file, or the database URL without its password
+
+    def create(self, *, task_id: str, kind: str, mode: str, backend: str, config: dict, options: dict,
+               train_count: int, test_count: int, body_sha256: str | None, body_bytes: int,
+               input_hashes: dict | None = None, body: bytes | None = None,
+               idempotency_key: str | None = None) -> tuple[TaskRecord, bool]: ...
+
+    def mark_running(self, task_id: str, device: str | None = None) -> None: ...
+
+    def mark_running_many(self, started: list[tuple[str, str | None, float]]) -> list[str]: ...
+
+    def finish(self, task_id: str, status: str, answer: dict | None = None, error: dict | None = None,
+               answer_json: bytes | None = None, with_answer: bool = True,
+               input_hashes: dict | None = None) -> TaskRecord: ...
+
+    def add_finished(self, tasks: list[FinishedTask]) -> None: ...
+
+    def get(self, task_id: str) -> TaskRecord | None: ...
+
+    def list(self, limit: int = 50, cursor: str | None = None,
+             status: str | None = None) -> tuple[list[TaskRecord], str | None]: ...
+
+    def unfinished(self) -> list[TaskRecord]: ...
+
+    def load_upload(self, task_id: str) -> bytes: ...
+
+    def counts(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class SharedLedger(TaskLedger, Protocol):
+    """What a ledger shared by replicas adds (PostgresLedger)."""
+
+    owner: str
+
+    def claim(self, limit: int) -> list[Claim]: ...
+
+    def renew(self) -> Renewal: ...
+
+    def release(self, task_ids: list[str]) -> list[str]: ...
+
+    def reap(self) -> dict[str, int]: ...
+
+    def request_cancel(self, task_id: str) -> tuple[str, TaskRecord | None]: ...
+
+    def load_uploads(self, task_ids: list[str]) -> dict[str, bytes]: ...
+
+    def held(self) -> list[str]: ...
+
+    def stats(self) -> dict: ...
+
+
+def open_ledger(settings: Any, owner: str | None = None) -> TaskLedger:
+    """The ledger the settings name: PostgreSQL at ``settings.database_url`` when it is set
+    (migrated at open, under an advisory lock), else SQLite in ``settings.ledger_dir``. A
+    ledger that cannot be opened raises LedgerError naming the database and the problem."""
+    url = getattr(settings, "database_url", None)
+    if not url:
+        return Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes)
+    from .postgres import PostgresLedger  # psycopg is needed only here (the `postgres` extra)
+
+    return PostgresLedger(
+        url, retain_tasks=settings.retain_tasks, retain_bytes=settings.retain_bytes,
+        pool_size=settings.db_pool_size, timeout_s=settings.db_timeout_s, lease_s=settings.lease_s,
+        lease_attempts=settings.lease_attempts, owner=owner,
+    )
+
+
+def ledger_engine(ledger: Any) -> str:
+    """'sqlite' or 'postgresql' (a ledger without the attribute is the SQLite one)."""
+    return getattr(ledger, "engine", "sqlite")
+
+
+def is_shared(ledger: Any) -> bool:
+    return bool(getattr(ledger, "shared", False))

@@ -1,0 +1,926 @@
+"""The task ledger in PostgreSQL, shared by every replica (issue #22; psycopg 3 + psycopg_pool).
+
+The same interface and behaviour as the SQLite ``Ledger`` (app/ledger/store.py; tests/test_ledger.py
+runs against both), plus what replicas sharing one ledger need (``SharedLedger`` in base.py):
+
+Schema. Versioned SQL files in app/ledger/migrations/ (``NNNN_name.sql``), applied at open in
+order, each in one transaction together with its row in ``rev88_schema``, under
+``pg_advisory_lock``: replicas starting together migrate once, the others wait and find the work
+done. A database whose schema is newer than this code's is a ``LedgerError`` (startup stops).
+Tables: ``rev88_tasks`` (the rows the SQLite ledger keeps, plus the lease columns) and
+``rev88_task_inputs`` (an asynchronous task's npz as bytea, never read by lists or status
+reads; deleted in the transaction that records the task's outcome). Times are epoch seconds
+from the server's clock, so every replica orders tasks and judges leases by one clock.
+
+Claims, leases, fencing, reaping.
+
+    claim    ``UPDATE … FROM (SELECT … WHERE status='queued' AND lease_owner IS NULL
+             ORDER BY created_at FOR UPDATE SKIP LOCKED LIMIT n)``: an idle replica takes up
+             to n queued asynchronous tasks (a fused worker: a whole launch), each with a lease
+             (``lease_owner`` = this replica, ``lease_expires_at`` = server now + ``lease_s``)
+             and a new epoch (``claims`` + 1). Two replicas never claim the same row.
+    renew    ``renew()`` pushes the expiry of every lease this replica holds (owner and epoch
+             must still match); what no longer matches is reported lost, held tasks whose
+             cancellation was requested are reported too.
+    fence    ``mark_running`` and ``finish`` of a task this replica holds are written only
+             while the row still carries this replica's owner and epoch; otherwise ``LeaseLost``
+             and nothing is written (a stale holder's late result is refused). A task nobody
+             holds, or whose lease has expired, is taken over by ``mark_running``; a live lease
+             of another replica is never overridden.
+    reap     ``reap()`` (every replica, periodically): a lease past its expiry is a replica
+             that stopped; its asynchronous task is queued again (``expiries`` + 1) until it
+             has expired ``lease_attempts`` times, then failed naming why; a synchronous one is
+             failed (its client's connection went with its replica); one whose cancellation was
+             requested is recorded cancelled.
+    wake     ``pg_notify('rev88_queued')`` when a task becomes claimable and
+             ``pg_notify('rev88_cancel', id)`` on a cancel request: hints for ``listen()``;
+             the claimer still polls, so a lost notification only costs a poll period.
+
+A synchronous task created here (an Idempotency-Key) is held by this replica from its creation,
+so a replica that dies while running it leaves a lease that expires, and the task is failed.
+
+Failures. Every connection has a bounded connect timeout, ``statement_timeout`` and
+``lock_timeout`` (``timeout_s``); a pool with no connection free within ``timeout_s`` gives up. Any
+of these, or a lost connection, is ``LedgerUnavailable`` naming the problem and the database
+(the service answers 503). The pool reconnects by itself once the server answers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import psycopg.conninfo
+import psycopg.errors
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
+
+from .base import Claim, LeaseLost, Renewal
+from .store import (
+    ANSWER_CODEC,
+    FINISHED,
+    KINDS,
+    MODES,
+    STATUSES,
+    AlreadyFinished,
+    FinishedTask,
+    IdempotencyConflict,
+    LedgerError,
+    LedgerUnavailable,
+    TaskRecord,
+    _answer_columns,
+    _decode_cursor,
+    _dumps,
+    _encode_cursor,
+    _loads,
+    decode_answer,
+    encode_answer,
+)
+
+log = logging.getLogger("rev88." + __name__)
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+_MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+# pg_advisory_lock keys (64-bit): the schema migration, and retention (one replica at a time)
+MIGRATION_LOCK = 0x7265_7638_0001
+RETENTION_LOCK = 0x7265_7638_0002
+CHANNEL_QUEUED = "rev88_queued"
+CHANNEL_CANCEL = "rev88_cancel"
+MIGRATION_LOCK_WAIT_S = 120  # another replica's migration: wait this long for it at most
+RETENTION_CHECK_S = 5.0  # a replica also recounts at least this often (others finish tasks too)
+REAP_BATCH = 500
+
+NOW = "EXTRACT(EPOCH FROM clock_timestamp())::float8"  # the server's clock, epoch seconds
+
+_SUMMARY = ("id", "status", "kind", "mode", "created_at", "started_at", "finished_at", "attempts", "backend",
+            "config", "options", "train_count", "test_count", "input_hashes", "body_sha256", "body_bytes",
+            "idempotency_key", "device", "error", "predictions_sha256", "run_ms", "energy_j", "answer_bytes")
+SUMMARY_COLUMNS = ", ".join(_SUMMARY)
+ALL_COLUMNS = SUMMARY_COLUMNS + ", answer, answer_codec"
+T_SUMMARY_COLUMNS = ", ".join(f"t.{c}" for c in _SUMMARY)
+T_ALL_COLUMNS = T_SUMMARY_COLUMNS + ", t.answer, t.answer_codec"
+_LOCK_COLUMNS = f"id, status, mode, lease_owner, lease_expires_at, claims, {NOW}"
+
+
+def load_migrations(folder: Path = MIGRATIONS_DIR) -> list[tuple[int, str, str]]:
+    """(version, name, SQL) of every migration file, in order; numbered 1..N without gaps."""
+    found = []
+    for path in sorted(folder.glob("*.sql")):
+        m = _MIGRATION_NAME.match(path.name)
+        if not m:
+            raise LedgerError(f"migration file {path} is not named NNNN_name.sql")
+        found.append((int(m[1]), m[2], path.read_text(encoding="utf-8")))
+    if [v for v, _, _ in found] != list(range(1, len(found) + 1)):
+        raise LedgerError(f"migrations in {folder} must be numbered 0001.. without gaps, found "
+                          f"{[v for v, _, _ in found]}")
+    return found
+
+
+MIGRATIONS = load_migrations()
+SCHEMA_VERSION: int = MIGRATIONS[-1][0]
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs, /health and error messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable database URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def default_owner() -> str:
+    """A lease owner id unique to this process: host, pid and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _record(row: tuple | Any, with_answer: bool) -> TaskRecord:
+    (task_id, status, kind, mode, created_at, started_at, finished_at, attempts, backend, config, options,
+     train_count, test_count, input_hashes, body_sha256, body_bytes, idempotency_key, device, error,
+     predictions_sha256, run_ms, energy_j, answer_bytes) = row[:23]
+    answer = decode_answer(bytes(row[23]) if row[23] is not None else None, row[24]) if with_answer else None
+    return TaskRecord(
+        id=task_id, status=status, kind=kind, mode=mode, created_at=created_at, started_at=started_at,
+        finished_at=finished_at, backend=backend, config=_loads(config), options=_loads(options),
+        train_count=train_count, test_count=test_count, input_hashes=_loads(input_hashes),
+        body_sha256=body_sha256, body_bytes=body_bytes, idempotency_key=idempotency_key, device=device,
+        answer=answer, error=_loads(error), predictions_sha256=predictions_sha256, run_ms=run_ms,
+        energy_j=energy_j, attempts=attempts, answer_bytes=answer_bytes,
+    )
+
+
+def _check_id(task_id: str) -> None:
+    # the SQLite ledger's rule (an id names a file there): the same ids are valid in both stores
+    if not task_id or "/" in task_id or "\\" in task_id or task_id.startswith("."):
+        raise ValueError(f"task id {task_id!r} cannot name an upload file")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class PostgresLedger:
+    """The task ledger of every replica, in one PostgreSQL database. Thread-safe (a pool)."""
+
+    shared = True
+    engine = "postgresql"
+
+    def __init__(self, url: str, retain_tasks: int = 10_000, retain_bytes: int = 1 << 30, *,
+                 pool_size: int = 8, timeout_s: float = 5.0, lease_s: float = 10.0, lease_attempts: int = 3,
+                 owner: str | None = None) -> None:
+        if retain_tasks < 0 or retain_bytes < 0:
+            raise ValueError(f"retain_tasks and retain_bytes must be >= 0, got {retain_tasks}, {retain_bytes}")
+        if pool_size < 1 or lease_attempts < 1:
+            raise ValueError(f"pool_size and lease_attempts must be >= 1, got {pool_size}, {lease_attempts}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0 and math.isfinite(lease_s) and lease_s > 0):
+            raise ValueError(f"timeout_s and lease_s must be finite and > 0, got {timeout_s}, {lease_s}")
+        self.url = url
+        self.path = redact(url)
+        self.retain_tasks, self.retain_bytes = retain_tasks, retain_bytes
+        self.pool_size, self.timeout_s = pool_size, float(timeout_s)
+        self.lease_s, self.lease_attempts = float(lease_s), lease_attempts
+        self.owner = owner or default_owner()
+        self.schema_version: int | None = None
+        self._held: dict[str, int] = {}  # task id -> the epoch of the lease this replica holds
+        self._held_lock = threading.Lock()
+        self._totals: tuple[int, int] | None = None  # finished tasks, their stored bytes (as last counted)
+        self._retain_checked = 0.0
+        self._connect_error: str | None = None  # the last failed connection attempt's message
+        self._queue_stats: dict[str, Any] | None = None  # the last queue_depth()
+        self._pool: ConnectionPool | None = None
+        self._check_url(url)
+        self._migrate()
+        self._pool = self._make_pool()
+        try:
+            self._pool.open(wait=True, timeout=self.timeout_s)
+            self._retain(keep=None, force=True)
+        except PoolTimeout as exc:
+            self.close()
+            raise LedgerError(f"cannot connect to the task ledger's database {self.path}: "
+                              f"{self._connect_error or 'no connection within the timeout'}") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ connections
+
+    @staticmethod
+    def _check_url(url: str) -> None:
+        try:
+            psycopg.conninfo.conninfo_to_dict(url)
+        except psycopg.ProgrammingError as exc:
+            raise LedgerError(f"REV88_DATABASE_URL is not a PostgreSQL connection URL ({redact(url)}): "
+                              f"{_first_line(exc)}") from None
+
+    def _options(self) -> dict[str, Any]:
+        ms = int(self.timeout_s * 1000)
+        return {
+            "connect_timeout": max(2, math.ceil(self.timeout_s)),
+            "application_name": "rev88",
+            "options": f"-c statement_timeout={ms} -c lock_timeout={ms} "
+                       f"-c idle_in_transaction_session_timeout={max(ms * 4, 10_000)}",
+            "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3, "keepalives_count": 3,
+        }
+
+    def _make_pool(self) -> ConnectionPool:
+        ledger = self
+
+        class Connection(psycopg.Connection):
+            """Remembers why the last connection attempt failed (named in the 503s)."""
+
+            @classmethod
+            def connect(cls, conninfo: str = "", **kwargs: Any):  # type: ignore[override]
+                try:
+                    conn = super().connect(conninfo, **kwargs)
+                except psycopg.Error as exc:
+                    ledger._connect_error = _first_line(exc)
+                    raise
+                ledger._connect_error = None
+                return conn
+
+        return ConnectionPool(
+            self.url, connection_class=Connection, kwargs={"autocommit": True, **self._options()},
+            min_size=1, max_size=self.pool_size, timeout=self.timeout_s, check=ConnectionPool.check_connection,
+            # a short give-up: once the server is back, the next request grows the pool afresh
+            # (a long one would back off exponentially while the server is down)
+            reconnect_timeout=max(2.0, self.timeout_s), name="rev88-ledger", open=False,
+        )
+
+    def _describe(self, exc: BaseException, doing: str) -> str:
+        if isinstance(exc, PoolTimeout):
+            why = (f"the database does not answer: {self._connect_error}" if self._connect_error
+                   else f"all {self.pool_size} connections in use (REV88_DB_POOL_SIZE)")
+            problem = f"no database connection within {self.timeout_s:g} s ({why})"
+        elif isinstance(exc, psycopg.errors.QueryCanceled):
+            problem = f"the database did not answer within {self.timeout_s:g} s (statement_timeout)"
+        elif isinstance(exc, psycopg.errors.LockNotAvailable):
+            problem = f"waited {self.timeout_s:g} s for a lock (lock_timeout)"
+        elif isinstance(exc, psycopg.OperationalError):
+            problem = f"the database connection failed ({_first_line(exc)})"
+        else:
+            problem = f"{type(exc).__name__}: {_first_line(exc)}"
+        return f"cannot {doing}: {problem} — task ledger PostgreSQL {self.path}"
+
+    @contextlib.contextmanager
+    def _conn(self, doing: str, transaction: bool = True) -> Iterator[psycopg.Connection]:
+        """A pooled connection (in one transaction unless told otherwise); database failures
+        become LedgerUnavailable naming the problem. Integrity errors pass through."""
+        pool = self._pool
+        if pool is None:
+            raise LedgerUnavailable(f"the task ledger {self.path} is closed")
+        try:
+            with pool.connection(timeout=self.timeout_s) as conn:
+                if transaction:
+                    with conn.transaction():
+                        yield conn
+                else:
+                    yield conn
+        except psycopg.IntegrityError:
+            raise
+        except PoolClosed as exc:
+            raise LedgerUnavailable(f"the task ledger {self.path} is closed") from exc
+        except (psycopg.Error, PoolTimeout) as exc:
+            raise LedgerUnavailable(self._describe(exc, doing)) from exc
+
+    # ------------------------------------------------------------------ schema
+
+    def _migrate(self) -> None:
+        try:
+            conn = psycopg.connect(self.url, autocommit=True, **self._options())
+        except psycopg.Error as exc:
+            raise LedgerError(f"cannot connect to the task ledger's database {self.path}: {_first_line(exc)}") from exc
+        try:
+            with conn:
+                conn.execute(f"SET lock_timeout = '{MIGRATION_LOCK_WAIT_S}s'")
+                conn.execute("SET statement_timeout = 0")
+                conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+                try:
+                    self.schema_version = self._apply_migrations(conn)
+                finally:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
+        except LedgerError:
+            raise
+        except psycopg.Error as exc:
+            raise LedgerError(f"cannot migrate the task ledger's database {self.path}: {_first_line(exc)}") from exc
+
+    def _apply_migrations(self, conn: psycopg.Connection) -> int:
+        conn.execute("CREATE TABLE IF NOT EXISTS rev88_schema (version integer PRIMARY KEY, name text NOT NULL,"
+                     " applied_at timestamptz NOT NULL DEFAULT now())")
+        applied = dict(conn.execute("SELECT version, name FROM rev88_schema").fetchall())
+        current = max(applied, default=0)
+        if current > SCHEMA_VERSION:
+            raise LedgerError(
+                f"the task ledger's database {self.path} has schema version {current}, newer than this code's "
+                f"{SCHEMA_VERSION}: run a newer rev88, or point REV88_DATABASE_URL at another database")
+        for version, name, sql in MIGRATIONS:
+            if version in applied:
+                if applied[version] != name:
+                    raise LedgerError(f"the task ledger's database {self.path} recorded migration {version} as "
+                                      f"{applied[version]!r}, but this code's is {name!r}: not the same schema")
+                continue
+            with conn.transaction():
+                conn.execute(sql)
+                conn.execute("INSERT INTO rev88_schema (version, name) VALUES (%s, %s)", (version, name))
+            log.info("task ledger migrated", extra={"version": version, "migration": name, "database": self.path})
+            current = version
+        return current
+
+    # ------------------------------------------------------------------ leases held here
+
+    def held(self) -> list[str]:
+        with self._held_lock:
+            return list(self._held)
+
+    def _hold(self, task_id: str, epoch: int) -> None:
+        with self._held_lock:
+            self._held[task_id] = epoch
+
+    def _unhold(self, task_id: str) -> None:
+        with self._held_lock:
+            self._held.pop(task_id, None)
+
+    def _lease_for(self, row: tuple, writing: str) -> int:
+        """(Row locked FOR UPDATE: id, status, mode, lease_owner, lease_expires_at, claims, now.)
+        The epoch this replica writes the task under: its own lease, or a free or expired one it
+        takes over (a new epoch). LeaseLost when another replica's lease is live, or when the
+        lease this replica held has passed to another."""
+        task_id, _, _, owner, expires, claims, now = row
+        with self._held_lock:
+            mine = self._held.get(task_id)
+        if owner == self.owner and (mine is None or mine == claims):
+            return claims
+        if mine is not None:
+            self._unhold(task_id)
+            raise LeaseLost(task_id, f"{writing} of task {task_id} refused: this replica's lease (epoch {mine}) "
+                            f"has passed to {owner or 'nobody (queued again)'} (epoch {claims})")
+        if owner is None or expires < now:
+            return claims + 1
+        raise LeaseLost(task_id, f"{writing} of task {task_id} refused: replica {owner} holds its lease for "
+                        f"{expires - now:.1f} s more; only the lease holder writes it")
+
+    def _locked(self, conn: psycopg.Connection, task_ids: list[str]) -> dict[str, tuple]:
+        rows = conn.execute(f"SELECT {_LOCK_COLUMNS} FROM rev88_tasks WHERE id = ANY(%s) FOR UPDATE",
+                            (task_ids,)).fetchall()
+        return {row[0]: row for row in rows}
+
+    def _summary(self, conn: psycopg.Connection, task_id: str) -> TaskRecord | None:
+        row = conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,)).fetchone()
+        return None if row is None else _record(row, False)
+
+    # ------------------------------------------------------------------ the interface
+
+    def create(self, *, task_id: str, kind: str, mode: str, backend: str, config: dict, options: dict,
+               train_count: int, test_count: int, body_sha256: str | None, body_bytes: int,
+               input_hashes: dict | None = None, body: bytes | None = None,
+               idempotency_key: str | None = None) -> tuple[TaskRecord, bool]:
+        """Record a new task as queued: (record, True); with ``body`` its npz in the same
+        transaction. An asynchronous task is then claimable by any replica (and a wake-up is
+        sent); a synchronous one is held by this replica. An ``idempotency_key`` already in the
+        ledger: the same body and options give (that task, False), anything else raises
+        IdempotencyConflict (one INSERT … ON CONFLICT: unique across replicas)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if body is not None and len(body) != body_bytes:
+            raise ValueError(f"body_bytes is {body_bytes} but the body has {len(body)} bytes")
+        if idempotency_key is not None and not idempotency_key:
+            raise ValueError("idempotency_key must be a non-empty string or None")
+        if body_sha256 is None and (idempotency_key is not None or body is not None):
+            raise ValueError("a task with an idempotency key or a stored upload needs its body_sha256")
+        _check_id(task_id)
+        held = mode == "sync"
+        params = {
+            "id": task_id, "kind": kind, "mode": mode, "backend": backend, "config": _dumps(config),
+            "options": _dumps(options), "train": int(train_count), "test": int(test_count),
+            "hashes": None if input_hashes is None else _dumps(input_hashes), "sha": body_sha256,
+            "bytes": int(body_bytes), "has_input": body is not None, "key": idempotency_key,
+            "owner": self.owner if held else None, "lease": self.lease_s if held else None,
+            "claims": 1 if held else 0,
+        }
+        insert = (
+            "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
+            " test_count, input_hashes, body_sha256, body_bytes, has_input, idempotency_key, lease_owner,"
+            f" lease_expires_at, claims) VALUES (%(id)s, 'queued', %(kind)s, %(mode)s, {NOW}, %(backend)s,"
+            " %(config)s, %(options)s, %(train)s, %(test)s, %(hashes)s, %(sha)s, %(bytes)s, %(has_input)s, %(key)s,"
+            f" %(owner)s, {NOW} + %(lease)s, %(claims)s)"
+        )
+        if idempotency_key is not None:
+            insert += " ON CONFLICT (idempotency_key) DO NOTHING"
+        insert += f" RETURNING {ALL_COLUMNS}"
+        try:
+            for _ in range(3):  # a conflicting row deleted meanwhile (retention): insert again
+                with self._conn(f"record task {task_id}") as conn:
+                    row = conn.execute(insert, params, binary=True).fetchone()
+                    if row is None:
+                        found = conn.execute(f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE idempotency_key = %s",
+                                             (idempotency_key,), binary=True).fetchone()
+                        if found is None:
+                            continue
+                        existing = _record(found, True)
+                        if not (existing.body_sha256 == body_sha256 and existing.kind == kind
+                                and existing.backend == backend and _dumps(existing.config) == params["config"]
+                                and _dumps(existing.options) == params["options"]):
+                            raise IdempotencyConflict(idempotency_key, existing.id)
+                        return existing, False
+                    if body is not None:
+                        conn.execute("INSERT INTO rev88_task_inputs (task_id, bytes, body) VALUES (%s, %s, %b)",
+                                     (task_id, len(body), body))
+                    if mode == "async":
+                        conn.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
+                    record = _record(row, True)
+                break
+            else:  # pragma: no cover - three deletions in a row
+                raise LedgerUnavailable(f"cannot record task {task_id}: its Idempotency-Key kept changing hands")
+        except psycopg.errors.UniqueViolation as exc:
+            raise ValueError(f"task id {task_id} is already in the ledger ({_first_line(exc)})") from exc
+        except psycopg.IntegrityError as exc:
+            raise ValueError(f"cannot record task {task_id}: {_first_line(exc)}") from exc
+        if held:
+            self._hold(task_id, 1)
+        return record, True
+
+    def mark_running(self, task_id: str, device: str | None = None) -> None:
+        """queued (or running, re-run after a replica stopped) -> running; sets started_at (server
+        clock) and takes the task's lease for this replica (LeaseLost if another holds it)."""
+        with self._conn(f"mark task {task_id} running") as conn:
+            row = self._locked(conn, [task_id]).get(task_id)
+            if row is None:
+                raise KeyError(task_id)
+            if row[1] in FINISHED:
+                raise AlreadyFinished(self._summary(conn, task_id))
+            epoch = self._lease_for(row, "marking running")
+            conn.execute(
+                f"UPDATE rev88_tasks SET status = 'running', started_at = {NOW}, device = COALESCE(%s, device),"
+                f" attempts = attempts + 1, lease_owner = %s, lease_expires_at = {NOW} + %s, claims = %s WHERE id = %s",
+                (device, self.owner, self.lease_s, epoch, task_id))
+        self._hold(task_id, epoch)
+
+    def mark_running_many(self, started: list[tuple[str, str | None, float]]) -> list[str]:
+        """``(task id, device, started_at)`` of tasks a launch started, in one transaction: each
+        unfinished one this replica may hold -> running, as ``mark_running``. Returns the ids it
+        left alone (unknown, finished meanwhile, or held by another replica)."""
+        if not started:
+            return []
+        skipped, updates = [], []
+        with self._conn(f"mark {len(started)} task(s) running") as conn:
+            rows = self._locked(conn, [t for t, _, _ in started])
+            for task_id, device, started_at in started:
+                row = rows.get(task_id)
+                if row is None or row[1] in FINISHED:
+                    skipped.append(task_id)
+                    continue
+                try:
+                    epoch = self._lease_for(row, "marking running")
+                except LeaseLost as exc:
+                    log.warning("task not marked running: %s", exc)
+                    skipped.append(task_id)
+                    continue
+                updates.append((started_at, device, self.owner, self.lease_s, epoch, task_id))
+            if updates:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "UPDATE rev88_tasks SET status = 'running', started_at = %s, device = COALESCE(%s, device),"
+                        f" attempts = attempts + 1, lease_owner = %s, lease_expires_at = {NOW} + %s, claims = %s"
+                        " WHERE id = %s", updates)
+        for update in updates:
+            self._hold(update[5], update[4])
+        return skipped
+
+    def finish(self, task_id: str, status: str, answer: dict | None = None,
+               error: dict | None = None, answer_json: bytes | None = None,
+               with_answer: bool = True, input_hashes: dict | None = None) -> TaskRecord:
+        """Record the outcome and delete the task's input, in one transaction, then apply
+        retention. KeyError for an unknown task, AlreadyFinished for a finished one, LeaseLost
+        when another replica holds (or has taken over) its lease: fenced by owner and epoch."""
+        if status not in FINISHED:
+            raise ValueError(f"finish status must be one of {', '.join(FINISHED)}, got {status!r}")
+        if status == "succeeded" and (answer is None or error is not None):
+            raise ValueError("a succeeded task needs its answer and no error")
+        if status != "succeeded" and answer is not None:
+            raise ValueError(f"a {status} task has no answer")
+        if status == "failed" and error is None:
+            raise ValueError("a failed task needs its error")
+        if answer_json is not None and answer is None:
+            raise ValueError("answer_json without the answer it encodes")
+        blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
+        sha, run_ms, energy_j = _answer_columns(answer)
+        columns = ALL_COLUMNS if with_answer else SUMMARY_COLUMNS
+        with self._conn(f"record the result of task {task_id}") as conn:
+            row = self._locked(conn, [task_id]).get(task_id)
+            if row is None:
+                raise KeyError(task_id)
+            if row[1] in FINISHED:
+                raise AlreadyFinished(self._summary(conn, task_id))
+            self._lease_for(row, "the result")
+            done = conn.execute(
+                f"UPDATE rev88_tasks SET status = %s, finished_at = {NOW}, answer = %b, answer_codec = %s,"
+                " answer_bytes = %s, answer_json_bytes = %s, error = %s, predictions_sha256 = %s, run_ms = %s,"
+                " energy_j = %s, input_hashes = COALESCE(%s, input_hashes), has_input = false, lease_owner = NULL,"
+                f" lease_expires_at = NULL WHERE id = %s RETURNING {columns}",
+                (status, blob, ANSWER_CODEC if blob is not None else None, len(blob or b""), json_bytes,
+                 None if error is None else _dumps(error), sha, run_ms, energy_j,
+                 None if input_hashes is None else _dumps(input_hashes), task_id), binary=True).fetchone()
+            conn.execute("DELETE FROM rev88_task_inputs WHERE task_id = %s", (task_id,))
+            record = _record(done, with_answer)
+        self._unhold(task_id)
+        if self._totals is not None:
+            self._totals = (self._totals[0] + 1, self._totals[1] + len(blob or b""))
+        self._retain(keep=task_id)
+        return record
+
+    def add_finished(self, tasks: list[FinishedTask]) -> None:
+        """Record tasks that ran and finished without a record before, in one transaction, then
+        apply retention. ValueError for a bad outcome or an id already in the ledger."""
+        rows = []
+        added = 0
+        for t in tasks:
+            if t.kind not in KINDS or t.mode not in MODES or t.status not in FINISHED:
+                raise ValueError(f"bad finished task {t.task_id}: kind {t.kind!r}, mode {t.mode!r}, status {t.status!r}")
+            if (t.status == "succeeded") != (t.answer is not None) or (t.answer is None and t.error is None):
+                raise ValueError(f"finished task {t.task_id}: a succeeded task has its answer, any other its error")
+            _check_id(t.task_id)
+            hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
+            blob, json_bytes = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0)
+            sha, run_ms, energy_j = _answer_columns(t.answer)
+            added += len(blob or b"")
+            rows.append((
+                t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at,
+                1 if t.started_at is not None else 0, t.backend, _dumps(t.config), _dumps(t.options),
+                int(t.train_count), int(t.test_count), None if hashes is None else _dumps(hashes),
+                t.body_sha256, int(t.body_bytes), t.device, blob, ANSWER_CODEC if blob is not None else None,
+                len(blob or b""), json_bytes, None if t.error is None else _dumps(t.error), sha, run_ms, energy_j,
+            ))
+        if not rows:
+            return
+        try:
+            with self._conn(f"record {len(rows)} finished task(s)") as conn, conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, started_at, finished_at, attempts,"
+                    " backend, config, options, train_count, test_count, input_hashes, body_sha256, body_bytes,"
+                    " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
+                    f" run_ms, energy_j) VALUES (%s, %s, %s, %s, %s, %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
+                    " %s, %b, %s, %s, %s, %s, %s, %s, %s)", rows)
+        except psycopg.IntegrityError as exc:
+            raise ValueError(f"a finished task's id is already in the ledger ({_first_line(exc)})") from exc
+        if self._totals is not None:
+            self._totals = (self._totals[0] + len(rows), self._totals[1] + added)
+        self._retain(keep=rows[-1][0])
+
+    # ------------------------------------------------------------------ retention
+
+    def _retain(self, keep: str | None, force: bool = False) -> None:
+        """Retention after a result is committed, in SQL: while more than ``retain_tasks``
+        finished tasks are stored or their answers take more than ``retain_bytes``, the task
+        that finished longest ago is deleted (never ``keep``, the one just finished; never an
+        unfinished one). Within the limits as last counted (and counted less than
+        RETENTION_CHECK_S ago: other replicas finish tasks too) nothing is opened. A failure
+        loses nothing: reported, retried after the next finish."""
+        totals = self._totals
+        if (not force and totals is not None and totals[0] <= self.retain_tasks and totals[1] <= self.retain_bytes
+                and time.monotonic() - self._retain_checked < RETENTION_CHECK_S):
+            return
+        try:
+            with self._conn("apply retention") as conn:
+                self._apply_retention(conn, keep)
+            self._retain_checked = time.monotonic()
+        except LedgerUnavailable as exc:
+            self._totals = None
+            log.warning("task ledger retention skipped: %s", exc)
+
+    def _apply_retention(self, conn: psycopg.Connection, keep: str | None) -> int:
+        if not conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (RETENTION_LOCK,)).fetchone()[0]:
+            return 0  # another replica applies it right now
+        count, stored = conn.execute(
+            "SELECT count(*), COALESCE(sum(answer_bytes), 0) FROM rev88_tasks WHERE finished_at IS NOT NULL"
+        ).fetchone()
+        if count <= self.retain_tasks and stored <= self.retain_bytes:
+            self._totals = (count, int(stored))
+            return 0
+        # row i of the finished tasks, oldest first (keep left out), is deleted while the tasks
+        # after it would still be over a limit: a prefix of that order, as the SQLite ledger does
+        deleted = conn.execute(
+            "DELETE FROM rev88_tasks t USING ("
+            "  SELECT id, row_number() OVER w AS i, sum(answer_bytes) OVER w - answer_bytes AS before"
+            "  FROM rev88_tasks WHERE finished_at IS NOT NULL AND id IS DISTINCT FROM %(keep)s"
+            "  WINDOW w AS (ORDER BY finished_at, id)) o"
+            " WHERE t.id = o.id AND (%(count)s - (o.i - 1) > %(n)s OR %(stored)s - o.before > %(b)s)"
+            " RETURNING t.answer_bytes",
+            {"keep": keep, "count": count, "stored": stored, "n": self.retain_tasks, "b": self.retain_bytes},
+        ).fetchall()
+        self._totals = (count - len(deleted), int(stored) - sum(r[0] for r in deleted))
+        return len(deleted)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, task_id: str) -> TaskRecord | None:
+        with self._conn(f"read task {task_id}", transaction=False) as conn:
+            row = conn.execute(f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,),
+                               binary=True).fetchone()
+        return None if row is None else _record(row, True)
+
+    def list(self, limit: int = 50, cursor: str | None = None,
+             status: str | None = None) -> tuple[list[TaskRecord], str | None]:
+        """Newest first (created_at, then id), keyset-paged over the shared table. Returns
+        (records without their answers, the cursor of the next page or None at the end)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, got {limit!r}")
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        where, args = [], []
+        if status is not None:
+            where.append("status = %s")
+            args.append(status)
+        if cursor is not None:
+            created_at, last_id = _decode_cursor(cursor)
+            where.append("(created_at, id) < (%s, %s)")
+            args += [created_at, last_id]
+        sql = f"SELECT {SUMMARY_COLUMNS} FROM rev88_tasks"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, id DESC LIMIT %s"
+        args.append(limit + 1)
+        with self._conn("list tasks", transaction=False) as conn:
+            rows = conn.execute(sql, args, binary=True).fetchall()
+        records = [_record(row, False) for row in rows[:limit]]
+        next_cursor = None
+        if len(rows) > limit:
+            last = records[-1]
+            next_cursor = _encode_cursor(last.created_at, last.id)
+        return records, next_cursor
+
+    def unfinished(self) -> list[TaskRecord]:
+        """Queued and running tasks, oldest first (every replica's)."""
+        with self._conn("list unfinished tasks", transaction=False) as conn:
+            rows = conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM rev88_tasks WHERE status IN ('queued', 'running')"
+                                " ORDER BY created_at, id", binary=True).fetchall()
+        return [_record(row, False) for row in rows]
+
+    def load_upload(self, task_id: str) -> bytes:
+        body = self.load_uploads([task_id]).get(task_id)
+        if body is None:
+            raise LedgerError(f"the upload of task {task_id} is missing: no row in rev88_task_inputs "
+                              f"(task ledger PostgreSQL {self.path})")
+        return body
+
+    def load_uploads(self, task_ids: list[str]) -> dict[str, bytes]:
+        """The stored npz of each task that has one (one query)."""
+        if not task_ids:
+            return {}
+        with self._conn(f"read the upload of {len(task_ids)} task(s)", transaction=False) as conn:
+            rows = conn.execute("SELECT task_id, body FROM rev88_task_inputs WHERE task_id = ANY(%s)",
+                                (list(task_ids),), binary=True).fetchall()
+        return {task_id: bytes(body) for task_id, body in rows}
+
+    def queue_depth(self) -> dict[str, int]:
+        """The shared queue (asynchronous tasks of every replica): queued and not claimed,
+        claimed and not yet started, running. One count for the whole deployment."""
+        with self._conn("count the shared queue", transaction=False) as conn:
+            free, claimed, running = conn.execute(
+                "SELECT count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NULL),"
+                " count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NOT NULL),"
+                " count(*) FILTER (WHERE status = 'running')"
+                " FROM rev88_tasks WHERE status IN ('queued', 'running') AND mode = 'async'").fetchone()
+        stats = {"queued": free + claimed, "unclaimed": free, "claimed": claimed, "running": running,
+                 "at": time.time()}
+        self._queue_stats = stats
+        return stats
+
+    def counts(self) -> dict:
+        """Tasks per status, stored answer and input bytes, the shared queue, the pool, schema."""
+        with self._conn("count tasks", transaction=False) as conn:
+            per_status = dict(conn.execute("SELECT status, count(*) FROM rev88_tasks GROUP BY status").fetchall())
+            stored, json_bytes = conn.execute(
+                "SELECT COALESCE(sum(answer_bytes), 0), COALESCE(sum(answer_json_bytes), 0) FROM rev88_tasks"
+            ).fetchone()
+            inputs, input_bytes = conn.execute(
+                "SELECT count(*), COALESCE(sum(bytes), 0) FROM rev88_task_inputs").fetchone()
+            version = conn.execute("SELECT max(version) FROM rev88_schema").fetchone()[0]
+            db_bytes = conn.execute("SELECT pg_total_relation_size('rev88_tasks')"
+                                    " + pg_total_relation_size('rev88_task_inputs')").fetchone()[0]
+        queue = self.queue_depth()
+        return {
+            "tasks": {name: per_status.get(name, 0) for name in STATUSES},
+            "total": sum(per_status.values()),
+            "answer_bytes": int(stored),
+            "answer_json_bytes": int(json_bytes),
+            "db_bytes": int(db_bytes),
+            "upload_files": int(inputs),
+            "upload_bytes": int(input_bytes),
+            "schema_version": version,
+            "path": self.path,
+            "retain_tasks": self.retain_tasks,
+            "retain_bytes": self.retain_bytes,
+            **self.stats(),
+            "queue": queue,
+        }
+
+    def stats(self) -> dict:
+        """What /metrics and /health show without a query: engine, pool, leases held, the
+        shared queue as last counted."""
+        pool = self._pool
+        raw = pool.get_stats() if pool is not None else {}
+        size = raw.get("pool_size", 0)
+        idle = raw.get("pool_available", 0)
+        return {
+            "engine": self.engine,
+            "owner": self.owner,
+            "leases_held": len(self._held),
+            "lease_s": self.lease_s,
+            "lease_attempts": self.lease_attempts,
+            "pool": {"max": self.pool_size, "open": size, "in_use": max(0, size - idle), "idle": idle,
+                     "waiting": raw.get("requests_waiting", 0), "timeout_s": self.timeout_s,
+                     "last_connect_error": self._connect_error},
+            "queue": self._queue_stats,
+        }
+
+    # ------------------------------------------------------------------ claims and leases
+
+    def claim(self, limit: int) -> list[Claim]:
+        """Up to ``limit`` queued asynchronous tasks, oldest first, leased to this replica
+        (``FOR UPDATE SKIP LOCKED``: replicas claiming at once never take the same task)."""
+        if limit < 1:
+            return []
+        with self._conn(f"claim up to {limit} queued task(s)") as conn:
+            rows = conn.execute(
+                f"UPDATE rev88_tasks t SET lease_owner = %(owner)s, lease_expires_at = {NOW} + %(lease)s,"
+                " claims = t.claims + 1"
+                " FROM (SELECT id FROM rev88_tasks WHERE status = 'queued' AND mode = 'async'"
+                "       AND lease_owner IS NULL AND cancel_requested_at IS NULL"
+                "       ORDER BY created_at, id LIMIT %(n)s FOR UPDATE SKIP LOCKED) c"
+                f" WHERE t.id = c.id RETURNING {T_SUMMARY_COLUMNS}, t.claims",
+                {"owner": self.owner, "lease": self.lease_s, "n": int(limit)}, binary=True).fetchall()
+        claims = sorted((Claim(_record(row, False), row[23]) for row in rows),
+                        key=lambda c: (c.record.created_at, c.record.id))
+        for c in claims:
+            self._hold(c.record.id, c.epoch)
+        return claims
+
+    def renew(self) -> Renewal:
+        """Extend every lease this replica holds by ``lease_s`` (server clock). Leases that no
+        longer carry this replica's owner and epoch are dropped and reported lost."""
+        with self._held_lock:
+            snapshot = dict(self._held)
+        if not snapshot:
+            return Renewal([], [], [])
+        ids = list(snapshot)
+        with self._conn(f"renew {len(ids)} lease(s)") as conn:
+            rows = conn.execute(
+                f"UPDATE rev88_tasks t SET lease_expires_at = {NOW} + %(lease)s"
+                " FROM unnest(%(ids)s::text[], %(epochs)s::int[]) AS h(id, epoch)"
+                " WHERE t.id = h.id AND t.claims = h.epoch AND t.lease_owner = %(owner)s"
+                " AND t.status IN ('queued', 'running')"
+                " RETURNING t.id, t.cancel_requested_at IS NOT NULL",
+                {"lease": self.lease_s, "ids": ids, "epochs": [snapshot[i] for i in ids], "owner": self.owner},
+            ).fetchall()
+        renewed = {task_id for task_id, _ in rows}
+        lost = []
+        with self._held_lock:
+            for task_id, epoch in snapshot.items():
+                # still held under the same epoch after the update (not finished here meanwhile): lost
+                if task_id not in renewed and self._held.get(task_id) == epoch:
+                    del self._held[task_id]
+                    lost.append(task_id)
+        return Renewal(sorted(renewed), lost, sorted(task_id for task_id, cancel in rows if cancel))
+
+    def release(self, task_ids: list[str]) -> list[str]:
+        """Give back this replica's leases of unfinished asynchronous tasks (a drain): queued
+        again at once for any replica, without counting as an expiry. Returns the ids released."""
+        if not task_ids:
+            return []
+        with self._conn(f"release {len(task_ids)} lease(s)") as conn:
+            rows = conn.execute(
+                "UPDATE rev88_tasks SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL"
+                " WHERE id = ANY(%s) AND lease_owner = %s AND status IN ('queued', 'running') AND mode = 'async'"
+                " RETURNING id", (list(task_ids), self.owner)).fetchall()
+            if rows:
+                conn.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
+        for task_id in task_ids:
+            self._unhold(task_id)
+        return [r[0] for r in rows]
+
+    def reap(self) -> dict[str, int]:
+        """Every lease past its expiry (server clock), any replica's: the asynchronous task is
+        queued again, or failed once its lease has expired ``lease_attempts`` times; a
+        synchronous one is failed; one whose cancellation was requested is cancelled."""
+        counts = {"requeued": 0, "failed": 0, "cancelled": 0}
+        finished, requeued = [], []
+        with self._conn("reap expired leases") as conn:
+            rows = conn.execute(
+                f"SELECT id, mode, lease_owner, expiries, cancel_requested_at IS NOT NULL FROM rev88_tasks"
+                f" WHERE status IN ('queued', 'running') AND lease_owner IS NOT NULL AND lease_expires_at < {NOW}"
+                f" ORDER BY lease_expires_at LIMIT {REAP_BATCH} FOR UPDATE SKIP LOCKED").fetchall()
+            for task_id, mode, owner, expiries, cancel in rows:
+                if cancel:
+                    status, error = "cancelled", {"status": 409, "error": (
+                        f"cancelled (POST /tasks/{task_id}/cancel); replica {owner}, which held it, stopped "
+                        "renewing its lease, so it was recorded cancelled by another replica")}
+                elif mode == "sync":
+                    status, error = "failed", {"status": 503, "error": (
+                        f"replica {owner} stopped while running this synchronous task (its lease expired); its "
+                        "client's connection went with it; submit the task again")}
+                elif expiries + 1 >= self.lease_attempts:
+                    status, error = "failed", {"status": 500, "error": (
+                        f"given up: the task's lease expired {expiries + 1} times (REV88_LEASE_ATTEMPTS = "
+                        f"{self.lease_attempts}): each replica that claimed it stopped or lost the database "
+                        f"before it finished (the last: {owner})")}
+                else:
+                    requeued.append(task_id)
+                    continue
+                finished.append((status, _dumps(error), task_id))
+                counts[status] += 1
+            with conn.cursor() as cur:
+                if requeued:
+                    cur.execute("UPDATE rev88_tasks SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL,"
+                                " expiries = expiries + 1 WHERE id = ANY(%s)", (requeued,))
+                    cur.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
+                if finished:
+                    cur.executemany(f"UPDATE rev88_tasks SET status = %s, finished_at = {NOW}, error = %s,"
+                                    " has_input = false, lease_owner = NULL, lease_expires_at = NULL,"
+                                    " expiries = expiries + 1 WHERE id = %s", finished)
+                    cur.execute("DELETE FROM rev88_task_inputs WHERE task_id = ANY(%s)", ([f[2] for f in finished],))
+        counts["requeued"] = len(requeued)
+        for task_id in requeued + [f[2] for f in finished]:
+            self._unhold(task_id)  # one of this replica's own, if it could not renew in time
+        if rows:
+            log.warning("reaped expired leases", extra={**counts, "tasks": [r[0] for r in rows]})
+        if finished:
+            self._totals = None
+            self._retain(keep=None, force=True)
+        return counts
+
+    def request_cancel(self, task_id: str) -> tuple[str, TaskRecord | None]:
+        """A cancel from any replica. A task nobody holds (queued, not claimed) is cancelled
+        here: ("cancelled", its record). A held one gets ``cancel_requested_at`` and a
+        notification for its holder, which stops it and records it cancelled: ("requested",
+        None); should the holder be gone, the reaper records it cancelled once its lease expires.
+        KeyError for an unknown task, AlreadyFinished for a finished one."""
+        with self._conn(f"cancel task {task_id}") as conn:
+            row = self._locked(conn, [task_id]).get(task_id)
+            if row is None:
+                raise KeyError(task_id)
+            if row[1] in FINISHED:
+                raise AlreadyFinished(self._summary(conn, task_id))
+            if row[3] is None:
+                done = conn.execute(
+                    f"UPDATE rev88_tasks SET status = 'cancelled', finished_at = {NOW}, error = %s,"
+                    f" has_input = false WHERE id = %s RETURNING {SUMMARY_COLUMNS}",
+                    (_dumps({"status": 409, "error": "cancelled before it ran"}), task_id)).fetchone()
+                conn.execute("DELETE FROM rev88_task_inputs WHERE task_id = %s", (task_id,))
+                return "cancelled", _record(done, False)
+            conn.execute(f"UPDATE rev88_tasks SET cancel_requested_at = COALESCE(cancel_requested_at, {NOW})"
+                         " WHERE id = %s", (task_id,))
+            conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL_CANCEL, task_id))
+        return "requested", None
+
+    def listen(self, on_notify: Callable[[str, str], None], stop: threading.Event,
+               reconnect_s: float = 1.0) -> None:
+        """Blocking (run it in a thread of its own until ``stop`` is set): LISTEN for the wake-up
+        channels on a connection of its own and call ``on_notify(channel, payload)`` for each
+        notification, and ``on_notify("connected", "")`` after every (re)connection (whatever was
+        sent meanwhile is lost: the caller polls then). Reconnects by itself."""
+        while not stop.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True, **self._options()) as conn:
+                    conn.execute(f"LISTEN {CHANNEL_QUEUED}")
+                    conn.execute(f"LISTEN {CHANNEL_CANCEL}")
+                    on_notify("connected", "")
+                    while not stop.is_set():
+                        for note in conn.notifies(timeout=0.5):
+                            on_notify(note.channel, note.payload)
+            except psycopg.Error as exc:
+                if not stop.is_set():
+                    log.warning("task ledger notifications lost; reconnecting", extra={"error": _first_line(exc)})
+                    stop.wait(reconnect_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.close(timeout=5.0)
+
+    def __enter__(self) -> PostgresLedger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
