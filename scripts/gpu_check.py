@@ -11,8 +11,9 @@ the pre-check, which stops the run early when it fails):
             16-element Triton kernel launched, the service's packages
   cuda      scripts/gpu_check_cuda.py: graphs vs independent eager SGD, byte-repeatable replay,
             graph reuse across draws 0 and 1, draw-0 accuracy and CUDA ms
-  energy    scripts/gpu_check_energy.py: the paired-idle protocol briefly, /health telemetry, one
-            per-request figure
+  energy    scripts/gpu_check_energy.py: the gated energy protocol with short windows (two
+            meters, reference matmul windows, sham, harness control; every gate printed),
+            /health telemetry, one per-request figure
   fused     scripts/gpu_check_fused.py: fused vs cuda on draw 0 (equality is the pass; a differing
             query's margins and both accuracies are reported), a T = SM-count launch, auto's
             self-check, ms and mJ per task of cuda / fused / fused-T and the ratios
@@ -76,14 +77,16 @@ MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy":
 # precheck  imports + one tiny Triton compile and launcher build (~5 s) + two cc runs
 # cuda      4 captures of small programs + 1 of the 10k program (~1-2 s each), ~12 task runs of
 #           ~40 ms, one cpu-backend draw-0 run (~0.5 s), two make_task (~0.5 s each)
-# energy    2 trials x (2 s active + 2 x (1 s settle + 1 s idle)) = 12 s, + first, calibration,
-#           after and one per-request run with 1 s of idle sampling
+# energy    the gated protocol's windows: 2 reference phases (2 s + 2 x (0.5 s settle + 1 s idle)),
+#           sham and harness (2 s + 3 s each), 2 trials (2 s + 3 s each) = 30 s, + the sampler
+#           process's start, the 4096^2 matrices and their checks, first, calibration, after and
+#           one per-request run with 1 s of idle sampling
 # fused     two kernel compiles (draw 0's, the self-check's: ~9 s each for sm_90 measured here on the CPU),
 #           the draw-0 runs, a 132-task launch (staging ~1 GB of inputs), timing repeats, then
 #           three energy protocols of ~15-20 s each
 # service   start: imports, learner validation, fused warm-up (one more compile, ~10 s); the
 #           requests (~10 s); drain ~2 s
-DEVICE_ESTIMATE_S = {"precheck": 20, "cuda": 30, "energy": 25, "fused": 180, "service": 75}
+DEVICE_ESTIMATE_S = {"precheck": 20, "cuda": 30, "energy": 40, "fused": 180, "service": 75}
 # Fewer seconds left than this and a section is not started (it is then marked "skipped" for the
 # budget): on a GPU from the estimates above; in a dry run from its own times here (2-core machine,
 # quiet: precheck 1-3 s, cuda 2-13 s, energy 4-11 s, fused 17-75 s, service 7-46 s), low enough
@@ -206,8 +209,16 @@ def headline(name: str, r: dict) -> str:
             return f"draw0 {d.get('correct')} correct, {d.get('vs_cpu', {}).get('differing')} differ from cpu, median {ms:.1f} ms"
         if name == "energy":
             s = (r.get("summary") or {}).get("idle_adjusted_mj_per_task") or {}
+            net = (r.get("net_mj_per_task") or {}).get("mean")
             failed = [k for k, v in (r.get("checks") or {}).items() if not v]
-            return (f"idle-adjusted {s.get('mean', float('nan')):.1f} mJ/task" + (f"; failed {', '.join(failed)}" if failed else ""))
+            gates = ", ".join(f"{k} {v.get('status')}" for k, v in (r.get("gates") or {}).items())
+            scenarios = "; ".join(f"simulated {k}: failed {', '.join(v['failed_gates']) or 'none'}"
+                                  for k, v in (r.get("scenarios") or {}).items())
+            return ((f"net {net:.1f} mJ/task" if net is not None else
+                     f"idle-adjusted {s.get('mean', float('nan')):.1f} mJ/task")
+                    + (f"; gated valid {r.get('valid')}: {gates}" if gates else "")
+                    + (f"; {scenarios}" if scenarios else "")
+                    + (f"; failed {', '.join(failed)}" if failed else ""))
         if name == "fused":
             p = r.get("performance", {})
             ms, mj, ra = p.get("ms_per_task", {}), p.get("idle_adjusted_mj_per_task", {}), p.get("ratios", {})
