@@ -77,8 +77,9 @@ def check_product(a, b, c, rows: int = ROWS_CHECKED) -> dict:
     got = c[index].double()
     error = float((got - exact).abs().max())
     rms = float(exact.pow(2).mean().sqrt())
-    return {"rows_checked": [int(i) for i in index], "max_abs_error": error, "reference_rms": rms,
-            "finite": bool(torch.isfinite(got).all())}
+    finite = bool(torch.isfinite(got).all()) and math.isfinite(error)
+    return {"rows_checked": [int(i) for i in index], "max_abs_error": error if finite else None,
+            "reference_rms": rms, "finite": finite}  # no NaN in a record: it must stay JSON
 
 
 class TorchMatmulReference:
