@@ -547,6 +547,9 @@ class DeviceExecutor:
         worker.tasks += len(group)
         worker.launches += 1
         self._finish(worker, group, outcomes)
+        # A failed run's traceback holds this frame: without these locals, no cycle from it back to
+        # the exception and the jobs (their closures hold the tasks' arrays) for the cyclic GC to find.
+        del group, outcomes
 
     def _finish(self, worker: Worker, group: list[Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
         discarded: list[tuple[Job, BaseException | None]] = []

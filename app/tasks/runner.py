@@ -34,7 +34,15 @@ from learner.config import Config, make_config
 from learner.taskio import TaskArrays, load_task
 
 from ..errors import TaskStopped, Unavailable, error_answer, outcome_of
-from ..ledger import AlreadyFinished, FinishedTask, Ledger, LedgerWriter, TaskRecord
+from ..ledger import (
+    AlreadyFinished,
+    FinishedTask,
+    LeaseLost,
+    Ledger,
+    LedgerUnavailable,
+    LedgerWriter,
+    TaskRecord,
+)
 from ..runtime.executor import Batch, DeviceExecutor, Job
 from ..runtime.metrics import Metrics
 from .answers import Settled, run_timing, task_answer
@@ -126,6 +134,10 @@ class TaskRunner:
         self.task_timeout_s, self.batch_max, self.versions = task_timeout_s, batch_max, versions
         self.pending: dict[str, Accepted] = {}  # task id -> its acceptance, while queued or running here
         self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
+        # With a ledger the replicas share (PostgreSQL): the SharedQueue (app/tasks/claims.py) that
+        # claims asynchronous tasks for this replica's workers; None with SQLite.
+        self.shared: Any = None
+        self.record_retry_s = 60.0  # a claimed task's result: retried this long while the database is away
 
     # ------------------------------------------------------------------ accept
     def record(self, acc: Accepted, body_sha256: str | None, body_bytes: int, body: bytes | None,
@@ -177,6 +189,8 @@ class TaskRunner:
                 reserved=reserved, cancel=acc.cancel, on_start=started,
             )
         acc.job = job
+        if self.shared is not None:  # a worker frees up when it ends: claim more
+            job.future.add_done_callback(self.shared.job_done)
         return job
 
     def timeout_for(self, acc: Accepted) -> float:
@@ -193,6 +207,9 @@ class TaskRunner:
             return await self._settle(acc, gone)
         finally:
             self.pending.pop(acc.task_id, None)
+            # The job's closures hold ``acc`` (its arrays, megabytes): without this link back the
+            # pair is a reference cycle, freed only by the cyclic GC's next full pass, not here.
+            acc.job = None
 
     async def _settle(self, acc: Accepted, gone: Awaitable | None) -> Settled:
         job = acc.job
@@ -214,9 +231,11 @@ class TaskRunner:
                 await asyncio.wrap_future(self.writer.finished(
                     self.finished_task(acc, "succeeded", answer=settled.body, answer_json=content)))
             else:
-                await self.writer.run(  # the hashes there, not here: never waited for on the event loop
-                    lambda: self.ledger.finish(acc.task_id, "succeeded", settled.body, None, content, False,
-                                               input_hashes(acc.task)))
+                await self._write_outcome(acc, lambda: self.ledger.finish(  # the hashes on the writer thread,
+                    acc.task_id, "succeeded", settled.body, None, content, False,  # never waited for on the loop
+                    input_hashes(acc.task)))
+        except LeaseLost as exc:  # shared ledger: another replica holds the task now; its result stands
+            log.warning("result refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc)})
         except AlreadyFinished:  # cancelled in the ledger meanwhile (a restart's leftovers): keep the answer
             log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
         except Exception as exc:  # noqa: BLE001 - the answer stands; the ledger could not keep it
@@ -278,6 +297,12 @@ class TaskRunner:
             # the drain deadline: an accepted asynchronous task stays queued in the ledger and the
             # next start runs it again; nothing accepted is lost
             log.warning("asynchronous task left for the next start", extra={"task_id": acc.task_id})
+            if self.shared is not None:  # shared ledger: another replica runs it now
+                try:
+                    await asyncio.to_thread(self.ledger.release, [acc.task_id])
+                except LedgerUnavailable as exc2:
+                    log.warning("lease not released (it expires instead)", extra={"task_id": acc.task_id,
+                                                                                 "error": str(exc2)})
             return
         status = "cancelled" if isinstance(exc, TaskStopped) else "failed"
         error = {"status": settled.status, **settled.body}
@@ -286,12 +311,32 @@ class TaskRunner:
             if acc.deferred:
                 await asyncio.wrap_future(self.writer.finished(self.finished_task(acc, status, error=error)))
             else:
-                await self.writer.run(lambda: self.ledger.finish(acc.task_id, status, None, error,
-                                                                 input_hashes=input_hashes(acc.task)))
+                await self._write_outcome(acc, lambda: self.ledger.finish(acc.task_id, status, None, error,
+                                                                          input_hashes=input_hashes(acc.task)))
+        except LeaseLost as exc2:
+            log.warning("outcome refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc2)})
         except AlreadyFinished:
             pass
         except Exception as exc2:  # noqa: BLE001
             log.error("could not record the failure in the ledger", extra={"task_id": acc.task_id, "error": str(exc2)})
+
+    async def _write_outcome(self, acc: Accepted, write: Callable[[], Any]) -> Any:
+        """``write`` on the ledger writer's thread. With a shared ledger an asynchronous task's
+        outcome is retried while the database is unavailable (``record_retry_s``): its lease, if
+        still this replica's when the database answers, keeps the result; if not, the write is
+        refused (LeaseLost) and the task's new holder records it."""
+        deadline = time.monotonic() + (self.record_retry_s if self.shared is not None and acc.mode == "async" else 0)
+        delay = 0.25
+        while True:
+            try:
+                return await self.writer.run(write)
+            except LedgerUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("ledger unavailable; retrying the task's outcome", extra={"task_id": acc.task_id,
+                                                                                     "error": str(exc)})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     @staticmethod
     def finished_task(acc: Accepted, status: str, **outcome: Any) -> FinishedTask:
@@ -312,9 +357,13 @@ class TaskRunner:
         """Wait (within ``timeout``) for a task of this process to finish, then for its settling
         coroutine to record it; its record as the ledger then holds it."""
         acc = self.pending.get(task_id)
-        if acc is not None and acc.job is not None:
+        # only the job's future here: a stop's traceback keeps this frame, and with ``acc`` in it,
+        # its arrays, in a reference cycle (asyncio's wait_for frame <-> the exception)
+        future = acc.job.future if acc is not None and acc.job is not None else None
+        del acc
+        if future is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(acc.job.future)), timeout)
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
             except BaseException:  # noqa: BLE001 - the job's own outcome is recorded by settle
                 pass
         record = None
@@ -347,6 +396,8 @@ class TaskRunner:
         if acc is not None and acc.job is not None:
             self.executor.withdraw(acc.job, "cancel", f"was cancelled (POST /tasks/{task_id}/cancel)")
             return await self.finished_record(task_id, 15.0)
+        if self.shared is not None:  # shared ledger: queued for any replica, or running on another
+            return await self.shared.cancel_elsewhere(task_id)
         # in the ledger but not in this process's queue (e.g. a restart's leftover not yet re-queued)
         try:
             return await asyncio.to_thread(self.ledger.finish, task_id, "cancelled", None,
@@ -356,7 +407,11 @@ class TaskRunner:
 
     # ------------------------------------------------------------------ recover
     async def recover(self) -> dict[str, int]:
-        """Queue again every asynchronous task the ledger left unfinished; fail the synchronous ones."""
+        """Queue again every asynchronous task the ledger left unfinished; fail the synchronous ones.
+        With a shared ledger, unfinished tasks may be other replicas' live work: only expired leases
+        are reaped, and the shared queue starts claiming (app/tasks/claims.py)."""
+        if self.shared is not None:
+            return await self.shared.start()
         counts = {"requeued": 0, "failed": 0}
         for rec in await asyncio.to_thread(self.ledger.unfinished):
             if rec.mode != "async":
