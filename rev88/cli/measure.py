@@ -201,7 +201,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
                   f"{_num(t['idle_adjusted_mj_per_task'])} mJ/task; unadjusted {_num(t['unadjusted_mj_per_task'])} mJ/task; "
                   f"wall {_num(t['wall_ms_per_task'])} ms/task")
         for key, stat in figures["summary"].items():
-            print(f"{key}: {_fmt(stat, '')}")
+            print(f"{key}: {_fmt(stat, 'mJ' if key.endswith('_mj_per_task') else 'ms')}")
         for note in result["not_recomputable"]:
             print(f"note: {note}")
     print("gates:")
