@@ -19,6 +19,7 @@ from .api import add_routes, errors, health, tasks
 from .api.openapi import DESCRIPTION
 from .http.logs import configure_logging
 from .http.middleware import RequestMiddleware
+from .http.protocol import ZERO_COPY_STATE
 from .service import Service
 from .settings import Settings
 
@@ -35,7 +36,7 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     async def lifespan(app: FastAPI):
         await service.start()
         try:
-            yield
+            yield {ZERO_COPY_STATE: True}  # large bodies as one memoryview (app/http/protocol.py)
         finally:
             await service.stop()
 

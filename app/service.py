@@ -33,8 +33,8 @@ from learner.result import run_task, versions
 from learner.taskio import validate_task
 from learner.validate import cached_validation
 
-from .http.uploads import UploadBudget
-from .ledger import Ledger, LedgerWriter
+from .http import uploads
+from .ledger import LedgerWriter, is_shared, open_ledger
 from .runtime.devices import GPU_BACKENDS, PlanError, plan
 from .runtime.energy import Energy
 from .runtime.executor import DeviceExecutor
@@ -87,8 +87,10 @@ class Service:
             raise SettingsError(str(exc)) from None
         self.queue_size = self.plan.queue_size
         self.batch_max = self.plan.batch_max
-        # The task ledger: a corrupt, newer or unwritable database stops startup here (LedgerError).
-        self.ledger = Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes)
+        # The task ledger: SQLite in the data dir, or PostgreSQL shared by every replica when
+        # REV88_DATABASE_URL is set (app/ledger/base.py). A corrupt, newer, unreachable or
+        # unwritable one stops startup here (LedgerError).
+        self.ledger = open_ledger(settings)
         self.ledger_writer = LedgerWriter(self.ledger)  # running marks and results, off the device workers
         self.recovered: dict[str, int] | None = None
         self.started_at = time.time()
@@ -120,9 +122,18 @@ class Service:
             engines=self.engines, metrics=self.metrics, task_timeout_s=settings.task_timeout_s,
             batch_max=self.batch_max, versions=self.versions,
         )
+        if is_shared(self.ledger):  # asynchronous tasks claimed from the shared ledger by idle workers
+            from .tasks.claims import SharedQueue
+
+            self.runner.shared = SharedQueue(
+                self.runner, self.ledger, workers=len(self.plan.devices), batch_max=self.batch_max,
+                queue_size=self.queue_size, lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
+                shared_queue_size=settings.shared_queue_size, ready=lambda: self.state == "ready")
+        self.metrics.watch_ledger(self.ledger_stats)
         # The bytes of the bodies being received or parsed (app/http/uploads.py): by default what
         # queue_size + 1 uploads of the largest size hold.
-        self.uploads = UploadBudget(settings.upload_buffer_bytes or (self.queue_size + 1) * settings.max_body_bytes)
+        self.uploads = uploads.BUDGET  # the process's, shared with the body protocol (app/http/protocol.py)
+        self.uploads.capacity = settings.upload_buffer_bytes or (self.queue_size + 1) * settings.max_body_bytes
         self._uploads_lock = threading.Lock()  # the warm-ups' bookkeeping
         self._loop: asyncio.AbstractEventLoop | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -169,6 +180,16 @@ class Service:
 
     def versions(self) -> dict[str, Any]:
         return versions()
+
+    def ledger_stats(self) -> dict[str, Any]:
+        """The ledger as /metrics shows it, without a query: engine, and for a shared ledger the
+        pool, the leases held here and the shared queue as last counted."""
+        if not is_shared(self.ledger):
+            return {"engine": getattr(self.ledger, "engine", "sqlite"), "up": True}
+        shared = self.runner.shared
+        return {**self.ledger.stats(), "up": shared is None or shared.database_error is None,
+                "queue": shared.depth if shared is not None else None,
+                "counters": dict(shared.counters) if shared is not None else {}}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -311,6 +332,8 @@ class Service:
             timer.cancel()
         if self.runner.background:  # let settling asynchronous tasks record what the workers answered
             await asyncio.wait(list(self.runner.background), timeout=5.0)
+        if self.runner.shared is not None:  # stop claiming; leases of unfinished tasks given back
+            await self.runner.shared.stop()
         self._unhook_signals()
         if not await asyncio.to_thread(self.ledger_writer.close, 10.0):
             log.error("the ledger writer did not finish its writes within 10 s")

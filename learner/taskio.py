@@ -220,6 +220,42 @@ def _read_npy_header(fh: BinaryIO, name: str, limits: Limits) -> tuple[tuple[int
     return tuple(shape), dtype, fortran
 
 
+class _MemoryReader(io.RawIOBase):
+    """A read-only file over a memoryview, copying only what is read (zipfile reads the archive's
+    directory and compressed members through it)."""
+
+    def __init__(self, memory: memoryview) -> None:
+        super().__init__()
+        self._memory, self._pos = memory, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._memory)}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._memory) if size is None or size < 0 else min(len(self._memory), self._pos + size)
+        data = bytes(self._memory[self._pos:end]) if end > self._pos else b""
+        self._pos = max(self._pos, end)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
 def read_npz(data: bytes | BinaryIO | str | Path, limits: Limits = DEFAULT_LIMITS) -> dict[str, np.ndarray]:
     """Read exactly the three allowed arrays from an npz, checking before decompressing."""
     memory = None  # the archive's bytes, when it is in memory: stored members are sliced from it
@@ -232,7 +268,8 @@ def read_npz(data: bytes | BinaryIO | str | Path, limits: Limits = DEFAULT_LIMIT
         memory = memoryview(data)
         if memory.ndim != 1 or memory.itemsize != 1:
             memory = memory.cast("B")
-        source = io.BytesIO(data)  # for zipfile's directory (shares the memory of a bytes object)
+        # for zipfile's directory: BytesIO shares a bytes object's memory but copies any other buffer
+        source = io.BytesIO(data) if isinstance(data, bytes) else _MemoryReader(memory)
     else:
         source = data
     try:

@@ -37,7 +37,7 @@ class Server:
 
 
 # the body protocol rev88 serve runs uvicorn with (app/http/protocol.py), so every server test uses it
-PROTOCOL = "app.http.protocol:ChunkedBodyHttpToolsProtocol" if protocol_class() is not None else "auto"
+PROTOCOL = "app.http.protocol:BufferedHttpToolsProtocol" if protocol_class() is not None else "auto"
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 Two real uvicorn servers on loopback (its httptools protocol, and ours) run one plain ASGI app
 that answers with what it received; the same requests go to both: empty, tiny, around the
 read-ahead limit, several MiB, chunked transfer encoding, keep-alive in between, and a body
-the app refuses unread."""
+the app refuses unread. And an app that asks for it (the lifespan state ZERO_COPY_STATE) gets a
+large body whole, read straight into one buffer: the same bytes, one message."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ import httpx
 import pytest
 import uvicorn
 
-from app.http.protocol import READ_AHEAD_BYTES, protocol_class
+from app.http.protocol import (
+    READ_AHEAD_BYTES,
+    ZERO_COPY_MIN_BYTES,
+    ZERO_COPY_STATE,
+    ChunkedBodyHttpToolsProtocol,
+    protocol_class,
+)
+from app.http.uploads import BUDGET
 
 httptools = pytest.importorskip("uvicorn.protocols.http.httptools_impl")
 
@@ -50,14 +58,30 @@ async def echo(scope, receive, send):
     await send({"type": "http.response.body", "body": body})
 
 
+LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("uvloop") is None, reason="uvloop is not installed"))]
+
+
 class Running:
-    def __init__(self, http) -> None:
+    def __init__(self, http, app=echo, loop: str = "asyncio") -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(echo, host="127.0.0.1", port=self.port, http=http,
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, http=http,
                                                     log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+        self.thread = threading.Thread(target=lambda: self._run(loop), daemon=True)
+
+    def _run(self, loop: str) -> None:
+        if loop == "uvloop":  # what rev88 serve runs on (uvicorn's loop="auto" with uvicorn[standard])
+            import uvloop
+
+            runner = uvloop.new_event_loop()
+            try:
+                runner.run_until_complete(self.server.serve())
+            finally:
+                runner.close()
+        else:
+            asyncio.run(self.server.serve())
 
     def __enter__(self) -> Running:
         self.thread.start()
@@ -78,10 +102,12 @@ def bodies():
     return [b"", b"x", big[: 64 * 1024 + 1], big[: READ_AHEAD_BYTES + 17], big]
 
 
-def test_our_protocol_delivers_uvicorns_bodies_byte_for_byte():
-    ours = protocol_class()
-    assert ours is not None and issubclass(ours, httptools.HttpToolsProtocol)
-    with Running(httptools.HttpToolsProtocol) as plain, Running(ours) as chunked:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_our_protocol_delivers_uvicorns_bodies_byte_for_byte(loop):
+    ours = protocol_class()  # a buffered protocol holding a subclass of uvicorn's own
+    assert ours is not None and issubclass(ours, asyncio.BufferedProtocol)
+    assert issubclass(ChunkedBodyHttpToolsProtocol, httptools.HttpToolsProtocol)
+    with Running(httptools.HttpToolsProtocol, loop=loop) as plain, Running(ours, loop=loop) as chunked:
         for server in (plain, chunked):
             with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as c:  # one keep-alive connection
                 got = []
@@ -103,3 +129,73 @@ def test_our_protocol_delivers_uvicorns_bodies_byte_for_byte():
                 assert again.text == f"{hashlib.sha256(b'after a refusal').hexdigest()} 15"
             server.seen = got
         assert plain.seen == chunked.seen
+
+
+def zero_copy_echo():
+    """The echo app, asking for large bodies whole (the lifespan state app/main.py sets too)."""
+    seen_types = []
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    scope["state"][ZERO_COPY_STATE] = True
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["path"] == "/refuse":
+            await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"no"})
+            return
+        h, size = hashlib.sha256(), 0
+        while True:
+            message = await receive()
+            seen_types.append((type(message["body"]).__name__, len(message["body"]), message.get("more_body", False)))
+            h.update(message["body"])
+            size += len(message["body"])
+            if not message.get("more_body"):
+                break
+        body = f"{h.hexdigest()} {size}".encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app, seen_types
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_large_body_is_read_whole_into_one_buffer_for_an_app_that_asks(loop):
+    app, seen = zero_copy_echo()
+    server = Running(protocol_class(), app, loop)
+    assert BUDGET.held == 0
+    with server, httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as c:
+        for body in bodies():  # the same answers as uvicorn's own protocol gives, on one connection
+            r = c.post("/", content=body)
+            assert r.text == f"{hashlib.sha256(body).hexdigest()} {len(body)}"
+        big = bodies()[-1]
+        whole = [t for t in seen if t[1] == len(big)]
+        assert whole and whole[0] == ("memoryview", len(big), False)  # one message, the buffer itself
+        assert all(t[0] == "bytes" for t in seen if t[1] < ZERO_COPY_MIN_BYTES)  # small ones as before
+        assert c.post("/refuse", content=big).status_code == 413  # refused unread: the rest is skipped
+        assert c.post("/", content=b"after").text.endswith(" 5")  # and the connection serves on
+    assert BUDGET.held == 0 and BUDGET.uploads == 0  # every buffer's reservation given back
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_pipelined_requests_after_a_body_read_whole(loop):
+    app, _ = zero_copy_echo()
+    server = Running(protocol_class(), app, loop)
+    big = bodies()[-1]
+    with server, socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(big) + big
+                     + b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        got = b""
+        while got.count(b"HTTP/1.1 200") < 2 or not got.endswith(b" 3"):
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+    assert f"{hashlib.sha256(big).hexdigest()} {len(big)}".encode() in got
+    assert got.endswith(f"{hashlib.sha256(b'abc').hexdigest()} 3".encode())
+    assert BUDGET.held == 0

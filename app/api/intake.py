@@ -100,7 +100,11 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     options = parse_options(list(request.query_params.multi_items()), service.backend)
     asynchronous = wants_async(request.headers.get("prefer"))
     key = idempotency_key(request)
-    service.executor.check_capacity()
+    shared = service.runner.shared  # a ledger the replicas share: asynchronous tasks go to its queue
+    if asynchronous and shared is not None:
+        shared.check_capacity()
+    else:
+        service.executor.check_capacity()
     settings = service.settings
     reservation = service.uploads.reservation()  # the body's bytes, as they arrive, until it is parsed
     try:
@@ -110,7 +114,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         t_parse = time.perf_counter()
         form_config = None
         if kind == uploads.MULTIPART:
-            body, form_config = await uploads.split_multipart(request.headers, body)
+            body, form_config = await uploads.split_multipart(request.headers, bytes(body))
         config = options.config(form_config)
         hash_body = asynchronous or key is not None
         if len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
@@ -143,6 +147,9 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         if not created:
             return await _existing(request, service, record, asynchronous)
     del body
+    if asynchronous and shared is not None:
+        shared.offer(acc)  # recorded queued: the first idle worker of any replica claims it
+        return accepted_response(record)
     try:
         runner.queue(acc)
     except (QueueFull, Unavailable) as exc:  # the queue filled up meanwhile: not accepted after all
@@ -175,6 +182,9 @@ async def _existing(request: Request, service: Service, record: TaskRecord, asyn
     if not asynchronous and not record.finished and record.id in service.runner.pending:
         # the first request's task is still in this process: wait for it too
         record = await service.runner.finished_record(record.id, service.settings.task_timeout_s) or record
+    elif not asynchronous and not record.finished and service.runner.shared is not None:
+        # ... or on another replica sharing the ledger: wait for its record there
+        record = await service.runner.shared.wait_finished(record.id, service.settings.task_timeout_s) or record
     if asynchronous or not record.finished:
         return accepted_response(record)
     return JSONResponse(*status_answer(record), headers={"Idempotent-Replayed": "true"})

@@ -12,6 +12,18 @@ The read-ahead limit (uvicorn pauses reading a connection while this much of its
 the app) is 1 MiB instead of uvicorn's 64 KiB: fewer pause/resume round trips per upload, and
 at most 1 MiB waiting per connection. Everything else is uvicorn's own code path.
 
+A large body (a Content-Length of at least ``ZERO_COPY_MIN_BYTES``, within REV88_MAX_BODY_BYTES)
+goes further: once its headers are parsed, the connection reads it straight from the socket into
+one buffer of its declared size (``asyncio.BufferedProtocol``: the kernel's copy is the only
+one), bypassing the parser, and hands the app that buffer whole, as a memoryview, in one
+``http.request`` message. ASGI says bytes, so only an app that asks for it gets this: its
+lifespan startup sets ``ZERO_COPY_STATE`` in the lifespan state (app/main.py does); any other app
+gets bytes, as from uvicorn's own protocol. The buffer's bytes are reserved in the upload budget first (the same
+``UploadBudget`` the app counts in); when the budget cannot hold them, the body takes the
+ordinary path above. After such a body the connection's parser starts afresh for the next
+request. Headers and small bodies are read into one scratch buffer shared by every connection of
+the loop and copied out at once, as asyncio's own reads do.
+
 It also closes a connection that has not finished a request's headers within
 REV88_HEADER_TIMEOUT_S (10 s by default) of connecting or of the request's first byte: uvicorn
 itself waits for ever on a connection that never completes its headers (its keep-alive timer only
@@ -27,12 +39,19 @@ it (``uvicorn --http app.http_protocol:ChunkedBodyHttpToolsProtocol``, ``tests/s
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 
+import numpy as np
 import uvicorn
 
+from . import uploads
+
 READ_AHEAD_BYTES = 1 << 20
+ZERO_COPY_STATE = "rev88.zero_copy_body"  # lifespan state: the app takes a body as one memoryview
+ZERO_COPY_MIN_BYTES = 256 * 1024
+_SCRATCH = memoryview(bytearray(256 * 1024))  # one event loop per process: reads never interleave
 
 
 class _Chunks:
@@ -70,12 +89,147 @@ except ImportError:  # uvicorn without httptools
 if _VERSION < (0, 42):
     HttpToolsProtocol = None
 
-if HttpToolsProtocol is not None:
+class ZeroCopyBody:
+    """A body read straight into its buffer: ``data`` (a memoryview of its bytes) and the upload
+    budget's reservation that holds them until the request's response is complete."""
 
-    class ChunkedBodyHttpToolsProtocol(HttpToolsProtocol):
-        """``--http app.http.protocol:ChunkedBodyHttpToolsProtocol`` for uvicorn's own CLI."""
+    __slots__ = ("data", "reservation")
+
+    def __init__(self, data: memoryview, reservation: uploads.Reservation) -> None:
+        self.data, self.reservation = data, reservation
+
+
+def _whole_body_receive(cycle, view: memoryview):
+    """The cycle's ``receive`` for a body read straight into ``view``: one message with all of it
+    once it is complete, then uvicorn's own receive (which reports the disconnect)."""
+    own = cycle.receive
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if delivered:
+            return await own()
+        while cycle.more_body and not cycle.disconnected and not cycle.response_complete:
+            cycle.flow.resume_reading()
+            await cycle.message_event.wait()
+            cycle.message_event.clear()
+        if cycle.disconnected or cycle.response_complete:
+            return {"type": "http.disconnect"}
+        delivered = True
+        return {"type": "http.request", "body": view, "more_body": False}
+
+    return receive
+
+
+def _releasing_send(cycle, body: ZeroCopyBody):
+    """The cycle's ``send``, giving the body's reservation back (and dropping the buffer from the
+    scope) once this request's response is complete: an idle keep-alive connection, or one whose
+    next request is pipelined behind it, keeps no buffer."""
+    own = cycle.send
+
+    async def send(message) -> None:
+        try:
+            await own(message)
+        finally:
+            if cycle.response_complete or cycle.disconnected:
+                body.reservation.release()
+                cycle.scope.pop("rev88.body", None)
+
+    return send
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The one Content-Length of a request without Transfer-Encoding, else None."""
+    lengths = [value for name, value in headers if name == b"content-length"]
+    if len(lengths) != 1 or any(name == b"transfer-encoding" for name, _ in headers):
+        return None
+    try:
+        return int(lengths[0])
+    except ValueError:
+        return None
+
+
+if HttpToolsProtocol is not None:
+    import httptools
+
+    class ChunkedBodyHttpToolsProtocol(HttpToolsProtocol, asyncio.BufferedProtocol):
+        """The HTTP side; the transport's protocol is ``BufferedHttpToolsProtocol``, which holds one
+        (``--http app.http.protocol:BufferedHttpToolsProtocol`` for uvicorn's own CLI)."""
 
         _header_timer = None
+        _zc_pending = 0  # the declared length of a body about to be read straight into its buffer
+        _zc_array = None  # that buffer (numpy: no zero-filling of megabytes that are overwritten)
+        _zc_view = None
+        _zc_pos = 0
+        _zc_cycle = None
+        _zc_reservation = None
+        _zc_bodies = None  # the ZeroCopyBody of each request of this connection not yet answered
+
+        # ---------------------------------------------------------------- reading
+        def get_buffer(self, sizehint: int) -> memoryview:
+            if self._zc_view is not None:
+                return self._zc_view[self._zc_pos:]
+            return _SCRATCH
+
+        def buffer_updated(self, nbytes: int) -> None:
+            if self._zc_view is not None:
+                self._unset_keepalive_if_required()
+                self._zc_pos += nbytes
+                if self._zc_pos >= len(self._zc_view):
+                    self._zc_complete()
+                return
+            self.data_received(bytes(_SCRATCH[:nbytes]))
+            if self._zc_pending and self.parser is not None:
+                self._zc_enter()
+
+        def _zc_enter(self) -> None:
+            length, self._zc_pending = self._zc_pending, 0
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or not cycle.more_body or self.pipeline \
+                    or not self.app_state.get(ZERO_COPY_STATE):
+                return
+            have = len(cycle.body)
+            if have >= length:
+                return  # it all came with the headers: the parser has it
+            reservation = uploads.BUDGET.reservation()
+            if not reservation.take(length):
+                reservation.release()
+                return  # no room for it now: the ordinary path, counted by the app as it arrives
+            array = np.empty(length, dtype=np.uint8)
+            view = memoryview(array)
+            if have:
+                view[:have] = bytes(cycle.body)
+                cycle.body = bytearray()
+            self._zc_array, self._zc_view, self._zc_pos = array, view, have
+            self._zc_cycle, self._zc_reservation = cycle, reservation
+            cycle.scope["rev88.body"] = body = ZeroCopyBody(view, reservation)  # its bytes are reserved already
+            cycle.receive = _whole_body_receive(cycle, view)  # the app's task has not started yet
+            cycle.send = _releasing_send(cycle, body)
+            self._zc_bodies = [b for b in self._zc_bodies or () if b.reservation.bytes]  # the answered go
+            self._zc_bodies.append(body)
+
+        def _zc_complete(self) -> None:
+            cycle, reservation = self._zc_cycle, self._zc_reservation
+            self._zc_array = self._zc_view = self._zc_cycle = self._zc_reservation = None
+            self._zc_pos = 0
+            # the parser saw the headers only: a fresh one for the connection's next request
+            self.parser = httptools.HttpRequestParser(self)
+            try:
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            except AttributeError:  # httptools < 0.6.3
+                pass
+            if cycle.response_complete or cycle.disconnected:
+                reservation.release()
+                return
+            cycle.more_body = False
+            cycle.message_event.set()
+
+        def _zc_release(self) -> None:
+            if self._zc_reservation is not None:
+                self._zc_reservation.release()
+            self._zc_array = self._zc_view = self._zc_cycle = self._zc_reservation = None
+            self._zc_pos = 0
+
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -83,6 +237,10 @@ if HttpToolsProtocol is not None:
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_timer()
+            self._zc_release()
+            for body in self._zc_bodies or ():  # requests of this connection still holding a body
+                body.reservation.release()
+            self._zc_bodies = None
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
@@ -92,6 +250,11 @@ if HttpToolsProtocol is not None:
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
             super().on_headers_complete()
+            length = _declared_length(self.headers)
+            if length is not None and ZERO_COPY_MIN_BYTES <= length <= max_body_bytes() \
+                    and self.scope.get("method") in ("POST", "PUT") and self.cycle is not None \
+                    and self.cycle.scope is self.scope and not self.expect_100_continue:
+                self._zc_pending = length
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
@@ -122,6 +285,15 @@ if HttpToolsProtocol is not None:
 
 
 @functools.cache
+def max_body_bytes() -> int:
+    """REV88_MAX_BODY_BYTES (64 MiB if unset): a larger declared body never gets a buffer here."""
+    try:
+        return int(os.environ.get("REV88_MAX_BODY_BYTES") or 64 * 1024 * 1024)
+    except ValueError:
+        return 64 * 1024 * 1024
+
+
+@functools.cache
 def header_timeout_s() -> float:
     """REV88_HEADER_TIMEOUT_S (checked by app.settings when the app starts; 10 s if unset)."""
     try:
@@ -131,6 +303,26 @@ def header_timeout_s() -> float:
     return value if value > 0 else 10.0
 
 
+if HttpToolsProtocol is not None:
+
+    class BufferedHttpToolsProtocol(asyncio.BufferedProtocol):
+        """What the transport sees: a buffered protocol (uvloop reads into ``get_buffer``'s memory
+        only for a protocol that is not an ``asyncio.Protocol``, which uvicorn's is), forwarding
+        every event to the ``ChunkedBodyHttpToolsProtocol`` it holds."""
+
+        __slots__ = ("http", "get_buffer", "buffer_updated", "connection_lost", "eof_received",
+                     "pause_writing", "resume_writing")
+
+        def __init__(self, *args, **kwargs) -> None:
+            http = self.http = ChunkedBodyHttpToolsProtocol(*args, **kwargs)
+            self.get_buffer, self.buffer_updated = http.get_buffer, http.buffer_updated
+            self.connection_lost, self.eof_received = http.connection_lost, http.eof_received
+            self.pause_writing, self.resume_writing = http.pause_writing, http.resume_writing
+
+        def connection_made(self, transport) -> None:
+            self.http.connection_made(transport)
+
+
 def protocol_class() -> type | None:
     """The protocol class for ``uvicorn.run(http=...)``, or None (no httptools, uvicorn < 0.42)."""
-    return ChunkedBodyHttpToolsProtocol if HttpToolsProtocol is not None else None
+    return BufferedHttpToolsProtocol if HttpToolsProtocol is not None else None

@@ -92,13 +92,16 @@ class Reservation:
         self.bytes, self._open = 0, False
 
 
+BUDGET = UploadBudget(9 * 64 * 1024 * 1024)  # the process's; the service sets its capacity at start
+
+
 def upload_deadline_s(declared: int | None, timeout_s: float, min_rate: int) -> float:
     """Seconds a body may take: the timeout, plus a second per ``min_rate`` bytes declared."""
     return timeout_s + (declared or 0) / min_rate
 
 
 async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, min_rate: int = 1 << 20,
-                    reservation: Reservation | None = None) -> bytes:
+                    reservation: Reservation | None = None) -> bytes | memoryview:
     """The whole body, refusing (413) a declared or streamed size over ``limit``, (408) a body
     that has not arrived by its deadline, and (503) one the upload budget cannot hold."""
     declared = request.headers.get("content-length")
@@ -115,11 +118,12 @@ async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, mi
     received = 0
     try:
         async with asyncio.timeout(deadline):
-            async for chunk in request.stream():
+            async for chunk in _stream(request):
                 received += len(chunk)
                 if received > limit:
                     raise _too_large(limit, f"of more than {limit} bytes (counted while streaming)")
-                if reservation is not None and not reservation.take(len(chunk)):
+                if reservation is not None and "rev88.body" not in request.scope \
+                        and not reservation.take(len(chunk)):  # (a body read whole is reserved already)
                     b = reservation.budget
                     raise QueueFull(f"too much upload data in progress ({b.held} bytes in {b.uploads} uploads; "
                                     f"limit {b.capacity}: REV88_UPLOAD_BUFFER_BYTES); retry later", retry_after=2)
@@ -133,6 +137,20 @@ async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, mi
     except ClientDisconnect:
         raise BadRequest("the client disconnected before the body was complete") from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _stream(request: Request):
+    """The body's chunks as they arrive (Starlette's ``Request.stream``); a body the protocol read
+    straight into its buffer comes as one memoryview (app/http/protocol.py)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body = message.get("body", b"")
+        if body:
+            yield body
+        if not message.get("more_body", False):
+            return
 
 
 async def _one_chunk(body: bytes):
