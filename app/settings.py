@@ -25,6 +25,18 @@
                             uploads of asynchronous tasks)         ~/.local/share/rev88
     REV88_RETAIN_TASKS      finished tasks kept in the ledger      10000
     REV88_RETAIN_BYTES      stored answers kept, in bytes          1073741824 (1 GiB)
+    REV88_DATABASE_URL      postgresql://... : the ledger in       (unset: SQLite in the data dir)
+                            PostgreSQL, shared by every replica
+    REV88_DB_POOL_SIZE      connections this replica may open      8
+    REV88_DB_TIMEOUT_S      connect, pool wait and statement       5
+                            timeout (then 503)
+    REV88_LEASE_S           a claimed task's lease (server clock)  10
+    REV88_LEASE_RENEW_S     how often the holder renews it         2 (at most REV88_LEASE_S / 2)
+    REV88_LEASE_ATTEMPTS    lease expiries before a task is failed 3
+    REV88_CLAIM_POLL_S      idle replicas look for work, and reap  1 (notifications wake them sooner)
+                            expired leases, at least this often
+    REV88_SHARED_QUEUE_SIZE queued asynchronous tasks the shared   16 x REV88_QUEUE_SIZE
+                            ledger takes before 503
 
 A bad value stops the service at startup with a message naming the variable.
 """
@@ -85,6 +97,18 @@ class Settings:
     header_timeout_s: float = 10.0
     keepalive_s: float = 5.0
     max_connections: int = 4096
+    # The shared ledger (app/ledger/postgres.py, docs/ledger.md): PostgreSQL at database_url, a
+    # pool of db_pool_size connections, every wait bounded by db_timeout_s; asynchronous tasks
+    # claimed under leases of lease_s renewed every lease_renew_s, failed after lease_attempts
+    # expiries; claimers poll (and reapers run) every claim_poll_s.
+    database_url: str | None = dataclasses.field(default=None, repr=False)  # may hold a password
+    db_pool_size: int = 8
+    db_timeout_s: float = 5.0
+    lease_s: float = 10.0
+    lease_renew_s: float = 2.0
+    lease_attempts: int = 3
+    claim_poll_s: float = 1.0
+    shared_queue_size: int | None = None  # None: 16 x the queue size
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -125,6 +149,21 @@ class Settings:
                                 f"({self.max_body_bytes}), got {self.upload_buffer_bytes}")
         if self.max_connections < 16:
             raise SettingsError(f"REV88_MAX_CONNECTIONS must be >= 16, got {self.max_connections}")
+        if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgres://")):
+            raise SettingsError("REV88_DATABASE_URL must be a postgresql://user:password@host:port/database URL")
+        if self.db_pool_size < 1:
+            raise SettingsError(f"REV88_DB_POOL_SIZE must be >= 1, got {self.db_pool_size}")
+        for name, value in (("REV88_DB_TIMEOUT_S", self.db_timeout_s), ("REV88_LEASE_S", self.lease_s),
+                            ("REV88_LEASE_RENEW_S", self.lease_renew_s), ("REV88_CLAIM_POLL_S", self.claim_poll_s)):
+            if not math.isfinite(value) or value <= 0:
+                raise SettingsError(f"{name} must be a finite number of seconds > 0, got {value}")
+        if self.lease_renew_s > self.lease_s / 2:
+            raise SettingsError(f"REV88_LEASE_RENEW_S ({self.lease_renew_s:g}) must be at most half of REV88_LEASE_S "
+                                f"({self.lease_s:g}): a lease must survive a late renewal")
+        if self.lease_attempts < 1:
+            raise SettingsError(f"REV88_LEASE_ATTEMPTS must be >= 1, got {self.lease_attempts}")
+        if self.shared_queue_size is not None and self.shared_queue_size < 1:
+            raise SettingsError(f"REV88_SHARED_QUEUE_SIZE must be >= 1, got {self.shared_queue_size}")
         if self.batch_max is not None and self.batch_max < 1:
             raise SettingsError(f"REV88_BATCH_MAX must be >= 1 (1 turns batching off), got {self.batch_max}")
         if not (math.isfinite(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS):
@@ -193,4 +232,12 @@ class Settings:
             header_timeout_s=number("REV88_HEADER_TIMEOUT_S", defaults.header_timeout_s),
             keepalive_s=number("REV88_KEEPALIVE_S", defaults.keepalive_s),
             max_connections=integer("REV88_MAX_CONNECTIONS", defaults.max_connections),
+            database_url=text("REV88_DATABASE_URL", None),
+            db_pool_size=integer("REV88_DB_POOL_SIZE", defaults.db_pool_size),
+            db_timeout_s=number("REV88_DB_TIMEOUT_S", defaults.db_timeout_s),
+            lease_s=number("REV88_LEASE_S", defaults.lease_s),
+            lease_renew_s=number("REV88_LEASE_RENEW_S", defaults.lease_renew_s),
+            lease_attempts=integer("REV88_LEASE_ATTEMPTS", defaults.lease_attempts),
+            claim_poll_s=number("REV88_CLAIM_POLL_S", defaults.claim_poll_s),
+            shared_queue_size=integer("REV88_SHARED_QUEUE_SIZE", None),
         )

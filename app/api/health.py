@@ -35,12 +35,19 @@ def readiness(service: Service) -> tuple[int, dict[str, Any]]:
 
 
 def ledger_state(service: Service) -> dict[str, Any]:
+    shared = service.runner.shared  # PostgreSQL: this replica's side of the shared queue
+    extra = {"engine": getattr(service.ledger, "engine", "sqlite")}
+    if shared is not None:
+        extra["shared_queue"] = shared.snapshot()
     try:
         counts = service.ledger.counts()
     except Exception as exc:  # noqa: BLE001 - /health must answer even when the ledger cannot
-        return {"ok": False, "error": str(exc), "path": str(service.ledger.path)}
+        if shared is not None:
+            extra.update(service.ledger.stats())  # the pool and leases, without a query
+        return {"ok": False, "error": str(exc), "path": str(service.ledger.path), **extra}
     return {"ok": True, "path": str(service.ledger.path), "retain_tasks": service.settings.retain_tasks,
-            "retain_bytes": service.settings.retain_bytes, "recovered_at_start": service.recovered, **counts}
+            "retain_bytes": service.settings.retain_bytes, "recovered_at_start": service.recovered, **counts,
+            **extra}
 
 
 def health(service: Service) -> tuple[int, dict[str, Any]]:

@@ -22,6 +22,8 @@ router = APIRouter(tags=["tasks"])
 async def _record(service, task_id: str):
     record = await service.runner.get(task_id)
     if record is None:
+        if service.runner.shared is not None:
+            raise NotFound(f"no task {task_id!r} in the shared ledger")
         raise NotFound(f"no task {task_id!r} in this replica's ledger (each replica keeps its own)")
     return record
 

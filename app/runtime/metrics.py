@@ -10,6 +10,15 @@
     rev88_tasks_in_flight                 tasks accepted and not yet off the device (queued + running)
     rev88_device_busy                     1 while a job holds the device
     rev88_ready                           1 when /v2/health/ready answers 200
+    rev88_ledger_info{engine}             1 (sqlite | postgresql)
+    rev88_ledger_up                       1 while the ledger's last operations succeeded
+    rev88_ledger_pool_connections{state}  PostgreSQL: in_use | idle | waiting (clients) | max
+    rev88_shared_queue_depth              PostgreSQL: asynchronous tasks queued in the shared ledger,
+                                          every replica's, counted once (the same value on each
+                                          replica: aggregate with max, not sum; deploy/README.md)
+    rev88_shared_tasks_running            PostgreSQL: asynchronous tasks running on any replica
+    rev88_leases_held                     PostgreSQL: leases this replica holds
+    rev88_ledger_events_total{event}      PostgreSQL: claimed, leases_lost, reaped_*, released, ...
 
 Where NVML exists (never on the development machine, so unverified there):
 
@@ -102,6 +111,50 @@ class WorkerCollector:
         yield stops
 
 
+class LedgerCollector:
+    """The ledger's engine, pool and the shared queue, read at scrape time from a function that
+    makes no query (the shared queue depth is the one its maintenance loop last counted)."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self._stats()
+        info = GaugeMetricFamily("rev88_ledger_info", "The task ledger's engine", labels=["engine"])
+        info.add_metric([str(stats.get("engine", "sqlite"))], 1.0)
+        yield info
+        up = GaugeMetricFamily("rev88_ledger_up", "1 while the task ledger's last operations succeeded")
+        up.add_metric([], 1.0 if stats.get("up", True) else 0.0)
+        yield up
+        pool = stats.get("pool")
+        if pool:
+            g = GaugeMetricFamily("rev88_ledger_pool_connections", "Database connections of this replica's pool",
+                                  labels=["state"])
+            for state in ("in_use", "idle", "waiting", "max"):
+                g.add_metric([state], float(pool.get(state) or 0))
+            yield g
+        if "leases_held" in stats:
+            held = GaugeMetricFamily("rev88_leases_held", "Leases of shared-ledger tasks this replica holds")
+            held.add_metric([], float(stats["leases_held"]))
+            yield held
+            queue = stats.get("queue") or {}
+            depth = GaugeMetricFamily("rev88_shared_queue_depth", "Asynchronous tasks queued in the shared ledger "
+                                      "(all replicas; the same on each)")
+            depth.add_metric([], float(queue.get("queued", 0)))
+            yield depth
+            running = GaugeMetricFamily("rev88_shared_tasks_running", "Asynchronous tasks running on any replica")
+            running.add_metric([], float(queue.get("running", 0)))
+            yield running
+            events = CounterMetricFamily("rev88_ledger_events", "Claims, lost leases, reaped and released leases "
+                                         "on this replica", labels=["event"])
+            for event, n in sorted((stats.get("counters") or {}).items()):
+                events.add_metric([event], float(n))
+            yield events
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -143,6 +196,9 @@ class Metrics:
 
     def watch_workers(self, executor) -> None:
         self.registry.register(WorkerCollector(executor))
+
+    def watch_ledger(self, stats: Callable[[], dict]) -> None:
+        self.registry.register(LedgerCollector(stats))
 
     def enable_gpu(self, telemetry: Callable[[], tuple[dict | None, str | None]]) -> None:
         self.registry.register(GpuCollector(telemetry))

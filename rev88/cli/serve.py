@@ -44,6 +44,14 @@ SERVE_ENV = {
     "header_timeout": "REV88_HEADER_TIMEOUT_S",
     "keepalive": "REV88_KEEPALIVE_S",
     "max_connections": "REV88_MAX_CONNECTIONS",
+    "database_url": "REV88_DATABASE_URL",
+    "db_pool_size": "REV88_DB_POOL_SIZE",
+    "db_timeout": "REV88_DB_TIMEOUT_S",
+    "lease": "REV88_LEASE_S",
+    "lease_renew": "REV88_LEASE_RENEW_S",
+    "lease_attempts": "REV88_LEASE_ATTEMPTS",
+    "claim_poll": "REV88_CLAIM_POLL_S",
+    "shared_queue_size": "REV88_SHARED_QUEUE_SIZE",
 }
 
 
@@ -85,12 +93,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PlanError as exc:
         raise CliError(f"{exc} (REV88_WORKERS / --workers)") from None
 
-    from app.ledger import Ledger, LedgerError
+    from app.ledger import LedgerError, open_ledger
 
-    try:  # a corrupt, newer or unwritable ledger: say so before uvicorn starts
-        Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes).close()
+    try:  # a corrupt, newer, unreachable or unwritable ledger: say so before uvicorn starts
+        ledger = open_ledger(settings)  # PostgreSQL: migrated here, under its advisory lock
+        ledger_shown = ledger.path
+        ledger.close()
+    except ImportError as exc:
+        raise CliError(f"REV88_DATABASE_URL needs psycopg: pip install 'rev88[postgres]' ({exc})") from None
     except LedgerError as exc:
-        raise CliError(f"{exc} (REV88_DATA_DIR / --data-dir)") from None
+        where = "REV88_DATABASE_URL / --database-url" if settings.database_url else "REV88_DATA_DIR / --data-dir"
+        raise CliError(f"{exc} ({where})") from None
 
     from app.http import protocol as http_protocol
     from app.runtime import allocator
@@ -101,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     shown = "[::1]" if settings.host == "::1" else settings.host
     print(
         f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
-        f"worker(s), queue {workers.queue_size}, ledger {settings.ledger_dir}, drain {settings.drain_timeout_s:g} s, auth "
+        f"worker(s), queue {workers.queue_size}, ledger {ledger_shown}, drain {settings.drain_timeout_s:g} s, auth "
         f"{'on' if settings.auth_enabled else 'off'}; {malloc}; {files}); API docs at /docs",
         file=sys.stderr,
     )
@@ -216,4 +229,21 @@ def add_serve(sub) -> None:
                    "[REV88_KEEPALIVE_S, default 5]")
     p.add_argument("--max-connections", type=int, help="connections (and requests) at once; beyond, 503 at once "
                    "[REV88_MAX_CONNECTIONS, default 4096; the open-file limit is raised to fit where it can]")
+    p.add_argument("--database-url", help="postgresql://user:password@host:port/db: the ledger in PostgreSQL, "
+                   "shared by every replica (claims, leases; docs/ledger.md) [REV88_DATABASE_URL; default: SQLite in "
+                   "the data dir; prefer the variable: a flag shows in the process list]")
+    p.add_argument("--db-pool-size", type=int, help="database connections this replica may open "
+                   "[REV88_DB_POOL_SIZE, default 8; replicas x this must stay under the server's max_connections]")
+    p.add_argument("--db-timeout", type=float, help="seconds to connect, to wait for a pooled connection and for a "
+                   "statement; then 503 [REV88_DB_TIMEOUT_S, default 5]")
+    p.add_argument("--lease", type=float, help="seconds a claimed task's lease lasts unless renewed; a stopped "
+                   "replica's tasks run elsewhere after it [REV88_LEASE_S, default 10]")
+    p.add_argument("--lease-renew", type=float, help="seconds between lease renewals [REV88_LEASE_RENEW_S, default 2; "
+                   "at most half the lease]")
+    p.add_argument("--lease-attempts", type=int, help="lease expiries before a task is failed "
+                   "[REV88_LEASE_ATTEMPTS, default 3]")
+    p.add_argument("--claim-poll", type=float, help="seconds between looks for queued work (and reaps of expired "
+                   "leases) when no notification came [REV88_CLAIM_POLL_S, default 1]")
+    p.add_argument("--shared-queue-size", type=int, help="asynchronous tasks the shared ledger may hold queued; "
+                   "beyond, 503 [REV88_SHARED_QUEUE_SIZE, default 16 x the queue size]")
     p.set_defaults(func=cmd_serve)

@@ -1,0 +1,343 @@
+"""The shared queue: asynchronous tasks claimed from a ledger every replica shares (issue #22).
+
+With the SQLite ledger a replica runs the asynchronous tasks it accepted. With PostgreSQL
+(``REV88_DATABASE_URL``) an accepted asynchronous task is only recorded (queued, with its npz)
+and ``offer``ed; then whichever replica has an idle worker claims it. ``SharedQueue`` is that
+replica-side machinery, built by the service beside the ``TaskRunner`` and driving it:
+
+    claim     whenever a worker is free (woken by a local job ending, by a NOTIFY that a task
+              was queued, or every ``REV88_CLAIM_POLL_S``): ``ledger.claim(n)`` takes up to n =
+              free slots (workers x batch size - tasks in flight here; a fused worker claims a
+              whole launch) under leases; each task is queued on the local workers and settled
+              as any asynchronous task. A task offered by this replica is run from the arrays it
+              already parsed; any other from its stored npz.
+    renew     every ``REV88_LEASE_RENEW_S``: every lease held here is extended; a task whose
+              lease was lost (it expired and another replica took the task over) is stopped
+              here, its late result would be refused anyway (fencing); a held task whose
+              cancellation was requested through another replica is stopped and recorded
+              cancelled.
+    reap      every ``REV88_CLAIM_POLL_S``: expired leases, any replica's, queued again or
+              failed (``ledger.reap``); the shared queue depth is counted for /metrics.
+    listen    a thread LISTENs for the ledger's notifications: a queued task wakes the
+              claimer, a cancel request for a task running here stops it within a moment.
+    cancel    a task this replica does not run: a cancel request in its row; the answer is its
+              record once its holder (or, should the holder be gone, a reaper) records it.
+
+The database going away: every loop logs once, keeps going and recovers by itself; tasks keep
+running, their results are written when the database answers again (retried while this
+replica's lease still holds), and a replica that lost its lease meanwhile has its result refused
+while the task runs again elsewhere (runs are deterministic: the same answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+from learner.config import make_config
+from learner.taskio import load_task
+
+from ..errors import QueueFull
+from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
+from .runner import Accepted, TaskRunner
+
+log = logging.getLogger("rev88." + __name__)
+
+SHARED_QUEUE_FACTOR = 16  # REV88_SHARED_QUEUE_SIZE's default: this many times the local queue
+
+
+class SharedQueue:
+    def __init__(self, runner: TaskRunner, ledger: Any, *, workers: int, batch_max: int, queue_size: int,
+                 lease_renew_s: float, claim_poll_s: float, shared_queue_size: int | None = None,
+                 ready: Any = None) -> None:
+        """``ready``: whether this replica may take work (its warm-up has passed); claims wait for it."""
+        self.runner, self.ledger = runner, ledger
+        self.ready = ready or (lambda: True)
+        self.slots = max(1, workers * batch_max)  # tasks this replica's workers take at once
+        self.batch_max = batch_max
+        self.renew_s, self.poll_s = lease_renew_s, claim_poll_s
+        self.limit = shared_queue_size or SHARED_QUEUE_FACTOR * queue_size
+        self.offered: collections.OrderedDict[str, Accepted] = collections.OrderedDict()
+        self.cache_size = max(1, queue_size)  # offered tasks' parsed arrays kept here at most
+        self.depth: dict[str, Any] | None = None  # the shared queue as last counted
+        self.counters = {"claimed": 0, "from_stored_input": 0, "leases_lost": 0, "cancels_noticed": 0,
+                         "reaped_requeued": 0, "reaped_failed": 0, "reaped_cancelled": 0, "released": 0}
+        self.database_error: str | None = None  # the last failure of a loop, until one succeeds
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stop_listening = threading.Event()
+        self._listener: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> dict[str, int]:
+        """Reap what stopped replicas left, start the loops and the listener; the reap's counts."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        counts = {"requeued": 0, "failed": 0}
+        try:
+            reaped = await asyncio.to_thread(self.ledger.reap)
+            self._count_reaped(reaped)
+            counts = {"requeued": reaped["requeued"], "failed": reaped["failed"] + reaped["cancelled"]}
+        except LedgerUnavailable as exc:
+            self._failed("reap at start", exc)
+        self._listener = threading.Thread(target=self.ledger.listen, args=(self._notified, self._stop_listening),
+                                          name="rev88-listen", daemon=True)
+        self._listener.start()
+        for loop in (self._claim_loop, self._renew_loop, self._maintain_loop):
+            self._tasks.append(asyncio.create_task(loop(), name=f"rev88-{loop.__name__.strip('_')}"))
+        self.wake()
+        return counts
+
+    async def stop(self) -> None:
+        """Stop the loops; give back the leases of unfinished tasks still held (they run
+        elsewhere at once, no expiry counted)."""
+        self._stop_listening.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        held = self.ledger.held()
+        if held:
+            try:
+                released = await asyncio.to_thread(self.ledger.release, held)
+                self.counters["released"] += len(released)
+                if released:
+                    log.info("released the leases of unfinished tasks", extra={"tasks": released})
+            except LedgerUnavailable as exc:
+                log.warning("could not release leases at stop (they expire instead)", extra={"error": str(exc)})
+        if self._listener is not None:
+            await asyncio.to_thread(self._listener.join, 5.0)
+
+    # ------------------------------------------------------------------ intake
+
+    def check_capacity(self) -> None:
+        """Before an asynchronous upload is read: refuse while the shared queue is full."""
+        depth = self.depth
+        if depth is not None and depth.get("queued", 0) >= self.limit:
+            raise QueueFull(
+                f"the shared queue is full ({depth['queued']} of {self.limit} asynchronous tasks queued across the "
+                "replicas, REV88_SHARED_QUEUE_SIZE); retry later", retry_after=max(1, round(self.poll_s * 2)))
+
+    def offer(self, acc: Accepted) -> None:
+        """An asynchronous task just recorded (queued) here: whichever replica is idle claims it;
+        this one keeps its parsed arrays a while, to run it without reading it back."""
+        self.offered[acc.task_id] = acc
+        while len(self.offered) > self.cache_size:
+            self.offered.popitem(last=False)
+        if self.depth is not None:
+            self.depth = {**self.depth, "queued": self.depth.get("queued", 0) + 1}
+        self.wake()
+
+    def wake(self) -> None:
+        """Look for work now (thread-safe)."""
+        if self._loop is None or self._wake is None:
+            return
+        if self._loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._wake.set()
+        else:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def job_done(self, _future: Any) -> None:
+        """A local job ended (any thread): a worker may be free."""
+        self.wake()
+
+    # ------------------------------------------------------------------ claims
+
+    def free_slots(self) -> int:
+        return self.slots - self.runner.executor.in_flight()
+
+    async def _claim_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.claim_some()
+            except LedgerUnavailable as exc:
+                self._failed("claim", exc)
+            except Exception:  # noqa: BLE001 - the loop must go on
+                log.exception("claiming queued tasks failed")
+
+    async def claim_some(self) -> int:
+        """Claim while workers are free; returns how many tasks were queued here."""
+        queued = 0
+        while not self.runner.executor.closed and self.ready():
+            free = self.free_slots()
+            if free <= 0:
+                break
+            claims = await asyncio.to_thread(self.ledger.claim, min(free, self.batch_max))
+            self._ok()
+            if not claims:
+                break
+            self.counters["claimed"] += len(claims)
+            stored = [c.record.id for c in claims if c.record.id not in self.offered]
+            bodies = await asyncio.to_thread(self.ledger.load_uploads, stored) if stored else {}
+            for claim in claims:
+                acc = self.offered.pop(claim.record.id, None)
+                if acc is None:
+                    acc = await self._from_stored(claim.record, bodies.get(claim.record.id))
+                    if acc is None:
+                        continue
+                    self.counters["from_stored_input"] += 1
+                try:
+                    self.runner.queue(acc, reserved=True)
+                except Exception as exc:  # noqa: BLE001 - e.g. a drain began: let another replica run it
+                    log.warning("claimed task not queued here; its lease is given back",
+                                extra={"task_id": acc.task_id, "error": str(exc)})
+                    await asyncio.to_thread(self.ledger.release, [acc.task_id])
+                    continue
+                self.runner.settle_in_background(acc)
+                queued += 1
+        return queued
+
+    async def _from_stored(self, record: TaskRecord, body: bytes | None) -> Accepted | None:
+        """A claimed task accepted by another replica, from its stored npz; a task that cannot be
+        re-run from it is failed, loudly."""
+        try:
+            if body is None:
+                raise ValueError("its stored input is missing from the ledger")
+            task = await asyncio.to_thread(load_task, body)
+            config = make_config(record.config)
+        except Exception as exc:  # noqa: BLE001
+            log.error("cannot run a claimed task", extra={"task_id": record.id, "error": str(exc)})
+            try:
+                await asyncio.to_thread(self.ledger.finish, record.id, "failed", None, {
+                    "status": 500, "error": f"could not run the task from its stored input: {exc}"})
+            except (LeaseLost, AlreadyFinished, LedgerUnavailable) as exc2:
+                log.warning("could not record the claimed task's failure", extra={"task_id": record.id,
+                                                                                    "error": str(exc2)})
+            return None
+        return Accepted(task_id=record.id, task=task, config=config, backend=record.backend,
+                        include_scores=bool(record.options.get("include_scores")),
+                        measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
+                        created_at=record.created_at)
+
+    # ------------------------------------------------------------------ leases
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.renew_s)
+            try:
+                renewal = await asyncio.to_thread(self.ledger.renew)
+                self._ok()
+            except LedgerUnavailable as exc:
+                self._failed("renew leases", exc)
+                continue
+            except Exception:  # noqa: BLE001
+                log.exception("renewing leases failed")
+                continue
+            for task_id in renewal.lost:
+                self.counters["leases_lost"] += 1
+                log.warning("lease lost: the task runs on another replica now; stopping it here",
+                            extra={"task_id": task_id})
+                self._stop_here(task_id, "lease", "lost its lease to another replica (it expired)")
+            for task_id in renewal.cancel:
+                self._cancel_here(task_id)
+
+    def _stop_here(self, task_id: str, why: str, reason: str) -> bool:
+        acc = self.runner.pending.get(task_id)
+        if acc is None or acc.job is None:
+            return False
+        return self.runner.executor.withdraw(acc.job, why, reason)
+
+    def _cancel_here(self, task_id: str) -> None:
+        if self._stop_here(task_id, "cancel", f"was cancelled (POST /tasks/{task_id}/cancel)"):
+            self.counters["cancels_noticed"] += 1
+
+    def _notified(self, channel: str, payload: str) -> None:
+        """From the listener thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if channel == "rev88_cancel":
+            loop.call_soon_threadsafe(self._cancel_here, payload)
+        else:  # a task queued somewhere, or the listener (re)connected: look for work
+            loop.call_soon_threadsafe(self._wake.set)
+
+    # ------------------------------------------------------------------ reaping, depth
+
+    async def _maintain_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                reaped = await asyncio.to_thread(self.ledger.reap)
+                self._count_reaped(reaped)
+                if reaped["requeued"]:
+                    self.wake()
+                self.depth = await asyncio.to_thread(self.ledger.queue_depth)
+                self._ok()
+            except LedgerUnavailable as exc:
+                self._failed("reap expired leases", exc)
+            except Exception:  # noqa: BLE001
+                log.exception("reaping expired leases failed")
+
+    def _count_reaped(self, reaped: dict[str, int]) -> None:
+        for outcome, n in reaped.items():
+            self.counters[f"reaped_{outcome}"] += n
+
+    # ------------------------------------------------------------------ cancel, wait (any replica's tasks)
+
+    async def cancel_elsewhere(self, task_id: str) -> TaskRecord | None:
+        """Cancel a task this replica does not run: its record once recorded finished (None for an
+        unknown id); waits for its holder at most a lease and a few polls."""
+        try:
+            outcome, record = await asyncio.to_thread(self.ledger.request_cancel, task_id)
+        except KeyError:
+            return None
+        except AlreadyFinished as exc:
+            return exc.record
+        if outcome == "cancelled":
+            return record
+        return await self.wait_finished(task_id, self.ledger.lease_s + 2 * self.poll_s + 5.0)
+
+    async def wait_finished(self, task_id: str, timeout: float) -> TaskRecord | None:
+        """Poll the shared ledger until the task has finished (or ``timeout``); its record then."""
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            record = await self.runner.get(task_id)
+            if record is None or record.finished or time.monotonic() >= deadline:
+                return record
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 0.25)
+
+    # ------------------------------------------------------------------ state
+
+    def _failed(self, doing: str, exc: Exception) -> None:
+        message = str(exc)
+        if self.database_error is None:
+            log.error("shared ledger unavailable; retrying", extra={"doing": doing, "error": message})
+        self.database_error = message
+
+    def _ok(self) -> None:
+        if self.database_error is not None:
+            log.info("shared ledger available again")
+            self.database_error = None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "slots": self.slots,
+            "in_flight_here": self.runner.executor.in_flight(),
+            "leases_held": len(self.ledger.held()),
+            "offered_cached": len(self.offered),
+            "limit": self.limit,
+            "depth": self.depth,
+            "lease_renew_s": self.renew_s,
+            "claim_poll_s": self.poll_s,
+            "database_error": self.database_error,
+            **self.counters,
+        }
