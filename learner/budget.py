@@ -20,33 +20,8 @@ not free. One work unit is a row through one coupling block; the default limit, 
 The default limit is 1 GiB (REV88_MAX_TASK_BYTES). ``check_budget`` checks work first
 (over its limit: ``learner.errors.BudgetExceeded`` with status 422), then memory (413).
 
-Measured (2-core x86-64 dev machine, torch 2.13 CPU, numpy 2.4): the peak RSS of one
-``run_task`` above the process's RSS just before it (VmHWM reset with /proc/self/clear_refs;
-the task's arrays already existed, so they are not in the peak), against the estimate:
-
-    backend   train N  queries M  depth  epochs  batch  peak extra  + task arrays  estimate
-    cpu        10,000     10,000      2       2    128     20.7 MB        27.3 MB    54.7 MB  (2.00x)
-    cpu-fast   10,000     10,000      2       2    128      4.0 MB        10.6 MB    54.7 MB  (5.16x)
-    cpu            64         64     64     100    128      1.2 MB         1.2 MB    15.5 MB  (12.7x)
-    cpu-fast       64         64     64     100    128      9.1 MB         9.2 MB    15.5 MB  (1.70x)
-    cpu        10,000      1,000      2     300  65536     90.6 MB        94.3 MB   124.5 MB  (1.32x)
-    cpu-fast   10,000      1,000      2    1000  65536    180.3 MB       184.0 MB   236.5 MB  (1.29x)
-    cpu        65,536        100      1       2  65536    227.7 MB       249.5 MB   347.1 MB  (1.39x)
-    cpu-fast   65,536        100      1       2  65536     83.3 MB       105.1 MB   347.1 MB  (3.30x)
-    cpu         8,192        100     16       2   8192     68.2 MB        71.0 MB   287.3 MB  (4.05x)
-    cpu-fast    8,192        100     16       2   8192    108.2 MB       110.9 MB   287.3 MB  (2.59x)
-    cpu        60,000     10,000      4       3    128     41.0 MB        64.2 MB   124.0 MB  (1.93x)
-    cpu-fast   60,000     10,000      4     100    128     96.6 MB       119.8 MB   217.1 MB  (1.81x)
-    cpu         1,000    200,000      8       1    128    460.4 MB       525.5 MB   807.7 MB  (1.54x)
-    cpu-fast    1,000    200,000      8       1    128     76.3 MB       141.4 MB   807.7 MB  (5.71x)
-
-(random pixels and labels, learning_rate 0.01; MB = 10^6 bytes; the ratio is the estimate over
-peak extra + task arrays). What the rows show: the permutation term (epochs x N x 8 bytes,
-twice on cpu-fast: 1000 epochs x 10,000 rows is 80 MB per copy); the per-minibatch term
-(torch keeps ~10 batch x 82 float32 arrays at depth 1, cpu-fast a gradient and an
-activation per branch and row, hence the depth factor); the queries, scored all at once on
-cpu (~7 query x 82 float32 arrays, with the allocator's retention). The smallest margin,
-1.29x, is the permutation term on cpu-fast.
+How the estimate compares with measured peaks, backend by backend (the smallest margin is the
+permutation term on cpu-fast): docs/performance.md, "Memory: the budget's estimate".
 """
 
 from __future__ import annotations

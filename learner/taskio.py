@@ -5,12 +5,11 @@ The npz reader never unpickles and never decompresses an array before its
 member list, declared sizes, compression ratios and ``.npy`` header
 (shape x dtype) have been checked against limits.
 
-What a task costs to read (draw 0, 10k/10k, a 6.6 MB stored npz, 2-core EPYC): a stored
-(uncompressed, as ``np.savez`` writes) member is located through its local header and read
-straight from the body; its CRC-32 is checked and its bytes are copied once, into the
-final aligned array (zipfile's stream read made several copies and took 9-17 ms; this
-takes 3-5 ms: the CRC, the copy and the page faults of the new arrays). The images are checked in one integer pass, and the input
-hashes are computed once, by ``load_task``, and kept on the ``TaskArrays``.
+A stored (uncompressed, as ``np.savez`` writes) member is located through its local header and
+read straight from the body (bytes or any buffer); its CRC-32 is checked and its bytes are copied
+once, into the final aligned array (zipfile's stream read made several copies). The images are
+checked in one integer pass, and the input hashes are computed once, by ``load_task``, and kept
+on the ``TaskArrays``. What it costs: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-try:  # the zip CRC-32: zlib-ng's takes 0.6 ms for 6.5 MB, zlib's 2.7 ms; the values are the same
+try:  # the zip CRC-32: zlib-ng's is about 4x zlib's speed (docs/performance.md); the values are the same
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # a machine without the zlib-ng wheel (the lent GPU's image) reads tasks all the same
     from zlib import crc32

@@ -1,12 +1,10 @@
-"""uvicorn's httptools protocol, keeping a request body's chunks instead of copying them twice.
+"""uvicorn's httptools protocol, with a request body's bytes copied as few times as they can be.
 
 uvicorn appends every chunk the parser hands it to a ``bytearray`` (one copy) and gives the app
-``bytes(that bytearray)`` (a second copy); ``app.uploads.read_body`` then joins the pieces it
-received (a third). For the 6.5 MB draw-0 upload those are three 6.5 MB copies on the event loop
-thread, holding the GIL. Here the parser's chunk objects themselves are kept (it makes each one
-a fresh ``bytes``) and handed to the app as they are when one arrived since its last receive,
-joined otherwise: two copies at most (measured: the body arrives in 256 kB reads, the app
-receives it in about 7 pieces), one where every receive holds a single chunk.
+``bytes(that bytearray)`` (a second copy); the app then joins the pieces it received (a third),
+all on the event loop thread, holding the GIL. Here the parser's chunk objects themselves are
+kept (it makes each one a fresh ``bytes``) and handed to the app as they are when one arrived
+since its last receive, joined otherwise.
 
 The read-ahead limit (uvicorn pauses reading a connection while this much of its body waits for
 the app) is 1 MiB instead of uvicorn's 64 KiB: fewer pause/resume round trips per upload, and
@@ -27,14 +25,17 @@ the loop and copied out at once, as asyncio's own reads do.
 It also closes a connection that has not finished a request's headers within
 REV88_HEADER_TIMEOUT_S (10 s by default) of connecting or of the request's first byte: uvicorn
 itself waits for ever on a connection that never completes its headers (its keep-alive timer only
-starts after a response). The body's own deadline is the app's (app/http/uploads.py, 408).
+starts after a response). The body's own deadline is the app's (app/http/uploads.py, 408). What each step costs: docs/performance.md (bench/bench_shell.py).
 
-``protocol_class()`` returns this class, or None where uvicorn's httptools protocol is not
+``protocol_class()`` returns the transport-side class (``BufferedHttpToolsProtocol``), or None where uvicorn's httptools protocol is not
 there (uvicorn without the ``[standard]`` extra) or is older than 0.42: ``rev88 serve`` then
-keeps uvicorn's default. It touches two uvicorn internals (``HttpToolsProtocol.on_body`` and the
-cycle's ``body`` buffer, the same from uvicorn 0.42 to 0.54, checked in their sources); ``tests/test_http_protocol.py`` checks the
-bodies it delivers against uvicorn's own protocol, byte for byte, and every test server runs on
-it (``uvicorn --http app.http_protocol:ChunkedBodyHttpToolsProtocol``, ``tests/server.py``).
+keeps uvicorn's default. It touches uvicorn internals: ``HttpToolsProtocol.on_body`` and the
+cycle's ``body`` buffer (the same from uvicorn 0.42 to 0.54, checked in their sources), and for a
+body read whole the cycle's ``receive``/``send``, ``more_body``, ``message_event`` and the
+connection's parser (checked against uvicorn 0.54.0, the version installed here).
+``tests/test_http_protocol.py`` checks the bodies it delivers against uvicorn's own protocol,
+byte for byte, on asyncio's loop and on uvloop, and every test server runs on
+it (``uvicorn --http app.http.protocol:BufferedHttpToolsProtocol``, ``tests/server.py``).
 """
 
 from __future__ import annotations

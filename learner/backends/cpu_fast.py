@@ -7,18 +7,9 @@ backward (earlier states rebuilt from the core's endpoint by subtraction) as
 ``learner/train.py`` + ``learner/model.py``, written out by hand on buffers allocated once per
 task. No autograd, no BLAS, no per-step allocation, no Python per step.
 
-Why a C extension: measured on the 2-core AMD EPYC (Zen 3, AVX2) dev machine, draw-0 10k/10k
-task, one thread, seconds per task (bench/bench_cpu.py has the full table):
-
-    plain autograd eager (train_predict, reversible=False)   0.20-0.25
-    cpu backend (reversible autograd)                        0.45-0.50
-    NumPy with out= buffers, the same algorithm              0.13   (~70 small NumPy calls
-                                                                     per minibatch: overhead)
-    numba 0.68 njit, per-row fused loops                     0.51   (LLVM fully unrolls the
-        41-wide loops into scalar code); with runtime loop bounds the 41x41 products reach
-        ~14 GFLOP/s against ~45-60 for the same loop in C with vector types (numba cannot
-        tell LLVM that arrays do not alias, so accumulators stay in memory)
-    this C kernel (x86-64-v3 variant)                        0.016-0.036 (quiet vs busy host)
+Why a C extension: the same algorithm in plain autograd, in NumPy with ``out=`` buffers and in
+numba was measured an order of magnitude slower (overhead of many small calls per minibatch;
+numba's loops not vectorized); the figures are in docs/performance.md and bench/bench_cpu.py.
 
 The kernel is compiled twice, a generic variant and (GCC on x86-64) an AVX2 + FMA one; the
 CPU at hand picks (``isa="auto"``), or the constructor names one (the tests run both).
@@ -234,7 +225,7 @@ def _run_self_check() -> tuple[bool, str]:
         prepared = prepare(task, config)
         fast = CpuFastBackend(threads=1).run(task, prepared)
         # The reference on one torch thread: a task this small gains nothing from threads, and
-        # on a busy machine torch's pool made it take ~4 s instead of ~20 ms (measured).
+        # on a busy machine torch's pool made it take seconds instead of milliseconds (measured).
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
