@@ -11,7 +11,7 @@
    request to the moment /health shows the worker idle again (median of --repeats).
 
 Each part runs its own `rev88 serve` process (tests/server.py). Numbers depend on the machine;
-they are figures for the README and the closing note, not pass/fail limits.
+they are figures for docs/performance.md and the closing note, not pass/fail limits.
 """
 
 from __future__ import annotations

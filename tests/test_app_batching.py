@@ -106,7 +106,7 @@ def make_service(recorder, **settings) -> Service:
 
 
 def submit_task(service: Service, task, config=CONFIG, label=""):
-    """What app/submit.py does for a task job."""
+    """What the task runner (app/tasks/runner.py) does for a task job."""
     from app.tasks.device import run_on_device
 
     return service.executor.submit(
@@ -462,7 +462,7 @@ def test_a_launch_reading_is_divided_equally_by_task_count():
 
 
 def test_batch_settings_are_read_and_checked():
-    assert (Settings().batch_max, Settings().batch_wait_ms) == (None, 5.0)  # None: derived (app/devices.py)
+    assert (Settings().batch_max, Settings().batch_wait_ms) == (None, 5.0)  # None: derived (app/runtime/devices.py)
     s = Settings.from_env({"REV88_BATCH_MAX": "1", "REV88_BATCH_WAIT_MS": "0"})
     assert (s.batch_max, s.batch_wait_ms) == (1, 0.0)
     for env, words in (

@@ -69,7 +69,7 @@ def assert_same_result(result, expected):
 
 
 def submit_task(service: Service, task, config, backend: str, pin: int | None = None, label: str = ""):
-    """What app/submit.py does for a task job (optionally pinned to one worker)."""
+    """What the task runner (app/tasks/runner.py) does for a task job (optionally pinned to one worker)."""
     token = CancelToken()
     return service.executor.submit(
         lambda: run_on_device(task, config, backend, service.energy, service.engines, cancel=token),

@@ -52,7 +52,7 @@ def configure_logging(level: str) -> None:
     """JSON lines on stderr for the service ("rev88.*") and for uvicorn's own messages.
 
     uvicorn's access log is switched off: the service logs every request itself, with
-    its request id (app/middleware.py). Idempotent: one JSON handler per logger.
+    its request id (app/http/middleware.py). Idempotent: one JSON handler per logger.
     """
     ours = logging.getLogger("rev88")
     ours.setLevel(level.upper())

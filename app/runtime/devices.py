@@ -1,6 +1,6 @@
 """Which devices the service's workers own, and the queue and batch defaults that fit them.
 
-The rule (README "Workers, queue and batching"):
+The rule (docs/configuration.md, "Workers, queue and batching"):
 
 * **CPU backends** (cpu, cpu-fast): one worker per core this process may use
   (``os.sched_getaffinity``), devices ``cpu:0 .. cpu:N-1``, each running one task at a time on

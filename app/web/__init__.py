@@ -4,7 +4,7 @@ Server-rendered with Jinja2 (templates/) plus a little plain JavaScript (static/
 build step). The HTML carries no task data: the script fetches the JSON API (``/tasks``,
 ``/health``) and sends the API key a user typed into the page (kept in the browser's
 localStorage) as ``Authorization: Bearer``. So these pages and the static files are open
-without the key (app/middleware.py), while every API route stays protected.
+without the key (app/http/middleware.py), while every API route stays protected.
 
 app/main.py calls ``install(app)``: the routes of ``router`` on the app itself, and the static
 files mounted at ``STATIC_PATH``.
