@@ -18,6 +18,7 @@ import dataclasses
 import gzip
 import hashlib
 import io
+import re
 import struct
 import threading
 import zipfile
@@ -196,7 +197,35 @@ def _reject_members(names: list[str]) -> None:
         )
 
 
+# The header np.save writes ("{'descr': '<f4', 'fortran_order': False, 'shape': (50, 1, 9, 9), }",
+# spaces, a newline), read without numpy's literal_eval; any other header goes to numpy's reader.
+_SAVED_HEADER = re.compile(r"\{'descr': '([<>|=][a-z]\d{1,2})', 'fortran_order': (True|False), "
+                           r"'shape': \(((?:\d{1,19}, )*\d{0,19},?)\), \} *\n")
+
+
+def _saved_header(fh: BinaryIO, limits: Limits) -> tuple[tuple[int, ...], np.dtype, bool] | None:
+    """np.save's own header form, parsed directly; None (and ``fh`` back where it was) otherwise."""
+    start = fh.tell()
+    magic = fh.read(8)
+    if len(magic) == 8 and magic[:6] == b"\x93NUMPY" and magic[6] in (1, 2, 3) and magic[7] == 0:
+        size = fh.read(2 if magic[6] == 1 else 4)
+        length = int.from_bytes(size, "little")
+        if len(size) in (2, 4) and length <= limits.max_header_size:
+            match = _SAVED_HEADER.fullmatch(fh.read(length).decode("latin-1"))
+            if match is not None:
+                dims = match.group(3).rstrip(",")
+                shape = tuple(int(d) for d in dims.split(", ")) if dims else ()
+                if len(shape) != 1 or match.group(3).endswith(","):  # numpy writes (n,) for 1-D
+                    return shape, np.dtype(match.group(1)), match.group(2) == "True"
+    fh.seek(start)
+    return None
+
+
 def _read_npy_header(fh: BinaryIO, name: str, limits: Limits) -> tuple[tuple[int, ...], np.dtype, bool]:
+    if fh.seekable():
+        saved = _saved_header(fh, limits)
+        if saved is not None:
+            return saved
     try:
         version = np.lib.format.read_magic(fh)
     except ValueError as exc:

@@ -424,3 +424,27 @@ def test_array_sha256_is_the_sha256_of_tobytes():
     for arr in cases:
         le = np.ascontiguousarray(np.asarray(arr).astype(np.asarray(arr).dtype.newbyteorder("<")))
         assert array_sha256(arr) == hashlib.sha256(le.tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("array", [
+    np.zeros((50, 1, 9, 9), np.float32), np.zeros(7, np.int64), np.zeros(0, np.int32), np.array(3.0),
+    np.zeros((3, 4), np.float64, order="F"), np.zeros((2,), ">i4"), np.zeros(5, bool), np.zeros((1, 0, 3), np.uint8),
+    np.zeros(3, "U4"), np.zeros(2, [("a", "<i4")]),
+])
+def test_the_saved_header_fast_path_reads_what_numpy_reads(array):
+    """np.save's own header form is parsed without literal_eval; anything else falls back to
+    numpy's reader with the file where it was. Either way: numpy's shape, dtype and order."""
+    from learner.taskio import DEFAULT_LIMITS, _saved_header
+
+    buf = io.BytesIO()
+    np.save(buf, array)
+    buf.seek(0)
+    fast, after = _saved_header(buf, DEFAULT_LIMITS), buf.tell()
+    buf.seek(0)
+    version = np.lib.format.read_magic(buf)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(buf)
+    if fast is None:
+        assert after == 0 and array.dtype.kind in "UV"  # fell back, nothing consumed
+    else:
+        assert fast == (shape, dtype, fortran) and after == buf.tell()
