@@ -100,6 +100,7 @@ CHANNEL_CANCEL = "rev88_cancel"
 MIGRATION_LOCK_WAIT_S = 120  # another replica's migration: wait this long for it at most
 RETENTION_CHECK_S = 5.0  # a replica also recounts at least this often (others finish tasks too)
 REAP_BATCH = 500
+CHECK_IDLE_S = 1.0  # a pooled connection idle longer than this is checked (one round trip) before use
 
 NOW = "EXTRACT(EPOCH FROM clock_timestamp())::float8"  # the server's clock, epoch seconds
 
@@ -254,9 +255,16 @@ class PostgresLedger:
                 ledger._connect_error = None
                 return conn
 
+        def check(conn: psycopg.Connection) -> None:
+            # a connection in use a moment ago is taken as it is (a broken one fails its request
+            # once and is discarded); one idle longer -- after an outage, say -- is checked first
+            used = getattr(conn, "_rev88_used", None)
+            if used is None or time.monotonic() - used > CHECK_IDLE_S:
+                ConnectionPool.check_connection(conn)
+
         return ConnectionPool(
             self.url, connection_class=Connection, kwargs={"autocommit": True, **self._options()},
-            min_size=1, max_size=self.pool_size, timeout=self.timeout_s, check=ConnectionPool.check_connection,
+            min_size=1, max_size=self.pool_size, timeout=self.timeout_s, check=check,
             # a short give-up: once the server is back, the next request grows the pool afresh
             # (a long one would back off exponentially while the server is down)
             reconnect_timeout=max(2.0, self.timeout_s), name="rev88-ledger", open=False,
@@ -291,6 +299,7 @@ class PostgresLedger:
                         yield conn
                 else:
                     yield conn
+                conn._rev88_used = time.monotonic()
         except psycopg.IntegrityError:
             raise
         except PoolClosed as exc:
@@ -457,57 +466,76 @@ class PostgresLedger:
             self._hold(task_id, 1)
         return record, True
 
+    # A write of a task's row is one statement, its fence in its WHERE: a task this replica holds
+    # is written only under its owner and epoch; any other only while no other replica's lease
+    # is live. No row updated: _refused says why (unknown, finished, or LeaseLost).
+    _FENCE_HELD = "t.lease_owner = %(owner)s AND t.claims = %(epoch)s"
+    _FENCE_FREE = f"(t.lease_owner IS NULL OR t.lease_owner = %(owner)s OR t.lease_expires_at < {NOW})"
+
+    def _epoch(self, task_id: str) -> int | None:
+        with self._held_lock:
+            return self._held.get(task_id)
+
+    def _refused(self, conn: psycopg.Connection, task_id: str, writing: str) -> None:
+        """Raise why a fenced write of ``task_id`` updated nothing (KeyError, AlreadyFinished,
+        LeaseLost); return when the row has become writable meanwhile (write again)."""
+        row = conn.execute(f"SELECT {_LOCK_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,)).fetchone()
+        if row is None:
+            raise KeyError(task_id)
+        if row[1] in FINISHED:
+            raise AlreadyFinished(self._summary(conn, task_id))
+        self._lease_for(row, writing)
+
     def mark_running(self, task_id: str, device: str | None = None) -> None:
         """queued (or running, re-run after a replica stopped) -> running; sets started_at (server
         clock) and takes the task's lease for this replica (LeaseLost if another holds it)."""
-        with self._conn(f"mark task {task_id} running") as conn:
-            row = self._locked(conn, [task_id]).get(task_id)
-            if row is None:
-                raise KeyError(task_id)
-            if row[1] in FINISHED:
-                raise AlreadyFinished(self._summary(conn, task_id))
-            epoch = self._lease_for(row, "marking running")
-            conn.execute(
-                f"UPDATE rev88_tasks SET status = 'running', started_at = {NOW}, device = COALESCE(%s, device),"
-                f" attempts = attempts + 1, lease_owner = %s, lease_expires_at = {NOW} + %s, claims = %s WHERE id = %s",
-                (device, self.owner, self.lease_s, epoch, task_id))
-        self._hold(task_id, epoch)
+        for _ in range(3):
+            with self._conn(f"mark task {task_id} running", transaction=False) as conn:
+                if self._set_running(conn, [(task_id, device, None)]):
+                    return
+                self._refused(conn, task_id, "marking running")
+        raise LedgerUnavailable(f"cannot mark task {task_id} running: its lease kept changing hands")
 
     def mark_running_many(self, started: list[tuple[str, str | None, float]]) -> list[str]:
-        """``(task id, device, started_at)`` of tasks a launch started, in one transaction: each
+        """``(task id, device, started_at)`` of tasks a launch started, in one statement: each
         unfinished one this replica may hold -> running, as ``mark_running``. Returns the ids it
         left alone (unknown, finished meanwhile, or held by another replica)."""
         if not started:
             return []
-        skipped, updates = [], []
-        with self._conn(f"mark {len(started)} task(s) running") as conn:
-            rows = self._locked(conn, [t for t, _, _ in started])
-            for task_id, device, started_at in started:
-                row = rows.get(task_id)
-                if row is None or row[1] in FINISHED:
-                    skipped.append(task_id)
-                    continue
-                try:
-                    epoch = self._lease_for(row, "marking running")
-                except LeaseLost as exc:
-                    log.warning("task not marked running: %s", exc)
-                    skipped.append(task_id)
-                    continue
-                updates.append((started_at, device, self.owner, self.lease_s, epoch, task_id))
-            if updates:
-                with conn.cursor() as cur:
-                    cur.executemany(
-                        "UPDATE rev88_tasks SET status = 'running', started_at = %s, device = COALESCE(%s, device),"
-                        f" attempts = attempts + 1, lease_owner = %s, lease_expires_at = {NOW} + %s, claims = %s"
-                        " WHERE id = %s", updates)
-        for update in updates:
-            self._hold(update[5], update[4])
+        with self._conn(f"mark {len(started)} task(s) running", transaction=False) as conn:
+            marked = self._set_running(conn, started)
+        skipped = [task_id for task_id, _, _ in started if task_id not in marked]
+        for task_id in skipped:
+            if self._epoch(task_id) is not None:
+                log.warning("task not marked running: its lease has passed to another replica",
+                            extra={"task_id": task_id})
+                self._unhold(task_id)
         return skipped
+
+    def _set_running(self, conn: psycopg.Connection, started: list[tuple[str, str | None, float | None]]) -> set[str]:
+        ids = [t for t, _, _ in started]
+        epochs = [self._epoch(t) for t in ids]
+        rows = conn.execute(
+            "UPDATE rev88_tasks t SET status = 'running',"
+            f" started_at = COALESCE(s.started_at, {NOW}), device = COALESCE(s.device, t.device),"
+            f" attempts = t.attempts + 1, lease_owner = %(owner)s, lease_expires_at = {NOW} + %(lease)s,"
+            " claims = CASE WHEN t.lease_owner = %(owner)s THEN t.claims ELSE t.claims + 1 END"
+            " FROM unnest(%(ids)s::text[], %(devices)s::text[], %(started)s::float8[], %(epochs)s::int[])"
+            "      AS s(id, device, started_at, epoch)"
+            " WHERE t.id = s.id AND t.status IN ('queued', 'running') AND CASE WHEN s.epoch IS NOT NULL"
+            "   THEN t.lease_owner = %(owner)s AND t.claims = s.epoch"
+            f"  ELSE {self._FENCE_FREE} END"
+            " RETURNING t.id, t.claims",
+            {"owner": self.owner, "lease": self.lease_s, "ids": ids, "devices": [d for _, d, _ in started],
+             "started": [a for _, _, a in started], "epochs": epochs}).fetchall()
+        for task_id, epoch in rows:
+            self._hold(task_id, epoch)
+        return {r[0] for r in rows}
 
     def finish(self, task_id: str, status: str, answer: dict | None = None,
                error: dict | None = None, answer_json: bytes | None = None,
                with_answer: bool = True, input_hashes: dict | None = None) -> TaskRecord:
-        """Record the outcome and delete the task's input, in one transaction, then apply
+        """Record the outcome and delete the task's input, in one statement, then apply
         retention. KeyError for an unknown task, AlreadyFinished for a finished one, LeaseLost
         when another replica holds (or has taken over) its lease: fenced by owner and epoch."""
         if status not in FINISHED:
@@ -522,24 +550,31 @@ class PostgresLedger:
             raise ValueError("answer_json without the answer it encodes")
         blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
         sha, run_ms, energy_j = _answer_columns(answer)
-        columns = ALL_COLUMNS if with_answer else SUMMARY_COLUMNS
-        with self._conn(f"record the result of task {task_id}") as conn:
-            row = self._locked(conn, [task_id]).get(task_id)
-            if row is None:
-                raise KeyError(task_id)
-            if row[1] in FINISHED:
-                raise AlreadyFinished(self._summary(conn, task_id))
-            self._lease_for(row, "the result")
-            done = conn.execute(
-                f"UPDATE rev88_tasks SET status = %s, finished_at = {NOW}, answer = %b, answer_codec = %s,"
-                " answer_bytes = %s, answer_json_bytes = %s, error = %s, predictions_sha256 = %s, run_ms = %s,"
-                " energy_j = %s, input_hashes = COALESCE(%s, input_hashes), has_input = false, lease_owner = NULL,"
-                f" lease_expires_at = NULL WHERE id = %s RETURNING {columns}",
-                (status, blob, ANSWER_CODEC if blob is not None else None, len(blob or b""), json_bytes,
-                 None if error is None else _dumps(error), sha, run_ms, energy_j,
-                 None if input_hashes is None else _dumps(input_hashes), task_id), binary=True).fetchone()
-            conn.execute("DELETE FROM rev88_task_inputs WHERE task_id = %s", (task_id,))
+        columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
+        params = {"status": status, "answer": blob, "codec": ANSWER_CODEC if blob is not None else None,
+                  "bytes": len(blob or b""), "json_bytes": json_bytes, "error": None if error is None else _dumps(error),
+                  "sha": sha, "run_ms": run_ms, "energy_j": energy_j, "owner": self.owner, "id": task_id,
+                  "hashes": None if input_hashes is None else _dumps(input_hashes)}
+        for _ in range(3):
+            params["epoch"] = epoch = self._epoch(task_id)
+            with self._conn(f"record the result of task {task_id}", transaction=False) as conn:
+                done = conn.execute(
+                    f"WITH done AS (UPDATE rev88_tasks t SET status = %(status)s, finished_at = {NOW},"
+                    " answer = %(answer)b, answer_codec = %(codec)s, answer_bytes = %(bytes)s,"
+                    " answer_json_bytes = %(json_bytes)s, error = %(error)s, predictions_sha256 = %(sha)s,"
+                    " run_ms = %(run_ms)s, energy_j = %(energy_j)s, input_hashes = COALESCE(%(hashes)s, t.input_hashes),"
+                    " has_input = false, lease_owner = NULL, lease_expires_at = NULL"
+                    " WHERE t.id = %(id)s AND t.status IN ('queued', 'running') AND"
+                    f" {self._FENCE_HELD if epoch is not None else self._FENCE_FREE} RETURNING {columns}),"
+                    " gone AS (DELETE FROM rev88_task_inputs WHERE task_id = %(id)s AND EXISTS (SELECT 1 FROM done))"
+                    " SELECT * FROM done", params, binary=True).fetchone()
+                if done is None:
+                    self._refused(conn, task_id, "the result")
+                    continue
             record = _record(done, with_answer)
+            break
+        else:
+            raise LedgerUnavailable(f"cannot record the result of task {task_id}: its lease kept changing hands")
         self._unhold(task_id)
         if self._totals is not None:
             self._totals = (self._totals[0] + 1, self._totals[1] + len(blob or b""))
@@ -758,7 +793,7 @@ class PostgresLedger:
         (``FOR UPDATE SKIP LOCKED``: replicas claiming at once never take the same task)."""
         if limit < 1:
             return []
-        with self._conn(f"claim up to {limit} queued task(s)") as conn:
+        with self._conn(f"claim up to {limit} queued task(s)", transaction=False) as conn:
             rows = conn.execute(
                 f"UPDATE rev88_tasks t SET lease_owner = %(owner)s, lease_expires_at = {NOW} + %(lease)s,"
                 " claims = t.claims + 1"
@@ -781,7 +816,7 @@ class PostgresLedger:
         if not snapshot:
             return Renewal([], [], [])
         ids = list(snapshot)
-        with self._conn(f"renew {len(ids)} lease(s)") as conn:
+        with self._conn(f"renew {len(ids)} lease(s)", transaction=False) as conn:
             rows = conn.execute(
                 f"UPDATE rev88_tasks t SET lease_expires_at = {NOW} + %(lease)s"
                 " FROM unnest(%(ids)s::text[], %(epochs)s::int[]) AS h(id, epoch)"
