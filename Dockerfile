@@ -47,17 +47,18 @@ COPY rev88 ./rev88
 # Same torch pin again so resolving the package cannot move it; then a smoke test of the
 # *installed* package, run from / so that the source copy here cannot stand in for it: the
 # compiled cpu-fast kernel must have been built (gcc above) or the build fails.
-# The project itself (".") carries its dependency ranges in pyproject.toml.
+# The project itself (".") carries its dependency ranges in pyproject.toml; the postgres extra
+# (psycopg) lets the same image keep its ledger in PostgreSQL (REV88_DATABASE_URL).
 # hadolint ignore=DL3003,DL3013
-RUN pip install "torch===2.13.0" ".[gpu]" \
+RUN pip install "torch===2.13.0" ".[gpu,postgres]" \
  && rm -rf build ./*.egg-info \
  && cd / \
- && python -c "import learner, app.main, rev88.cli; from learner.backends import cpu_fast; \
+ && python -c "import learner, app.main, rev88.cli, app.ledger.postgres; from learner.backends import cpu_fast; \
 assert not learner.__file__.startswith('/opt/rev88/'), learner.__file__; \
 assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; \
 print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel built')"
 
-# The task ledger (SQLite + uploads of asynchronous tasks): a volume, writable by the service's
+# The task ledger (SQLite + uploads of asynchronous tasks; unused with REV88_DATABASE_URL): a volume, writable by the service's
 # user while the root filesystem stays read-only (compose and Kubernetes mount one here).
 RUN mkdir -p /var/lib/rev88 && chown 10001:10001 /var/lib/rev88
 VOLUME ["/var/lib/rev88"]

@@ -9,8 +9,10 @@ where compose.yaml's GPU reservation cannot be met). Steps:
    unless CONTAINERS_CONF is set, and BUILDAH_FORMAT=docker (the HEALTHCHECK needs it) should
    compose build the image;
 2. `config` must show no device reservation; `up -d` (builds rev88:0.1.0 only if it is
-   missing: run `make image-check` first to build and check it);
-3. GET /v2/health/ready = 200 on 127.0.0.1:8000 (the ready time), /health names the backend;
+   missing: run `make image-check` first to build and check it; pulls postgres:15-bookworm for
+   the ledger's postgres service if the engine does not have it);
+3. GET /v2/health/ready = 200 on 127.0.0.1:8000 (the ready time), /health names the backend
+   and a ledger in PostgreSQL;
 4. posts MNIST-medium draw 0 without ?backend= (so the variant's REV88_BACKEND decides) and
    compares predictions_sha256 with `rev88 run --backend cpu` on the host;
 5. `stop` (stop_grace_period applies): the container must have exited 0; then `down`.
@@ -90,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         ic.sh(*compose, *FILES, "up", "-d", capture=False)
         up = True
         name = ic.sh(engine, "ps", "-a", "--filter", "label=com.docker.compose.project=rev88",
-                     "--format", "{{.Names}}").stdout.split()
-        ic.check(len(name) == 1, f"one container: {name}")
+                     "--filter", "label=com.docker.compose.service=rev88", "--format", "{{.Names}}").stdout.split()
+        ic.check(len(name) == 1, f"one rev88 container (beside the postgres one): {name}")
         name = name[0]
         base = f"http://127.0.0.1:{PORT}"
         figures["ready_s"] = round(ic.wait_ready(base, engine, name, started, args.ready_timeout), 2)
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         _, health = ic.http("GET", base + "/health")
         health = json.loads(health)
         figures["health"] = {k: health.get(k) for k in ("status", "backend", "device") if k in health}
+        figures["ledger_engine"] = (health.get("ledger") or {}).get("engine")
+        ic.check(figures["ledger_engine"] == "postgresql", "the ledger is in the postgres service")
 
         start = time.monotonic()
         answer = ic.post_task(base, task.read_bytes(), "")
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         exits = ic.sh(engine, "ps", "-a", "--filter", "label=com.docker.compose.project=rev88",
                       "--format", "{{.ExitCode}}", check_rc=False).stdout.split()
         figures["left_after_down"] = exits
-        ic.check(not exits, "down removed the container")
+        ic.check(not exits, "down removed the containers")
         figures["passed"] = True
     except ic.CheckFailed as exc:
         figures["passed"] = False

@@ -206,3 +206,19 @@ def test_images_transformer_matches_kustomize_rules():
     assert _new_image("other:0.1.0", rules) == "other:0.1.0"
     assert _new_image("localhost:5000/rev88:1", [{"name": "localhost:5000/rev88", "newTag": "2"}]) == "localhost:5000/rev88:2"
     assert _new_image("rev88:0.1.0", [{"name": "rev88", "digest": "sha256:" + "0" * 64}]) == "rev88@sha256:" + "0" * 64
+
+
+# --------------------------------------------------------------------------- the shared ledger (issue #22)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_trial_postgres_and_the_shared_queue_hpa_pass_strict_schema_validation(version):
+    docs = render(K8S / "postgres")
+    assert sorted(d["kind"] for d in docs) == ["Secret", "Secret", "Service", "StatefulSet"]
+    (kust,) = yaml.safe_load_all((K8S / "postgres" / "kustomization.yaml").read_text())
+    (rule,) = kust["images"]
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == f"{rule['newName']}:{rule['newTag']}"
+    validate_all(docs, version)
+    validate_all([d for d in yaml.safe_load_all((K8S / "hpa-shared-queue.yaml").read_text()) if d], version)

@@ -214,7 +214,8 @@ def test_dockerfile_installs_the_pinned_cuda_capable_torch():
     runs = " ".join(instructions("RUN"))
     # === : exactly PyPI's release (the CUDA build on Linux x86_64), never a local +cpu build
     assert f'"torch==={version}"' in runs
-    assert ".[gpu]" in runs
+    extras = re.search(r'"\.\[([a-z,]+)\]"', runs)
+    assert extras and {"gpu", "postgres"} <= set(extras[1].split(",")), "the gpu and postgres extras"
     # Triton (the gpu extra) compiles its launcher with the host C compiler at first use
     assert re.search(r"apt-get install [^&]*\bgcc\b", runs)
     (base,) = instructions("FROM")
@@ -244,7 +245,7 @@ def test_dockerfile_smoke_tests_the_installed_package_and_its_kernel():
     """The build's smoke test imports the *installed* package (from /, not the source copy in
     WORKDIR) and fails when the cpu-fast kernel was not compiled."""
     (workdir,) = instructions("WORKDIR")
-    install = [r for r in instructions("RUN") if '".[gpu]"' in r]
+    install = [r for r in instructions("RUN") if re.search(r'"\.\[gpu[a-z,]*\]"', r)]
     assert len(install) == 1
     steps = [step.strip() for step in install[0].split("&&")]
     cd = [i for i, step in enumerate(steps) if step.startswith("cd ")]
@@ -254,7 +255,8 @@ def test_dockerfile_smoke_tests_the_installed_package_and_its_kernel():
     assert not target.startswith(workdir) and target != ".", target
     code = steps[smoke[0]].split(None, 2)[2].strip('"')
     compile(code, "<smoke>", "exec")
-    for needed in ("import learner", "app.main", "rev88.cli", "cpu_fast.kernel_available()", workdir):
+    for needed in ("import learner", "app.main", "rev88.cli", "cpu_fast.kernel_available()", workdir,
+                   "app.ledger.postgres"):  # psycopg installed: the image can keep its ledger in PostgreSQL
         assert needed in code, needed
 
 
@@ -290,10 +292,10 @@ def test_serve_flags_cover_every_settings_variable():
 # --------------------------------------------------------------------------- compose
 
 
-def compose_service() -> dict:
+def compose_service(name: str = "rev88") -> dict:
     (doc,) = load_yaml(DEPLOY / "compose.yaml")
-    (service,) = doc["services"].values()
-    return service
+    assert set(doc["services"]) == {"rev88", "postgres"}
+    return doc["services"][name]
 
 
 def compose_merge(base, override):
@@ -339,7 +341,7 @@ def test_compose_healthcheck_port_env_and_grace(routes):
 def test_compose_cpu_override_drops_only_the_gpu_reservation():
     (base,) = load_yaml(DEPLOY / "compose.yaml")
     (cpu,) = load_yaml(DEPLOY / "compose.cpu.yaml")
-    assert set(cpu["services"]) == set(base["services"]), "the override names the same service"
+    assert set(cpu["services"]) == {"rev88"} <= set(base["services"]), "the override names the rev88 service"
     (override,) = cpu["services"].values()
     assert set(override) <= {"environment", "deploy"}
     assert override["deploy"]["resources"]["reservations"]["devices"] == Reset([])
@@ -497,3 +499,85 @@ def test_the_ledger_lives_on_a_volume_everywhere():
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert data_dir in mounts and mounts[data_dir] in volumes
+
+
+# --------------------------------------------------------------------------- the shared ledger (issue #22)
+
+
+def test_compose_keeps_the_ledger_in_its_postgres_service():
+    from urllib.parse import urlsplit
+
+    (doc,) = load_yaml(DEPLOY / "compose.yaml")
+    rev88, pg = compose_service(), compose_service("postgres")
+    assert rev88["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    assert pg["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    # a named volume (declared at the top level), never a bind mount or nothing
+    (volume,) = pg["volumes"]
+    name, path = volume.split(":")[:2]
+    assert name in doc["volumes"] and path == "/var/lib/postgresql/data"
+    assert "ports" not in pg, "the database is reachable on the compose network only"
+    url = urlsplit(rev88["environment"]["REV88_DATABASE_URL"])
+    env = pg["environment"]
+    assert (url.scheme, url.hostname, url.port) == ("postgresql", "postgres", 5432)
+    assert url.username == env["POSTGRES_USER"] and url.path == "/" + env["POSTGRES_DB"]
+    assert url.password == env["POSTGRES_PASSWORD"] and url.password.startswith("${REV88_DB_PASSWORD:-")
+    assert Settings.from_env({"REV88_DATABASE_URL": "postgresql://u:p@postgres:5432/rev88"}).database_url
+    # room for several replicas' pools: replicas x (REV88_DB_POOL_SIZE + 2) under max_connections
+    command = pg["command"]
+    max_connections = int(command[command.index("-c") + 1].split("=")[1])
+    assert max_connections >= 8 * (DEFAULTS.db_pool_size + 2)
+
+
+def test_the_deployment_takes_the_database_url_from_a_secret():
+    c = container(k8s_docs()["Deployment"])
+    env = container_env(c)
+    url = env["REV88_DATABASE_URL"]
+    assert "value" not in url, "a database URL holds a password: never a literal in the manifest"
+    ref = url["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "rev88-database", "key": "url", "optional": True}  # without it: SQLite, as before
+    lease = float(env["REV88_LEASE_S"]["value"])
+    assert 0 < lease <= 30, "a dead pod's tasks are rescued in seconds, not hours"
+
+
+def test_the_trial_postgres_matches_the_secret_rev88_reads():
+    from urllib.parse import urlsplit
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in load_yaml(K8S / "postgres" / "postgres.yaml")}
+    sts = docs[("StatefulSet", "rev88-postgres")]
+    svc = docs[("Service", "rev88-postgres")]
+    url = urlsplit(docs[("Secret", "rev88-database")]["stringData"]["url"])
+    assert url.hostname == svc["metadata"]["name"] == sts["spec"]["serviceName"]
+    assert url.port == svc["spec"]["ports"][0]["port"] == 5432
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    env = container_env(c)
+    assert url.username == env["POSTGRES_USER"]["value"] and url.path == "/" + env["POSTGRES_DB"]["value"]
+    password = env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert docs[("Secret", password["name"])]["stringData"][password["key"]] == url.password
+    assert sts["spec"]["replicas"] == 1 and sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["data"] == "/var/lib/postgresql/data" and env["PGDATA"]["value"].startswith(mounts["data"] + "/")
+    assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    readme = (DEPLOY / "README.md").read_text()
+    assert "managed or operated PostgreSQL" in readme and "kubectl apply -k deploy/k8s/postgres" in readme
+
+
+def test_the_shared_queue_hpa_scales_on_a_metric_the_app_exports_counted_once():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.runtime.metrics import Metrics
+
+    (hpa,) = load_yaml(K8S / "hpa-shared-queue.yaml")
+    assert hpa["metadata"]["name"] == k8s_docs()["HorizontalPodAutoscaler"]["metadata"]["name"]  # replaces it
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    name = metric["external"]["metric"]["name"]
+    metrics = Metrics()
+    metrics.watch_ledger(lambda: {"engine": "postgresql", "up": True, "leases_held": 0, "pool": {"max": 8},
+                                  "queue": {"queued": 3, "running": 1}, "counters": {"claimed": 4}})
+    body, _ = metrics.render()
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert name in families and families[name].samples[0].value == 3
+    (values,) = load_yaml(K8S / "prometheus-adapter-values.yaml")
+    (rule,) = [r for r in values["rules"]["external"] if r["name"]["as"] == name]
+    assert name in rule["seriesQuery"] and rule["metricsQuery"].startswith("max("), "each queued task counted once"
