@@ -135,6 +135,11 @@ def _releasing_send(cycle, body: ZeroCopyBody):
             if cycle.response_complete or cycle.disconnected:
                 body.reservation.release()
                 cycle.scope.pop("rev88.body", None)
+                # the cycle holds these two closures and they hold the cycle (and the body's buffer):
+                # unlinked here, the request is freed when it ends, not at the cyclic GC's next full
+                # pass (bench/bench_soak.py; tests/test_memory_soak.py)
+                vars(cycle).pop("receive", None)
+                vars(cycle).pop("send", None)
 
     return send
 
