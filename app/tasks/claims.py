@@ -48,6 +48,10 @@ from .runner import Accepted, TaskRunner
 log = logging.getLogger("rev88." + __name__)
 
 SHARED_QUEUE_FACTOR = 16  # REV88_SHARED_QUEUE_SIZE's default: this many times the local queue
+# Offered tasks' parsed arrays kept for this replica's own claim: at most this many bytes, this
+# long (a task another replica claimed is simply forgotten; this one then reads no body back)
+OFFER_CACHE_BYTES = 256 << 20
+OFFER_CACHE_S = 30.0
 
 
 class SharedQueue:
@@ -61,8 +65,10 @@ class SharedQueue:
         self.batch_max = batch_max
         self.renew_s, self.poll_s = lease_renew_s, claim_poll_s
         self.limit = shared_queue_size or SHARED_QUEUE_FACTOR * queue_size
-        self.offered: collections.OrderedDict[str, Accepted] = collections.OrderedDict()
-        self.cache_size = max(1, queue_size)  # offered tasks' parsed arrays kept here at most
+        # task id -> (its acceptance, when offered, its arrays' bytes), oldest first
+        self.offered: collections.OrderedDict[str, tuple[Accepted, float, int]] = collections.OrderedDict()
+        self.offered_bytes = 0
+        self.cache_size = max(1, queue_size)  # offered tasks kept here at most (and OFFER_CACHE_BYTES)
         self.depth: dict[str, Any] | None = None  # the shared queue as last counted
         self.counters = {"claimed": 0, "from_stored_input": 0, "leases_lost": 0, "cancels_noticed": 0,
                          "reaped_requeued": 0, "reaped_failed": 0, "reaped_cancelled": 0, "released": 0}
@@ -127,12 +133,29 @@ class SharedQueue:
     def offer(self, acc: Accepted) -> None:
         """An asynchronous task just recorded (queued) here: whichever replica is idle claims it;
         this one keeps its parsed arrays a while, to run it without reading it back."""
-        self.offered[acc.task_id] = acc
-        while len(self.offered) > self.cache_size:
-            self.offered.popitem(last=False)
+        size = acc.task.train_images.nbytes + acc.task.test_images.nbytes
+        self.offered[acc.task_id] = (acc, time.monotonic(), size)
+        self.offered_bytes += size
+        self._trim_offered()
         if self.depth is not None:
             self.depth = {**self.depth, "queued": self.depth.get("queued", 0) + 1}
         self.wake()
+
+    def _take_offered(self, task_id: str) -> Accepted | None:
+        entry = self.offered.pop(task_id, None)
+        if entry is None:
+            return None
+        self.offered_bytes -= entry[2]
+        return entry[0]
+
+    def _trim_offered(self) -> None:
+        old = time.monotonic() - OFFER_CACHE_S
+        while self.offered:
+            _, (_, at, _) = next(iter(self.offered.items()))
+            if (len(self.offered) <= self.cache_size and self.offered_bytes <= OFFER_CACHE_BYTES and at >= old):
+                break
+            _, (_, _, size) = self.offered.popitem(last=False)
+            self.offered_bytes -= size
 
     def wake(self) -> None:
         """Look for work now (thread-safe)."""
@@ -165,6 +188,7 @@ class SharedQueue:
             except TimeoutError:
                 pass
             self._wake.clear()
+            self._trim_offered()
             try:
                 await self.claim_some()
             except LedgerUnavailable as exc:
@@ -187,7 +211,7 @@ class SharedQueue:
             stored = [c.record.id for c in claims if c.record.id not in self.offered]
             bodies = await asyncio.to_thread(self.ledger.load_uploads, stored) if stored else {}
             for claim in claims:
-                acc = self.offered.pop(claim.record.id, None)
+                acc = self._take_offered(claim.record.id)
                 if acc is None:
                     acc = await self._from_stored(claim.record, bodies.get(claim.record.id))
                     if acc is None:
@@ -334,6 +358,7 @@ class SharedQueue:
             "in_flight_here": self.runner.executor.in_flight(),
             "leases_held": len(self.ledger.held()),
             "offered_cached": len(self.offered),
+            "offered_cached_bytes": self.offered_bytes,
             "limit": self.limit,
             "depth": self.depth,
             "lease_renew_s": self.renew_s,
