@@ -142,7 +142,7 @@ def error_answer(exc: BaseException, request_id: str | None) -> tuple[int, dict[
     elif isinstance(exc, BackendUnavailable):
         status, body = 422, {"error": str(exc), "type": "BackendUnavailable"}
     elif isinstance(exc, LedgerUnavailable):
-        status, body, headers = 503, {"error": f"the task ledger is unavailable: {exc}"}, {"Retry-After": "30"}
+        status, body, headers = 503, {"error": f"the task ledger is unavailable: {exc}"}, {"Retry-After": "5"}
     else:
         log.error("unexpected error", exc_info=exc)
         status, body = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
