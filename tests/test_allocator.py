@@ -53,6 +53,11 @@ def test_rev88_serve_applies_them_and_says_so(tmp_path):
         line = proc.stderr.readline()  # the startup line comes before uvicorn starts
     finally:
         proc.terminate()
-        proc.communicate(timeout=60)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # it must stop on SIGTERM: fail, but leave no server behind
+            proc.kill()
+            proc.communicate(timeout=30)
+            raise
     assert line.startswith("rev88 serve: http://127.0.0.1:"), line
     assert "malloc keeps freed memory (mmap threshold 32 MiB, trim 128 MiB)" in line

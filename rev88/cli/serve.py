@@ -168,7 +168,7 @@ def raise_open_files(connections: int) -> str:
     return f"open files {soft}"
 
 
-class _Stopped(Exception):
+class _Stopped(BaseException):  # not an Exception: no "except Exception" in the startup swallows it
     pass
 
 
