@@ -48,7 +48,7 @@ test: install-test
 # app's rooms top to bottom; no import cycle)
 lint: install-test
 	$(BIN)/ruff check learner app rev88 tests bench scripts deploy
-	$(BIN)/lint-imports
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -2,7 +2,8 @@
 the default) and PostgreSQL (app/ledger/postgres.py, REV88_DATABASE_URL: shared by replicas) --
 and the thread that writes a run's records (app/ledger/writer.py)."""
 
-from .base import Claim, LeaseLost, Renewal, SharedLedger, TaskLedger, is_shared, ledger_engine, open_ledger
+from .base import Claim, LeaseLost, Renewal, SharedLedger, TaskLedger, is_shared, ledger_engine
+from .engines import open_ledger
 from .store import (
     AlreadyFinished,
     FinishedTask,

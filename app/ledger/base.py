@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
-from .store import FinishedTask, Ledger, TaskRecord
+from .store import FinishedTask, TaskRecord
 
 
 class LeaseLost(Exception):
@@ -108,22 +108,6 @@ class SharedLedger(TaskLedger, Protocol):
     def held(self) -> list[str]: ...
 
     def stats(self) -> dict: ...
-
-
-def open_ledger(settings: Any, owner: str | None = None) -> TaskLedger:
-    """The ledger the settings name: PostgreSQL at ``settings.database_url`` when it is set
-    (migrated at open, under an advisory lock), else SQLite in ``settings.ledger_dir``. A
-    ledger that cannot be opened raises LedgerError naming the database and the problem."""
-    url = getattr(settings, "database_url", None)
-    if not url:
-        return Ledger(settings.ledger_dir, settings.retain_tasks, settings.retain_bytes)
-    from .postgres import PostgresLedger  # psycopg is needed only here (the `postgres` extra)
-
-    return PostgresLedger(
-        url, retain_tasks=settings.retain_tasks, retain_bytes=settings.retain_bytes,
-        pool_size=settings.db_pool_size, timeout_s=settings.db_timeout_s, lease_s=settings.lease_s,
-        lease_attempts=settings.lease_attempts, owner=owner,
-    )
 
 
 def ledger_engine(ledger: Any) -> str:
