@@ -9,7 +9,7 @@ behaviour, and tests/test_ledger.py runs against each:
 ``shared`` tells them apart where the service must act differently: with a shared ledger an
 asynchronous task is not queued on the replica that accepted it but claimed from the database by
 whichever replica has an idle worker (``SharedLedger``: claims, leases, fencing, reaping; see
-postgres.py). ``open_ledger`` picks the store from the settings: ``database_url`` set means
+postgres.py). ``open_ledger`` (app/ledger/engines.py) picks the store from the settings: ``database_url`` set means
 PostgreSQL, otherwise SQLite in the data dir, as before.
 """
 
