@@ -199,3 +199,28 @@ def test_pipelined_requests_after_a_body_read_whole(loop):
     assert f"{hashlib.sha256(big).hexdigest()} {len(big)}".encode() in got
     assert got.endswith(f"{hashlib.sha256(b'abc').hexdigest()} 3".encode())
     assert BUDGET.held == 0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_behind_expect_100_continue_is_read_whole_too(loop):
+    """curl sends a large body only after ``100 Continue``: the server sends it when the app first
+    receives, as uvicorn does, and the body is then read straight into its buffer."""
+    app, seen = zero_copy_echo()
+    server = Running(protocol_class(), app, loop)
+    big = bodies()[-1]
+    with server, socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(big))
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            chunk = sock.recv(4096)
+            assert chunk, interim
+            interim += chunk
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(big)
+        got = interim.split(b"\r\n\r\n", 1)[1]
+        want = f"{hashlib.sha256(big).hexdigest()} {len(big)}".encode()
+        while not got.endswith(want):
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+    assert ("memoryview", len(big), False) in seen and BUDGET.held == 0

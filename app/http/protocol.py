@@ -110,6 +110,9 @@ def _whole_body_receive(cycle, view: memoryview):
         nonlocal delivered
         if delivered:
             return await own()
+        if cycle.waiting_for_100_continue and not cycle.transport.is_closing():  # as uvicorn's receive
+            cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            cycle.waiting_for_100_continue = False
         while cycle.more_body and not cycle.disconnected and not cycle.response_complete:
             cycle.flow.resume_reading()
             await cycle.message_event.wait()
@@ -259,7 +262,7 @@ if HttpToolsProtocol is not None:
             length = _declared_length(self.headers)
             if length is not None and ZERO_COPY_MIN_BYTES <= length <= max_body_bytes() \
                     and self.scope.get("method") in ("POST", "PUT") and self.cycle is not None \
-                    and self.cycle.scope is self.scope and not self.expect_100_continue:
+                    and self.cycle.scope is self.scope:
                 self._zc_pending = length
 
         def _arm_header_timer(self) -> None:
