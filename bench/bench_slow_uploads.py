@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import selectors
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,29 +31,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from bench_load import Connection, build_request, free_port  # noqa: E402
-
-
-def start(port: int, data: Path, upload_timeout: float | None, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rev88", "serve", "--host", "127.0.0.1", "--port", str(port), "--backend", "cpu-fast"]
-    if upload_timeout is not None:
-        cmd += ["--upload-timeout", str(upload_timeout)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "REV88_DATA_DIR": str(data)},
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    raw = build_request("127.0.0.1", port, "GET", "/v2/health/ready")
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"rev88 serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            conn = Connection("127.0.0.1", port)
-            status, _, _ = conn.request(raw)
-            conn.close()
-            if status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"rev88 serve not ready:\n{log.read_text()}")
+from bench_load import Connection, build_request, start_server, stop_server  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                                             (np.arange(50) % 10).astype(np.int64), rng.random((5, 1, 9, 9), dtype=np.float32)))
     timeout = args.upload_timeout if args.upload_timeout is not None else 60.0
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        proc = start(port, Path(tmp) / "data", args.upload_timeout, Path(tmp) / "server.log")
+        flags = [] if args.upload_timeout is None else ["--upload-timeout", str(args.upload_timeout)]
+        proc, port = start_server("cpu-fast", Path(tmp) / "server.log", Path(tmp) / "data", args=flags)
         sel = selectors.DefaultSelector()
         head = (b"POST /tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
                 b"Content-Length: 6561000\r\n\r\nPK\x03\x04")
@@ -129,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 status = info["got"][9:12].decode() if info["got"].startswith(b"HTTP/1.1 ") else "reset"
                 closed.append({"at_s": round(time.monotonic() - t0, 2), "status": status})
                 s.close()
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
     statuses: dict[str, int] = {}
     for c in closed:
         statuses[c["status"]] = statuses.get(c["status"], 0) + 1

@@ -41,7 +41,6 @@ import io
 import json
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +52,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from bench_load import Connection, free_port, machine, task_bytes, uptime  # noqa: E402
+import bench_load  # noqa: E402
+from bench_load import Connection, machine, stop_server, task_bytes, uptime  # noqa: E402
 
 MIX = ("sync_draw0", "sync_small", "async_polled", "sync_small", "refused",
        "sync_draw0", "sync_small", "async_cancelled", "sync_draw0", "sync_small")
@@ -208,44 +208,14 @@ def _client(host, port, payloads, next_task, done, total, results) -> None:
 
 def start_server(backend: str, data_dir: Path, log_path: Path, retain_tasks: int | None, env_extra: dict[str, str],
                  probe_dir: Path | None) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    env = {**os.environ, "REV88_DATA_DIR": str(data_dir), **env_extra}
+    env = dict(env_extra)
     if retain_tasks is not None:
         env["REV88_RETAIN_TASKS"] = str(retain_tasks)
     if probe_dir is not None:
         (probe_dir / "sitecustomize.py").write_text(PROBE)
-        env["PYTHONPATH"] = os.pathsep.join([str(probe_dir), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([str(probe_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["REV88_SOAK_PROBE"] = str(probe_dir / "probe.json")
-    cmd = [sys.executable, "-m", "rev88", "serve", "--host", "127.0.0.1", "--port", str(port), "--backend", backend]
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    raw = request("127.0.0.1", port, "GET", "/v2/health/ready")
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"rev88 serve exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            conn = Connection("127.0.0.1", port)
-            status, _, _ = conn.request(raw)
-            conn.close()
-            if status == 200:
-                return proc, port
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"rev88 serve not ready after 300 s:\n{log_path.read_text()}")
-        time.sleep(0.2)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return bench_load.start_server(backend, log_path, data_dir, env=env)
 
 
 def dir_bytes(path: Path) -> int:

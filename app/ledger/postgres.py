@@ -70,8 +70,6 @@ from .base import Claim, LeaseLost, Renewal
 from .store import (
     ANSWER_CODEC,
     FINISHED,
-    KINDS,
-    MODES,
     STATUSES,
     AlreadyFinished,
     FinishedTask,
@@ -84,6 +82,11 @@ from .store import (
     _dumps,
     _encode_cursor,
     _loads,
+    check_finished_task,
+    check_new_task,
+    check_outcome,
+    check_page,
+    check_task_id,
     decode_answer,
     encode_answer,
 )
@@ -163,12 +166,6 @@ def _record(row: tuple | Any, with_answer: bool) -> TaskRecord:
         answer=answer, error=_loads(error), predictions_sha256=predictions_sha256, run_ms=run_ms,
         energy_j=energy_j, attempts=attempts, answer_bytes=answer_bytes,
     )
-
-
-def _check_id(task_id: str) -> None:
-    # the SQLite ledger's rule (an id names a file there): the same ids are valid in both stores
-    if not task_id or "/" in task_id or "\\" in task_id or task_id.startswith("."):
-        raise ValueError(f"task id {task_id!r} cannot name an upload file")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -404,17 +401,8 @@ class PostgresLedger:
         sent); a synchronous one is held by this replica. An ``idempotency_key`` already in the
         ledger: the same body and options give (that task, False), anything else raises
         IdempotencyConflict (one INSERT … ON CONFLICT: unique across replicas)."""
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if body is not None and len(body) != body_bytes:
-            raise ValueError(f"body_bytes is {body_bytes} but the body has {len(body)} bytes")
-        if idempotency_key is not None and not idempotency_key:
-            raise ValueError("idempotency_key must be a non-empty string or None")
-        if body_sha256 is None and (idempotency_key is not None or body is not None):
-            raise ValueError("a task with an idempotency key or a stored upload needs its body_sha256")
-        _check_id(task_id)
+        check_new_task(kind, mode, body, body_bytes, body_sha256, idempotency_key)
+        check_task_id(task_id)
         held = mode == "sync"
         params = {
             "id": task_id, "kind": kind, "mode": mode, "backend": backend, "config": _dumps(config),
@@ -538,16 +526,7 @@ class PostgresLedger:
         """Record the outcome and delete the task's input, in one statement, then apply
         retention. KeyError for an unknown task, AlreadyFinished for a finished one, LeaseLost
         when another replica holds (or has taken over) its lease: fenced by owner and epoch."""
-        if status not in FINISHED:
-            raise ValueError(f"finish status must be one of {', '.join(FINISHED)}, got {status!r}")
-        if status == "succeeded" and (answer is None or error is not None):
-            raise ValueError("a succeeded task needs its answer and no error")
-        if status != "succeeded" and answer is not None:
-            raise ValueError(f"a {status} task has no answer")
-        if status == "failed" and error is None:
-            raise ValueError("a failed task needs its error")
-        if answer_json is not None and answer is None:
-            raise ValueError("answer_json without the answer it encodes")
+        check_outcome(status, answer, error, answer_json)
         blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
         sha, run_ms, energy_j = _answer_columns(answer)
         columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
@@ -587,11 +566,7 @@ class PostgresLedger:
         rows = []
         added = 0
         for t in tasks:
-            if t.kind not in KINDS or t.mode not in MODES or t.status not in FINISHED:
-                raise ValueError(f"bad finished task {t.task_id}: kind {t.kind!r}, mode {t.mode!r}, status {t.status!r}")
-            if (t.status == "succeeded") != (t.answer is not None) or (t.answer is None and t.error is None):
-                raise ValueError(f"finished task {t.task_id}: a succeeded task has its answer, any other its error")
-            _check_id(t.task_id)
+            check_finished_task(t)
             hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
             blob, json_bytes = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0)
             sha, run_ms, energy_j = _answer_columns(t.answer)
@@ -675,10 +650,7 @@ class PostgresLedger:
              status: str | None = None) -> tuple[list[TaskRecord], str | None]:
         """Newest first (created_at, then id), keyset-paged over the shared table. Returns
         (records without their answers, the cursor of the next page or None at the end)."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        if status is not None and status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        check_page(limit, status)
         where, args = [], []
         if status is not None:
             where.append("status = %s")

@@ -292,6 +292,58 @@ class FinishedTask:
     device: str | None = None
 
 
+# --------------------------------------------------------------------------- argument checks
+# Both stores (this one and app/ledger/postgres.py) take the same arguments and refuse the same.
+
+
+def check_task_id(task_id: str) -> None:
+    """An id names an upload file in this store: the same ids are valid in both."""
+    if not task_id or "/" in task_id or "\\" in task_id or task_id.startswith("."):
+        raise ValueError(f"task id {task_id!r} cannot name an upload file")
+
+
+def check_new_task(kind: str, mode: str, body: bytes | None, body_bytes: int, body_sha256: str | None,
+                   idempotency_key: str | None) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if body is not None and len(body) != body_bytes:
+        raise ValueError(f"body_bytes is {body_bytes} but the body has {len(body)} bytes")
+    if idempotency_key is not None and not idempotency_key:
+        raise ValueError("idempotency_key must be a non-empty string or None")
+    if body_sha256 is None and (idempotency_key is not None or body is not None):
+        raise ValueError("a task with an idempotency key or a stored upload needs its body_sha256")
+
+
+def check_outcome(status: str, answer: dict | None, error: dict | None, answer_json: bytes | None) -> None:
+    if status not in FINISHED:
+        raise ValueError(f"finish status must be one of {', '.join(FINISHED)}, got {status!r}")
+    if status == "succeeded" and (answer is None or error is not None):
+        raise ValueError("a succeeded task needs its answer and no error")
+    if status != "succeeded" and answer is not None:
+        raise ValueError(f"a {status} task has no answer")
+    if status == "failed" and error is None:
+        raise ValueError("a failed task needs its error")
+    if answer_json is not None and answer is None:
+        raise ValueError("answer_json without the answer it encodes")
+
+
+def check_finished_task(t: FinishedTask) -> None:
+    if t.kind not in KINDS or t.mode not in MODES or t.status not in FINISHED:
+        raise ValueError(f"bad finished task {t.task_id}: kind {t.kind!r}, mode {t.mode!r}, status {t.status!r}")
+    if (t.status == "succeeded") != (t.answer is not None) or (t.answer is None and t.error is None):
+        raise ValueError(f"finished task {t.task_id}: a succeeded task has its answer, any other its error")
+    check_task_id(t.task_id)
+
+
+def check_page(limit: int, status: str | None) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    if status is not None and status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+
+
 def _encode_cursor(created_at: float, task_id: str) -> str:
     raw = json.dumps([created_at, task_id], separators=(",", ":")).encode("utf-8")
     return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
@@ -507,8 +559,7 @@ class Ledger:
         return None if row is None else self._record(row, True)
 
     def upload_path(self, task_id: str) -> Path:
-        if not task_id or "/" in task_id or "\\" in task_id or task_id.startswith("."):
-            raise ValueError(f"task id {task_id!r} cannot name an upload file")
+        check_task_id(task_id)
         return self.uploads_dir / f"{task_id}{UPLOAD_SUFFIX}"
 
     def _write_upload(self, task_id: str, body: bytes) -> Path:
@@ -547,16 +598,7 @@ class Ledger:
         """Record a new task as queued: (record, True). With ``body`` its upload is durable on disk
         before the row is committed. With an ``idempotency_key`` already in the ledger: the same
         body and options give (that task, False); anything else raises IdempotencyConflict."""
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if body is not None and len(body) != body_bytes:
-            raise ValueError(f"body_bytes is {body_bytes} but the body has {len(body)} bytes")
-        if idempotency_key is not None and not idempotency_key:
-            raise ValueError("idempotency_key must be a non-empty string or None")
-        if body_sha256 is None and (idempotency_key is not None or body is not None):
-            raise ValueError("a task with an idempotency key or a stored upload needs its body_sha256")
+        check_new_task(kind, mode, body, body_bytes, body_sha256, idempotency_key)
         self.upload_path(task_id)  # validates the id
         texts = (_dumps(config), _dumps(options), None if input_hashes is None else _dumps(input_hashes))
 
@@ -648,16 +690,7 @@ class Ledger:
         AlreadyFinished for a finished one. ``answer_json``: ``answer`` already encoded as JSON
         (stored as given); ``with_answer=False`` returns the record without reading the stored
         answer back (the caller has it); ``input_hashes``: the task's, where ``create`` had none."""
-        if status not in FINISHED:
-            raise ValueError(f"finish status must be one of {', '.join(FINISHED)}, got {status!r}")
-        if status == "succeeded" and (answer is None or error is not None):
-            raise ValueError("a succeeded task needs its answer and no error")
-        if status != "succeeded" and answer is not None:
-            raise ValueError(f"a {status} task has no answer")
-        if status == "failed" and error is None:
-            raise ValueError("a failed task needs its error")
-        if answer_json is not None and answer is None:
-            raise ValueError("answer_json without the answer it encodes")
+        check_outcome(status, answer, error, answer_json)
         blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
         error_text = None if error is None else _dumps(error)
         sha, run_ms, energy_j = _answer_columns(answer)
@@ -707,11 +740,7 @@ class Ledger:
         rows = []
         added_bytes = 0
         for t in tasks:
-            if t.kind not in KINDS or t.mode not in MODES or t.status not in FINISHED:
-                raise ValueError(f"bad finished task {t.task_id}: kind {t.kind!r}, mode {t.mode!r}, status {t.status!r}")
-            if (t.status == "succeeded") != (t.answer is not None) or (t.answer is None and t.error is None):
-                raise ValueError(f"finished task {t.task_id}: a succeeded task has its answer, any other its error")
-            self.upload_path(t.task_id)  # validates the id
+            check_finished_task(t)
             hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
             blob, json_bytes = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0)
             sha, run_ms, energy_j = _answer_columns(t.answer)
@@ -772,10 +801,7 @@ class Ledger:
              status: str | None = None) -> tuple[list[TaskRecord], str | None]:
         """Newest first (created_at, then id). Returns (records without their answers, the cursor
         of the next page or None at the end)."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        if status is not None and status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        check_page(limit, status)
         where, args = [], []
         if status is not None:
             where.append("status = ?")
