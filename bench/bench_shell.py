@@ -12,7 +12,8 @@ sends, for each kind of request, ``--warm`` requests and then N measured ones:
 The server's CPU time is read from /proc before and after each batch: the whole process
 (/proc/PID/stat) and each thread (/proc/PID/task/*/stat, grouped by the OS thread names the
 service gives them: ``main`` the event loop, ``rev88-w*`` the device workers, ``rev88-ledger``
-the ledger writer, ``rev88-io`` the asyncio thread pool, ``other`` the rest: anyio's pool,
+the ledger writer, ``rev88-io`` the asyncio thread pool, ``rev88-recv`` the threads that read large
+bodies from their sockets (app/http/body_reader.py), ``other`` the rest: anyio's pool,
 uvicorn). The same bodies are then run in this process as ``rev88 run`` does once the file is
 in memory -- ``load_task(body)`` (parse, checks, input hashes) + ``run_task`` on the same
 backend -- timed by ``time.process_time``. From these:
@@ -50,9 +51,9 @@ sys.path.insert(0, str(ROOT))
 from bench_load import Connection, build_request, machine, start_server, stop_server  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-GROUPS = ("main", "workers", "ledger", "io", "other")
+GROUPS = ("main", "workers", "ledger", "io", "recv", "other")
 # request kind -> (train, queries, measured requests at --scale 1)
-KINDS = {"live": (0, 0, 3000), "tiny": (50, 5, 600), "1k": (1000, 1000, 120), "draw0": (10000, 10000, 40)}
+KINDS = {"live": (0, 0, 3000), "tiny": (50, 5, 1500), "1k": (1000, 1000, 300), "draw0": (10000, 10000, 150)}
 
 
 def thread_group(pid: int, tid: int, comm: str) -> str:
@@ -64,6 +65,8 @@ def thread_group(pid: int, tid: int, comm: str) -> str:
         return "ledger"
     if comm.startswith("rev88-io"):
         return "io"
+    if comm.startswith("rev88-recv"):
+        return "recv"
     return "other"
 
 
@@ -134,15 +137,15 @@ def measure_server(pid: int, port: int, raw: bytes, warm: int, count: int) -> di
 
 
 def table(doc: dict) -> str:
-    rows = ["| request | body | server CPU ms/req | event loop | workers | ledger | io pool | other | in process "
+    rows = ["| request | body | server CPU ms/req | event loop | workers | ledger | io pool | recv | other | in process "
             "| server − in process | ratio |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind, r in doc["requests"].items():
         c = r["cpu_ms"]
         inproc = r.get("in_process_ms")
         rows.append(
             f"| {kind} | {r['body_bytes'] / 1e6:.3f} MB | {c['process']:.2f} | {c['main']:.2f} | {c['workers']:.2f} "
-            f"| {c['ledger']:.2f} | {c['io']:.2f} | {c['other']:.2f} | "
+            f"| {c['ledger']:.2f} | {c['io']:.2f} | {c.get('recv', 0.0):.2f} | {c['other']:.2f} | "
             + (f"{inproc:.2f} | {c['process'] - inproc:.2f} | {c['process'] / inproc:.2f}× |" if inproc else "— | — | — |"))
     d = doc["derived"]
     rows.append("")
@@ -159,14 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every batch's request count")
     parser.add_argument("--warm", type=int, default=20)
+    parser.add_argument("--only", default=",".join(KINDS), help="the request kinds to run, comma-separated "
+                        "(the derived figures need tiny and draw0)")
     args = parser.parse_args(argv)
+    only = [k.strip() for k in args.only.split(",") if k.strip()]
+    unknown = sorted(set(only) - set(KINDS))
+    if unknown:
+        parser.error(f"--only: unknown kind(s) {', '.join(unknown)}; the kinds are {', '.join(KINDS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     from bench_load import task_bytes
 
     draw0, what = task_bytes()
-    payloads = bodies(draw0)
+    payloads = {kind: body for kind, body in bodies(draw0).items() if kind in only}
     doc: dict = {"backend": args.backend, "draw0": what, "machine": machine(), "requests": {}}
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = start_server(args.backend, Path(tmp) / "server.log", Path(tmp) / "data")
@@ -186,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             count = max(5, int(KINDS[kind][2] * args.scale) // 2)
             doc["requests"][kind]["in_process_ms"] = round(in_process(body, args.backend, count) * 1000.0, 3)
     r = doc["requests"]
+    if not {"tiny", "draw0"} <= set(r):
+        print(json.dumps({k: v["cpu_ms"] | {"in_process": v.get("in_process_ms")} for k, v in r.items()}, indent=1))
+        return 0
     fixed = r["tiny"]["cpu_ms"]["process"] - r["tiny"]["in_process_ms"]
     big = r["draw0"]["cpu_ms"]["process"] - r["draw0"]["in_process_ms"]
     mb = (r["draw0"]["body_bytes"] - r["tiny"]["body_bytes"]) / 1e6

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -28,6 +29,7 @@ from learner.taskio import load_task
 
 from ..errors import Conflict, InvalidRequest, QueueFull, Unavailable, outcome_of
 from ..http import uploads
+from ..http.protocol import GONE
 from ..ledger import IdempotencyConflict, TaskRecord
 from ..tasks.answers import Settled, status_answer, task_npz
 from ..tasks.options import parse_options, wants_npz
@@ -66,10 +68,15 @@ def idempotency_key(request: Request) -> str | None:
     return key
 
 
-async def client_gone(request: Request) -> None:
-    """Returns once the client has disconnected. The body has been read by now, so the only
-    message left for the app to receive is the disconnect (uvicorn sends it when the
-    connection closes)."""
+def client_gone(request: Request) -> Awaitable[None]:
+    """Completes once the client has disconnected: the connection's own future where the protocol
+    gives one (app/http/protocol.py, ``GONE``), else a coroutine that waits for uvicorn's
+    disconnect message (the body has been read by now, so it is the only message left)."""
+    gone = request.scope.get(GONE)
+    return gone if gone is not None else _disconnect_message(request)
+
+
+async def _disconnect_message(request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

@@ -22,6 +22,10 @@ ordinary path above. After such a body the connection's parser starts afresh for
 request. Headers and small bodies are read into one scratch buffer shared by every connection of
 the loop and copied out at once, as asyncio's own reads do.
 
+A POST or PUT request's scope carries ``GONE``, a future the connection completes when its client
+disconnects before the response is complete: the app waits on it beside its task, instead of a
+task of its own blocked in ``receive()`` (uvicorn reports a disconnect only through receive).
+
 It also closes a connection that has not finished a request's headers within
 REV88_HEADER_TIMEOUT_S (10 s by default) of connecting or of the request's first byte: uvicorn
 itself waits for ever on a connection that never completes its headers (its keep-alive timer only
@@ -47,11 +51,14 @@ import os
 import numpy as np
 import uvicorn
 
-from . import uploads
+from . import body_reader, uploads
 
 READ_AHEAD_BYTES = 1 << 20
 ZERO_COPY_STATE = "rev88.zero_copy_body"  # lifespan state: the app takes a body as one memoryview
 ZERO_COPY_MIN_BYTES = 256 * 1024
+# scope key: a future of the loop's, done when the request's client disconnects before its
+# response is complete (POST and PUT requests; what app/api/intake.py waits on beside the task)
+GONE = "rev88.gone"
 _SCRATCH = memoryview(bytearray(256 * 1024))  # one event loop per process: reads never interleave
 
 
@@ -173,6 +180,8 @@ if HttpToolsProtocol is not None:
         _zc_cycle = None
         _zc_reservation = None
         _zc_bodies = None  # the ZeroCopyBody of each request of this connection not yet answered
+        _zc_reading = None  # a thread reading the body into that buffer (app/http/body_reader.py)
+        _gones = None  # (cycle, its GONE future) of the connection's POST/PUT requests
 
         # ---------------------------------------------------------------- reading
         def get_buffer(self, sizehint: int) -> memoryview:
@@ -216,6 +225,33 @@ if HttpToolsProtocol is not None:
             cycle.send = _releasing_send(cycle, body)
             self._zc_bodies = [b for b in self._zc_bodies or () if b.reservation.bytes]  # the answered go
             self._zc_bodies.append(body)
+            if length - have >= body_reader.MIN_BYTES and self.scheme == "http":  # (TLS: the loop's reads only)
+                self._zc_offload()
+
+        def _zc_offload(self) -> None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is None:
+                return
+            loop, view = self.loop, self._zc_view
+
+            def done(pos: int, how: str) -> None:  # in the reading thread
+                try:
+                    loop.call_soon_threadsafe(self._zc_read_done, view, pos)
+                except RuntimeError:  # the loop has closed
+                    pass
+
+            self.flow.hold()
+            self._zc_reading = body_reader.start(sock.fileno(), view, self._zc_pos, done)
+            if self._zc_reading is None:
+                self.flow.release()
+
+        def _zc_read_done(self, view: memoryview, pos: int) -> None:
+            self._zc_reading = None
+            if self._zc_view is view:  # (else the connection was lost meanwhile)
+                self._zc_pos = pos
+                if pos >= len(view):
+                    self._zc_complete()
+            self.flow.release()  # the loop reads the connection again: the rest of a stalled body, or what follows
 
         def _zc_complete(self) -> None:
             cycle, reservation = self._zc_cycle, self._zc_reservation
@@ -234,6 +270,8 @@ if HttpToolsProtocol is not None:
             cycle.message_event.set()
 
         def _zc_release(self) -> None:
+            if self._zc_reading is not None:
+                self._zc_reading.stop()
             if self._zc_reservation is not None:
                 self._zc_reservation.release()
             self._zc_array = self._zc_view = self._zc_cycle = self._zc_reservation = None
@@ -242,9 +280,14 @@ if HttpToolsProtocol is not None:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self.flow = body_reader.HeldFlow(transport)  # uvicorn's, but it cannot resume a connection a thread reads
             self._arm_header_timer()
 
         def connection_lost(self, exc) -> None:
+            for cycle, gone in self._gones or ():  # every request of the connection not yet answered
+                if not cycle.response_complete and not gone.done():
+                    gone.set_result(None)
+            self._gones = None
             self._disarm_header_timer()
             self._zc_release()
             for body in self._zc_bodies or ():  # requests of this connection still holding a body
@@ -259,10 +302,14 @@ if HttpToolsProtocol is not None:
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
             super().on_headers_complete()
+            if self.scope.get("method") not in ("POST", "PUT"):
+                return
+            self.scope[GONE] = gone = self.loop.create_future()
+            self._gones = [(c, g) for c, g in self._gones or () if not c.response_complete]
+            self._gones.append((self.cycle, gone))
             length = _declared_length(self.headers)
             if length is not None and ZERO_COPY_MIN_BYTES <= length <= max_body_bytes() \
-                    and self.scope.get("method") in ("POST", "PUT") and self.cycle is not None \
-                    and self.cycle.scope is self.scope:
+                    and self.cycle is not None and self.cycle.scope is self.scope:
                 self._zc_pending = length
 
         def _arm_header_timer(self) -> None:

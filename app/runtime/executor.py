@@ -45,7 +45,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from learner.cancel import CancelToken
@@ -287,31 +287,60 @@ class DeviceExecutor:
                 self.stats.refused_full += 1
                 raise self._full_locked()
 
-    async def wait(self, job: Job, timeout_s: float | None, gone: asyncio.Future | None = None) -> Any:
+    async def wait(self, job: Job, timeout_s: float | None, gone: Awaitable | None = None) -> Any:
         """The job's answer. On timeout, stop the job (unless it finished first) and answer
-        that. ``gone`` (an awaitable that completes when the client disconnects) stops the
-        job too; the answer is then an exception nobody reads."""
-        fut = asyncio.wrap_future(job.future)
-        waiters = {fut}
-        gone_task = None if gone is None else asyncio.ensure_future(gone)
-        if gone_task is not None:
-            waiters.add(gone_task)
+        that. ``gone`` (an awaitable that completes when the client disconnects: a future, or a
+        coroutine run as a task of its own meanwhile) stops the job too; the answer is then an
+        exception nobody reads.
+
+        One loop future is woken by whichever comes first (the job's end, from its worker
+        thread; the disconnect; the timer): no task, no ``asyncio.wait`` per request."""
+        loop = asyncio.get_running_loop()
+        wake = loop.create_future()
+
+        def woken(_=None) -> None:
+            if not wake.done():
+                wake.set_result(None)
+
+        def job_done(_) -> None:  # in the worker's thread (or here, if it is done already)
+            try:
+                loop.call_soon_threadsafe(woken)
+            except RuntimeError:  # the loop has closed
+                pass
+
+        own_task = gone is not None and not asyncio.isfuture(gone)
+        if own_task:
+            gone = asyncio.ensure_future(gone)
+        job.future.add_done_callback(job_done)
+        if gone is not None:
+            gone.add_done_callback(woken)
+        timer = loop.call_later(timeout_s, woken) if timeout_s is not None else None
         try:
-            done, _ = await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if fut in done:
-                return fut.result()
-            if gone_task is not None and gone_task in done:
+            await wake
+            if job.future.done():
+                if job.future.exception() is None:
+                    return job.future.result()
+                # raised from an asyncio future, which restores the exception's own traceback each
+                # time (a concurrent future's lets every raise add its frames to the one exception
+                # object, and the frames hold the task: a reference cycle, tests/test_memory_soak.py)
+                return await asyncio.wrap_future(job.future)
+            if gone is not None and gone.done():
                 self.withdraw(job, "disconnect", "its client disconnected")
-                return await fut
+                return await asyncio.wrap_future(job.future)
             self.expire(job, timeout_s or 0.0)
+            fut = asyncio.wrap_future(job.future)
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), STOP_WAIT_S)
             except TimeoutError:
                 self.give_up(job, timeout_s or 0.0)
                 return await fut
         finally:
-            if gone_task is not None and not gone_task.done():
-                gone_task.cancel()
+            if timer is not None:
+                timer.cancel()
+            if gone is not None:
+                gone.remove_done_callback(woken)
+                if own_task and not gone.done():
+                    gone.cancel()
 
     def expire(self, job: Job, timeout_s: float) -> None:
         """Its time is up: a queued job never runs; a running one is told to stop."""
