@@ -125,7 +125,9 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         config = options.config(form_config)
         hash_body = asynchronous or key is not None
         if len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
-            task, body_sha256 = _parse(body, hash_body, True)
+            # (a synchronous task's input hashes are computed by its run, on the device worker: the
+            # answer carries them; an asynchronous one's are recorded before its 202)
+            task, body_sha256 = _parse(body, hash_body, asynchronous)
         else:
             task, body_sha256 = await asyncio.to_thread(_parse, body, hash_body, asynchronous)
         parse_s = time.perf_counter() - t_parse
