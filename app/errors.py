@@ -105,6 +105,16 @@ class Conflict(ServiceError):
     outcome = "conflict"
 
 
+class NotAccepted(Exception):
+    """A task whose body is parsed by its own job (a small synchronous one, app/api/intake.py)
+    turned out not to be acceptable: ``error`` is what parsing or the budget check raised. It is
+    answered as that error, as if refused on arrival, and recorded nowhere."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class NotFound(ServiceError):
     status = 404
     outcome = "not_found"

@@ -344,3 +344,22 @@ def test_still_serving_after_every_rejection(client):
     health = client.get("/health").json()
     assert health["status"] == "ok"
     assert health["queue"]["depth"] == 0 and health["queue"]["in_flight"] == 0
+
+
+def test_a_small_synchronous_body_refused_by_its_job_is_recorded_nowhere(client):
+    """A small synchronous task is parsed by its own job on the device worker: a body refused
+    there is answered exactly as on arrival, counted as refused (not failed), and not in the ledger."""
+    ids = {t["id"] for t in client.get("/tasks", params={"limit": 500}).json()["tasks"]}
+    before = client.get("/health").json()["queue"]
+    members = good_members()
+    members["query_labels.npy"] = npy(np.zeros(7, dtype=np.int64))
+    body = assert_error(post_task(client, zip_of(members)), 422, "'query_labels.npy'", "query/test labels")
+    assert body["extra_members"] == ["query_labels.npy"] and "id" not in body
+    after = client.get("/health").json()["queue"]
+    assert after["refused_input"] == before["refused_input"] + 1
+    assert (after["failed"], after["completed"]) == (before["failed"], before["completed"])
+    assert {t["id"] for t in client.get("/tasks", params={"limit": 500}).json()["tasks"]} == ids
+    keyed = assert_error(post_task(client, zip_of(members), headers={"Idempotency-Key": "refused-1"}), 422,
+                         "query/test labels")  # with a key it is parsed on arrival: the same answer
+    assert keyed["extra_members"] == body["extra_members"]
+    assert client.get("/health").json()["queue"]["refused_input"] == after["refused_input"]

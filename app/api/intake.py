@@ -14,6 +14,7 @@ task already recorded instead of training again; another body is a 409.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -25,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from learner.budget import check_budget, estimate
 from learner.hashing import bytes_sha256
-from learner.taskio import load_task
+from learner.taskio import TaskArrays, load_task
 
 from ..errors import Conflict, InvalidRequest, QueueFull, Unavailable, outcome_of
 from ..http import uploads
@@ -83,6 +84,13 @@ async def _disconnect_message(request: Request) -> None:
             return
 
 
+def _late_task(body: bytes, config, max_work: float, max_bytes: float) -> TaskArrays:
+    """A small synchronous task's body, parsed and budget-checked by its job on the device worker."""
+    task = load_task(body, hash_inputs=False)
+    check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
+    return task
+
+
 def _parse(body: bytes, hash_body: bool, hash_inputs: bool) -> tuple:
     """In a worker thread: the task (validated; its input hashes computed when ``hash_inputs``)
     and, when asked, the body's SHA-256 (None otherwise: 4.6 ms for a 6.5 MB body, needed only
@@ -124,27 +132,37 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
             body, form_config = await uploads.split_multipart(request.headers, bytes(body))
         config = options.config(form_config)
         hash_body = asynchronous or key is not None
-        if len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
-            # (a synchronous task's input hashes are computed by its run, on the device worker: the
-            # answer carries them; an asynchronous one's are recorded before its 202)
+        late = None
+        if len(body) <= PARSE_ON_LOOP_BYTES and not hash_body and options.measure is None \
+                and service.runner.batch_max <= 1:
+            # A small synchronous task, recorded only once it has finished: its job parses it and
+            # checks its budget on the device worker, the hop it takes anyway (a body found
+            # invalid there is answered as refused, app.errors.NotAccepted).
+            task, body_sha256 = None, None
+            late = functools.partial(_late_task, bytes(body), config, settings.max_task_work, settings.max_task_bytes)
+        elif len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
+            # (an asynchronous task's input hashes are recorded before its 202; a synchronous one's
+            # are computed by its run, on the device worker: the answer carries them)
             task, body_sha256 = _parse(body, hash_body, asynchronous)
         else:
             task, body_sha256 = await asyncio.to_thread(_parse, body, hash_body, asynchronous)
         parse_s = time.perf_counter() - t_parse
     finally:
         reservation.release()
-    service.metrics.parse_seconds.observe(parse_s)
     _gate(service)  # a drain may have begun while the body streamed in
-    # The budget, before the task is queued: its estimated work and memory (learner.budget).
-    check_budget(estimate(task.train_count, task.test_count, config),
-                 service.settings.max_task_work, service.settings.max_task_bytes)
+    if late is None:
+        service.metrics.parse_seconds.observe(parse_s)
+        # The budget, before the task is queued: its estimated work and memory (learner.budget).
+        check_budget(estimate(task.train_count, task.test_count, config),
+                     service.settings.max_task_work, service.settings.max_task_bytes)
 
     runner = service.runner
     acc = Accepted(
         task_id=new_task_id(), task=task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
-        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parse_s, body_bytes=len(body),
-        deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
+        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=0.0 if late else parse_s,
+        body_bytes=len(body), deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
+        late=late,
     )
     record = None
     if not acc.deferred:
@@ -169,7 +187,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     if asynchronous:
         runner.settle_in_background(acc)
         return accepted_response(record)
-    if acc.task.train_images.nbytes + acc.task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
+    if acc.task is not None and acc.task.train_images.nbytes + acc.task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
         # A large synchronous task's input hashes (4.6 ms for draw 0) are computed in a thread of
         # their own while it runs: they are needed only in its answer, where the run's result takes
         # them (TaskArrays.input_hashes waits for this thread if it has not finished).

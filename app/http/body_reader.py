@@ -31,7 +31,7 @@ from ..threads import name_os_thread
 THREADS = 2  # bodies read by threads at a time
 IDLE_S = 0.2  # a body that sends less than SLOW_BYTES in this long goes back to the loop
 SLOW_BYTES = 64 * 1024
-MIN_BYTES = 1 << 20  # smaller bodies (what is left of them after the headers' read) stay on the loop
+MIN_BYTES = 128 * 1024  # a smaller rest (after what came with the headers) the loop reads itself
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _busy = 0

@@ -51,7 +51,7 @@ from typing import Any
 from learner.cancel import CancelToken
 from learner.errors import TaskCancelled
 
-from ..errors import QueueFull, TaskStopped, TaskTimeout, Unavailable
+from ..errors import NotAccepted, QueueFull, TaskStopped, TaskTimeout, Unavailable
 from ..threads import name_os_thread
 
 log = logging.getLogger("rev88." + __name__)
@@ -127,12 +127,14 @@ class Stats:
     cancelled: int = 0  # still queued at the drain deadline: answered 503, never ran
     refused_full: int = 0  # not accepted: queue full
     refused_closed: int = 0  # not accepted: draining
+    refused_input: int = 0  # not accepted after all: its job found its body invalid (app.errors.NotAccepted)
     launches: int = 0  # device calls that ran jobs (a batched call counts once)
     batched: int = 0  # jobs that ran in a call shared with other jobs
     largest_launch: int = 0  # most jobs in one device call so far
 
     def answered(self) -> int:
-        return self.completed + self.failed + self.expired + self.dropped + self.abandoned + self.cancelled
+        return (self.completed + self.failed + self.expired + self.dropped + self.abandoned + self.cancelled
+                + self.refused_input)
 
 
 class Worker:
@@ -602,7 +604,10 @@ class DeviceExecutor:
                     self.stats.completed += 1
                     job.future.set_result(value)
                     continue
-                self.stats.failed += 1
+                if isinstance(error, NotAccepted):
+                    self.stats.refused_input += 1
+                else:
+                    self.stats.failed += 1
                 if was_stopped and job.stop is not None:
                     error = self._stopped_error(job, error)
                 job.future.set_exception(error)

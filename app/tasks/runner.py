@@ -33,7 +33,7 @@ from learner.cancel import CancelToken
 from learner.config import Config, make_config
 from learner.taskio import TaskArrays, load_task
 
-from ..errors import TaskStopped, Unavailable, error_answer, outcome_of
+from ..errors import NotAccepted, TaskStopped, Unavailable, error_answer, outcome_of
 from ..ledger import (
     AlreadyFinished,
     FinishedTask,
@@ -74,7 +74,7 @@ class Accepted:
     """Everything a task's job needs, now or after a restart (``options`` is what the ledger keeps)."""
 
     task_id: str
-    task: TaskArrays
+    task: TaskArrays | None  # None until ``late`` has run (on the device worker)
     config: Config
     backend: str
     include_scores: bool = False
@@ -93,6 +93,9 @@ class Accepted:
     body_bytes: int = 0
     started_at: float | None = None
     device: str | None = None
+    # A small synchronous task's body is parsed (and its budget checked) by its own job, on the
+    # device worker, not on the event loop: ``late()`` returns the task or raises what refuses it.
+    late: Callable[[], TaskArrays] | None = None
 
     @property
     def kind(self) -> str:
@@ -101,13 +104,23 @@ class Accepted:
     def options(self) -> dict[str, Any]:
         return {"include_scores": self.include_scores, "measure": self.measure}
 
+    def parsed(self) -> TaskArrays | None:
+        """The task, parsing its body here if its job has not yet (None: a body its job will refuse)."""
+        if self.task is None and self.late is not None:
+            try:
+                self.task = self.late()
+            except Exception:  # noqa: BLE001 - its job answers the refusal
+                return None
+        return self.task
+
     def record(self) -> TaskRecord:
         """A deferred task's record while it is queued or running here (the ledger has none yet)."""
+        task = self.parsed()
         return TaskRecord(
             id=self.task_id, status="queued" if self.started_at is None else "running", kind=self.kind,
             mode=self.mode, created_at=self.created_at, started_at=self.started_at, finished_at=None,
             backend=self.backend, config=self.config.as_dict(), options=self.options(),
-            train_count=self.task.train_count, test_count=self.task.test_count, input_hashes=None,
+            train_count=task.train_count if task else 0, test_count=task.test_count if task else 0, input_hashes=None,
             body_sha256=None, body_bytes=self.body_bytes, idempotency_key=None, device=self.device, answer=None,
             error=None, predictions_sha256=None, run_ms=None, energy_j=None,
             attempts=0 if self.started_at is None else 1)
@@ -183,8 +196,13 @@ class TaskRunner:
                 kind="measure", label=acc.task_id, reserved=reserved, cancel=acc.cancel, on_start=started,
             )
         else:
+            def run() -> DeviceOutcome:
+                if acc.task is None:  # a small synchronous task's body: parsed here, on the worker
+                    acc.task = self._parse_late(acc)
+                return run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel)
+
             job = self.executor.submit(
-                lambda: run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel),
+                run,
                 kind="task", label=acc.task_id, batch=self.task_batch(acc.task, acc.config, acc.backend, acc.cancel),
                 reserved=reserved, cancel=acc.cancel, on_start=started,
             )
@@ -192,6 +210,16 @@ class TaskRunner:
         if self.shared is not None:  # a worker frees up when it ends: claim more
             job.future.add_done_callback(self.shared.job_done)
         return job
+
+    def _parse_late(self, acc: Accepted) -> TaskArrays:
+        t = time.perf_counter()
+        try:
+            task = acc.late()
+        except Exception as exc:  # noqa: BLE001 - answered as the refusal it is
+            raise NotAccepted(exc) from None
+        acc.parse_s = time.perf_counter() - t
+        self.metrics.parse_seconds.observe(acc.parse_s)
+        return task
 
     def timeout_for(self, acc: Accepted) -> float:
         if acc.measure is not None:
@@ -215,6 +243,10 @@ class TaskRunner:
         job = acc.job
         try:
             value = await self.executor.wait(job, self.timeout_for(acc), gone)
+        except NotAccepted as refused:  # its body, parsed by its job: answered as refused on arrival, not recorded
+            status, body, headers = error_answer(refused.error, acc.request_id)
+            self.metrics.outcome(outcome_of(refused.error))
+            return Settled(status, body, headers=headers)
         except BaseException as exc:  # noqa: BLE001 - every failure is answered and recorded
             status, body, headers = error_answer(exc, acc.request_id)
             settled = Settled(status, body, headers=headers)
@@ -304,6 +336,8 @@ class TaskRunner:
                     log.warning("lease not released (it expires instead)", extra={"task_id": acc.task_id,
                                                                                  "error": str(exc2)})
             return
+        if acc.deferred and acc.parsed() is None:
+            return  # it never ran, and its job would have refused its body: it was never accepted
         status = "cancelled" if isinstance(exc, TaskStopped) else "failed"
         error = {"status": settled.status, **settled.body}
         error.pop("request_id", None)
