@@ -224,3 +224,47 @@ def test_a_body_behind_expect_100_continue_is_read_whole_too(loop):
             assert chunk, got
             got += chunk
     assert ("memoryview", len(big), False) in seen and BUDGET.held == 0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_headers_and_a_body_in_one_read_arrive_byte_for_byte(loop):
+    """One sendall of the headers and the body: the protocol's first read holds both (up to its
+    256 KiB scratch), and feeds the parser the headers, then the rest -- into a large body's own
+    buffer, or to the parser for a smaller one. Keep-alive, pipelining and a bad request too."""
+    app, seen = zero_copy_echo()
+    server = Running(protocol_class(), app, loop)
+    block = hashlib.sha256(b"one read").digest()
+    sizes = [100_000, ZERO_COPY_MIN_BYTES + 1, 300_000, 3 * 1024 * 1024]
+    with server, socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        for size in sizes:
+            body = (block * (size // len(block) + 1))[:size]
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size + body)
+            want = f"{hashlib.sha256(body).hexdigest()} {size}".encode()
+            got = b""
+            while not got.endswith(want):
+                chunk = sock.recv(65536)
+                assert chunk, (size, got)
+                got += chunk
+        two = (block * 5000)[:150_000]  # two requests in one write: the second behind the first
+        sock.sendall((b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(two) + two) * 2)
+        want = f"{hashlib.sha256(two).hexdigest()} {len(two)}".encode()
+        got = b""
+        while got.count(want) < 2:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+    assert ("memoryview", 300_000, False) in seen and ("memoryview", 3 * 1024 * 1024, False) in seen
+    with Running(protocol_class(), app, loop) as server, \
+            socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n" + b"x" * 200_000)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except ConnectionResetError:  # closed with the rest unread: the kernel may reset
+            pass
+        assert got.count(b"HTTP/1.1 400") <= 1 and got.replace(b"HTTP/1.1 400", b"").count(b"HTTP/1.1") == 0
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as again:  # still serving
+            again.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            assert again.recv(65536).startswith(b"HTTP/1.1 200")
+    assert BUDGET.held == 0
