@@ -80,6 +80,7 @@ class Service:
     def __init__(self, settings: Settings, engines: Engines | None = None) -> None:
         self.settings = settings
         self.engines: Engines = engines or get_backend
+        self.io_pool: concurrent.futures.ThreadPoolExecutor | None = None  # asyncio.to_thread's, from start()
         self.backend = check_backend(settings.backend)  # "cuda" without a GPU stops startup here
         try:
             self.plan = plan(self.backend, settings.workers, settings.queue_size, settings.batch_max)
@@ -195,8 +196,9 @@ class Service:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # asyncio.to_thread's pool, its threads named for the OS (bench/bench_shell.py, top -H)
-        self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-            thread_name_prefix="rev88-io", initializer=name_os_thread, initargs=("rev88-io",)))
+        self.io_pool = concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix="rev88-io", initializer=name_os_thread, initargs=("rev88-io",))
+        self._loop.set_default_executor(self.io_pool)
         if self.settings.threads:
             import torch
 

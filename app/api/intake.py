@@ -190,8 +190,9 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     if acc.task is not None and acc.task.train_images.nbytes + acc.task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
         # A large synchronous task's input hashes (4.6 ms for draw 0) are computed in a thread of
         # their own while it runs: they are needed only in its answer, where the run's result takes
-        # them (TaskArrays.input_hashes waits for this thread if it has not finished).
-        asyncio.get_running_loop().run_in_executor(None, acc.task.input_hashes)
+        # them (TaskArrays.input_hashes waits for this thread if it has not finished). Handed to the
+        # io pool directly: nobody awaits it, so its end need not wake the event loop.
+        service.io_pool.submit(acc.task.input_hashes)
 
     settled = await runner.settle(acc, client_gone(request))
     if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):
