@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
             yield {ZERO_COPY_STATE: True}  # large bodies as one memoryview (app/http/protocol.py)
         finally:
             await service.stop()
+            gc.unfreeze()  # collectable again at exit (native extensions report what is never freed)
 
     app = FastAPI(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.service = service
