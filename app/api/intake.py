@@ -2,8 +2,11 @@
 
 Cheap checks come first (draining, content type, query options, a full queue),
 so a request that cannot succeed is refused before its body is read. Then the
-body is parsed and validated in a thread, the budget checked, and the task
-recorded in the ledger by the task runner (app/tasks/runner.py) before it is queued.
+body is parsed and validated (on the loop when small, else in a thread), the budget checked,
+and the task recorded in the ledger by the task runner (app/tasks/runner.py) before it is
+queued. A synchronous task without an Idempotency-Key on a backend that does not batch is
+recorded only once it has finished, and its own job parses it and checks its budget, on the
+device worker: the event loop only reads its body (bench/bench_shell.py, docs/performance.md).
 
 ``Prefer: respond-async`` answers ``202 Accepted`` with ``Location: /tasks/{id}`` once the task
 and its npz are durable in the ledger; without it the request waits for the answer (and a
@@ -84,10 +87,13 @@ async def _disconnect_message(request: Request) -> None:
             return
 
 
-def _late_task(body: bytes, config, max_work: float, max_bytes: float) -> TaskArrays:
-    """A small synchronous task's body, parsed and budget-checked by its job on the device worker."""
+def _late_task(body: bytes | memoryview, config, max_work: float, max_bytes: float, pool) -> TaskArrays:
+    """A synchronous task's body, parsed and budget-checked by its job on the device worker; a
+    large one's input hashes are computed in the io pool meanwhile (its run's result waits for them)."""
     task = load_task(body, hash_inputs=False)
     check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
+    if task.train_images.nbytes + task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
+        pool.submit(task.input_hashes)
     return task
 
 
@@ -133,13 +139,13 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         config = options.config(form_config)
         hash_body = asynchronous or key is not None
         late = None
-        if len(body) <= PARSE_ON_LOOP_BYTES and not hash_body and options.measure is None \
-                and service.runner.batch_max <= 1:
-            # A small synchronous task, recorded only once it has finished: its job parses it and
-            # checks its budget on the device worker, the hop it takes anyway (a body found
-            # invalid there is answered as refused, app.errors.NotAccepted).
+        if not hash_body and options.measure is None and service.runner.batch_max <= 1:
+            # A synchronous task, recorded only once it has finished, on a backend that does not
+            # batch: its job parses it and checks its budget on the device worker, the hop it
+            # takes anyway (a body found invalid there is answered as refused, app.errors.NotAccepted).
             task, body_sha256 = None, None
-            late = functools.partial(_late_task, bytes(body), config, settings.max_task_work, settings.max_task_bytes)
+            late = functools.partial(_late_task, body if len(body) > PARSE_ON_LOOP_BYTES else bytes(body), config,
+                                     settings.max_task_work, settings.max_task_bytes, service.io_pool)
         elif len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
             # (an asynchronous task's input hashes are recorded before its 202; a synchronous one's
             # are computed by its run, on the device worker: the answer carries them)

@@ -343,6 +343,7 @@ class DeviceExecutor:
                 gone.remove_done_callback(woken)
                 if own_task and not gone.done():
                     gone.cancel()
+            job = None  # a job's exception raised here holds this frame (see _run)
 
     def expire(self, job: Job, timeout_s: float) -> None:
         """Its time is up: a queued job never runs; a running one is told to stop."""
@@ -580,7 +581,7 @@ class DeviceExecutor:
         self._finish(worker, group, outcomes)
         # A failed run's traceback holds this frame: without these locals, no cycle from it back to
         # the exception and the jobs (their closures hold the tasks' arrays) for the cyclic GC to find.
-        del group, outcomes
+        del group, outcomes, job
 
     def _finish(self, worker: Worker, group: list[Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
         discarded: list[tuple[Job, BaseException | None]] = []

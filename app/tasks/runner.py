@@ -93,7 +93,7 @@ class Accepted:
     body_bytes: int = 0
     started_at: float | None = None
     device: str | None = None
-    # A small synchronous task's body is parsed (and its budget checked) by its own job, on the
+    # A deferred task's body (synchronous, no batching) is parsed and budget-checked by its own job, on the
     # device worker, not on the event loop: ``late()`` returns the task or raises what refuses it.
     late: Callable[[], TaskArrays] | None = None
 
@@ -197,7 +197,7 @@ class TaskRunner:
             )
         else:
             def run() -> DeviceOutcome:
-                if acc.task is None:  # a small synchronous task's body: parsed here, on the worker
+                if acc.task is None:  # a deferred task's body: parsed here, on the worker
                     acc.task = self._parse_late(acc)
                 return run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel)
 
@@ -244,6 +244,9 @@ class TaskRunner:
         try:
             value = await self.executor.wait(job, self.timeout_for(acc), gone)
         except NotAccepted as refused:  # its body, parsed by its job: answered as refused on arrival, not recorded
+            # (the job's future holds ``refused``, whose traceback holds this frame: without ``job``
+            # here that is no reference cycle, tests/test_memory_soak.py)
+            job = None
             status, body, headers = error_answer(refused.error, acc.request_id)
             self.metrics.outcome(outcome_of(refused.error))
             return Settled(status, body, headers=headers)
