@@ -76,6 +76,10 @@ def test_draw0_matches_rev88_run_byte_for_byte(client, draw0_npz, tmp_path):
     assert all(t[k] >= 0 for k in TIMING_KEYS)
     assert t["run_ms"] == pytest.approx(answer["metadata"]["training_prediction_seconds"] * 1000, abs=1e-3)
     assert t["total_ms"] >= t["run_ms"] and t["run_clock"] == "perf_counter"
+    # the phases add up to at most the total (the parse, by the task's own job here, is not device time)
+    assert t["parse_ms"] > 0 and t["device_ms"] >= t["run_ms"]
+    phases = t["receive_ms"] + t["parse_ms"] + t["queue_wait_ms"] + t["device_ms"]
+    assert phases <= t["total_ms"] + 0.01
     assert answer["energy"] is None and "CPU" in answer["energy_reason"]
     assert len(answer["id"]) == 32 and "scores" not in answer
 

@@ -285,13 +285,16 @@ class TaskRunner:
         self.metrics.run_seconds.observe(run_ms / 1000.0)
         if outcome.energy is not None and self.metrics.task_energy is not None and outcome.energy.get("gross_j"):
             self.metrics.task_energy.inc(outcome.energy["gross_j"])
+        device_s = job.device_s or 0.0
+        if acc.late is not None:  # its job parsed the body first: that time is parse_ms, not device_ms
+            device_s = max(0.0, device_s - acc.parse_s)
         timing = {
             "receive_ms": _ms(acc.receive_s),
             "parse_ms": _ms(acc.parse_s),
             "queue_wait_ms": _ms(job.queue_wait_s or 0.0),
             "run_ms": round(run_ms, 3),
             "run_clock": clock,
-            "device_ms": _ms(job.device_s or 0.0),
+            "device_ms": _ms(device_s),
             "tasks_in_launch": job.launch_size,
             "total_ms": _ms(time.perf_counter() - acc.t0),
         }
