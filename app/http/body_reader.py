@@ -12,7 +12,8 @@ cannot resume it meanwhile), and a ``rev88-recv`` thread reads the body from a d
 connection's socket straight into the buffer, until the body is complete, the client closes,
 or an ``IDLE_S`` window brings less than ``SLOW_BYTES``. Then the loop takes the connection back:
 a body that stalls or trickles goes on on the loop's ordinary reads, under the app's deadline,
-and holds no thread (a client cannot keep one by sending a byte now and then). At most ``THREADS`` bodies are read this way at a time; the rest are read
+and holds no thread (a client cannot keep one by sending a byte now and then). At most
+``THREADS`` bodies (one per core, 2 to 8) are read this way at a time; the rest are read
 by the loop as before. The thread never reads past the body's declared length, so a request
 pipelined behind it stays in the socket for the loop.
 """
@@ -20,6 +21,7 @@ pipelined behind it stays in the socket for the loop.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import threading
 import time
@@ -28,7 +30,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 
 from ..threads import name_os_thread
 
-THREADS = 2  # bodies read by threads at a time
+THREADS = min(8, max(2, os.cpu_count() or 2))  # bodies read by threads at a time: one per core, 2 to 8
 IDLE_S = 0.2  # a body that sends less than SLOW_BYTES in this long goes back to the loop
 SLOW_BYTES = 64 * 1024
 MIN_BYTES = 128 * 1024  # a smaller rest (after what came with the headers) the loop reads itself
