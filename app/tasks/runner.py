@@ -29,6 +29,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
+
 from learner.cancel import CancelToken
 from learner.config import Config, make_config
 from learner.taskio import TaskArrays, load_task
@@ -96,6 +98,10 @@ class Accepted:
     # A deferred task's body (synchronous, no batching) is parsed and budget-checked by its own job, on the
     # device worker, not on the event loop: ``late()`` returns the task or raises what refuses it.
     late: Callable[[], TaskArrays] | None = None
+    # A deferred task answered, its one record on its way to the ledger (its group commit): it
+    # stays in ``pending`` with this until the ledger has it, and reads as finished meanwhile.
+    finished: FinishedTask | None = None
+    finished_at: float | None = None
 
     @property
     def kind(self) -> str:
@@ -113,8 +119,26 @@ class Accepted:
                 return None
         return self.task
 
+    def _finished_record(self, done: FinishedTask) -> TaskRecord:
+        """What the ledger will hold for ``done`` once its group commit is through (the answer as the
+        client got it: decoded from the bytes sent)."""
+        answer = orjson.loads(done.answer_json) if done.answer_json is not None else done.answer
+        timing = (answer or {}).get("timing") or {}
+        energy = (answer or {}).get("energy")
+        return TaskRecord(
+            id=self.task_id, status=done.status, kind=self.kind, mode=self.mode, created_at=self.created_at,
+            started_at=self.started_at, finished_at=self.finished_at, backend=self.backend,
+            config=self.config.as_dict(), options=self.options(), train_count=done.train_count,
+            test_count=done.test_count, input_hashes=input_hashes(self.task), body_sha256=None,
+            body_bytes=self.body_bytes, idempotency_key=None, device=self.device, answer=answer, error=done.error,
+            predictions_sha256=(answer or {}).get("predictions_sha256"), run_ms=timing.get("run_ms"),
+            energy_j=energy.get("gross_j") if isinstance(energy, dict) else None, attempts=1)
+
     def record(self) -> TaskRecord:
-        """A deferred task's record while it is queued or running here (the ledger has none yet)."""
+        """A deferred task's record while it is queued or running here, or answered but not yet in
+        the ledger (the ledger has none yet)."""
+        if self.finished is not None:
+            return self._finished_record(self.finished)
         task = self.parsed()
         return TaskRecord(
             id=self.task_id, status="queued" if self.started_at is None else "running", kind=self.kind,
@@ -234,7 +258,8 @@ class TaskRunner:
         try:
             return await self._settle(acc, gone)
         finally:
-            self.pending.pop(acc.task_id, None)
+            if acc.finished is None:  # (else its group commit takes it out: _committed)
+                self.pending.pop(acc.task_id, None)
             # The job's closures hold ``acc`` (its arrays, megabytes): without this link back the
             # pair is a reference cycle, freed only by the cyclic GC's next full pass, not here.
             acc.job = None
@@ -263,8 +288,12 @@ class TaskRunner:
         try:
             content = settled.json()
             if acc.deferred:
-                await asyncio.wrap_future(self.writer.finished(
-                    self.finished_task(acc, "succeeded", answer=settled.body, answer_json=content)))
+                # Its client holds the answer: the record goes to the next group commit and the
+                # answer does not wait for it. The task stays in ``pending``, read as finished, until
+                # the ledger has it (``_committed``).
+                acc.finished_at = time.time()
+                acc.finished = self.finished_task(acc, "succeeded", answer=settled.body, answer_json=content)
+                self._commit_later(acc, self.writer.finished(acc.finished))
             else:
                 await self._write_outcome(acc, lambda: self.ledger.finish(  # the hashes on the writer thread,
                     acc.task_id, "succeeded", settled.body, None, content, False,  # never waited for on the loop
@@ -278,6 +307,30 @@ class TaskRunner:
             settled.headers["X-Ledger-Error"] = str(exc)[:200]
         self.metrics.outcome("ok")
         return settled
+
+    def _commit_later(self, acc: Accepted, write) -> None:
+        loop = asyncio.get_running_loop()
+
+        def done(future) -> None:  # on the ledger writer's thread
+            try:
+                loop.call_soon_threadsafe(self._committed, acc, future)
+            except RuntimeError:  # the loop has closed
+                pass
+
+        write.add_done_callback(done)
+
+    def _committed(self, acc: Accepted, write) -> None:
+        """A deferred task's record has reached the ledger (or failed to): out of ``pending``."""
+        if self.pending.get(acc.task_id) is acc:
+            del self.pending[acc.task_id]
+        acc.finished = None  # (its input hashes' closure holds ``acc``: no cycle left behind)
+        exc = write.exception()
+        if isinstance(exc, LeaseLost):
+            log.warning("result refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc)})
+        elif isinstance(exc, AlreadyFinished):
+            log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
+        elif exc is not None:
+            log.error("could not record the answer in the ledger", extra={"task_id": acc.task_id, "error": str(exc)})
 
     def answer_for(self, acc: Accepted, job: Job, outcome: DeviceOutcome) -> dict[str, Any]:
         run_ms, clock = run_timing(outcome.result)
