@@ -106,8 +106,8 @@ class Conflict(ServiceError):
 
 
 class NotAccepted(Exception):
-    """A task whose body is parsed by its own job (a small synchronous one, app/api/intake.py)
-    turned out not to be acceptable: ``error`` is what parsing or the budget check raised. It is
+    """A task whose body is parsed by its own job (a synchronous one without an Idempotency-Key,
+    app/api/intake.py) turned out not to be acceptable: ``error`` is what parsing or the budget check raised. It is
     answered as that error, as if refused on arrival, and recorded nowhere."""
 
     def __init__(self, error: Exception) -> None:

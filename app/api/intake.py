@@ -87,13 +87,20 @@ async def _disconnect_message(request: Request) -> None:
             return
 
 
-def _late_task(body: bytes | memoryview, config, max_work: float, max_bytes: float, pool) -> TaskArrays:
-    """A synchronous task's body, parsed and budget-checked by its job on the device worker; a
-    large one's input hashes are computed in the io pool meanwhile (its run's result waits for them)."""
-    task = load_task(body, hash_inputs=False)
-    check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
+def _hash_aside(task: TaskArrays, pool) -> None:
+    """A large synchronous task's input hashes (4.6 ms for draw 0), computed in the io pool while
+    it runs: only its answer needs them, where the run's result takes them (TaskArrays.input_hashes
+    waits for this thread if it has not finished). Handed to the pool directly: nobody awaits it,
+    so its end need not wake the event loop."""
     if task.train_images.nbytes + task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
         pool.submit(task.input_hashes)
+
+
+def _late_task(body: bytes | memoryview, config, max_work: float, max_bytes: float, pool) -> TaskArrays:
+    """A synchronous task's body, parsed and budget-checked by its job on the device worker."""
+    task = load_task(body, hash_inputs=False)
+    check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
+    _hash_aside(task, pool)
     return task
 
 
@@ -144,8 +151,8 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
             # batch: its job parses it and checks its budget on the device worker, the hop it
             # takes anyway (a body found invalid there is answered as refused, app.errors.NotAccepted).
             task, body_sha256 = None, None
-            late = functools.partial(_late_task, body if len(body) > PARSE_ON_LOOP_BYTES else bytes(body), config,
-                                     settings.max_task_work, settings.max_task_bytes, service.io_pool)
+            late = functools.partial(_late_task, body, config, settings.max_task_work, settings.max_task_bytes,
+                                     service.io_pool)
         elif len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
             # (an asynchronous task's input hashes are recorded before its 202; a synchronous one's
             # are computed by its run, on the device worker: the answer carries them)
@@ -193,12 +200,8 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     if asynchronous:
         runner.settle_in_background(acc)
         return accepted_response(record)
-    if acc.task is not None and acc.task.train_images.nbytes + acc.task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
-        # A large synchronous task's input hashes (4.6 ms for draw 0) are computed in a thread of
-        # their own while it runs: they are needed only in its answer, where the run's result takes
-        # them (TaskArrays.input_hashes waits for this thread if it has not finished). Handed to the
-        # io pool directly: nobody awaits it, so its end need not wake the event loop.
-        service.io_pool.submit(acc.task.input_hashes)
+    if acc.task is not None:  # (else its job hashes it aside, once parsed)
+        _hash_aside(acc.task, service.io_pool)
 
     settled = await runner.settle(acc, client_gone(request))
     if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):

@@ -72,9 +72,9 @@ class HeldFlow(FlowControl):
 
 
 class Reading:
-    """One body being read by a thread: ``stop()`` asks it to end (the connection was lost);
-    ``done(pos, how)`` is called in the thread when it ends, with the bytes the buffer now holds
-    and why it ended: "complete", "idle", "eof", "stopped" or "error"."""
+    """One body being read by a thread: ``stop()`` asks it to end (the connection was lost). When
+    it ends, the thread calls ``start``'s ``done(pos, how)`` with the bytes the buffer now holds
+    and why: "complete", "idle", "eof", "stopped" or "error"."""
 
     __slots__ = ("stopped",)
 

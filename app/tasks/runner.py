@@ -150,6 +150,19 @@ class Accepted:
             attempts=0 if self.started_at is None else 1)
 
 
+def _unrecorded(acc: Accepted, exc: BaseException) -> bool:
+    """Log why a task's answer is not in the ledger; True when the ledger itself failed (not a
+    result another holder's record stands in for)."""
+    if isinstance(exc, LeaseLost):  # shared ledger: another replica holds the task now; its result stands
+        log.warning("result refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc)})
+        return False
+    if isinstance(exc, AlreadyFinished):  # cancelled in the ledger meanwhile (a restart's leftovers)
+        log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
+        return False
+    log.error("could not record the answer in the ledger", extra={"task_id": acc.task_id, "error": str(exc)})
+    return True
+
+
 def input_hashes(task: TaskArrays) -> dict[str, str]:
     """The task's input hashes (computed once per task where TaskArrays caches them)."""
     cached = getattr(task, "input_hashes", None)
@@ -298,13 +311,9 @@ class TaskRunner:
                 await self._write_outcome(acc, lambda: self.ledger.finish(  # the hashes on the writer thread,
                     acc.task_id, "succeeded", settled.body, None, content, False,  # never waited for on the loop
                     input_hashes(acc.task)))
-        except LeaseLost as exc:  # shared ledger: another replica holds the task now; its result stands
-            log.warning("result refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc)})
-        except AlreadyFinished:  # cancelled in the ledger meanwhile (a restart's leftovers): keep the answer
-            log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
-        except Exception as exc:  # noqa: BLE001 - the answer stands; the ledger could not keep it
-            log.error("could not record the answer in the ledger", extra={"task_id": acc.task_id, "error": str(exc)})
-            settled.headers["X-Ledger-Error"] = str(exc)[:200]
+        except Exception as exc:  # noqa: BLE001 - the answer stands, whatever the ledger says
+            if _unrecorded(acc, exc):
+                settled.headers["X-Ledger-Error"] = str(exc)[:200]
         self.metrics.outcome("ok")
         return settled
 
@@ -324,13 +333,8 @@ class TaskRunner:
         if self.pending.get(acc.task_id) is acc:
             del self.pending[acc.task_id]
         acc.finished = None  # (its input hashes' closure holds ``acc``: no cycle left behind)
-        exc = write.exception()
-        if isinstance(exc, LeaseLost):
-            log.warning("result refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc)})
-        elif isinstance(exc, AlreadyFinished):
-            log.warning("task finished after the ledger recorded it finished", extra={"task_id": acc.task_id})
-        elif exc is not None:
-            log.error("could not record the answer in the ledger", extra={"task_id": acc.task_id, "error": str(exc)})
+        if write.exception() is not None:
+            _unrecorded(acc, write.exception())
 
     def answer_for(self, acc: Accepted, job: Job, outcome: DeviceOutcome) -> dict[str, Any]:
         run_ms, clock = run_timing(outcome.result)
