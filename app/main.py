@@ -1,4 +1,4 @@
-"""The FastAPI app: ``create_app(settings) -> FastAPI`` assembles the parts; nothing else lives here.
+"""The FastAPI app: ``create_app(settings) -> ServiceApp`` (a FastAPI app, app/api/hot_path.py) assembles the parts; nothing else lives here.
 
 Run it with ``rev88 serve`` or ``uvicorn --factory app.main:create_app`` (settings come from the
 REV88_* environment variables, see app/settings.py).
@@ -11,12 +11,11 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI
-
 from learner import __version__
 
 from . import web
 from .api import add_routes, errors, health, tasks
+from .api.hot_path import ServiceApp, post_tasks
 from .api.openapi import DESCRIPTION
 from .http.logs import configure_logging
 from .http.middleware import RequestMiddleware
@@ -25,7 +24,7 @@ from .service import Service
 from .settings import Settings
 
 
-def create_app(settings: Settings | None = None, engines: Callable[[str], Any] | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engines: Callable[[str], Any] | None = None) -> ServiceApp:
     """The app. ``engines`` (backend name -> backend object; default: the learner's registry
     ``learner.backends.get_backend``) lets code that embeds the service supply its own backend
     objects; it is not reachable from HTTP or the environment."""
@@ -34,7 +33,7 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     service = Service(settings, engines)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: ServiceApp):
         await service.start()
         # What is alive now lives as long as the service (torch, FastAPI, the learner: ~200,000
         # objects the cyclic GC tracks). A full collection walks all of them, ~85 ms on the event
@@ -47,10 +46,11 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
             await service.stop()
             gc.unfreeze()  # collectable again at exit (native extensions report what is never freed)
 
-    app = FastAPI(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = ServiceApp(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.service = service
     app.state.settings = settings
     app.add_middleware(RequestMiddleware, api_key=settings.api_key, metrics=service.metrics)
+    app.hot = RequestMiddleware(post_tasks, api_key=settings.api_key, metrics=service.metrics)  # POST /tasks (app/api/hot_path.py)
     errors.install(app)
     add_routes(app, tasks.router)
     add_routes(app, health.router)

@@ -34,6 +34,7 @@ from learner.taskio import validate_task
 from learner.validate import cached_validation
 
 from .http import uploads
+from .http.logs import flush_logs
 from .ledger import LedgerWriter, is_shared, open_ledger
 from .runtime.devices import GPU_BACKENDS, PlanError, plan
 from .runtime.energy import Energy
@@ -341,3 +342,4 @@ class Service:
             log.error("the ledger writer did not finish its writes within 10 s")
         self.ledger.close()
         log.info("stopped", extra={"device_thread_ended": ended, "queue": self.executor.snapshot()})
+        await asyncio.to_thread(flush_logs)  # every line written before the process goes

@@ -1,4 +1,13 @@
-"""JSON logs, one object per line, carrying the request id of the request being served."""
+"""JSON logs, one object per line, carrying the request id of the request being served.
+
+The lines are formatted and written by a thread of their own (``LineWriter``), not by the thread
+that logs: on the event loop a line's JSON and its ``write`` to stderr cost about a fifth of a
+request's time there (bench/bench_shell.py with REV88_LOG_LEVEL=warning, docs/performance.md).
+The logging thread only makes the record, notes its request id and queues it. The writer takes
+whatever lines are waiting and writes them in one ``write``; at exit (``logging.shutdown``, and
+the service's own stop) every queued line is written first. A process killed with SIGKILL loses
+the lines not yet written: those of its last millisecond or so.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,11 @@ import contextvars
 import datetime
 import json
 import logging
+import queue
 import sys
+import threading
+
+from ..threads import name_os_thread
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("rev88_request_id", default=None)
 
@@ -36,11 +49,89 @@ class JsonFormatter(logging.Formatter):
 _HANDLER_MARK = "_rev88_json"
 
 
+class LineWriter(logging.Handler):
+    """Queues each record; one daemon thread formats them and writes the lines to ``stream``."""
+
+    def __init__(self, stream) -> None:
+        super().__init__()
+        self.stream = stream
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # what the line needs from the logging thread: its request id (a context variable) and a
+        # copy of the extra dicts and lists, which their owner may change once the call returns
+        if getattr(record, "request_id", None) is None:
+            rid = request_id_var.get()
+            if rid is not None:
+                record.request_id = rid
+        for key, value in vars(record).items():
+            if key not in _STANDARD and isinstance(value, (dict, list)):
+                setattr(record, key, type(value)(value))
+        if self._thread is None:
+            self._start()
+        self.queue.put(record)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write_lines, name="rev88-log", daemon=True)
+                self._thread.start()
+
+    def _write_lines(self) -> None:
+        name_os_thread("rev88-log")
+        while True:
+            items = [self.queue.get()]
+            while True:  # and whatever else is waiting: one write for all of them
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            lines = []
+            for item in items:
+                if isinstance(item, threading.Event):
+                    continue
+                try:
+                    lines.append(self.format(item) + "\n")
+                except Exception:  # noqa: BLE001 - as logging itself: report it, keep writing
+                    self.handleError(item)
+            if lines:
+                try:
+                    self.stream.write("".join(lines))
+                    self.stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stderr, say
+                    pass
+            for item in items:
+                if isinstance(item, threading.Event):
+                    item.set()  # a flush(): every line queued before it is written
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait (at most ``timeout_s``) until every line queued so far is written."""
+        thread = self._thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return
+        written = threading.Event()
+        self.queue.put(written)
+        written.wait(timeout_s)
+
+
 def _json_handler() -> logging.Handler:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    setattr(handler, _HANDLER_MARK, True)
-    return handler
+    global _WRITER
+    if _WRITER is None or _WRITER.stream is not sys.stderr:
+        _WRITER = LineWriter(sys.stderr)
+        _WRITER.setFormatter(JsonFormatter())
+        setattr(_WRITER, _HANDLER_MARK, True)
+    return _WRITER
+
+
+_WRITER: LineWriter | None = None  # one writer (one queue, so one order) for the service's and uvicorn's lines
+
+
+def flush_logs() -> None:
+    """Every log line queued so far written (the service's stop calls it)."""
+    if _WRITER is not None:
+        _WRITER.flush()
 
 
 def configure_logging(level: str) -> None:
