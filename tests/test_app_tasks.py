@@ -18,7 +18,7 @@ from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
 from .helpers import small_task
-from .server import ROOT, post_task, running_server
+from .server import ROOT, post_task, running_server, wait_for
 
 TIMING_KEYS = {"queue_wait_ms", "parse_ms", "run_ms", "total_ms"}
 RUN_VARYING = {"preparation_seconds", "training_prediction_seconds", "run_count"}  # differ run to run
@@ -165,10 +165,16 @@ def test_request_id_echoed_or_created(client, small_bytes, server):
     assert len(created) == 32 and int(created, 16) >= 0
     r = client.get("/v2/health/live", headers={"X-Request-ID": "bad id with spaces"})
     assert r.headers["x-request-id"] != "bad id with spaces"
-    # JSON logs: every line an object; the task's lines carry the request id
-    lines = [json.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
-    mine = [rec for rec in lines if rec.get("request_id") == "trace-abc.123"]
-    assert {rec["msg"] for rec in mine} >= {"request", "task answered"}
+    # JSON logs: every line an object; the task's lines carry the request id (the log's own thread
+    # writes them: app/http/logs.py, so they may come a moment after the answers)
+
+    def lines_of_the_task() -> list[dict]:
+        lines = [json.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
+        return [rec for rec in lines if rec.get("request_id") == "trace-abc.123"]
+
+    wait_for(lambda: {rec["msg"] for rec in lines_of_the_task()} >= {"request", "task answered"}, 30,
+             what="the task's log lines")
+    mine = lines_of_the_task()
     assert any(rec.get("status") == 200 and rec.get("path") == "/tasks" for rec in mine)
 
 

@@ -107,3 +107,22 @@ def test_retention_applies_to_tasks_recorded_when_finished(tmp_path):
     assert ledger.counts()["total"] == 5
     assert ledger.get("sync-0011") is not None  # the newest are kept
     ledger.close()
+
+
+def test_a_group_commit_of_answered_tasks_does_not_wait_for_the_disk_but_the_rest_does(tmp_path):
+    """The records of tasks whose clients hold their answers commit with synchronous = NORMAL (WAL:
+    they survive the process, not the machine); every other write, and the connection after, stays FULL."""
+    ledger = Ledger(tmp_path / "data")
+    statements: list[str] = []
+    ledger._conn.set_trace_callback(statements.append)
+    ledger.add_finished([finished_task(1), finished_task(2)])
+    assert statements[:2] == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE"]
+    assert statements.index("COMMIT") < statements.index("PRAGMA synchronous = FULL")
+    statements.clear()
+    record, _ = create(ledger)
+    ledger.finish(record.id, "succeeded", answer_for(record.id))
+    assert not any(s.startswith("PRAGMA synchronous") for s in statements)
+    ledger._conn.set_trace_callback(None)
+    assert ledger._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert ledger.get("sync-0002").status == "succeeded"
+    ledger.close()

@@ -11,8 +11,8 @@ for a route that needs none of it: ``post_task`` (app/api/tasks.py) takes only t
 ``hot`` (create_app sets it: the request middleware, app/http/middleware.py, around
 ``post_tasks`` here) and from there to the same handler the route calls (``intake.handle``). An
 exception it lets through is answered by the app's own exception handlers (app/api/errors.py),
-as Starlette would: the catch-all one (``Exception``: a 500) answers and the exception goes on
-to uvicorn, which logs it. Everything else, and any request the lane cannot take as the router
+as Starlette would, except that an unexpected one (the catch-all handler's: logged with its
+traceback, answered 500) is not raised on to uvicorn afterwards, which would close the connection. Everything else, and any request the lane cannot take as the router
 would (a root path, FastAPI's telemetry switched on), goes the ordinary way. The route stays in
 the app's table: the OpenAPI document describes it, and it serves what the lane leaves.
 """
@@ -47,13 +47,13 @@ def _telemetry_on(app: FastAPI, scope) -> bool:
 
 
 def exception_handler(app: FastAPI, exc: Exception):
-    """The app's handler for ``exc`` and the class it is registered for (the most specific of
-    the exception's classes, as Starlette looks it up), or (None, None)."""
+    """The app's handler for ``exc`` (registered for the most specific of its classes, as
+    Starlette looks it up), or None."""
     handlers = app.exception_handlers
     for cls in type(exc).__mro__:
         if cls in handlers:
-            return handlers[cls], cls
-    return None, None
+            return handlers[cls]
+    return None
 
 
 async def post_tasks(scope, receive, send) -> None:
@@ -62,11 +62,11 @@ async def post_tasks(scope, receive, send) -> None:
     try:
         response = await intake.handle(request, app.state.service)
     except Exception as exc:  # noqa: BLE001 - answered by the app's handlers, as Starlette would
-        handler, registered_for = exception_handler(app, exc)
+        handler = exception_handler(app, exc)
         if handler is None:
             raise
+        # (the catch-all one logs an unexpected error with its traceback and answers 500; unlike
+        # Starlette's ServerErrorMiddleware the exception ends here, so the connection stays open)
         await (await handler(request, exc))(scope, receive, send)
-        if registered_for is Exception:
-            raise  # unexpected: uvicorn logs it, after the 500 is sent (Starlette's ServerErrorMiddleware)
         return
     await response(scope, receive, send)

@@ -507,14 +507,19 @@ class Ledger:
         return self._conn
 
     @contextlib.contextmanager
-    def _write(self, doing: str) -> Iterator[sqlite3.Connection]:
+    def _write(self, doing: str, synced: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction (BEGIN IMMEDIATE .. COMMIT) under the lock; sqlite errors
-        become LedgerUnavailable naming the data dir."""
+        become LedgerUnavailable naming the data dir. ``synced=False``: its COMMIT does not wait
+        for the disk (``synchronous = NORMAL`` for this transaction: in WAL mode that survives a
+        crash of the process, not of the machine, until the next synced commit or checkpoint)."""
         with self._lock:
             conn = self._conn_or_fail()
             try:
+                if not synced:
+                    conn.execute("PRAGMA synchronous = NORMAL")
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
+                self._synced_again(conn, synced)
                 raise LedgerUnavailable(self._describe(exc, f"cannot {doing}")) from exc
             try:
                 yield conn
@@ -525,6 +530,14 @@ class Ledger:
                 if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
                     raise LedgerUnavailable(self._describe(exc, f"cannot {doing}")) from exc
                 raise
+            finally:
+                self._synced_again(conn, synced)
+
+    @staticmethod
+    def _synced_again(conn: sqlite3.Connection, synced: bool) -> None:
+        if not synced:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA synchronous = FULL")
 
     @contextlib.contextmanager
     def _read(self, doing: str) -> Iterator[sqlite3.Connection]:
@@ -719,14 +732,16 @@ class Ledger:
         self._retain(keep=task_id)
         return record
 
-    def _retain(self, keep: str) -> None:
+    def _retain(self, keep: str, synced: bool = True) -> None:
         """Retention after a result is committed. A retention that fails (a full disk can refuse
         even a delete) loses nothing, so it is reported and retried after the next finish, not
-        raised. Within the limits (the running totals say so) no transaction is opened at all."""
+        raised. Within the limits (the running totals say so) no transaction is opened at all.
+        ``synced=False`` (after unsynced records): a delete lost with the machine only leaves
+        a task for the next retention."""
         if self._totals is not None and self._totals[0] <= self.retain_tasks and self._totals[1] <= self.retain_bytes:
             return
         try:
-            with self._write("apply retention") as conn:
+            with self._write("apply retention", synced) as conn:
                 self._apply_retention(conn, keep=keep)
         except LedgerUnavailable as exc:
             self._totals = None  # recounted next time: the deletes may have been rolled back
@@ -755,7 +770,8 @@ class Ledger:
         if not rows:
             return
         try:
-            with self._write(f"record {len(rows)} finished task(s)") as conn:
+            # Their clients hold the answers (issue #21): the commit need not wait for the disk.
+            with self._write(f"record {len(rows)} finished task(s)", synced=False) as conn:
                 conn.executemany(
                     "INSERT INTO tasks (id, status, kind, mode, created_at, started_at, finished_at, attempts,"
                     " backend, config, options, train_count, test_count, input_hashes, body_sha256, body_bytes,"
@@ -766,7 +782,7 @@ class Ledger:
             raise ValueError(f"a finished task's id is already in the ledger ({exc})") from exc
         if self._totals is not None:
             self._totals = (self._totals[0] + len(rows), self._totals[1] + added_bytes)
-        self._retain(keep=rows[-1][0])
+        self._retain(keep=rows[-1][0], synced=False)
 
     def _apply_retention(self, conn: sqlite3.Connection, keep: str | None) -> int:
         # Finished tasks and their stored bytes: counted once by a scan, then kept up to date

@@ -47,7 +47,7 @@ from ..ledger import (
 )
 from ..runtime.executor import Batch, DeviceExecutor, Job
 from ..runtime.metrics import Metrics
-from .answers import Settled, run_timing, task_answer
+from .answers import Settled, encode_json, run_timing, task_answer
 from .device import (
     DeviceOutcome,
     Engines,
@@ -61,6 +61,16 @@ from .device import (
 from .options import measure_timeout_s
 
 log = logging.getLogger("rev88." + __name__)
+
+
+@dataclasses.dataclass
+class Answered:
+    """A synchronous task's answer as its job built it on the device worker: the device outcome,
+    the answer's document and its JSON."""
+
+    outcome: DeviceOutcome
+    body: dict[str, Any]
+    content: bytes
 
 
 def new_task_id() -> str:
@@ -102,6 +112,9 @@ class Accepted:
     # stays in ``pending`` with this until the ledger has it, and reads as finished meanwhile.
     finished: FinishedTask | None = None
     finished_at: float | None = None
+    # set on the device worker as its job starts: the queue's wait and the start (time.monotonic)
+    queue_wait_s: float = 0.0
+    started_mono: float | None = None
 
     @property
     def kind(self) -> str:
@@ -221,6 +234,7 @@ class TaskRunner:
         self.pending[acc.task_id] = acc
 
         def started(job) -> None:  # on the device worker: hands the write over, does not wait for it
+            acc.queue_wait_s, acc.started_mono = job.queue_wait_s or 0.0, job.started
             if acc.deferred:
                 acc.started_at, acc.device = time.time(), job.worker
             else:
@@ -233,10 +247,18 @@ class TaskRunner:
                 kind="measure", label=acc.task_id, reserved=reserved, cancel=acc.cancel, on_start=started,
             )
         else:
-            def run() -> DeviceOutcome:
+            def run() -> DeviceOutcome | Answered:
                 if acc.task is None:  # a deferred task's body: parsed here, on the worker
                     acc.task = self._parse_late(acc)
-                return run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel)
+                outcome = run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel)
+                if not acc.deferred:
+                    return outcome
+                # A synchronous task's answer, built here beside its run rather than on the event
+                # loop: its document, its log line and its JSON (bench/bench_shell.py). What the
+                # loop does with it (send it, record it, or drop it for a client gone) stays the loop's.
+                device_s = time.monotonic() - (acc.started_mono or time.monotonic())
+                body = self.answer_for(acc, outcome, acc.queue_wait_s, device_s, 1, worker=acc.device)
+                return Answered(outcome, body, encode_json(body))
 
             job = self.executor.submit(
                 run,
@@ -296,8 +318,11 @@ class TaskRunner:
             return settled
         if acc.measure is not None:
             settled = Settled(200, self.measure_answer(acc, job, value))
+        elif isinstance(value, Answered):  # built by its job, on the worker
+            settled = Settled(200, value.body, outcome=value.outcome, content=value.content)
         else:
-            settled = Settled(200, self.answer_for(acc, job, value), outcome=value)
+            settled = Settled(200, self.answer_for(acc, value, job.queue_wait_s or 0.0, job.device_s or 0.0,
+                                                   job.launch_size, worker=job.worker), outcome=value)
         try:
             content = settled.json()
             if acc.deferred:
@@ -336,31 +361,32 @@ class TaskRunner:
         if write.exception() is not None:
             _unrecorded(acc, write.exception())
 
-    def answer_for(self, acc: Accepted, job: Job, outcome: DeviceOutcome) -> dict[str, Any]:
+    def answer_for(self, acc: Accepted, outcome: DeviceOutcome, queue_wait_s: float, device_s: float,
+                   launch_size: int, worker: str | None) -> dict[str, Any]:
+        """The answer's document (and its metrics and log line), on the event loop or on the
+        device worker that ran the task (``device_s``: the worker's time on it so far)."""
         run_ms, clock = run_timing(outcome.result)
-        self.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
+        self.metrics.queue_wait_seconds.observe(queue_wait_s)
         self.metrics.run_seconds.observe(run_ms / 1000.0)
         if outcome.energy is not None and self.metrics.task_energy is not None and outcome.energy.get("gross_j"):
             self.metrics.task_energy.inc(outcome.energy["gross_j"])
-        device_s = job.device_s or 0.0
         if acc.late is not None:  # its job parsed the body first: that time is parse_ms, not device_ms
             device_s = max(0.0, device_s - acc.parse_s)
         timing = {
             "receive_ms": _ms(acc.receive_s),
             "parse_ms": _ms(acc.parse_s),
-            "queue_wait_ms": _ms(job.queue_wait_s or 0.0),
+            "queue_wait_ms": _ms(queue_wait_s),
             "run_ms": round(run_ms, 3),
             "run_clock": clock,
             "device_ms": _ms(device_s),
-            "tasks_in_launch": job.launch_size,
+            "tasks_in_launch": launch_size,
             "total_ms": _ms(time.perf_counter() - acc.t0),
         }
-        log.info(
-            "task answered",
-            extra={"task_id": acc.task_id, "train_count": acc.task.train_count, "test_count": acc.task.test_count,
-                   "backend": outcome.result.metadata["backend"], "device": job.worker, "mode": acc.mode,
-                   "timing": timing},
-        )
+        extra = {"task_id": acc.task_id, "train_count": acc.task.train_count, "test_count": acc.task.test_count,
+                 "backend": outcome.result.metadata["backend"], "device": worker, "mode": acc.mode, "timing": timing}
+        if acc.request_id is not None:  # (the worker's thread is not in the request's context)
+            extra["request_id"] = acc.request_id
+        log.info("task answered", extra=extra)
         return task_answer(acc.task_id, acc.request_id, outcome, timing, acc.include_scores)
 
     def measure_answer(self, acc: Accepted, job: Job, doc: dict) -> dict[str, Any]:
