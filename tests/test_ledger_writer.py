@@ -126,3 +126,23 @@ def test_a_group_commit_of_answered_tasks_does_not_wait_for_the_disk_but_the_res
     assert ledger._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert ledger.get("sync-0002").status == "succeeded"
     ledger.close()
+
+
+def test_answered_records_wait_to_share_a_commit_until_a_read_or_the_stop_needs_them(tmp_path):
+    ledger = Ledger(tmp_path / "data")
+    writer = LedgerWriter(ledger)
+    writer.linger_s = 60.0  # far longer than the test: only what arrives may end the wait
+    assert writer.written() is None  # nothing handed over: a read need not wait
+    futures = [writer.finished(finished_task(i)) for i in range(3)]
+    time.sleep(0.3)
+    assert ledger.get("sync-0000") is None and not any(f.done() for f in futures)  # waiting for company
+    barrier = writer.written()
+    assert barrier is not None
+    barrier.result(10)  # a read's barrier: the commit is taken at once
+    assert [f.result(0) for f in futures] == [None] * 3 and writer.group_commits == 1
+    assert ledger.get("sync-0002").status == "succeeded" and writer.written() is None
+    late = writer.finished(finished_task(3))
+    t = time.monotonic()
+    assert writer.close(30) and time.monotonic() - t < 10  # the stop writes it without the wait
+    assert late.result(0) is None and ledger.get("sync-0003").status == "succeeded"
+    ledger.close()

@@ -103,6 +103,7 @@ router = APIRouter(tags=["health"])
 @router.get("/health", summary="Status, device, GPU telemetry, learner state, queue, workers, limits, versions",
             response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
 async def get_health(service: ServiceDep) -> JSONResponse:
+    await service.runner.written(timeout_s=1.0)  # the ledger's counts include every task answered so far
     status, doc = await run_in_threadpool(health, service)
     return JSONResponse(doc, status_code=status)
 

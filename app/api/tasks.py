@@ -42,6 +42,7 @@ async def list_tasks(service: ServiceDep, limit: Annotated[int, Query(ge=1, le=5
                          "next_cursor of the previous page, unchanged (opaque; anything else is 422)"))] = None,
                      status: Annotated[Status | None, Query(description="only tasks in this status")] = None,
                      ) -> JSONResponse:
+    await service.runner.written()  # answered tasks' records still on their way to the ledger: in it first
     try:
         records, next_cursor = await run_in_threadpool(service.ledger.list, limit, cursor, status)
     except ValueError as exc:

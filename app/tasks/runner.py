@@ -22,6 +22,7 @@ asynchronous ones (``background``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -498,13 +499,22 @@ class TaskRunner:
         return record
 
     async def get(self, task_id: str) -> TaskRecord | None:
-        """The task's record: the ledger's, or a deferred task's own while it is in flight here."""
-        record = await asyncio.to_thread(self.ledger.get, task_id)
-        if record is None:
-            acc = self.pending.get(task_id)
-            if acc is not None and acc.deferred:
-                return acc.record()
-        return record
+        """The task's record: a deferred task's own while it is in flight here (or answered, its
+        record not yet committed), else the ledger's. In that order: the record leaves ``pending``
+        only once the ledger has it, so no moment finds it in neither."""
+        acc = self.pending.get(task_id)
+        if acc is not None and acc.deferred:
+            return acc.record()
+        return await asyncio.to_thread(self.ledger.get, task_id)
+
+    async def written(self, timeout_s: float | None = None) -> None:
+        """Once every answered task's record handed to the ledger so far is in it (the ledger
+        writer holds them a moment to share one commit: a list or a count reads them after), or
+        ``timeout_s`` has passed (a ledger that does not answer: the reader goes on without)."""
+        barrier = self.writer.written()
+        if barrier is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(barrier), timeout_s)
 
     # ------------------------------------------------------------------ cancel
     async def cancel(self, task_id: str) -> TaskRecord | None:
