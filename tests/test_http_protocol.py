@@ -268,3 +268,102 @@ def test_headers_and_a_body_in_one_read_arrive_byte_for_byte(loop):
             again.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
             assert again.recv(65536).startswith(b"HTTP/1.1 200")
     assert BUDGET.held == 0
+
+
+async def shapes(scope, receive, send):
+    """Responses of every shape: a declared length, none at all (HEAD, empty), chunked with a pause."""
+    if scope["type"] == "lifespan":
+        await echo(scope, receive, send)
+        return
+    path = scope["path"]
+    if path == "/chunked":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.sleep(0.3)  # headers already out: a chunked body may come much later
+        await send({"type": "http.response.body", "body": b"late", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    body = b"" if path == "/empty" else b"hello"
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    if scope["method"] != "HEAD":
+        await send({"type": "http.response.body", "body": body})
+    else:
+        await send({"type": "http.response.body", "body": b""})
+
+
+def read_until(sock, predicate, what: str) -> bytes:
+    got = b""
+    while not predicate(got):
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before {what}: {got!r}"
+        got += chunk
+    return got
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_headers_go_out_with_the_body_and_every_response_shape_still_completes(loop):
+    """A response's status line and headers are held for its first body bytes (one send); a HEAD,
+    an empty body, a chunked response that pauses, and pipelined requests are all answered."""
+    with Running(protocol_class(), shapes, loop) as server, \
+            socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = sock.recv(65536)  # one segment: the headers and the body together
+        assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n\r\nhello"), first
+        sock.sendall(b"HEAD /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = read_until(sock, lambda g: g.endswith(b"\r\n\r\n"), "the HEAD's headers")
+        assert b"content-length: 5" in head
+        sock.sendall(b"GET /empty HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"content-length: 0" in read_until(sock, lambda g: g.endswith(b"\r\n\r\n"), "the empty response")
+        sock.sendall(b"GET /chunked HTTP/1.1\r\nHost: x\r\n\r\n")
+        early = read_until(sock, lambda g: g.endswith(b"\r\n\r\n"), "the chunked response's headers")
+        assert b"transfer-encoding: chunked" in early  # before its body, which comes 0.3 s later
+        read_until(sock, lambda g: g.endswith(b"0\r\n\r\n"), "the chunked body")
+        sock.sendall(b"HEAD /hello HTTP/1.1\r\nHost: x\r\n\r\nGET /empty HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        piped = read_until(sock, lambda g: g.count(b"HTTP/1.1 200") == 3 and g.endswith(b"hello"), "three answers")
+        assert piped.count(b"content-length: 5") == 2 and piped.count(b"content-length: 0") == 1
+
+
+def test_the_held_headers_are_written_with_the_body_in_one_call():
+    from app.http.protocol import _HeadersWithBody
+
+    class Cycle:  # a cycle's flags (the transport keeps a weak reference to its cycle)
+        def __init__(self, **flags):
+            vars(self).update(flags)
+
+    class Transport:
+        def __init__(self):
+            self.calls = []
+
+        def write(self, data):
+            self.calls.append(("write", bytes(data)))
+
+        def writelines(self, parts):
+            self.calls.append(("writelines", b"".join(parts)))
+
+        def close(self):
+            self.calls.append(("close", b""))
+
+    cycle = Cycle(response_started=False, response_complete=False, chunked_encoding=None)
+    real = Transport()
+    t = _HeadersWithBody(real, cycle)
+    t.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # before the response: at once
+    cycle.response_started, cycle.chunked_encoding = True, False
+    t.write(b"HTTP/1.1 200 OK\r\n\r\n")  # held
+    assert real.calls == [("write", b"HTTP/1.1 100 Continue\r\n\r\n")]
+    t.write(b"body")
+    assert real.calls[-1] == ("writelines", b"HTTP/1.1 200 OK\r\n\r\nbody") and len(real.calls) == 2
+    t.write(b"more")  # the rest as it comes
+    assert real.calls[-1] == ("write", b"more")
+
+    chunked = Cycle(response_started=True, response_complete=False, chunked_encoding=True)
+    real2 = Transport()
+    _HeadersWithBody(real2, chunked).write(b"HTTP/1.1 200 OK\r\n\r\n")
+    assert real2.calls == [("write", b"HTTP/1.1 200 OK\r\n\r\n")]  # a chunked response's headers: at once
+
+    real3 = Transport()
+    t3 = _HeadersWithBody(real3, Cycle(response_started=True, response_complete=False,
+                                                  chunked_encoding=False))
+    t3.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    t3.close()  # closed before any body: the headers first
+    assert real3.calls == [("write", b"HTTP/1.1 200 OK\r\n\r\n"), ("close", b"")]

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import weakref
 
 import numpy as np
 import uvicorn
@@ -152,6 +153,47 @@ def _releasing_send(cycle, body: ZeroCopyBody):
                 vars(cycle).pop("send", None)
 
     return send
+
+
+class _HeadersWithBody:
+    """The cycle's transport, but that a response's status line and headers (uvicorn writes them
+    as soon as the app starts its response) wait for its first body bytes and go out with them:
+    one ``send`` and one segment instead of two, for a response that declares its length. They go
+    out on their own as soon as anything else happens instead: the response ends without a
+    body write (HEAD, an empty body), the connection closes. A chunked response, whose body may
+    come much later, and the ``100 Continue`` line before a response are written at once."""
+
+    __slots__ = ("_transport", "_cycle", "_held", "_done")
+
+    def __init__(self, transport, cycle) -> None:
+        # (the cycle holds this object: a weak reference back, so that the pair is no reference
+        # cycle and a request is freed when it ends, tests/test_memory_soak.py)
+        self._transport, self._cycle, self._held, self._done = transport, weakref.ref(cycle), None, False
+
+    def write(self, data) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.writelines((held, data))
+            return
+        cycle = self._cycle()
+        if not self._done and cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._done = True  # only the first write of the response: its status line and headers
+            if cycle.chunked_encoding is False:
+                self._held = data
+                return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -302,6 +344,16 @@ if HttpToolsProtocol is not None:
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None:
+                cycle.transport = transport = _HeadersWithBody(self.transport, cycle)
+                own = cycle.on_response
+
+                def on_response() -> None:  # (a response that ended without a body write)
+                    transport.flush()
+                    own()
+
+                cycle.on_response = on_response
             if self.scope.get("method") not in ("POST", "PUT"):
                 return
             self.scope[GONE] = gone = self.loop.create_future()

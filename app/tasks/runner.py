@@ -344,20 +344,14 @@ class TaskRunner:
         return settled
 
     def _commit_later(self, acc: Accepted, write) -> None:
-        loop = asyncio.get_running_loop()
-
-        def done(future) -> None:  # on the ledger writer's thread
-            try:
-                loop.call_soon_threadsafe(self._committed, acc, future)
-            except RuntimeError:  # the loop has closed
-                pass
-
-        write.add_done_callback(done)
+        write.add_done_callback(lambda future: self._committed(acc, future))
 
     def _committed(self, acc: Accepted, write) -> None:
-        """A deferred task's record has reached the ledger (or failed to): out of ``pending``."""
+        """A deferred task's record has reached the ledger (or failed to): out of ``pending``. On
+        the ledger writer's thread, without waking the event loop (a dict's get and pop are
+        atomic, and task ids are never reused)."""
         if self.pending.get(acc.task_id) is acc:
-            del self.pending[acc.task_id]
+            self.pending.pop(acc.task_id, None)
         acc.finished = None  # (its input hashes' closure holds ``acc``: no cycle left behind)
         if write.exception() is not None:
             _unrecorded(acc, write.exception())
