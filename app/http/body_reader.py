@@ -20,8 +20,8 @@ pipelined behind it stays in the socket for the loop.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
+import queue
 import socket
 import threading
 import time
@@ -35,7 +35,8 @@ IDLE_S = 0.2  # a body that sends less than SLOW_BYTES in this long goes back to
 SLOW_BYTES = 64 * 1024
 MIN_BYTES = 128 * 1024  # a smaller rest (after what came with the headers) the loop reads itself
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_work: queue.SimpleQueue = queue.SimpleQueue()  # bodies for the reading threads (one put, one wake-up)
+_threads: list[threading.Thread] = []
 _busy = 0
 _lock = threading.Lock()
 # bodies handed to a thread, how their readings ended, and bodies left to the loop (every thread busy)
@@ -88,7 +89,7 @@ class Reading:
 def start(fd: int, view: memoryview, pos: int, done) -> Reading | None:
     """Read ``view[pos:]`` from the socket ``fd`` in a thread, or None: every reading thread is busy
     (or the socket cannot be duplicated) and the loop keeps reading."""
-    global _pool, _busy
+    global _busy
     with _lock:
         if _busy >= THREADS:
             COUNTS["all_busy"] += 1
@@ -99,18 +100,19 @@ def start(fd: int, view: memoryview, pos: int, done) -> Reading | None:
             return None
         _busy += 1
         COUNTS["started"] += 1
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                THREADS, thread_name_prefix="rev88-recv", initializer=name_os_thread, initargs=("rev88-recv",))
+        while len(_threads) < _busy:  # a thread for every body being read (started once, kept)
+            thread = threading.Thread(target=_serve, name=f"rev88-recv-{len(_threads)}", daemon=True)
+            thread.start()
+            _threads.append(thread)
     reading = Reading()
-    try:
-        _pool.submit(_read, sock, view, pos, reading, done)
-    except RuntimeError:  # the interpreter is shutting down
-        sock.close()
-        with _lock:
-            _busy -= 1
-        return None
+    _work.put((sock, view, pos, reading, done))
     return reading
+
+
+def _serve() -> None:
+    name_os_thread("rev88-recv")
+    while True:
+        _read(*_work.get())
 
 
 def _read(sock: socket.socket, view: memoryview, pos: int, reading: Reading, done) -> None:

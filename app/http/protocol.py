@@ -60,7 +60,10 @@ ZERO_COPY_MIN_BYTES = 256 * 1024
 # scope key: a future of the loop's, done when the request's client disconnects before its
 # response is complete (POST and PUT requests; what app/api/intake.py waits on beside the task)
 GONE = "rev88.gone"
-_SCRATCH = memoryview(bytearray(256 * 1024))  # one event loop per process: reads never interleave
+# One event loop per process: reads never interleave. 64 KiB: a large body's first read (with its
+# headers) is the loop's, the rest its reading thread's (256 KiB: 0.1 ms more of the loop's CPU per
+# large upload, bench/bench_shell.py)
+_SCRATCH = memoryview(bytearray(64 * 1024))
 
 
 class _Chunks:
