@@ -13,8 +13,8 @@ The server's CPU time is read from /proc before and after each batch: the whole 
 (/proc/PID/stat) and each thread (/proc/PID/task/*/stat, grouped by the OS thread names the
 service gives them: ``main`` the event loop, ``rev88-w*`` the device workers, ``rev88-ledger``
 the ledger writer, ``rev88-io`` the asyncio thread pool, ``rev88-recv`` the threads that read large
-bodies from their sockets (app/http/body_reader.py), ``other`` the rest: anyio's pool,
-uvicorn). The same bodies are then run in this process as ``rev88 run`` does once the file is
+bodies from their sockets (app/http/body_reader.py), ``other`` the rest: ``rev88-log``, the
+thread that formats and writes the log lines, anyio's pool, uvicorn). The same bodies are then run in this process as ``rev88 run`` does once the file is
 in memory -- ``load_task(body)`` (parse, checks, input hashes) + ``run_task`` on the same
 backend -- timed by ``time.process_time``. From these:
 
