@@ -70,3 +70,28 @@ def test_flush_waits_for_every_line_queued_before_it():
     gate.set()
     handler.flush()
     assert json.loads(out.getvalue())["msg"] == "first"
+
+
+def test_a_stderr_that_does_not_keep_up_holds_a_bounded_queue_and_the_drop_is_said(monkeypatch):
+    from app.http import logs
+
+    class Blocked(io.StringIO):
+        def write(self, text):
+            gate.wait(30)
+            return super().write(text)
+
+    gate = threading.Event()
+    monkeypatch.setattr(logs, "MAX_QUEUED", 10)
+    out = Blocked()
+    log, handler = writer_on(out)
+    for i in range(50):  # the writer holds what it took at the blocked write; ten more queue, no more
+        log.info("line %d", i)
+    assert handler.queue.qsize() <= 10 and handler.dropped >= 50 - 10 - 11
+    gate.set()
+    handler.flush()
+    log.info("after")
+    handler.flush()
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    said = [rec for rec in lines if rec["msg"].startswith("log lines dropped")]
+    assert len(said) == 1 and said[0]["dropped"] == handler.dropped and said[0]["level"] == "warning"
+    assert lines[-1]["msg"] == "after" and len(lines) == 50 - handler.dropped + 2

@@ -49,13 +49,20 @@ class JsonFormatter(logging.Formatter):
 _HANDLER_MARK = "_rev88_json"
 
 
+MAX_QUEUED = 100_000  # lines waiting for a stderr that does not keep up; more are dropped, and counted
+
+
 class LineWriter(logging.Handler):
-    """Queues each record; one daemon thread formats them and writes the lines to ``stream``."""
+    """Queues each record; one daemon thread formats them and writes the lines to ``stream``.
+    While ``MAX_QUEUED`` lines wait (a stderr that blocks: a full pipe nobody reads), further
+    records are dropped rather than held without bound, and the next write says how many."""
 
     def __init__(self, stream) -> None:
         super().__init__()
         self.stream = stream
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.dropped = 0  # records not queued: the queue was full
+        self._reported = 0
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
@@ -71,6 +78,9 @@ class LineWriter(logging.Handler):
                 setattr(record, key, type(value)(value))
         if self._thread is None:
             self._start()
+        if self.queue.qsize() >= MAX_QUEUED:
+            self.dropped += 1
+            return
         self.queue.put(record)
 
     def _start(self) -> None:
@@ -89,6 +99,8 @@ class LineWriter(logging.Handler):
                 except queue.Empty:
                     break
             lines = []
+            if self.dropped != self._reported:
+                lines.append(self._dropped_line())
             for item in items:
                 if isinstance(item, threading.Event):
                     continue
@@ -105,6 +117,13 @@ class LineWriter(logging.Handler):
             for item in items:
                 if isinstance(item, threading.Event):
                     item.set()  # a flush(): every line queued before it is written
+
+    def _dropped_line(self) -> str:
+        dropped, self._reported = self.dropped - self._reported, self.dropped
+        record = logging.LogRecord("rev88.app.http.logs", logging.WARNING, __file__, 0,
+                                   "log lines dropped: stderr did not keep up", None, None)
+        record.dropped, record.max_queued = dropped, MAX_QUEUED
+        return self.format(record) + "\n"
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait (at most ``timeout_s``) until every line queued so far is written."""
