@@ -146,3 +146,14 @@ def test_answered_records_wait_to_share_a_commit_until_a_read_or_the_stop_needs_
     assert writer.close(30) and time.monotonic() - t < 10  # the stop writes it without the wait
     assert late.result(0) is None and ledger.get("sync-0003").status == "succeeded"
     ledger.close()
+
+
+def test_a_record_someone_waits_for_does_not_linger(tmp_path):
+    ledger = Ledger(tmp_path / "data")
+    writer = LedgerWriter(ledger)
+    writer.linger_s = 60.0
+    t = time.monotonic()
+    assert writer.finished(finished_task(5), linger=False).result(10) is None  # (a failed task's record)
+    assert time.monotonic() - t < 10 and ledger.get("sync-0005").status == "succeeded"
+    assert writer.close(30)
+    ledger.close()

@@ -55,13 +55,14 @@ class LedgerWriter:
         """From a device worker: returns at once; the task is marked running soon after."""
         self._queue.put(("running", (task_id, device, started_at)))
 
-    def finished(self, task: FinishedTask) -> concurrent.futures.Future:
+    def finished(self, task: FinishedTask, linger: bool = True) -> concurrent.futures.Future:
         """A finished task's only record (``Ledger.add_finished``), in the next group commit
-        (which waits up to ``linger_s`` for more such records to share it)."""
+        (which waits up to ``linger_s`` for more such records to share it; ``linger=False``: a
+        caller waits for this one, so it does not)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._count_lock:
             self._unwritten += 1
-        self._queue.put(("finished", (task, future)))
+        self._queue.put(("finished" if linger else "finished-now", (task, future)))
         return future
 
     def written(self) -> concurrent.futures.Future | None:
@@ -103,7 +104,7 @@ class LedgerWriter:
                 if kind == "running":
                     running.append(payload)
                     continue
-                if kind == "finished":
+                if kind in ("finished", "finished-now"):
                     finished.append(payload)
                     continue
                 self._mark(running)

@@ -352,7 +352,6 @@ class TaskRunner:
         atomic, and task ids are never reused)."""
         if self.pending.get(acc.task_id) is acc:
             self.pending.pop(acc.task_id, None)
-        acc.finished = None  # (its input hashes' closure holds ``acc``: no cycle left behind)
         if write.exception() is not None:
             _unrecorded(acc, write.exception())
 
@@ -427,7 +426,8 @@ class TaskRunner:
         error.pop("request_id", None)
         try:
             if acc.deferred:
-                await asyncio.wrap_future(self.writer.finished(self.finished_task(acc, status, error=error)))
+                await asyncio.wrap_future(self.writer.finished(  # (awaited: no linger)
+                    self.finished_task(acc, status, error=error), linger=False))
             else:
                 await self._write_outcome(acc, lambda: self.ledger.finish(acc.task_id, status, None, error,
                                                                           input_hashes=input_hashes(acc.task)))
@@ -458,12 +458,14 @@ class TaskRunner:
 
     @staticmethod
     def finished_task(acc: Accepted, status: str, **outcome: Any) -> FinishedTask:
-        """A deferred task's one record (its input hashes read on the ledger writer's thread)."""
+        """A deferred task's one record (its input hashes read on the ledger writer's thread; the
+        closure holds the task, not ``acc``, which holds the record: no reference cycle)."""
+        task = acc.task
         return FinishedTask(
             task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
             options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
             body_bytes=acc.body_bytes, created_at=acc.created_at, status=status,
-            input_hashes=lambda: input_hashes(acc.task), started_at=acc.started_at, device=acc.device, **outcome)
+            input_hashes=lambda: input_hashes(task), started_at=acc.started_at, device=acc.device, **outcome)
 
     def settle_in_background(self, acc: Accepted) -> None:
         """An asynchronous task: settle it without a waiting client."""
