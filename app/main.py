@@ -15,11 +15,12 @@ from learner import __version__
 
 from . import web
 from .api import add_routes, errors, health, tasks
+from .api.direct import DirectLane
 from .api.hot_path import ServiceApp, post_tasks
 from .api.openapi import DESCRIPTION
 from .http.logs import configure_logging
 from .http.middleware import RequestMiddleware
-from .http.protocol import ZERO_COPY_STATE
+from .http.protocol import DIRECT_STATE, ZERO_COPY_STATE
 from .service import Service
 from .settings import Settings
 
@@ -41,7 +42,9 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
         gc.collect()
         gc.freeze()
         try:
-            yield {ZERO_COPY_STATE: True}  # large bodies as one memoryview (app/http/protocol.py)
+            # large bodies as one memoryview; a large synchronous POST /tasks served off the loop
+            # (app/http/protocol.py, app/api/direct.py)
+            yield {ZERO_COPY_STATE: True, DIRECT_STATE: DirectLane(app)}
         finally:
             await service.stop()
             gc.unfreeze()  # collectable again at exit (native extensions report what is never freed)

@@ -97,6 +97,9 @@ class Settings:
     header_timeout_s: float = 10.0
     keepalive_s: float = 5.0
     max_connections: int = 4096
+    # A large synchronous POST /tasks served off the event loop (app/api/direct.py); off: every
+    # request through the app
+    direct_tasks: bool = True
     # The shared ledger (app/ledger/postgres.py, docs/ledger.md): PostgreSQL at database_url, a
     # pool of db_pool_size connections, every wait bounded by db_timeout_s; asynchronous tasks
     # claimed under leases of lease_s renewed every lease_renew_s, failed after lease_attempts
@@ -205,6 +208,16 @@ class Settings:
             except ValueError:
                 raise SettingsError(f"{name} must be a number of {unit}, got {raw!r}") from None
 
+        def switch(name: str, default: bool) -> bool:
+            raw = text(name, None)
+            if raw is None:
+                return default
+            if raw.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise SettingsError(f"{name} must be 1 or 0 (on or off), got {raw!r}")
+
         defaults = cls()
         api_key = env.get("REV88_API_KEY") or None  # empty means unset (compose files often pass "")
         return cls(
@@ -232,6 +245,7 @@ class Settings:
             header_timeout_s=number("REV88_HEADER_TIMEOUT_S", defaults.header_timeout_s),
             keepalive_s=number("REV88_KEEPALIVE_S", defaults.keepalive_s),
             max_connections=integer("REV88_MAX_CONNECTIONS", defaults.max_connections),
+            direct_tasks=switch("REV88_DIRECT_TASKS", defaults.direct_tasks),
             database_url=text("REV88_DATABASE_URL", None),
             db_pool_size=integer("REV88_DB_POOL_SIZE", defaults.db_pool_size),
             db_timeout_s=number("REV88_DB_TIMEOUT_S", defaults.db_timeout_s),

@@ -124,11 +124,12 @@ class InProcessServer:
 
 
 @contextlib.contextmanager
-def inprocess_server(app, ready: bool = True, timeout: float = 120):
+def inprocess_server(app, ready: bool = True, timeout: float = 120, http="auto"):
+    """``http``: uvicorn's HTTP protocol (``protocol_class()``: the one ``rev88 serve`` runs)."""
     import uvicorn
 
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()

@@ -40,8 +40,10 @@ class ServiceApp(FastAPI):
 
 def _telemetry_on(app: FastAPI, scope) -> bool:
     """FastAPI's native telemetry (off unless configured): when on, its layer sees every request."""
-    if "fastapi.telemetry" in scope:
-        return True
+    return "fastapi.telemetry" in scope or telemetry_enabled(app)
+
+
+def telemetry_enabled(app: FastAPI) -> bool:
     telemetry = getattr(app, "_native_telemetry", None)
     return telemetry is not None and telemetry.enabled()
 

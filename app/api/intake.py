@@ -50,7 +50,7 @@ PARSE_ON_LOOP_BYTES = 256 * 1024
 _KEY = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, 1-200 characters
 
 
-def _gate(service: Service) -> None:
+def gate(service: Service) -> None:
     if service.draining:
         raise Unavailable("the service is draining for shutdown; not accepting new tasks",
                           retry_after=service.executor.retry_after())
@@ -96,7 +96,7 @@ def _hash_aside(task: TaskArrays, pool) -> None:
         pool.submit(task.input_hashes)
 
 
-def _late_task(body: bytes | memoryview, config, max_work: float, max_bytes: float, pool) -> TaskArrays:
+def late_task(body: bytes | memoryview, config, max_work: float, max_bytes: float, pool) -> TaskArrays:
     """A synchronous task's body, parsed and budget-checked by its job on the device worker."""
     task = load_task(body, hash_inputs=False)
     check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
@@ -123,7 +123,7 @@ async def handle(request: Request, service: Service) -> Response:
 
 
 async def _handle(request: Request, service: Service, t0: float, request_id: str | None) -> Response:
-    _gate(service)
+    gate(service)
     kind = uploads.check_content_type(request.headers.get("content-type"))
     options = parse_options(list(request.query_params.multi_items()), service.backend)
     asynchronous = wants_async(request.headers.get("prefer"))
@@ -151,7 +151,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
             # batch: its job parses it and checks its budget on the device worker, the hop it
             # takes anyway (a body found invalid there is answered as refused, app.errors.NotAccepted).
             task, body_sha256 = None, None
-            late = functools.partial(_late_task, body, config, settings.max_task_work, settings.max_task_bytes,
+            late = functools.partial(late_task, body, config, settings.max_task_work, settings.max_task_bytes,
                                      service.io_pool)
         elif len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
             # (an asynchronous task's input hashes are recorded before its 202; a synchronous one's
@@ -162,7 +162,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         parse_s = time.perf_counter() - t_parse
     finally:
         reservation.release()
-    _gate(service)  # a drain may have begun while the body streamed in
+    gate(service)  # a drain may have begun while the body streamed in
     if late is None:
         service.metrics.parse_seconds.observe(parse_s)
         # The budget, before the task is queued: its estimated work and memory (learner.budget).

@@ -86,18 +86,23 @@ class Reading:
         self.stopped = True
 
 
-def start(fd: int, view: memoryview, pos: int, done) -> Reading | None:
+def start(fd: int, view: memoryview, pos: int, done, sock: socket.socket | None = None,
+          deadline: float | None = None) -> Reading | None:
     """Read ``view[pos:]`` from the socket ``fd`` in a thread, or None: every reading thread is busy
-    (or the socket cannot be duplicated) and the loop keeps reading."""
+    (or the socket cannot be duplicated) and the loop keeps reading. ``sock``: a duplicate of
+    ``fd`` the caller owns (and closes), read instead of one of its own; ``deadline``
+    (time.monotonic): the reading ends, as "idle", once it has passed."""
     global _busy
     with _lock:
         if _busy >= THREADS:
             COUNTS["all_busy"] += 1
             return None
-        try:
-            sock = socket.socket(fileno=socket.dup(fd))
-        except OSError:
-            return None
+        owned = sock is None
+        if owned:
+            try:
+                sock = socket.socket(fileno=socket.dup(fd))
+            except OSError:
+                return None
         _busy += 1
         COUNTS["started"] += 1
         while len(_threads) < _busy:  # a thread for every body being read (started once, kept)
@@ -105,7 +110,7 @@ def start(fd: int, view: memoryview, pos: int, done) -> Reading | None:
             thread.start()
             _threads.append(thread)
     reading = Reading()
-    _work.put((sock, view, pos, reading, done))
+    _work.put((sock, owned, view, pos, deadline, reading, done))
     return reading
 
 
@@ -115,7 +120,8 @@ def _serve() -> None:
         _read(*_work.get())
 
 
-def _read(sock: socket.socket, view: memoryview, pos: int, reading: Reading, done) -> None:
+def _read(sock: socket.socket, owned: bool, view: memoryview, pos: int, deadline: float | None, reading: Reading,
+          done) -> None:
     global _busy
     how = "complete"
     try:
@@ -124,6 +130,9 @@ def _read(sock: socket.socket, view: memoryview, pos: int, reading: Reading, don
         while pos < len(view):
             if reading.stopped:
                 how = "stopped"
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                how = "idle"
                 break
             try:
                 n = sock.recv_into(view[pos:])
@@ -142,7 +151,8 @@ def _read(sock: socket.socket, view: memoryview, pos: int, reading: Reading, don
     except Exception:  # noqa: BLE001 - a reset connection, say: the loop finds out for itself
         how = "error"
     finally:
-        sock.close()  # the duplicate only: the connection stays the loop's
+        if owned:
+            sock.close()  # the duplicate only: the connection stays the loop's
         with _lock:
             _busy -= 1
             COUNTS[how] += 1

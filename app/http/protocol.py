@@ -47,6 +47,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import socket
+import time
 import weakref
 
 import numpy as np
@@ -57,6 +59,9 @@ from . import body_reader, uploads
 READ_AHEAD_BYTES = 1 << 20
 ZERO_COPY_STATE = "rev88.zero_copy_body"  # lifespan state: the app takes a body as one memoryview
 ZERO_COPY_MIN_BYTES = 256 * 1024
+# lifespan state: what serves a large synchronous POST /tasks off the event loop (app/api/direct.py):
+# ``admit(headers, query_string)`` -> a handler, or None for the ordinary way (see ``DirectExchange``)
+DIRECT_STATE = "rev88.direct"
 # scope key: a future of the loop's, done when the request's client disconnects before its
 # response is complete (POST and PUT requests; what app/api/intake.py waits on beside the task)
 GONE = "rev88.gone"
@@ -95,9 +100,9 @@ class _Chunks:
 # cannot stand in for. Older uvicorns keep their own protocol.
 _VERSION = tuple(int(part) for part in uvicorn.__version__.split(".")[:2] if part.isdigit())
 try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 except ImportError:  # uvicorn without httptools
-    HttpToolsProtocol = None
+    HttpToolsProtocol = STATUS_LINE = None
 if _VERSION < (0, 42):
     HttpToolsProtocol = None
 
@@ -199,6 +204,81 @@ class _HeadersWithBody:
         return getattr(self._transport, name)
 
 
+class DirectExchange:
+    """A request served off the event loop, from its headers to its answer: its body read by a
+    ``rev88-recv`` thread into one buffer, then handed to the handler that ``DIRECT_STATE``'s
+    ``admit`` returned, which answers through ``respond`` from whatever thread ends its work.
+
+    The handler's side: ``body(view, exchange)`` (the reading thread, once the body is complete;
+    it must call ``respond`` exactly once, at once or later), ``armed(loop)`` (the loop, once the
+    body is in: its timers), ``gone()`` (the loop: the client disconnected before the answer;
+    may come after ``respond``), ``ended()`` (the loop, the exchange over); and its attribute
+    ``upload_deadline_s``: the body must be in by then (from the headers), else the app gets it.
+
+    ``respond`` sends what the socket takes at once from the calling thread (a duplicate of the
+    connection's, kept open by this exchange until it ends, so the answer never reaches another
+    connection that reused the number) and hands the rest, and the end, to the loop."""
+
+    __slots__ = ("protocol", "handler", "length", "keep_alive", "client", "started_mono", "held", "array", "view",
+                 "reservation", "sock", "reading", "body_in", "rest", "pipelined", "closed")
+
+    def __init__(self, protocol, handler, length: int, keep_alive: bool) -> None:
+        self.protocol, self.handler, self.length, self.keep_alive = protocol, handler, length, keep_alive
+        self.client = protocol.client[0] if protocol.client else None  # (the access log's)
+        self.started_mono = time.monotonic()
+        self.held: list[bytes] | None = []  # body bytes that came with the headers
+        self.array = self.view = self.reservation = self.sock = self.reading = None
+        self.body_in = False  # the body is complete and its handler has it
+        self.rest: bytes | None = None  # set once answered: what the loop still has to write
+        self.pipelined: list[bytes] = []  # what the client sent after the body: parsed once answered
+        self.closed = False
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+        """Send the answer (any thread): the status line, uvicorn's default headers (date,
+        server), ``headers``, the length, and ``content``."""
+        protocol = self.protocol
+        if protocol is None:
+            return
+        head = [STATUS_LINE[status]]
+        length = (b"content-length", str(len(content)).encode())
+        for name, value in (*protocol.server_state.default_headers, *headers):
+            if name == b"content-type" and length is not None:  # (where Starlette's responses put it)
+                head += [length[0], b": ", length[1], b"\r\n"]
+                length = None
+            head += [name, b": ", value, b"\r\n"]
+        if length is not None:
+            head += [length[0], b": ", length[1], b"\r\n"]
+        if not self.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        data = b"".join(head)
+        sent = 0
+        try:
+            self.sock.settimeout(0.0)
+            sent = self.sock.sendmsg([data, content])
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:  # the connection is gone: nothing to send
+            sent = len(data) + len(content)
+        rest = b"" if sent >= len(data) + len(content) else (data + content)[sent:]
+        try:
+            protocol.loop.call_soon_threadsafe(protocol._direct_responded, self, rest)
+        except RuntimeError:  # the loop has closed
+            pass
+
+    def close(self) -> None:
+        """(the loop) Give back what the exchange holds: its buffer's reservation, its socket."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.reservation is not None:
+            self.reservation.release()
+        if self.sock is not None:
+            self.sock.close()
+        self.protocol = self.handler = self.array = self.view = self.reading = None
+        self.held = self.pipelined = None
+
+
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """The one Content-Length of a request without Transfer-Encoding, else None."""
     lengths = [value for name, value in headers if name == b"content-length"]
@@ -242,7 +322,13 @@ if HttpToolsProtocol is not None:
                     self._zc_complete()
                 return
             self.data_received(bytes(_SCRATCH[:nbytes]))
-            if self._zc_pending and self.parser is not None:
+            self._after_read()
+
+        def _after_read(self) -> None:
+            """After the parser has had what was read: a body to read into a buffer of its own."""
+            if self._direct is not None and self._direct.held is not None:
+                self._direct_start()
+            elif self._zc_pending and self.parser is not None:
                 self._zc_enter()
 
         def _zc_enter(self) -> None:
@@ -263,15 +349,19 @@ if HttpToolsProtocol is not None:
             if have:
                 view[:have] = bytes(cycle.body)
                 cycle.body = bytearray()
-            self._zc_array, self._zc_view, self._zc_pos = array, view, have
+            self._zc_attach(cycle, array, view, have, reservation)
+            if length - have >= body_reader.MIN_BYTES and self.scheme == "http":  # (TLS: the loop's reads only)
+                self._zc_offload()
+
+        def _zc_attach(self, cycle, array, view: memoryview, pos: int, reservation) -> None:
+            """The cycle's body goes on into ``view`` (``pos`` bytes in), reserved by ``reservation``."""
+            self._zc_array, self._zc_view, self._zc_pos = array, view, pos
             self._zc_cycle, self._zc_reservation = cycle, reservation
             cycle.scope["rev88.body"] = body = ZeroCopyBody(view, reservation)  # its bytes are reserved already
             cycle.receive = _whole_body_receive(cycle, view)  # the app's task has not started yet
             cycle.send = _releasing_send(cycle, body)
             self._zc_bodies = [b for b in self._zc_bodies or () if b.reservation.bytes]  # the answered go
             self._zc_bodies.append(body)
-            if length - have >= body_reader.MIN_BYTES and self.scheme == "http":  # (TLS: the loop's reads only)
-                self._zc_offload()
 
         def _zc_offload(self) -> None:
             sock = self.transport.get_extra_info("socket")
@@ -302,17 +392,21 @@ if HttpToolsProtocol is not None:
             cycle, reservation = self._zc_cycle, self._zc_reservation
             self._zc_array = self._zc_view = self._zc_cycle = self._zc_reservation = None
             self._zc_pos = 0
-            # the parser saw the headers only: a fresh one for the connection's next request
-            self.parser = httptools.HttpRequestParser(self)
-            try:
-                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
-            except AttributeError:  # httptools < 0.6.3
-                pass
+            self._fresh_parser()
             if cycle.response_complete or cycle.disconnected:
                 reservation.release()
                 return
             cycle.more_body = False
             cycle.message_event.set()
+
+        def _fresh_parser(self) -> None:
+            """The parser saw a request's headers only (its body was read into a buffer): a fresh
+            one for the connection's next request."""
+            self.parser = httptools.HttpRequestParser(self)
+            try:
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            except AttributeError:  # httptools < 0.6.3
+                pass
 
         def _zc_release(self) -> None:
             if self._zc_reading is not None:
@@ -329,6 +423,14 @@ if HttpToolsProtocol is not None:
             self._arm_header_timer()
 
         def connection_lost(self, exc) -> None:
+            direct, self._direct = self._direct, None
+            if direct is not None:  # (its buffer and socket are given back when its thread is done with them)
+                if direct.reading is not None:
+                    direct.reading.stop()
+                elif direct.held is not None or direct.rest is not None:
+                    direct.close()  # (not started, or answered: no thread holds it)
+                else:
+                    direct.handler.gone()
             for cycle, gone in self._gones or ():  # every request of the connection not yet answered
                 if not cycle.response_complete and not gone.done():
                     gone.set_result(None)
@@ -346,6 +448,12 @@ if HttpToolsProtocol is not None:
 
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
+            lane = self.app_state.get(DIRECT_STATE)
+            if lane is not None and self._direct_admit(lane):
+                return
+            self._headers_complete()
+
+        def _headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None:
@@ -382,6 +490,9 @@ if HttpToolsProtocol is not None:
                 self.transport.close()
 
         def on_body(self, body: bytes) -> None:
+            if self._direct is not None:  # (what came with the headers of a request served off the loop)
+                self._direct.held.append(bytes(body))
+                return
             cycle = self.cycle
             if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
                 return
@@ -393,6 +504,179 @@ if HttpToolsProtocol is not None:
             if len(cycle.body) > READ_AHEAD_BYTES:
                 self.flow.pause_reading()
             cycle.message_event.set()
+
+
+        # ------------------------------------------------------ served off the loop (DirectExchange)
+        _direct = None  # the DirectExchange of the request being served off the loop
+
+        def _direct_admit(self, lane) -> bool:
+            """A request the lane serves off the loop: a POST with one declared Content-Length of a
+            large body, nothing before it still unanswered on this connection, over plain HTTP/1.1,
+            and that the lane's ``admit`` takes. Anything else goes the ordinary way."""
+            parser = self.parser
+            if self.scheme != "http" or parser.get_method() != b"POST" or parser.get_http_version() != "1.1" \
+                    or self.pipeline or (self.cycle is not None and not self.cycle.response_complete) \
+                    or self.root_path or self.expect_100_continue or parser.should_upgrade():
+                return False
+            if self.limit_concurrency is not None and (
+                    len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency):
+                return False  # (uvicorn answers it 503)
+            length = _declared_length(self.headers)
+            if length is None or not ZERO_COPY_MIN_BYTES <= length <= max_body_bytes():
+                return False
+            url = httptools.parse_url(self.url)
+            if url.path != b"/tasks":
+                return False
+            handler = lane.admit(self.headers, url.query or b"")
+            if handler is None:
+                return False
+            self._direct = DirectExchange(self, handler, length, parser.should_keep_alive())
+            return True
+
+        def _direct_start(self) -> None:
+            """Right after the request's first read: its body to a reading thread, or, when no
+            thread or no room in the upload budget is free, the ordinary way."""
+            direct = self._direct
+            held, direct.held = direct.held, None
+            have = sum(map(len, held))
+            reservation = uploads.BUDGET.reservation()
+            sock = None
+            if reservation.take(direct.length):
+                try:
+                    sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+                except (OSError, AttributeError):
+                    pass
+            if sock is not None:
+                array = np.empty(direct.length, dtype=np.uint8)
+                view = memoryview(array)
+                view[:have] = b"".join(held)
+                direct.array, direct.view, direct.reservation, direct.sock = array, view, reservation, sock
+                loop = self.loop
+
+                def done(pos: int, how: str) -> None:  # in the reading thread
+                    if how == "complete":
+                        direct.handler.body(view, direct)
+                    try:
+                        loop.call_soon_threadsafe(self._direct_read, direct, pos, how)
+                    except RuntimeError:  # the loop has closed
+                        pass
+
+                self.flow.hold()
+                deadline = direct.started_mono + direct.handler.upload_deadline_s
+                direct.reading = body_reader.start(-1, view, have, done, sock=sock, deadline=deadline)
+                if direct.reading is not None:
+                    return
+                self.flow.release()
+                direct.array = direct.view = direct.sock = direct.reservation = None
+                sock.close()
+            reservation.release()
+            # the ordinary way, from the headers on
+            self._direct = None
+            direct.close()
+            self._headers_complete()
+            for chunk in held:
+                self.on_body(chunk)
+            if self._zc_pending and self.parser is not None:
+                self._zc_enter()
+
+        def _direct_read(self, direct: DirectExchange, pos: int, how: str) -> None:
+            """(the loop) The reading thread is done with the body: complete (its handler has it),
+            or the client closed, or it stalled (the loop reads the rest, as an ordinary request)."""
+            direct.reading = None
+            if direct is not self._direct:  # the connection was lost meanwhile
+                if how == "complete":
+                    direct.handler.gone()
+                    if direct.rest is None:
+                        return  # (closed once answered: _direct_responded)
+                direct.close()
+                return
+            if how == "complete":
+                self._fresh_parser()
+                direct.body_in = True
+                direct.handler.armed(self.loop)
+                self.flow.release()  # reads again: a disconnect, or what the client sends next (held)
+                if direct.rest is not None:
+                    self._direct_end(direct)
+                return
+            self._direct = None
+            if how in ("eof", "error"):
+                direct.close()
+                self.transport.close()
+                return
+            # stalled: the app gets the request now and the loop reads the rest of its body, under
+            # the body's deadline counted from its start
+            self._headers_complete()
+            self._zc_pending = 0
+            cycle = self.cycle
+            cycle.scope[uploads.UPLOAD_STARTED] = direct.started_mono
+            self._zc_attach(cycle, direct.array, direct.view, pos, direct.reservation)
+            direct.reservation = None  # (the cycle's now)
+            direct.close()
+            self.flow.release()
+
+        def _direct_responded(self, direct: DirectExchange, rest: bytes) -> None:
+            """(the loop) The handler has answered; ``rest``: what the socket did not take at once."""
+            if direct is not self._direct:  # the connection was lost meanwhile
+                if direct.reading is None:
+                    direct.close()
+                else:
+                    direct.rest = rest  # (its reading thread's callback closes it)
+                return
+            direct.rest = rest
+            if direct.body_in:
+                self._direct_end(direct)
+
+        def _direct_end(self, direct: DirectExchange) -> None:
+            """The exchange is over: the connection goes on with what the client sent after it, or
+            waits for its next request, or closes."""
+            self._direct = None
+            direct.handler.ended()
+            if direct.rest:
+                self.transport.write(direct.rest)
+            pipelined, keep_alive = direct.pipelined, direct.keep_alive
+            direct.close()
+            self.server_state.total_requests += 1
+            if not keep_alive or self.transport.is_closing():
+                self.transport.close()
+                return
+            self.flow.resume_reading()
+            if pipelined:  # (what the client sent once it had the answer, before the loop knew)
+                self.data_received(b"".join(pipelined))
+                self._after_read()
+            else:
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+        def data_received(self, data: bytes) -> None:
+            direct = self._direct
+            if direct is not None and direct.held is None:  # sent while a request is served off the loop
+                # (most often the client's next request, sent as soon as it had the answer, before the
+                # loop has heard that it is out): kept for then, and nothing more is read meanwhile,
+                # so that its body too is read by a thread, not here
+                direct.pipelined.append(data)
+                self.flow.pause_reading()
+                return
+            super().data_received(data)
+
+        def on_message_complete(self) -> None:
+            direct = self._direct
+            if direct is not None:
+                if direct.held is None:
+                    return  # (its body is read into its buffer, not by the parser)
+                # all of it came with its headers (what a client sent while the previous answer was
+                # on its way, fed to the parser at once): the ordinary way, from its headers on
+                self._direct, held = None, direct.held
+                direct.close()
+                self._headers_complete()
+                for chunk in held:
+                    self.on_body(chunk)
+            super().on_message_complete()
+
+        def shutdown(self) -> None:
+            if self._direct is not None:  # the server stops: this answer is the connection's last
+                self._direct.keep_alive = False
+                return
+            super().shutdown()
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from typing import Any
 
 from starlette.datastructures import Headers, UploadFile
@@ -92,6 +93,8 @@ class Reservation:
         self.bytes, self._open = 0, False
 
 
+# scope key: when the request's body began to be read (time.monotonic), where that was before the app got it
+UPLOAD_STARTED = "rev88.upload_started"
 BUDGET = UploadBudget(9 * 64 * 1024 * 1024)  # the process's; the service sets its capacity at start
 
 
@@ -114,10 +117,14 @@ async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, mi
         if size > limit:
             raise _too_large(limit, f"of {size} bytes (Content-Length)")
     deadline = upload_deadline_s(size, timeout_s, min_rate)
+    # (a body that began arriving before the app was given the request, read at first by a
+    # request served off the loop: app/http/protocol.py, counts from its start)
+    started = request.scope.get(UPLOAD_STARTED)
+    left = deadline - max(0.0, time.monotonic() - started) if started is not None else deadline
     chunks: list[bytes] = []
     received = 0
     try:
-        async with asyncio.timeout(deadline):
+        async with asyncio.timeout(left):
             async for chunk in _stream(request):
                 received += len(chunk)
                 if received > limit:

@@ -289,6 +289,10 @@ class DeviceExecutor:
                 self.stats.refused_full += 1
                 raise self._full_locked()
 
+    def full(self) -> bool:
+        """Whether ``check_capacity`` would refuse now (not counted as a refusal)."""
+        return self._closed is None and len(self._queue) >= self.capacity
+
     async def wait(self, job: Job, timeout_s: float | None, gone: Awaitable | None = None) -> Any:
         """The job's answer. On timeout, stop the job (unless it finished first) and answer
         that. ``gone`` (an awaitable that completes when the client disconnects: a future, or a

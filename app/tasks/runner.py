@@ -22,6 +22,7 @@ asynchronous ones (``background``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -308,14 +309,10 @@ class TaskRunner:
             # (the job's future holds ``refused``, whose traceback holds this frame: without ``job``
             # here that is no reference cycle, tests/test_memory_soak.py)
             job = None
-            status, body, headers = error_answer(refused.error, acc.request_id)
-            self.metrics.outcome(outcome_of(refused.error))
-            return Settled(status, body, headers=headers)
+            return self.refused(acc, refused)
         except BaseException as exc:  # noqa: BLE001 - every failure is answered and recorded
-            status, body, headers = error_answer(exc, acc.request_id)
-            settled = Settled(status, body, headers=headers)
+            settled = self.failed(acc, exc)
             await self._record_failure(acc, exc, settled)
-            self.metrics.outcome(outcome_of(exc) if isinstance(exc, Exception) else "error")
             return settled
         if acc.measure is not None:
             settled = Settled(200, self.measure_answer(acc, job, value))
@@ -324,24 +321,58 @@ class TaskRunner:
         else:
             settled = Settled(200, self.answer_for(acc, value, job.queue_wait_s or 0.0, job.device_s or 0.0,
                                                    job.launch_size, worker=job.worker), outcome=value)
+        if acc.deferred:
+            return self.answered(acc, settled)
         try:
             content = settled.json()
-            if acc.deferred:
-                # Its client holds the answer: the record goes to the next group commit and the
-                # answer does not wait for it. The task stays in ``pending``, read as finished, until
-                # the ledger has it (``_committed``).
-                acc.finished_at = time.time()
-                acc.finished = self.finished_task(acc, "succeeded", answer=settled.body, answer_json=content)
-                self._commit_later(acc, self.writer.finished(acc.finished))
-            else:
-                await self._write_outcome(acc, lambda: self.ledger.finish(  # the hashes on the writer thread,
-                    acc.task_id, "succeeded", settled.body, None, content, False,  # never waited for on the loop
-                    input_hashes(acc.task)))
+            await self._write_outcome(acc, lambda: self.ledger.finish(  # the hashes on the writer thread,
+                acc.task_id, "succeeded", settled.body, None, content, False,  # never waited for on the loop
+                input_hashes(acc.task)))
         except Exception as exc:  # noqa: BLE001 - the answer stands, whatever the ledger says
             if _unrecorded(acc, exc):
                 settled.headers["X-Ledger-Error"] = str(exc)[:200]
         self.metrics.outcome("ok")
         return settled
+
+    # The ends of a task's wait, shared by ``settle`` (on the event loop) and by a request served
+    # off the loop (app/api/direct.py: on the thread that ends its job). None of them waits.
+    def refused(self, acc: Accepted, refused: NotAccepted) -> Settled:
+        """A deferred task whose own job found its body invalid: answered as refused on arrival."""
+        status, body, headers = error_answer(refused.error, acc.request_id)
+        self.metrics.outcome(outcome_of(refused.error))
+        return Settled(status, body, headers=headers)
+
+    def failed(self, acc: Accepted, exc: BaseException) -> Settled:
+        """The answer of a task that failed (its record is the caller's: ``failure_write``)."""
+        status, body, headers = error_answer(exc, acc.request_id)
+        self.metrics.outcome(outcome_of(exc) if isinstance(exc, Exception) else "error")
+        return Settled(status, body, headers=headers)
+
+    def answered(self, acc: Accepted, settled: Settled) -> Settled:
+        """A deferred task's answer: its client holds it, so its record goes to the next group
+        commit and the answer does not wait for it. The task stays in ``pending``, read as
+        finished, until the ledger has it (``_committed``)."""
+        try:
+            content = settled.json()
+            acc.finished_at = time.time()
+            acc.finished = self.finished_task(acc, "succeeded", answer=settled.body, answer_json=content)
+            self._commit_later(acc, self.writer.finished(acc.finished))
+        except Exception as exc:  # noqa: BLE001 - the answer stands, whatever the ledger says
+            if _unrecorded(acc, exc):
+                settled.headers["X-Ledger-Error"] = str(exc)[:200]
+        self.metrics.outcome("ok")
+        return settled
+
+    def failure_write(self, acc: Accepted, exc: BaseException, settled: Settled) -> concurrent.futures.Future | None:
+        """A failed deferred task's one record, handed to the ledger writer at once (its answer
+        waits for it: a client told 'failed' finds the record); None when there is none to write
+        (its body was invalid: it was never accepted)."""
+        if acc.parsed() is None:
+            return None
+        status = "cancelled" if isinstance(exc, TaskStopped) else "failed"
+        error = {"status": settled.status, **settled.body}
+        error.pop("request_id", None)
+        return self.writer.finished(self.finished_task(acc, status, error=error), linger=False)
 
     def _commit_later(self, acc: Accepted, write) -> None:
         write.add_done_callback(lambda future: self._committed(acc, future))
@@ -419,15 +450,14 @@ class TaskRunner:
                     log.warning("lease not released (it expires instead)", extra={"task_id": acc.task_id,
                                                                                  "error": str(exc2)})
             return
-        if acc.deferred and acc.parsed() is None:
-            return  # it never ran, and its job would have refused its body: it was never accepted
         status = "cancelled" if isinstance(exc, TaskStopped) else "failed"
         error = {"status": settled.status, **settled.body}
         error.pop("request_id", None)
         try:
             if acc.deferred:
-                await asyncio.wrap_future(self.writer.finished(  # (awaited: no linger)
-                    self.finished_task(acc, status, error=error), linger=False))
+                write = self.failure_write(acc, exc, settled)
+                if write is not None:  # (None: it never ran, and its job would have refused its body)
+                    await asyncio.wrap_future(write)
             else:
                 await self._write_outcome(acc, lambda: self.ledger.finish(acc.task_id, status, None, error,
                                                                           input_hashes=input_hashes(acc.task)))
