@@ -302,6 +302,9 @@ def kept(report: dict, path: Path, finish=None):
         try:
             if finish is not None:
                 finish(report)
+        except BaseException as exc:  # (an interrupt that comes while the verdict is made stops it too)
+            stopped = stopped or exc
+            raise
         finally:
             if stopped is not None:
                 report["passed"] = False

@@ -44,6 +44,7 @@ SERVE_ENV = {
     "header_timeout": "REV88_HEADER_TIMEOUT_S",
     "keepalive": "REV88_KEEPALIVE_S",
     "max_connections": "REV88_MAX_CONNECTIONS",
+    "direct_tasks": "REV88_DIRECT_TASKS",
     "database_url": "REV88_DATABASE_URL",
     "db_pool_size": "REV88_DB_POOL_SIZE",
     "db_timeout": "REV88_DB_TIMEOUT_S",
@@ -229,6 +230,8 @@ def add_serve(sub) -> None:
                    "[REV88_KEEPALIVE_S, default 5]")
     p.add_argument("--max-connections", type=int, help="connections (and requests) at once; beyond, 503 at once "
                    "[REV88_MAX_CONNECTIONS, default 4096; the open-file limit is raised to fit where it can]")
+    p.add_argument("--direct-tasks", choices=("on", "off"), help="a large synchronous POST /tasks served off the "
+                   "event loop (app/api/direct.py); off: every request through the app [REV88_DIRECT_TASKS, default on]")
     p.add_argument("--database-url", help="postgresql://user:password@host:port/db: the ledger in PostgreSQL, "
                    "shared by every replica (claims, leases; docs/ledger.md) [REV88_DATABASE_URL; default: SQLite in "
                    "the data dir; prefer the variable: a flag shows in the process list]")
