@@ -23,8 +23,10 @@ from .server import inprocess_server, post_task, running_job, wait_for
 
 pytestmark = pytest.mark.skipif(protocol_class() is None, reason="needs uvicorn's httptools protocol")
 
-TASK = small_task(600, 500, seed=5)  # 0.36 MB: a body the lane takes (at least 256 KiB)
+TASK = small_task(600, 500, seed=5)  # 0.36 MB: a body read by a thread
 BODY = task_to_npz_bytes(TASK)
+SMALL = small_task(30, 6, seed=3)  # 2.7 kB: a body that comes whole with its headers, read by the loop
+SMALL_BODY = task_to_npz_bytes(SMALL)
 VARYING = ("id", "request_id", "timing")
 
 
@@ -179,3 +181,21 @@ def test_the_task_timeout_on_the_lane_is_the_apps(tmp_path):
             statuses[name] = (r.status_code, sorted(_same(r.json())))
             assert "timed out" in r.json()["error"]
     assert statuses["lane"] == statuses["app"]
+
+
+def test_a_small_body_that_comes_with_its_headers_is_served_off_the_loop_too(tmp_path):
+    want = run_task(SMALL, None, "cpu")
+    with _server(tmp_path, "w") as server, server.client() as c:
+        before = dict(direct.COUNTS)
+        r = post_task(c, SMALL_BODY, headers={"X-Request-ID": "small-1"})
+        assert r.status_code == 200 and r.json()["predictions_sha256"] == want.predictions_sha256
+        assert r.headers["x-request-id"] == "small-1"
+        assert direct.COUNTS["answered"] == before["answered"] + 1
+        assert post_task(c, b"PK\x03\x04 not really").status_code == 400  # refused by its job, as by the app
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:  # two in one read: the app's
+            sock.sendall(_raw_request(SMALL_BODY) + _raw_request(SMALL_BODY, extra="X-Request-ID: second\r\n"))
+            buf = bytearray()
+            answers = [_read_response(sock, buf) for _ in range(2)]
+    assert [a[0] for a in answers] == [200, 200] and answers[1][1]["x-request-id"] == "second"
+    assert {json.loads(a[2])["predictions_sha256"] for a in answers} == {want.predictions_sha256}

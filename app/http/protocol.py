@@ -220,7 +220,7 @@ class DirectExchange:
     connection that reused the number) and hands the rest, and the end, to the loop."""
 
     __slots__ = ("protocol", "handler", "length", "keep_alive", "client", "started_mono", "held", "array", "view",
-                 "reservation", "sock", "reading", "body_in", "rest", "pipelined", "closed")
+                 "reservation", "sock", "reading", "whole", "body_in", "rest", "pipelined", "closed")
 
     def __init__(self, protocol, handler, length: int, keep_alive: bool) -> None:
         self.protocol, self.handler, self.length, self.keep_alive = protocol, handler, length, keep_alive
@@ -228,6 +228,7 @@ class DirectExchange:
         self.started_mono = time.monotonic()
         self.held: list[bytes] | None = []  # body bytes that came with the headers
         self.array = self.view = self.reservation = self.sock = self.reading = None
+        self.whole = False  # the body came whole with the headers (read by the loop)
         self.body_in = False  # the body is complete and its handler has it
         self.rest: bytes | None = None  # set once answered: what the loop still has to write
         self.pipelined: list[bytes] = []  # what the client sent after the body: parsed once answered
@@ -321,13 +322,24 @@ if HttpToolsProtocol is not None:
                 if self._zc_pos >= len(self._zc_view):
                     self._zc_complete()
                 return
-            self.data_received(bytes(_SCRATCH[:nbytes]))
-            self._after_read()
+            self._feed(bytes(_SCRATCH[:nbytes]))
 
-        def _after_read(self) -> None:
-            """After the parser has had what was read: a body to read into a buffer of its own."""
-            if self._direct is not None and self._direct.held is not None:
-                self._direct_start()
+        _read = b""  # what the parser is being fed now, and the messages it began and ended in it
+        _read_began = 0
+        _read_ended = 0
+
+        def _feed(self, data: bytes) -> None:
+            """Parse ``data``; then a body to read into a buffer of its own, or a request whose body
+            came whole with its headers to serve off the loop."""
+            self._read, self._read_began, self._read_ended = data, 0, 0
+            self.data_received(data)
+            self._read = b""
+            direct = self._direct
+            if direct is not None and direct.held is not None:
+                if direct.whole:
+                    self._direct_serve_whole()
+                else:
+                    self._direct_start()
             elif self._zc_pending and self.parser is not None:
                 self._zc_enter()
 
@@ -443,6 +455,7 @@ if HttpToolsProtocol is not None:
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
+            self._read_began += 1
             super().on_message_begin()
             self._arm_header_timer()
 
@@ -522,7 +535,7 @@ if HttpToolsProtocol is not None:
                     len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency):
                 return False  # (uvicorn answers it 503)
             length = _declared_length(self.headers)
-            if length is None or not ZERO_COPY_MIN_BYTES <= length <= max_body_bytes():
+            if length is None or not 0 < length <= max_body_bytes():
                 return False
             url = httptools.parse_url(self.url)
             if url.path != b"/tasks":
@@ -578,6 +591,34 @@ if HttpToolsProtocol is not None:
                 self.on_body(chunk)
             if self._zc_pending and self.parser is not None:
                 self._zc_enter()
+
+        def _direct_serve_whole(self) -> None:
+            """A request whose body came whole with its headers: its handler has it now, here."""
+            direct = self._direct
+            held, direct.held = direct.held, None
+            reservation = uploads.BUDGET.reservation()
+            sock = None
+            if reservation.take(direct.length):
+                try:
+                    sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+                except (OSError, AttributeError):
+                    pass
+            if sock is None:  # the ordinary way (which answers a full upload budget itself)
+                reservation.release()
+                self._direct = None
+                direct.close()
+                self._headers_complete()
+                for chunk in held:
+                    self.on_body(chunk)
+                super().on_message_complete()
+                return
+            view = memoryview(held[0] if len(held) == 1 else b"".join(held))
+            direct.view, direct.reservation, direct.sock = view, reservation, sock
+            direct.handler.body(view, direct)
+            direct.body_in = True
+            direct.handler.armed(self.loop)
+            if direct.rest is not None:
+                self._direct_end(direct)
 
         def _direct_read(self, direct: DirectExchange, pos: int, how: str) -> None:
             """(the loop) The reading thread is done with the body: complete (its handler has it),
@@ -641,8 +682,7 @@ if HttpToolsProtocol is not None:
                 return
             self.flow.resume_reading()
             if pipelined:  # (what the client sent once it had the answer, before the loop knew)
-                self.data_received(b"".join(pipelined))
-                self._after_read()
+                self._feed(b"".join(pipelined))
             else:
                 self.timeout_keep_alive_task = self.loop.call_later(
                     self.timeout_keep_alive, self.timeout_keep_alive_handler)
@@ -659,12 +699,19 @@ if HttpToolsProtocol is not None:
             super().data_received(data)
 
         def on_message_complete(self) -> None:
+            self._read_ended += 1
             direct = self._direct
             if direct is not None:
                 if direct.held is None:
                     return  # (its body is read into its buffer, not by the parser)
-                # all of it came with its headers (what a client sent while the previous answer was
-                # on its way, fed to the parser at once): the ordinary way, from its headers on
+                # All of it came with its headers. When it is all this read holds (the read began
+                # with it, and nothing follows it that the parser would go on with), it is served
+                # off the loop once the parser is done (_feed); otherwise the ordinary way.
+                data = self._read
+                if self._read_began == 1 and self._read_ended == 1 and data.find(b"\r\n\r\n") + 4 + direct.length \
+                        == len(data) and not data.startswith(b"\r\n"):
+                    direct.whole = True
+                    return
                 self._direct, held = None, direct.held
                 direct.close()
                 self._headers_complete()
