@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
         gc.collect()
         gc.freeze()
         try:
-            # large bodies as one memoryview; a large synchronous POST /tasks served off the loop
+            # large bodies as one memoryview; a synchronous POST /tasks served off the loop
             # (app/http/protocol.py, app/api/direct.py)
             yield {ZERO_COPY_STATE: True, DIRECT_STATE: DirectLane(app)}
         finally:

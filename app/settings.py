@@ -97,7 +97,7 @@ class Settings:
     header_timeout_s: float = 10.0
     keepalive_s: float = 5.0
     max_connections: int = 4096
-    # A large synchronous POST /tasks served off the event loop (app/api/direct.py); off: every
+    # A synchronous POST /tasks served off the event loop (app/api/direct.py); off: every
     # request through the app
     direct_tasks: bool = True
     # The shared ledger (app/ledger/postgres.py, docs/ledger.md): PostgreSQL at database_url, a

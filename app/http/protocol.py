@@ -22,6 +22,14 @@ ordinary path above. After such a body the connection's parser starts afresh for
 request. Headers and small bodies are read into one scratch buffer shared by every connection of
 the loop and copied out at once, as asyncio's own reads do.
 
+A request that ``DIRECT_STATE``'s lane admits at its headers (a synchronous POST /tasks,
+app/api/direct.py) never becomes an ASGI cycle: its ``DirectExchange`` has a reading thread read
+a large body (or takes the body that came whole with its headers), gives it to the lane's
+handler, and writes the answer the handler gives it from whatever thread it comes; the loop hears
+only that the body is in and that the answer is out. What the client sends meanwhile waits,
+parsed once the answer is out; a stalled body, no free thread, or a read that holds another
+request too goes the ordinary way, from the headers on, with what was read so far.
+
 A POST or PUT request's scope carries ``GONE``, a future the connection completes when its client
 disconnects before the response is complete: the app waits on it beside its task, instead of a
 task of its own blocked in ``receive()`` (uvicorn reports a disconnect only through receive).
@@ -59,7 +67,7 @@ from . import body_reader, uploads
 READ_AHEAD_BYTES = 1 << 20
 ZERO_COPY_STATE = "rev88.zero_copy_body"  # lifespan state: the app takes a body as one memoryview
 ZERO_COPY_MIN_BYTES = 256 * 1024
-# lifespan state: what serves a large synchronous POST /tasks off the event loop (app/api/direct.py):
+# lifespan state: what serves a synchronous POST /tasks off the event loop (app/api/direct.py):
 # ``admit(headers, query_string)`` -> a handler, or None for the ordinary way (see ``DirectExchange``)
 DIRECT_STATE = "rev88.direct"
 # scope key: a future of the loop's, done when the request's client disconnects before its

@@ -230,7 +230,7 @@ def add_serve(sub) -> None:
                    "[REV88_KEEPALIVE_S, default 5]")
     p.add_argument("--max-connections", type=int, help="connections (and requests) at once; beyond, 503 at once "
                    "[REV88_MAX_CONNECTIONS, default 4096; the open-file limit is raised to fit where it can]")
-    p.add_argument("--direct-tasks", choices=("on", "off"), help="a large synchronous POST /tasks served off the "
+    p.add_argument("--direct-tasks", choices=("on", "off"), help="a synchronous POST /tasks served off the "
                    "event loop (app/api/direct.py); off: every request through the app [REV88_DIRECT_TASKS, default on]")
     p.add_argument("--database-url", help="postgresql://user:password@host:port/db: the ledger in PostgreSQL, "
                    "shared by every replica (claims, leases; docs/ledger.md) [REV88_DATABASE_URL; default: SQLite in "
