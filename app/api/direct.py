@@ -183,6 +183,7 @@ class DirectTask:
     def _concluded(self, future) -> None:
         """The job has ended (on its device worker, or wherever its future was completed)."""
         acc, runner = self.acc, self.service.runner
+        recording = False
         try:
             exc = future.exception()
             if exc is None:
@@ -201,10 +202,11 @@ class DirectTask:
                               extra={"task_id": acc.task_id, "error": str(exc2)})
                 if write is None:
                     self._answer(settled)
-                else:  # answered once its record is in (on the ledger writer's thread)
+                else:  # answered once its record is in (on the ledger writer's thread), and
+                    recording = True  # it stays in ``pending`` until then: no moment finds it nowhere
                     write.add_done_callback(lambda w: self._recorded(w, acc, settled))
         finally:
-            if acc.finished is None:  # (else its group commit takes it out)
+            if acc.finished is None and not recording:  # (else its group commit takes it out)
                 runner.pending.pop(acc.task_id, None)
             acc.job = None  # (the job's closures hold acc: no reference cycle)
 
@@ -212,6 +214,7 @@ class DirectTask:
         if write.exception() is not None:
             log.error("could not record the failure in the ledger",
                       extra={"task_id": acc.task_id, "error": str(write.exception())})
+        self.service.runner.pending.pop(acc.task_id, None)
         self._answer(settled)
 
     def _answer(self, settled: Settled) -> None:

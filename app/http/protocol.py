@@ -118,10 +118,11 @@ class ZeroCopyBody:
     """A body read straight into its buffer: ``data`` (a memoryview of its bytes) and the upload
     budget's reservation that holds them until the request's response is complete."""
 
-    __slots__ = ("data", "reservation")
+    __slots__ = ("data", "reservation", "pos")
 
-    def __init__(self, data: memoryview, reservation: uploads.Reservation) -> None:
+    def __init__(self, data: memoryview, reservation: uploads.Reservation, pos: int = 0) -> None:
         self.data, self.reservation = data, reservation
+        self.pos = pos  # bytes of it read so far (what a 408 says arrived)
 
 
 def _whole_body_receive(cycle, view: memoryview):
@@ -327,6 +328,7 @@ if HttpToolsProtocol is not None:
             if self._zc_view is not None:
                 self._unset_keepalive_if_required()
                 self._zc_pos += nbytes
+                self._zc_bodies[-1].pos = self._zc_pos
                 if self._zc_pos >= len(self._zc_view):
                     self._zc_complete()
                 return
@@ -377,7 +379,7 @@ if HttpToolsProtocol is not None:
             """The cycle's body goes on into ``view`` (``pos`` bytes in), reserved by ``reservation``."""
             self._zc_array, self._zc_view, self._zc_pos = array, view, pos
             self._zc_cycle, self._zc_reservation = cycle, reservation
-            cycle.scope["rev88.body"] = body = ZeroCopyBody(view, reservation)  # its bytes are reserved already
+            cycle.scope["rev88.body"] = body = ZeroCopyBody(view, reservation, pos)  # its bytes are reserved already
             cycle.receive = _whole_body_receive(cycle, view)  # the app's task has not started yet
             cycle.send = _releasing_send(cycle, body)
             self._zc_bodies = [b for b in self._zc_bodies or () if b.reservation.bytes]  # the answered go
@@ -403,7 +405,7 @@ if HttpToolsProtocol is not None:
         def _zc_read_done(self, view: memoryview, pos: int) -> None:
             self._zc_reading = None
             if self._zc_view is view:  # (else the connection was lost meanwhile)
-                self._zc_pos = pos
+                self._zc_pos = self._zc_bodies[-1].pos = pos
                 if pos >= len(view):
                     self._zc_complete()
             self.flow.release()  # the loop reads the connection again: the rest of a stalled body, or what follows

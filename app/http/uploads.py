@@ -136,6 +136,8 @@ async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, mi
                                     f"limit {b.capacity}: REV88_UPLOAD_BUFFER_BYTES); retry later", retry_after=2)
                 chunks.append(chunk)
     except TimeoutError:
+        whole = request.scope.get("rev88.body")  # (a body read into one buffer: the bytes it holds)
+        received = max(received, getattr(whole, "pos", 0))
         of = f" of {size}" if size is not None else ""
         raise UploadTimeout(
             f"the request body did not arrive in time: {received}{of} bytes in {deadline:.4g} s "
