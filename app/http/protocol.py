@@ -556,20 +556,43 @@ if HttpToolsProtocol is not None:
             self._direct = DirectExchange(self, handler, length, parser.should_keep_alive())
             return True
 
+        def _direct_hold(self, direct: DirectExchange):
+            """The body's bytes reserved in the upload budget and a duplicate of the connection's
+            socket for the answer: (reservation, socket), or None (no room, no socket)."""
+            reservation = uploads.BUDGET.reservation()
+            if reservation.take(direct.length):
+                try:
+                    return reservation, socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+                except (OSError, AttributeError):
+                    pass
+            reservation.release()
+            return None
+
+        def _direct_to_app(self, direct: DirectExchange, held: list[bytes]) -> None:
+            """The request goes the ordinary way after all, from its headers on, with the body
+            bytes ``held`` so far."""
+            self._direct = None
+            direct.close()
+            self._headers_complete()
+            for chunk in held:
+                self.on_body(chunk)
+
+        def _direct_body_in(self, direct: DirectExchange) -> None:
+            """Its handler has the whole body: its timers; and the end, if it has answered already."""
+            direct.body_in = True
+            direct.handler.armed(self.loop)
+            if direct.rest is not None:
+                self._direct_end(direct)
+
         def _direct_start(self) -> None:
             """Right after the request's first read: its body to a reading thread, or, when no
             thread or no room in the upload budget is free, the ordinary way."""
             direct = self._direct
             held, direct.held = direct.held, None
             have = sum(map(len, held))
-            reservation = uploads.BUDGET.reservation()
-            sock = None
-            if reservation.take(direct.length):
-                try:
-                    sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
-                except (OSError, AttributeError):
-                    pass
-            if sock is not None:
+            hold = self._direct_hold(direct)
+            if hold is not None:
+                reservation, sock = hold
                 array = np.empty(direct.length, dtype=np.uint8)
                 view = memoryview(array)
                 view[:have] = b"".join(held)
@@ -589,16 +612,8 @@ if HttpToolsProtocol is not None:
                 direct.reading = body_reader.start(-1, view, have, done, sock=sock, deadline=deadline)
                 if direct.reading is not None:
                     return
-                self.flow.release()
-                direct.array = direct.view = direct.sock = direct.reservation = None
-                sock.close()
-            reservation.release()
-            # the ordinary way, from the headers on
-            self._direct = None
-            direct.close()
-            self._headers_complete()
-            for chunk in held:
-                self.on_body(chunk)
+                self.flow.release()  # (no free thread: direct.close() gives the reservation and socket back)
+            self._direct_to_app(direct, held)
             if self._zc_pending and self.parser is not None:
                 self._zc_enter()
 
@@ -606,29 +621,15 @@ if HttpToolsProtocol is not None:
             """A request whose body came whole with its headers: its handler has it now, here."""
             direct = self._direct
             held, direct.held = direct.held, None
-            reservation = uploads.BUDGET.reservation()
-            sock = None
-            if reservation.take(direct.length):
-                try:
-                    sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
-                except (OSError, AttributeError):
-                    pass
-            if sock is None:  # the ordinary way (which answers a full upload budget itself)
-                reservation.release()
-                self._direct = None
-                direct.close()
-                self._headers_complete()
-                for chunk in held:
-                    self.on_body(chunk)
+            hold = self._direct_hold(direct)
+            if hold is None:  # the ordinary way (which answers a full upload budget itself)
+                self._direct_to_app(direct, held)
                 super().on_message_complete()
                 return
             view = memoryview(held[0] if len(held) == 1 else b"".join(held))
-            direct.view, direct.reservation, direct.sock = view, reservation, sock
+            direct.view, (direct.reservation, direct.sock) = view, hold
             direct.handler.body(view, direct)
-            direct.body_in = True
-            direct.handler.armed(self.loop)
-            if direct.rest is not None:
-                self._direct_end(direct)
+            self._direct_body_in(direct)
 
         def _direct_read(self, direct: DirectExchange, pos: int, how: str) -> None:
             """(the loop) The reading thread is done with the body: complete (its handler has it),
@@ -643,11 +644,8 @@ if HttpToolsProtocol is not None:
                 return
             if how == "complete":
                 self._fresh_parser()
-                direct.body_in = True
-                direct.handler.armed(self.loop)
                 self.flow.release()  # reads again: a disconnect, or what the client sends next (held)
-                if direct.rest is not None:
-                    self._direct_end(direct)
+                self._direct_body_in(direct)
                 return
             self._direct = None
             if how in ("eof", "error"):
@@ -722,11 +720,7 @@ if HttpToolsProtocol is not None:
                         == len(data) and not data.startswith(b"\r\n"):
                     direct.whole = True
                     return
-                self._direct, held = None, direct.held
-                direct.close()
-                self._headers_complete()
-                for chunk in held:
-                    self.on_body(chunk)
+                self._direct_to_app(direct, direct.held)
             super().on_message_complete()
 
         def shutdown(self) -> None:
