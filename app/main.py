@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,12 +16,11 @@ from learner import __version__
 
 from . import web
 from .api import add_routes, errors, health, tasks
-from .api.direct import DirectLane
 from .api.hot_path import ServiceApp, post_tasks
 from .api.openapi import DESCRIPTION
+from .http import protocol, versions
 from .http.logs import configure_logging
 from .http.middleware import RequestMiddleware
-from .http.protocol import DIRECT_STATE, ZERO_COPY_STATE
 from .service import Service
 from .settings import Settings
 
@@ -30,7 +30,13 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     ``learner.backends.get_backend``) lets code that embeds the service supply its own backend
     objects; it is not reachable from HTTP or the environment."""
     settings = settings or Settings.from_env()
+    untested = [] if settings.stock_http else versions.untested(("fastapi", "starlette"))
+    if untested:  # (its POST /tasks entry uses their private parts: app/http/versions.py)
+        raise RuntimeError("; ".join(untested) + " (install the pinned releases, or set REV88_STOCK_HTTP=1 "
+                           "to serve POST /tasks through FastAPI's own layers)")
     configure_logging(settings.log_level)
+    if settings.stock_http:
+        logging.getLogger("rev88.app").warning(versions.STOCK_HTTP_LOST)
     service = Service(settings, engines)
 
     @contextlib.asynccontextmanager
@@ -42,9 +48,10 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
         gc.collect()
         gc.freeze()
         try:
-            # large bodies as one memoryview; a synchronous POST /tasks served off the loop
-            # (app/http/protocol.py, app/api/direct.py)
-            yield {ZERO_COPY_STATE: True, DIRECT_STATE: DirectLane(app)}
+            # what the body protocol needs (app/http/protocol.py): large bodies as one memoryview,
+            # within this app's body limit and upload budget; its header timeout
+            yield {protocol.STATE: protocol.Policy(max_body_bytes=settings.max_body_bytes, budget=service.uploads,
+                                                   header_timeout_s=settings.header_timeout_s)}
         finally:
             await service.stop()
             gc.unfreeze()  # collectable again at exit (native extensions report what is never freed)
@@ -53,7 +60,8 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     app.state.service = service
     app.state.settings = settings
     app.add_middleware(RequestMiddleware, api_key=settings.api_key, metrics=service.metrics)
-    app.hot = RequestMiddleware(post_tasks, api_key=settings.api_key, metrics=service.metrics)  # POST /tasks (app/api/hot_path.py)
+    if not settings.stock_http:  # POST /tasks past FastAPI's layers (app/api/hot_path.py)
+        app.hot = RequestMiddleware(post_tasks, api_key=settings.api_key, metrics=service.metrics)
     errors.install(app)
     add_routes(app, tasks.router)
     add_routes(app, health.router)

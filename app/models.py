@@ -102,6 +102,7 @@ class Health(Open):
     limits: dict[str, Any]
     workers: dict[str, Any]
     ledger: dict[str, Any] | None = None
+    uploads: dict[str, Any] | None = None
     versions: dict[str, Any]
 
 

@@ -134,8 +134,8 @@ class Service:
         self.metrics.watch_ledger(self.ledger_stats)
         # The bytes of the bodies being received or parsed (app/http/uploads.py): by default what
         # queue_size + 1 uploads of the largest size hold.
-        self.uploads = uploads.BUDGET  # the process's, shared with the body protocol (app/http/protocol.py)
-        self.uploads.capacity = settings.upload_buffer_bytes or (self.queue_size + 1) * settings.max_body_bytes
+        # (the body protocol reserves in it too: app/main.py hands it over, app/http/protocol.py)
+        self.uploads = uploads.UploadBudget(settings.upload_buffer_bytes or (self.queue_size + 1) * settings.max_body_bytes)
         self._uploads_lock = threading.Lock()  # the warm-ups' bookkeeping
         self._loop: asyncio.AbstractEventLoop | None = None
         self._previous_handlers: dict[int, Any] = {}

@@ -97,9 +97,10 @@ class Settings:
     header_timeout_s: float = 10.0
     keepalive_s: float = 5.0
     max_connections: int = 4096
-    # A synchronous POST /tasks served off the event loop (app/api/direct.py); off: every
-    # request through the app
-    direct_tasks: bool = True
+    # uvicorn's own HTTP protocol and FastAPI's own layers for POST /tasks, on framework releases
+    # the service was not tested on (app/http/versions.py); off: the body protocol
+    # (app/http/protocol.py) and the POST /tasks entry (app/api/hot_path.py)
+    stock_http: bool = False
     # The shared ledger (app/ledger/postgres.py, docs/ledger.md): PostgreSQL at database_url, a
     # pool of db_pool_size connections, every wait bounded by db_timeout_s; asynchronous tasks
     # claimed under leases of lease_s renewed every lease_renew_s, failed after lease_attempts
@@ -245,7 +246,7 @@ class Settings:
             header_timeout_s=number("REV88_HEADER_TIMEOUT_S", defaults.header_timeout_s),
             keepalive_s=number("REV88_KEEPALIVE_S", defaults.keepalive_s),
             max_connections=integer("REV88_MAX_CONNECTIONS", defaults.max_connections),
-            direct_tasks=switch("REV88_DIRECT_TASKS", defaults.direct_tasks),
+            stock_http=switch("REV88_STOCK_HTTP", defaults.stock_http),
             database_url=text("REV88_DATABASE_URL", None),
             db_pool_size=integer("REV88_DB_POOL_SIZE", defaults.db_pool_size),
             db_timeout_s=number("REV88_DB_TIMEOUT_S", defaults.db_timeout_s),

@@ -356,16 +356,18 @@ def free_port() -> int:
 
 
 def start_server(backend: str, log_path: Path, data_dir: Path, root: Path = ROOT, *, env: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> tuple[subprocess.Popen, int]:
+                 args: list[str] | None = None, launcher: list[str] | None = None) -> tuple[subprocess.Popen, int]:
     """``rev88 serve`` with its defaults (workers, queue, log level) but a fresh ledger in
     ``data_dir``, so that every run starts from an empty one; ``root``: the source tree; ``env``,
-    ``args``: more environment variables and ``rev88 serve`` flags (the other benchmarks')."""
+    ``args``: more environment variables and ``rev88 serve`` flags (the other benchmarks');
+    ``launcher``: what runs the ``rev88`` command line instead of ``-m rev88`` (a script that
+    wraps it, bench/batching_stand_in.py)."""
     port = free_port()
     env = {**os.environ, "REV88_DATA_DIR": str(data_dir), **(env or {})}
     if root != ROOT:
         env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "rev88", "serve", "--host", "127.0.0.1", "--port", str(port), "--backend", backend,
-           *(args or [])]
+    cmd = [sys.executable, *(launcher or ["-m", "rev88"]), "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--backend", backend, *(args or [])]
     with open(log_path, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300

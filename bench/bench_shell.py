@@ -24,6 +24,13 @@ backend -- timed by ``time.process_time``. From these:
     capacity       requests/s one process can take = 1 / event-loop CPU per request;
                    tasks/s per core = 1 / server CPU per task
 
+``--batch-max N`` (N > 1) measures the batching path, the one every GPU deployment takes: the
+server is the same ``rev88 serve`` with REV88_BATCH_MAX=N and its cpu-fast backend wrapped in a
+stand-in with ``run_many`` (bench/batching_stand_in.py: the tasks of a launch run one by one), so
+queued tasks of one shape are gathered into launches; ``--clients K`` sends from K keep-alive
+connections at once (one sequential client gathers nothing: each launch holds one task). The
+server's CPU is divided by every request sent.
+
 CPU time, not wall time: on a shared machine it is far steadier. /proc counts in clock ticks
 (10 ms), so each batch runs long enough for a few hundred ticks. Not a test, and nothing here is
 a pass/fail threshold: run it by hand,
@@ -119,21 +126,51 @@ def in_process(body: bytes, backend: str, count: int) -> float:
     return (time.process_time() - t0) / count
 
 
-def measure_server(pid: int, port: int, raw: bytes, warm: int, count: int) -> dict:
-    conn = Connection("127.0.0.1", port)
+def measure_server(pid: int, port: int, raw: bytes, warm: int, count: int, clients: int = 1) -> dict:
+    """``count`` requests (``clients`` connections sending at once, ``count`` each), after ``warm``
+    each: the server's CPU per request, by thread group."""
+    import threading
+
+    conns = [Connection("127.0.0.1", port) for _ in range(clients)]
     statuses: dict[int, int] = {}
-    for _ in range(warm):
-        conn.request(raw)
+    lock = threading.Lock()
+
+    def send(conn, n: int) -> None:
+        for _ in range(n):
+            status, _, _ = conn.request(raw)
+            with lock:
+                statuses[status] = statuses.get(status, 0) + 1
+
+    def all_send(n: int) -> None:
+        threads = [threading.Thread(target=send, args=(c, n)) for c in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    all_send(warm)
+    statuses.clear()
     before, t0 = cpu_by_group(pid), time.perf_counter()
-    for _ in range(count):
-        status, _, _ = conn.request(raw)
-        statuses[status] = statuses.get(status, 0) + 1
+    all_send(count)
     wall = time.perf_counter() - t0
     time.sleep(0.3)  # let the ledger writer finish the last task's records
     after = cpu_by_group(pid)
-    conn.close()
-    per = {k: round((after[k] - before[k]) / count * 1000.0, 3) for k in after}  # ms per request
-    return {"requests": count, "statuses": statuses, "wall_s": round(wall, 3), "cpu_ms": per}
+    for conn in conns:
+        conn.close()
+    total = count * clients
+    per = {k: round((after[k] - before[k]) / total * 1000.0, 3) for k in after}  # ms per request
+    return {"requests": total, "clients": clients, "statuses": statuses, "wall_s": round(wall, 3), "cpu_ms": per}
+
+
+def health_queue(port: int) -> dict:
+    """The launches so far, from /health (how many tasks the batching path gathered per launch)."""
+    conn = Connection("127.0.0.1", port)
+    try:
+        status, _, body = conn.request(build_request("127.0.0.1", port, "GET", "/health"))
+    finally:
+        conn.close()
+    q = json.loads(body)["queue"]
+    return {k: q.get(k) for k in ("launches", "batched", "largest_launch", "completed", "batch_max")}
 
 
 def table(doc: dict) -> str:
@@ -162,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every batch's request count")
     parser.add_argument("--warm", type=int, default=20)
+    parser.add_argument("--batch-max", type=int, default=1, help="> 1: the batching path (a stand-in backend "
+                        "with run_many, bench/batching_stand_in.py) with REV88_BATCH_MAX set to this")
+    parser.add_argument("--clients", type=int, default=1, help="connections sending at once")
     parser.add_argument("--only", default=",".join(KINDS), help="the request kinds to run, comma-separated "
                         "(the derived figures need tiny and draw0)")
     args = parser.parse_args(argv)
@@ -176,16 +216,21 @@ def main(argv: list[str] | None = None) -> int:
 
     draw0, what = task_bytes()
     payloads = {kind: body for kind, body in bodies(draw0).items() if kind in only}
-    doc: dict = {"backend": args.backend, "draw0": what, "machine": machine(), "requests": {}}
+    doc: dict = {"backend": args.backend, "draw0": what, "machine": machine(), "batch_max": args.batch_max,
+                 "clients": args.clients, "requests": {}}
+    launcher = [str(HERE / "batching_stand_in.py")] if args.batch_max > 1 else None
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_server(args.backend, Path(tmp) / "server.log", Path(tmp) / "data")
+        proc, port = start_server(args.backend, Path(tmp) / "server.log", Path(tmp) / "data", launcher=launcher,
+                                  args=["--batch-max", str(args.batch_max)] if args.batch_max > 1 else None)
         try:
             for kind, body in payloads.items():
                 count = max(5, int(KINDS[kind][2] * args.scale))
                 raw = (build_request("127.0.0.1", port, "GET", "/v2/health/live") if kind == "live"
                        else build_request("127.0.0.1", port, "POST", "/tasks", body))
-                r = measure_server(proc.pid, port, raw, args.warm, count)
+                r = measure_server(proc.pid, port, raw, args.warm, count, args.clients)
                 r["body_bytes"] = len(body)
+                if kind != "live":
+                    r["queue"] = health_queue(port)
                 doc["requests"][kind] = r
                 print(f"{kind}: {r['cpu_ms']}", file=sys.stderr)
         finally:

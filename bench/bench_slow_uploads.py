@@ -1,13 +1,18 @@
 """Slow uploads against a real ``rev88 serve``: do trickling connections deny service?
 
 ``--tricklers`` connections (1,500 by default) each send a POST /tasks's headers and a few bytes
-of a 6.5 MB body, then one byte every ``--every`` seconds (10). Meanwhile one client sends a
-normal small task every second and records its status and latency. The run ends once every
-trickler has been answered (408) or reset, plus a few seconds. Reported:
+of a 6.5 MB body, then one byte every ``--every`` seconds (10); ``--headers-only`` more (64) each
+send headers declaring the largest body (REV88_MAX_BODY_BYTES, 64 MiB) and two bytes, then
+nothing (the upload budget holds nine such bodies: reserved at their declared size, nine would
+lock every upload out). Meanwhile one client sends a normal small task every second, and another
+the draw-0 task (6.5 MB) every ``--large-every`` seconds (5), recording statuses and latencies.
+The run ends once every trickler and holder has been answered (408) or reset, plus a few
+seconds. Reported:
 
-    normal uploads during the trickle: statuses and latencies (the goal: 200, not 503)
-    when the tricklers were closed, relative to the upload timeout (the goal: all with 408 or a
-    reset, soon after the timeout), and the first normal upload after it (within 2 s)
+    normal uploads during the trickle, small and large: statuses and latencies (the goal: every
+    one 200, none 503)
+    when the tricklers and holders were closed, relative to their upload deadlines (the goal: all
+    with 408 or a reset, soon after), and the first normal upload after it
 
 The server runs with its defaults (REV88_UPLOAD_TIMEOUT_S 60 s) unless ``--upload-timeout`` is
 given (a shorter rehearsal). Not a test: run it by hand,
@@ -38,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tricklers", type=int, default=1500)
     parser.add_argument("--every", type=float, default=10.0, help="seconds between a trickler's bytes")
+    parser.add_argument("--headers-only", type=int, default=64,
+                        help="connections that declare the largest body and send two bytes of it")
+    parser.add_argument("--large-every", type=float, default=5.0, help="seconds between draw-0 uploads (0: none)")
     parser.add_argument("--upload-timeout", type=float, default=None, help="REV88_UPLOAD_TIMEOUT_S (default: the server's)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
@@ -48,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.Generator(np.random.PCG64(7))
     small = task_to_npz_bytes(validate_task(rng.random((50, 1, 9, 9), dtype=np.float32),
                                             (np.arange(50) % 10).astype(np.int64), rng.random((5, 1, 9, 9), dtype=np.float32)))
+    from bench_load import task_bytes
+
+    large, _ = task_bytes()
     timeout = args.upload_timeout if args.upload_timeout is not None else 60.0
+    max_body = 64 * 1024 * 1024  # rev88 serve's default REV88_MAX_BODY_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         flags = [] if args.upload_timeout is None else ["--upload-timeout", str(args.upload_timeout)]
         proc, port = start_server("cpu-fast", Path(tmp) / "server.log", Path(tmp) / "data", args=flags)
@@ -66,12 +78,26 @@ def main(argv: list[str] | None = None) -> int:
                 socks.append(s)
             except OSError:
                 refused_connect += 1
+        holder_head = (b"POST /tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+                       b"Content-Length: %d\r\n\r\nPK" % max_body)
+        holders = 0
+        for _ in range(args.headers_only):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.sendall(holder_head)
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_READ, {"opened": time.monotonic(), "got": b"", "kind": "holder"})
+                socks.append(s)
+                holders += 1
+            except OSError:
+                refused_connect += 1
         opened_s = time.monotonic() - t0
         normal, closed = [], []
-        conn = Connection("127.0.0.1", port)
+        conn, big_conn = Connection("127.0.0.1", port), Connection("127.0.0.1", port)
         raw = build_request("127.0.0.1", port, "POST", "/tasks", small)
-        next_byte, next_normal = time.monotonic() + args.every, time.monotonic()
-        end = time.monotonic() + timeout + 120
+        big_raw = build_request("127.0.0.1", port, "POST", "/tasks", large)
+        next_byte, next_normal, next_large = time.monotonic() + args.every, time.monotonic(), time.monotonic() + 0.5
+        end = time.monotonic() + timeout + max_body / (1 << 20) + 120
         while time.monotonic() < end:
             now = time.monotonic()
             if len(closed) == len(socks) and now - t0 > (closed[-1]["at_s"] if closed else 0) + 3:
@@ -81,12 +107,20 @@ def main(argv: list[str] | None = None) -> int:
                     status, _, _ = conn.request(raw)
                 except OSError:
                     status, conn = -1, Connection("127.0.0.1", port)
-                normal.append({"at_s": round(now - t0, 2), "status": status,
+                normal.append({"at_s": round(now - t0, 2), "status": status, "kind": "small",
                                "ms": round((time.monotonic() - now) * 1000, 1)})
                 next_normal = now + 1.0
+            if args.large_every and now >= next_large:
+                try:
+                    status, _, _ = big_conn.request(big_raw)
+                except OSError:
+                    status, big_conn = -1, Connection("127.0.0.1", port)
+                normal.append({"at_s": round(now - t0, 2), "status": status, "kind": "large",
+                               "ms": round((time.monotonic() - now) * 1000, 1)})
+                next_large = now + args.large_every
             if now >= next_byte:
                 for s in socks:
-                    if s.fileno() != -1:
+                    if s.fileno() != -1 and sel.get_key(s).data.get("kind") != "holder":
                         try:
                             s.send(b"\x00")
                         except OSError:
@@ -103,22 +137,28 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 sel.unregister(s)
                 status = info["got"][9:12].decode() if info["got"].startswith(b"HTTP/1.1 ") else "reset"
-                closed.append({"at_s": round(time.monotonic() - t0, 2), "status": status})
+                closed.append({"at_s": round(time.monotonic() - t0, 2), "status": status,
+                               "kind": info.get("kind", "trickler")})
                 s.close()
         stop_server(proc)
-    statuses: dict[str, int] = {}
+    statuses: dict[str, dict[str, int]] = {}
     for c in closed:
-        statuses[c["status"]] = statuses.get(c["status"], 0) + 1
+        by = statuses.setdefault(c["kind"], {})
+        by[c["status"]] = by.get(c["status"], 0) + 1
     last_closed = max((c["at_s"] for c in closed), default=None)
     after = [n for n in normal if last_closed is not None and n["at_s"] >= last_closed]
     during = [n for n in normal if last_closed is None or n["at_s"] < last_closed]
     doc = {
-        "tricklers": args.tricklers, "opened": len(socks), "refused_at_connect": refused_connect,
-        "opened_in_s": round(opened_s, 2), "upload_timeout_s": timeout,
-        "tricklers_closed": len(closed), "trickler_answers": statuses,
-        "first_closed_s": min((c["at_s"] for c in closed), default=None), "last_closed_s": last_closed,
-        "normal_during": {s: sum(1 for n in during if n["status"] == s) for s in {n["status"] for n in during}},
-        "normal_during_max_ms": max((n["ms"] for n in during), default=None),
+        "tricklers": args.tricklers, "headers_only": holders, "opened": len(socks),
+        "refused_at_connect": refused_connect, "opened_in_s": round(opened_s, 2), "upload_timeout_s": timeout,
+        "closed": len(closed), "answers": statuses,
+        "first_closed_s": {k: min((c["at_s"] for c in closed if c["kind"] == k), default=None)
+                           for k in ("trickler", "holder")},
+        "last_closed_s": last_closed,
+        "normal_during": {k: {s: sum(1 for n in during if n["status"] == s and n["kind"] == k)
+                              for s in {n["status"] for n in during if n["kind"] == k}} for k in ("small", "large")},
+        "normal_during_max_ms": {k: max((n["ms"] for n in during if n["kind"] == k), default=None)
+                                 for k in ("small", "large")},
         "first_normal_after_close": after[0] if after else None,
         "normal": normal,
     }

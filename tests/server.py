@@ -124,9 +124,12 @@ class InProcessServer:
 
 
 @contextlib.contextmanager
-def inprocess_server(app, ready: bool = True, timeout: float = 120, http="auto"):
-    """``http``: uvicorn's HTTP protocol (``protocol_class()``: the one ``rev88 serve`` runs)."""
+def inprocess_server(app, ready: bool = True, timeout: float = 120, http=None):
+    """``http``: uvicorn's HTTP protocol (default ``protocol_class()``: the one ``rev88 serve`` runs)."""
     import uvicorn
+
+    if http is None:
+        http = protocol_class() or "auto"
 
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http)

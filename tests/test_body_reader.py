@@ -15,9 +15,8 @@ import pytest
 
 from app.http import body_reader
 from app.http.protocol import protocol_class
-from app.http.uploads import BUDGET
 
-from .test_http_protocol import LOOPS, Running, bodies, zero_copy_echo
+from .test_http_protocol import BUDGET, LOOPS, Running, bodies, zero_copy_echo
 
 
 def _counts() -> dict[str, int]:

@@ -3,7 +3,7 @@
 Two real uvicorn servers on loopback (its httptools protocol, and ours) run one plain ASGI app
 that answers with what it received; the same requests go to both: empty, tiny, around the
 read-ahead limit, several MiB, chunked transfer encoding, keep-alive in between, and a body
-the app refuses unread. And an app that asks for it (the lifespan state ZERO_COPY_STATE) gets a
+the app refuses unread. And an app that asks for it (a Policy in its lifespan state) gets a
 large body whole, read straight into one buffer: the same bytes, one message."""
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ import uvicorn
 
 from app.http.protocol import (
     READ_AHEAD_BYTES,
+    STATE,
     ZERO_COPY_MIN_BYTES,
-    ZERO_COPY_STATE,
     ChunkedBodyHttpToolsProtocol,
+    Policy,
     protocol_class,
 )
-from app.http.uploads import BUDGET
+from app.http.uploads import UploadBudget
 
+BUDGET = UploadBudget(9 * 64 * 1024 * 1024)  # the echo apps' (a service has its own)
 httptools = pytest.importorskip("uvicorn.protocols.http.httptools_impl")
 
 
@@ -140,7 +142,7 @@ def zero_copy_echo():
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
-                    scope["state"][ZERO_COPY_STATE] = True
+                    scope["state"][STATE] = Policy(max_body_bytes=64 * 1024 * 1024, budget=BUDGET)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})

@@ -14,6 +14,7 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from ..http import body_reader
 from ..models import Health, Probe
 from ..service import Service
 from .deps import ServiceDep
@@ -50,6 +51,14 @@ def ledger_state(service: Service) -> dict[str, Any]:
             **extra}
 
 
+def uploads_state(service: Service) -> dict[str, Any]:
+    """The bodies being received now: the bytes they hold in the upload budget (reserved as they
+    arrive, app/http/uploads.py), how many, and how many a reading thread holds."""
+    budget = service.uploads
+    return {"held_bytes": budget.held, "in_progress": budget.uploads, "capacity_bytes": budget.capacity,
+            "read_by_threads": body_reader.busy()}
+
+
 def health(service: Service) -> tuple[int, dict[str, Any]]:
     """The full document. Calls NVML (through learner.energy): run it in a worker thread."""
     gpu, gpu_reason = service.energy.telemetry()
@@ -78,6 +87,7 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
             ),
             "workers": service.plan.as_dict(),
             "ledger": ledger_state(service),
+            "uploads": uploads_state(service),
             "limits": {
                 "queue_size": service.queue_size,
                 "max_body_bytes": service.settings.max_body_bytes,

@@ -12,8 +12,9 @@ for a route that needs none of it: ``post_task`` (app/api/tasks.py) takes only t
 ``post_tasks`` here) and from there to the same handler the route calls (``intake.handle``). An
 exception it lets through is answered by the app's own exception handlers (app/api/errors.py),
 as Starlette would, except that an unexpected one (the catch-all handler's: logged with its
-traceback, answered 500) is not raised on to uvicorn afterwards, which would close the connection. Everything else, and any request the lane cannot take as the router
-would (a root path, FastAPI's telemetry switched on), goes the ordinary way. The route stays in
+traceback, answered 500) is not raised on to uvicorn afterwards, which would close the connection. Everything else, and any request this entry cannot take as the router
+would (a root path, FastAPI's telemetry switched on), goes the ordinary way; so does every request
+with REV88_STOCK_HTTP set (app/http/versions.py). The route stays in
 the app's table: the OpenAPI document describes it, and it serves what the lane leaves.
 """
 
@@ -44,8 +45,8 @@ def _telemetry_on(app: FastAPI, scope) -> bool:
 
 
 def telemetry_enabled(app: FastAPI) -> bool:
-    telemetry = getattr(app, "_native_telemetry", None)
-    return telemetry is not None and telemetry.enabled()
+    # (private: the FastAPI releases of app/http/versions.py have it; create_app checks the release)
+    return app._native_telemetry.enabled()
 
 
 def exception_handler(app: FastAPI, exc: Exception):

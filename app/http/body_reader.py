@@ -1,20 +1,20 @@
 """A large request body read from its socket by a thread of its own, not by the event loop.
 
 Copying a 6.5 MB body out of the kernel (``recv``) costs the thread that does it about a
-millisecond of CPU, and the acknowledgements it sends back cost more (bench/bench_shell.py; on
-loopback the kernel delivers them in the receiver's time). On the event loop that is time no
-other request can use; in a thread it runs beside the loop, without the GIL (``recv_into``
-releases it).
+millisecond of CPU, and the acknowledgements it sends back cost more: moved here, 1.4 ms less of
+the event loop's CPU per draw-0 upload, the process's total unchanged (an A/B in one window,
+docs/performance.md). A thread only reads: every answer still goes out through the transport.
 
-The protocol (app/http/protocol.py) hands a body over once its headers are parsed and its
-buffer is reserved: the transport stops reading (``HeldFlow.hold``: uvicorn's own flow control
+The protocol (app/http/protocol.py) hands a body over once the app has asked for it and its
+buffer exists: the transport stops reading (``HeldFlow.hold``: uvicorn's own flow control
 cannot resume it meanwhile), and a ``rev88-recv`` thread reads the body from a duplicate of the
-connection's socket straight into the buffer, until the body is complete, the client closes,
-or an ``IDLE_S`` window brings less than ``SLOW_BYTES``. Then the loop takes the connection back:
-a body that stalls or trickles goes on on the loop's ordinary reads, under the app's deadline,
-and holds no thread (a client cannot keep one by sending a byte now and then). At most
-``THREADS`` bodies (one per core, 2 to 8) are read this way at a time; the rest are read
-by the loop as before. The thread never reads past the body's declared length, so a request
+connection's socket straight into the buffer, ``WINDOW`` bytes at most per read, each read's
+bytes taken from the upload budget as they arrive, until the body is complete, the budget refuses
+a read, the client closes, or an ``IDLE_S`` window brings less than ``SLOW_BYTES``. Then the loop
+takes the connection back: a body that stalls or trickles goes on on the loop's ordinary reads,
+under the app's deadline, and holds no thread (a client cannot keep one by sending a byte now and
+then). At most ``THREADS`` bodies (one per core, 2 to 8) are read this way at a time; the rest
+are read by the loop. The thread never reads past the body's declared length, so a request
 pipelined behind it stays in the socket for the loop.
 """
 
@@ -34,13 +34,14 @@ THREADS = min(8, max(2, os.cpu_count() or 2))  # bodies read by threads at a tim
 IDLE_S = 0.2  # a body that sends less than SLOW_BYTES in this long goes back to the loop
 SLOW_BYTES = 64 * 1024
 MIN_BYTES = 128 * 1024  # a smaller rest (after what came with the headers) the loop reads itself
+WINDOW = 1 << 20  # bytes one read may bring (the most a read holds beyond what the budget took)
 
 _work: queue.SimpleQueue = queue.SimpleQueue()  # bodies for the reading threads (one put, one wake-up)
 _threads: list[threading.Thread] = []
 _busy = 0
 _lock = threading.Lock()
 # bodies handed to a thread, how their readings ended, and bodies left to the loop (every thread busy)
-COUNTS = dict.fromkeys(("started", "complete", "idle", "eof", "stopped", "error", "all_busy"), 0)
+COUNTS = dict.fromkeys(("started", "complete", "idle", "eof", "stopped", "refused", "error", "all_busy"), 0)
 
 
 class HeldFlow(FlowControl):
@@ -71,11 +72,18 @@ class HeldFlow(FlowControl):
         if not self.read_paused and not self._transport.is_closing():
             self._transport.resume_reading()
 
+    def force_resume(self) -> None:
+        """Read again, whatever was asked before (a lingering close reads only to throw away)."""
+        self.held = self.read_paused = False
+        if not self._transport.is_closing():
+            self._transport.resume_reading()
+
 
 class Reading:
-    """One body being read by a thread: ``stop()`` asks it to end (the connection was lost). When
-    it ends, the thread calls ``start``'s ``done(pos, how)`` with the bytes the buffer now holds
-    and why: "complete", "idle", "eof", "stopped" or "error"."""
+    """One body being read by a thread: ``stop()`` asks it to end (the connection was lost, or the
+    request answered). When it ends, the thread calls ``start``'s ``done(pos, how)`` with the bytes
+    the buffer now holds and why: "complete", "idle", "eof", "stopped", "refused" (the upload
+    budget could not take a read) or "error"."""
 
     __slots__ = ("stopped",)
 
@@ -86,23 +94,19 @@ class Reading:
         self.stopped = True
 
 
-def start(fd: int, view: memoryview, pos: int, done, sock: socket.socket | None = None,
-          deadline: float | None = None) -> Reading | None:
-    """Read ``view[pos:]`` from the socket ``fd`` in a thread, or None: every reading thread is busy
-    (or the socket cannot be duplicated) and the loop keeps reading. ``sock``: a duplicate of
-    ``fd`` the caller owns (and closes), read instead of one of its own; ``deadline``
-    (time.monotonic): the reading ends, as "idle", once it has passed."""
+def start(fd: int, view: memoryview, pos: int, reservation, done) -> Reading | None:
+    """Read ``view[pos:]`` from the socket ``fd`` in a thread, each read's bytes taken by
+    ``reservation`` (app/http/uploads.py), or None: every reading thread is busy (or the socket
+    cannot be duplicated) and the loop keeps reading."""
     global _busy
     with _lock:
         if _busy >= THREADS:
             COUNTS["all_busy"] += 1
             return None
-        owned = sock is None
-        if owned:
-            try:
-                sock = socket.socket(fileno=socket.dup(fd))
-            except OSError:
-                return None
+        try:
+            sock = socket.socket(fileno=socket.dup(fd))
+        except OSError:
+            return None
         _busy += 1
         COUNTS["started"] += 1
         while len(_threads) < _busy:  # a thread for every body being read (started once, kept)
@@ -110,7 +114,7 @@ def start(fd: int, view: memoryview, pos: int, done, sock: socket.socket | None 
             thread.start()
             _threads.append(thread)
     reading = Reading()
-    _work.put((sock, owned, view, pos, deadline, reading, done))
+    _work.put((sock, view, pos, reservation, reading, done))
     return reading
 
 
@@ -120,8 +124,7 @@ def _serve() -> None:
         _read(*_work.get())
 
 
-def _read(sock: socket.socket, owned: bool, view: memoryview, pos: int, deadline: float | None, reading: Reading,
-          done) -> None:
+def _read(sock: socket.socket, view: memoryview, pos: int, reservation, reading: Reading, done) -> None:
     global _busy
     how = "complete"
     try:
@@ -131,11 +134,8 @@ def _read(sock: socket.socket, owned: bool, view: memoryview, pos: int, deadline
             if reading.stopped:
                 how = "stopped"
                 break
-            if deadline is not None and time.monotonic() >= deadline:
-                how = "idle"
-                break
             try:
-                n = sock.recv_into(view[pos:])
+                n = sock.recv_into(view[pos : pos + WINDOW])
             except TimeoutError:
                 how = "idle"
                 break
@@ -143,6 +143,9 @@ def _read(sock: socket.socket, owned: bool, view: memoryview, pos: int, deadline
                 how = "eof"
                 break
             pos += n
+            if not reservation.take(n):
+                how = "refused"
+                break
             if time.monotonic() >= window_end:  # a window has passed: did it bring enough?
                 if pos - window_pos < SLOW_BYTES:
                     how = "idle"
@@ -151,8 +154,7 @@ def _read(sock: socket.socket, owned: bool, view: memoryview, pos: int, deadline
     except Exception:  # noqa: BLE001 - a reset connection, say: the loop finds out for itself
         how = "error"
     finally:
-        if owned:
-            sock.close()  # the duplicate only: the connection stays the loop's
+        sock.close()  # the duplicate only: the connection stays the loop's
         with _lock:
             _busy -= 1
             COUNTS[how] += 1

@@ -1,82 +1,172 @@
-"""uvicorn's httptools protocol, with a request body's bytes copied as few times as they can be.
+"""uvicorn's httptools protocol, with what the service needs beside it. One path for every request:
+each is an ASGI cycle of uvicorn's, and each answer goes out through the connection's transport,
+in the order the requests came.
 
-uvicorn appends every chunk the parser hands it to a ``bytearray`` (one copy) and gives the app
-``bytes(that bytearray)`` (a second copy); the app then joins the pieces it received (a third),
-all on the event loop thread, holding the GIL. Here the parser's chunk objects themselves are
-kept (it makes each one a fresh ``bytes``) and handed to the app as they are when one arrived
-since its last receive, joined otherwise.
+What it adds to uvicorn's own protocol (``HttpToolsProtocol``, which it subclasses):
 
-The read-ahead limit (uvicorn pauses reading a connection while this much of its body waits for
-the app) is 1 MiB instead of uvicorn's 64 KiB: fewer pause/resume round trips per upload, and
-at most 1 MiB waiting per connection. Everything else is uvicorn's own code path.
+- **A large body read into one buffer.** For an app that asks for it (its lifespan state holds a
+  ``Policy`` under ``STATE``: app/main.py), a body declared by a Content-Length of at least
+  ``ZERO_COPY_MIN_BYTES`` and at most the policy's ``max_body_bytes`` is read, once the app first
+  asks for it, straight from the socket into one buffer of its declared size
+  (``asyncio.BufferedProtocol``: the kernel's copy is the only one), bypassing the parser, and
+  handed over whole, as a memoryview, in one ``http.request`` message. A large body's reads are
+  made by a ``rev88-recv`` thread while the transport is paused (app/http/body_reader.py: 1.4 ms
+  less of the loop's CPU per draw-0 upload, docs/performance.md); a body that stalls goes back to
+  the loop's reads. Any other app gets bytes, as from uvicorn's own protocol.
+- **Uploads reserve what has arrived**: each read's bytes are taken from the upload budget
+  (``Policy.budget``, app/http/uploads.py) as they come, never the declared length; when it is
+  full the app's ``receive`` raises ``QueueFull`` (a 503 naming REV88_UPLOAD_BUFFER_BYTES). A
+  connection that declares 64 MiB and sends two bytes holds two bytes.
+- **An answer given before its body was read closes the connection.** The response says
+  ``connection: close``; once it is written the connection stops reading into any buffer, sends
+  its FIN and reads what the client still sends only to throw it away, for at most ``LINGER_S``
+  (so that the client reads the answer instead of a reset, as nginx's lingering close), then
+  closes. Nothing is read on without a budget or a timer.
+- **A bad request behind unanswered ones is answered after them**: uvicorn writes its 400 for an
+  unparseable request at once, before the answers of requests pipelined ahead of it.
+- **A header timeout**: a connection that has not finished a request's headers within
+  ``Policy.header_timeout_s`` (REV88_HEADER_TIMEOUT_S) of connecting, or of the request's first
+  byte, is closed. uvicorn waits for ever there (its keep-alive timer only runs between requests).
+  The body's own deadline is the app's (app/http/uploads.py, 408).
+- **A POST's or PUT's disconnect as a future**: the scope carries ``GONE``, completed when the
+  client disconnects before the response is complete, which the app waits on beside its task
+  (uvicorn reports a disconnect only through ``receive``).
+- **A response's headers go out with its first body bytes** (one send) when it declares its
+  length (``_HeadersWithBody``).
 
-A large body (a Content-Length of at least ``ZERO_COPY_MIN_BYTES``, within REV88_MAX_BODY_BYTES)
-goes further: once its headers are parsed, the connection reads it straight from the socket into
-one buffer of its declared size (``asyncio.BufferedProtocol``: the kernel's copy is the only
-one), bypassing the parser, and hands the app that buffer whole, as a memoryview, in one
-``http.request`` message. ASGI says bytes, so only an app that asks for it gets this: its
-lifespan startup sets ``ZERO_COPY_STATE`` in the lifespan state (app/main.py does); any other app
-gets bytes, as from uvicorn's own protocol. The buffer's bytes are reserved in the upload budget first (the same
-``UploadBudget`` the app counts in); when the budget cannot hold them, the body takes the
-ordinary path above. After such a body the connection's parser starts afresh for the next
-request. Headers and small bodies are read into one scratch buffer shared by every connection of
-the loop and copied out at once, as asyncio's own reads do.
-
-A request that ``DIRECT_STATE``'s lane admits at its headers (a synchronous POST /tasks,
-app/api/direct.py) never becomes an ASGI cycle: its ``DirectExchange`` has a reading thread read
-a large body (or takes the body that came whole with its headers), gives it to the lane's
-handler, and writes the answer the handler gives it from whatever thread it comes; the loop hears
-only that the body is in and that the answer is out. What the client sends meanwhile waits,
-parsed once the answer is out; a stalled body, no free thread, or a read that holds another
-request too goes the ordinary way, from the headers on, with what was read so far.
-
-A POST or PUT request's scope carries ``GONE``, a future the connection completes when its client
-disconnects before the response is complete: the app waits on it beside its task, instead of a
-task of its own blocked in ``receive()`` (uvicorn reports a disconnect only through receive).
-
-It also closes a connection that has not finished a request's headers within
-REV88_HEADER_TIMEOUT_S (10 s by default) of connecting or of the request's first byte: uvicorn
-itself waits for ever on a connection that never completes its headers (its keep-alive timer only
-starts after a response). The body's own deadline is the app's (app/http/uploads.py, 408). What each step costs: docs/performance.md (bench/bench_shell.py).
-
-``protocol_class()`` returns the transport-side class (``BufferedHttpToolsProtocol``), or None where uvicorn's httptools protocol is not
-there (uvicorn without the ``[standard]`` extra) or is older than 0.42: ``rev88 serve`` then
-keeps uvicorn's default. It touches uvicorn internals: ``HttpToolsProtocol.on_body`` and the
-cycle's ``body`` buffer (the same from uvicorn 0.42 to 0.54, checked in their sources), and for a
-body read whole the cycle's ``receive``/``send``, ``more_body``, ``message_event`` and the
-connection's parser (checked against uvicorn 0.54.0, the version installed here).
-``tests/test_http_protocol.py`` checks the bodies it delivers against uvicorn's own protocol,
-byte for byte, on asyncio's loop and on uvloop, and every test server runs on
-it (``uvicorn --http app.http.protocol:BufferedHttpToolsProtocol``, ``tests/server.py``).
+It touches uvicorn's internals (the cycle's ``body``, ``more_body``, ``message_event``,
+``receive``/``send``, ``keep_alive``, the connection's parser and flow control), so it runs only
+on the uvicorn releases it was tested on (app/http/versions.py; pyproject.toml pins the same range)
+and ``problem()`` says why it cannot load otherwise: ``rev88 serve`` then refuses to start
+unless told to run uvicorn's own protocol (``--stock-http``). Its tests: tests/test_http_protocol.py
+(the bodies byte for byte against uvicorn's own protocol), tests/test_http_hostile.py (raw byte
+streams against it and against uvicorn's own, compared), tests/test_body_reader.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
-import socket
-import time
+import dataclasses
 import weakref
 
 import numpy as np
-import uvicorn
 
-from . import body_reader, uploads
+from . import body_reader, uploads, versions
 
-READ_AHEAD_BYTES = 1 << 20
-ZERO_COPY_STATE = "rev88.zero_copy_body"  # lifespan state: the app takes a body as one memoryview
-ZERO_COPY_MIN_BYTES = 256 * 1024
-# lifespan state: what serves a synchronous POST /tasks off the event loop (app/api/direct.py):
-# ``admit(headers, query_string)`` -> a handler, or None for the ordinary way (see ``DirectExchange``)
-DIRECT_STATE = "rev88.direct"
+READ_AHEAD_BYTES = 256 * 1024  # body bytes a connection holds for the app before it stops reading
+ZERO_COPY_MIN_BYTES = 256 * 1024  # a declared body at least this large is read into one buffer
+LINGER_S = 5.0  # after an answer given before its body was read: what the client still sends is
+# read and thrown away for at most this long, then the connection is closed
+STATE = "rev88.protocol"  # lifespan state: the app's Policy
 # scope key: a future of the loop's, done when the request's client disconnects before its
 # response is complete (POST and PUT requests; what app/api/intake.py waits on beside the task)
 GONE = "rev88.gone"
+BODY = uploads.BODY  # scope key: the request's ZeroCopyBody, while it holds a buffer
 # One event loop per process: reads never interleave. 64 KiB: a large body's first read (with its
-# headers) is the loop's, the rest its reading thread's (256 KiB: 0.1 ms more of the loop's CPU per
-# large upload, bench/bench_shell.py)
+# headers) is the loop's, the rest its reading thread's
 _SCRATCH = memoryview(bytearray(64 * 1024))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What the app tells the protocol (its lifespan state, under ``STATE``)."""
+
+    max_body_bytes: int  # a larger declared body never gets a buffer (the app answers it 413)
+    budget: uploads.UploadBudget  # the bytes the bodies being received may hold together
+    header_timeout_s: float = 10.0
+
+
+DEFAULT_HEADER_TIMEOUT_S = Policy.header_timeout_s  # for an app that gives no policy
+
+
+_PROBLEM = None
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError as exc:  # uvicorn without httptools (not uvicorn[standard])
+    HttpToolsProtocol = None
+    _PROBLEM = f"uvicorn's httptools protocol does not import ({exc}); install uvicorn[standard]"
+else:
+    if versions.untested(("uvicorn",)):
+        HttpToolsProtocol = None
+        _PROBLEM = versions.untested(("uvicorn",))[0]
+
+
+def problem() -> str | None:
+    """Why this protocol cannot run here, or None."""
+    return _PROBLEM
+
+
+class ZeroCopyBody:
+    """A body being read straight into its buffer: ``data`` (a memoryview of all of it), ``pos``
+    (the bytes in so far), the upload budget's ``reservation`` that holds them until the request's
+    response is complete, and ``refused`` (the budget could not take a read: the app gets
+    ``QueueFull``)."""
+
+    __slots__ = ("data", "pos", "reservation", "refused", "__weakref__")
+
+    def __init__(self, data: memoryview, reservation: uploads.Reservation) -> None:
+        self.data, self.reservation, self.pos, self.refused = data, reservation, 0, False
+
+
+class _HeadersWithBody:
+    """The cycle's transport, but that a response's status line and headers (uvicorn writes them
+    as soon as the app starts its response) wait for its first body bytes and go out with them:
+    one ``send`` and one segment instead of two, for a response that declares its length. They go
+    out on their own as soon as anything else happens instead: the response ends without a
+    body write (HEAD, an empty body), the connection closes. A chunked response, whose body may
+    come much later, and the ``100 Continue`` line before a response are written at once.
+    ``close`` (uvicorn's, once a response that does not keep the connection alive is complete)
+    is the protocol's: a lingering close when the request's body was not all read."""
+
+    __slots__ = ("_transport", "_cycle", "_held", "_done", "_protocol")
+
+    def __init__(self, transport, cycle, protocol=None) -> None:
+        # (the cycle holds this object: weak references back, so that the objects form no reference
+        # cycle and a request is freed when it ends, tests/test_memory_soak.py)
+        self._transport, self._cycle, self._held, self._done = transport, weakref.ref(cycle), None, False
+        self._protocol = weakref.ref(protocol) if protocol is not None else None
+
+    def write(self, data) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.writelines((held, data))
+            return
+        cycle = self._cycle()
+        if not self._done and cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._done = True  # only the first write of the response: its status line and headers
+            if cycle.chunked_encoding is False:
+                self._held = data
+                return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        protocol = self._protocol() if self._protocol is not None else None
+        if protocol is not None:
+            protocol.close_after_answer(self._cycle())
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+def _body_framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """(the one declared Content-Length or None, whether the request carries a body at all)."""
+    lengths = [value for name, value in headers if name == b"content-length"]
+    chunked = any(name == b"transfer-encoding" for name, _ in headers)
+    length = None
+    if len(lengths) == 1 and not chunked:
+        try:
+            length = int(lengths[0])
+        except ValueError:
+            length = None
+    return length, chunked or any(value.strip() != b"0" for value in lengths)
 
 
 class _Chunks:
@@ -103,67 +193,28 @@ class _Chunks:
         return b"".join(self.parts)
 
 
-# Since uvicorn 0.42 the cycle's body is a bytearray that receive() hands over as
-# bytes(self.body); before, it was a bytes object handed over as it is, which this class
-# cannot stand in for. Older uvicorns keep their own protocol.
-_VERSION = tuple(int(part) for part in uvicorn.__version__.split(".")[:2] if part.isdigit())
-try:
-    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-except ImportError:  # uvicorn without httptools
-    HttpToolsProtocol = STATUS_LINE = None
-if _VERSION < (0, 42):
-    HttpToolsProtocol = None
-
-class ZeroCopyBody:
-    """A body read straight into its buffer: ``data`` (a memoryview of its bytes) and the upload
-    budget's reservation that holds them until the request's response is complete."""
-
-    __slots__ = ("data", "reservation", "pos")
-
-    def __init__(self, data: memoryview, reservation: uploads.Reservation, pos: int = 0) -> None:
-        self.data, self.reservation = data, reservation
-        self.pos = pos  # bytes of it read so far (what a 408 says arrived)
-
-
-def _whole_body_receive(cycle, view: memoryview):
-    """The cycle's ``receive`` for a body read straight into ``view``: one message with all of it
-    once it is complete, then uvicorn's own receive (which reports the disconnect)."""
-    own = cycle.receive
-    delivered = False
-
-    async def receive():
-        nonlocal delivered
-        if delivered:
-            return await own()
-        if cycle.waiting_for_100_continue and not cycle.transport.is_closing():  # as uvicorn's receive
-            cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            cycle.waiting_for_100_continue = False
-        while cycle.more_body and not cycle.disconnected and not cycle.response_complete:
-            cycle.flow.resume_reading()
-            await cycle.message_event.wait()
-            cycle.message_event.clear()
-        if cycle.disconnected or cycle.response_complete:
-            return {"type": "http.disconnect"}
-        delivered = True
-        return {"type": "http.request", "body": view, "more_body": False}
-
-    return receive
-
-
-def _releasing_send(cycle, body: ZeroCopyBody):
-    """The cycle's ``send``, giving the body's reservation back (and dropping the buffer from the
-    scope) once this request's response is complete: an idle keep-alive connection, or one whose
-    next request is pipelined behind it, keeps no buffer."""
+def _answering_send(protocol, cycle, has_body: bool):
+    """The cycle's ``send``: a response started before the request's body is all in does not keep
+    the connection alive (uvicorn then writes ``connection: close``, and closes once it is out:
+    ``close_after_answer``); once the response is complete, a buffer's reservation is given back
+    and the closures are unlinked from the cycle."""
     own = cycle.send
+    ref = weakref.ref(protocol)
 
     async def send(message) -> None:
+        if has_body and not cycle.response_started and cycle.more_body:
+            cycle.keep_alive = False  # answered before its body was read
+            conn = ref()
+            if conn is not None:
+                conn.answering_early(cycle)
         try:
             await own(message)
         finally:
             if cycle.response_complete or cycle.disconnected:
-                body.reservation.release()
-                cycle.scope.pop("rev88.body", None)
-                # the cycle holds these two closures and they hold the cycle (and the body's buffer):
+                body = cycle.scope.pop(BODY, None)
+                if body is not None:
+                    body.reservation.release()
+                # the cycle holds these closures and they hold the cycle (and a body's buffer):
                 # unlinked here, the request is freed when it ends, not at the cyclic GC's next full
                 # pass (bench/bench_soak.py; tests/test_memory_soak.py)
                 vars(cycle).pop("receive", None)
@@ -172,132 +223,38 @@ def _releasing_send(cycle, body: ZeroCopyBody):
     return send
 
 
-class _HeadersWithBody:
-    """The cycle's transport, but that a response's status line and headers (uvicorn writes them
-    as soon as the app starts its response) wait for its first body bytes and go out with them:
-    one ``send`` and one segment instead of two, for a response that declares its length. They go
-    out on their own as soon as anything else happens instead: the response ends without a
-    body write (HEAD, an empty body), the connection closes. A chunked response, whose body may
-    come much later, and the ``100 Continue`` line before a response are written at once."""
+def _zero_copy_receive(protocol, cycle, length: int):
+    """The cycle's ``receive`` for a body that may be read into one buffer: at the first call the
+    rest of the body goes into its buffer (``enter_zero_copy``) and one message brings all of it;
+    a body that came whole with its headers comes as bytes; then uvicorn's own receive (which
+    reports the disconnect)."""
+    own = cycle.receive
+    ref = weakref.ref(protocol)
+    delivered = False
 
-    __slots__ = ("_transport", "_cycle", "_held", "_done")
+    async def receive():
+        nonlocal delivered
+        if delivered:
+            return await own()
+        delivered = True
+        conn = ref()
+        body = conn.enter_zero_copy(cycle, length) if conn is not None else None
+        if body is None:
+            return await own()  # it came whole already, or the connection is gone
+        if cycle.waiting_for_100_continue and not cycle.transport.is_closing():  # as uvicorn's receive
+            cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            cycle.waiting_for_100_continue = False
+        while cycle.more_body and not body.refused and not cycle.disconnected and not cycle.response_complete:
+            cycle.flow.resume_reading()
+            await cycle.message_event.wait()
+            cycle.message_event.clear()
+        if cycle.disconnected or cycle.response_complete:
+            return {"type": "http.disconnect"}
+        if body.refused:
+            raise uploads.budget_full(body.reservation.budget)
+        return {"type": "http.request", "body": body.data, "more_body": False}
 
-    def __init__(self, transport, cycle) -> None:
-        # (the cycle holds this object: a weak reference back, so that the pair is no reference
-        # cycle and a request is freed when it ends, tests/test_memory_soak.py)
-        self._transport, self._cycle, self._held, self._done = transport, weakref.ref(cycle), None, False
-
-    def write(self, data) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._transport.writelines((held, data))
-            return
-        cycle = self._cycle()
-        if not self._done and cycle is not None and cycle.response_started and not cycle.response_complete:
-            self._done = True  # only the first write of the response: its status line and headers
-            if cycle.chunked_encoding is False:
-                self._held = data
-                return
-        self._transport.write(data)
-
-    def flush(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def __getattr__(self, name):
-        return getattr(self._transport, name)
-
-
-class DirectExchange:
-    """A request served off the event loop, from its headers to its answer: its body read by a
-    ``rev88-recv`` thread into one buffer, then handed to the handler that ``DIRECT_STATE``'s
-    ``admit`` returned, which answers through ``respond`` from whatever thread ends its work.
-
-    The handler's side: ``body(view, exchange)`` (the reading thread, once the body is complete;
-    it must call ``respond`` exactly once, at once or later), ``armed(loop)`` (the loop, once the
-    body is in: its timers), ``gone()`` (the loop: the client disconnected before the answer;
-    may come after ``respond``), ``ended()`` (the loop, the exchange over); and its attribute
-    ``upload_deadline_s``: the body must be in by then (from the headers), else the app gets it.
-
-    ``respond`` sends what the socket takes at once from the calling thread (a duplicate of the
-    connection's, kept open by this exchange until it ends, so the answer never reaches another
-    connection that reused the number) and hands the rest, and the end, to the loop."""
-
-    __slots__ = ("protocol", "handler", "length", "keep_alive", "client", "started_mono", "held", "array", "view",
-                 "reservation", "sock", "reading", "whole", "body_in", "rest", "pipelined", "closed")
-
-    def __init__(self, protocol, handler, length: int, keep_alive: bool) -> None:
-        self.protocol, self.handler, self.length, self.keep_alive = protocol, handler, length, keep_alive
-        self.client = protocol.client[0] if protocol.client else None  # (the access log's)
-        self.started_mono = time.monotonic()
-        self.held: list[bytes] | None = []  # body bytes that came with the headers
-        self.array = self.view = self.reservation = self.sock = self.reading = None
-        self.whole = False  # the body came whole with the headers (read by the loop)
-        self.body_in = False  # the body is complete and its handler has it
-        self.rest: bytes | None = None  # set once answered: what the loop still has to write
-        self.pipelined: list[bytes] = []  # what the client sent after the body: parsed once answered
-        self.closed = False
-
-    def respond(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
-        """Send the answer (any thread): the status line, uvicorn's default headers (date,
-        server), ``headers``, the length, and ``content``."""
-        protocol = self.protocol
-        if protocol is None:
-            return
-        head = [STATUS_LINE[status]]
-        length = (b"content-length", str(len(content)).encode())
-        for name, value in (*protocol.server_state.default_headers, *headers):
-            if name == b"content-type" and length is not None:  # (where Starlette's responses put it)
-                head += [length[0], b": ", length[1], b"\r\n"]
-                length = None
-            head += [name, b": ", value, b"\r\n"]
-        if length is not None:
-            head += [length[0], b": ", length[1], b"\r\n"]
-        if not self.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        data = b"".join(head)
-        sent = 0
-        try:
-            self.sock.settimeout(0.0)
-            sent = self.sock.sendmsg([data, content])
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:  # the connection is gone: nothing to send
-            sent = len(data) + len(content)
-        rest = b"" if sent >= len(data) + len(content) else (data + content)[sent:]
-        try:
-            protocol.loop.call_soon_threadsafe(protocol._direct_responded, self, rest)
-        except RuntimeError:  # the loop has closed
-            pass
-
-    def close(self) -> None:
-        """(the loop) Give back what the exchange holds: its buffer's reservation, its socket."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.reservation is not None:
-            self.reservation.release()
-        if self.sock is not None:
-            self.sock.close()
-        self.protocol = self.handler = self.array = self.view = self.reading = None
-        self.held = self.pipelined = None
-
-
-def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """The one Content-Length of a request without Transfer-Encoding, else None."""
-    lengths = [value for name, value in headers if name == b"content-length"]
-    if len(lengths) != 1 or any(name == b"transfer-encoding" for name, _ in headers):
-        return None
-    try:
-        return int(lengths[0])
-    except ValueError:
-        return None
+    return receive
 
 
 if HttpToolsProtocol is not None:
@@ -307,117 +264,116 @@ if HttpToolsProtocol is not None:
         """The HTTP side; the transport's protocol is ``BufferedHttpToolsProtocol``, which holds one
         (``--http app.http.protocol:BufferedHttpToolsProtocol`` for uvicorn's own CLI)."""
 
+        _policy: Policy | None = None
         _header_timer = None
-        _zc_pending = 0  # the declared length of a body about to be read straight into its buffer
-        _zc_array = None  # that buffer (numpy: no zero-filling of megabytes that are overwritten)
-        _zc_view = None
-        _zc_pos = 0
-        _zc_cycle = None
-        _zc_reservation = None
-        _zc_bodies = None  # the ZeroCopyBody of each request of this connection not yet answered
-        _zc_reading = None  # a thread reading the body into that buffer (app/http/body_reader.py)
+        _zc: ZeroCopyBody | None = None  # the body being read into its buffer now
+        _zc_cycle = None  # its cycle
+        _zc_reading = None  # the thread reading it (app/http/body_reader.py), or None: the loop
+        _bodies = None  # weak references to the ZeroCopyBody of each request of this connection
         _gones = None  # (cycle, its GONE future) of the connection's POST/PUT requests
+        _lingering = None  # the timer that ends a lingering close (the connection only discards now)
+        _refusal: str | None = None  # a 400's message, waiting for the answers before it
 
         # ---------------------------------------------------------------- reading
         def get_buffer(self, sizehint: int) -> memoryview:
-            if self._zc_view is not None:
-                return self._zc_view[self._zc_pos:]
+            zc = self._zc
+            if zc is not None:
+                return zc.data[zc.pos : zc.pos + body_reader.WINDOW]
             return _SCRATCH
 
         def buffer_updated(self, nbytes: int) -> None:
-            if self._zc_view is not None:
-                self._unset_keepalive_if_required()
-                self._zc_pos += nbytes
-                self._zc_bodies[-1].pos = self._zc_pos
-                if self._zc_pos >= len(self._zc_view):
-                    self._zc_complete()
+            zc = self._zc
+            if zc is not None:
+                self._zc_read(zc, nbytes)
                 return
+            if self._lingering is not None or self._refusal is not None:
+                return  # thrown away: an answered request's unread body, or what follows a bad request
             self._feed(bytes(_SCRATCH[:nbytes]))
 
-        _read = b""  # what the parser is being fed now, and the messages it began and ended in it
-        _read_began = 0
-        _read_ended = 0
-
         def _feed(self, data: bytes) -> None:
-            """Parse ``data``; then a body to read into a buffer of its own, or a request whose body
-            came whole with its headers to serve off the loop."""
-            self._read, self._read_began, self._read_ended = data, 0, 0
             self.data_received(data)
-            self._read = b""
-            direct = self._direct
-            if direct is not None and direct.held is not None:
-                if direct.whole:
-                    self._direct_serve_whole()
-                else:
-                    self._direct_start()
-            elif self._zc_pending and self.parser is not None:
-                self._zc_enter()
 
-        def _zc_enter(self) -> None:
-            length, self._zc_pending = self._zc_pending, 0
-            cycle = self.cycle
-            if cycle is None or cycle.response_complete or not cycle.more_body or self.pipeline \
-                    or not self.app_state.get(ZERO_COPY_STATE):
-                return
+        def _zc_read(self, zc: ZeroCopyBody, nbytes: int) -> None:
+            """(the loop) ``nbytes`` more of the body are in its buffer."""
+            zc.pos += nbytes
+            if not zc.reservation.take(nbytes):
+                self._zc_refused(zc)
+            elif zc.pos >= len(zc.data):
+                self._zc_complete()
+
+        def enter_zero_copy(self, cycle, length: int) -> ZeroCopyBody | None:
+            """(the app's first ``receive``) The rest of the cycle's body goes into a buffer of
+            its own, or None: it is all in already (the parser has it), or the cycle is not the
+            connection's current one (it is gone)."""
+            if not cycle.more_body or cycle.disconnected or self.cycle is not cycle or self._zc is not None \
+                    or self._lingering is not None or self.parser is None:
+                return None
+            policy = self._policy
+            reservation = policy.budget.reservation()
+            body = ZeroCopyBody(memoryview(np.empty(length, dtype=np.uint8)), reservation)  # (no zero-filling)
+            cycle.scope[BODY] = body  # (the app's read_body: reserved already; what a 408 says arrived)
+            self._bodies = [b for b in self._bodies or () if b() is not None and b().reservation.bytes]
+            self._bodies.append(weakref.ref(body))
             have = len(cycle.body)
-            if have >= length:
-                return  # it all came with the headers: the parser has it
-            reservation = uploads.BUDGET.reservation()
-            if not reservation.take(length):
-                reservation.release()
-                return  # no room for it now: the ordinary path, counted by the app as it arrives
-            array = np.empty(length, dtype=np.uint8)
-            view = memoryview(array)
             if have:
-                view[:have] = bytes(cycle.body)
+                body.data[:have] = bytes(cycle.body)
                 cycle.body = bytearray()
-            self._zc_attach(cycle, array, view, have, reservation)
+            body.pos = have
+            if not reservation.take(have):
+                body.refused = True
+                self.flow.pause_reading()
+                return body
+            self._zc, self._zc_cycle = body, cycle
             if length - have >= body_reader.MIN_BYTES and self.scheme == "http":  # (TLS: the loop's reads only)
-                self._zc_offload()
+                self._zc_offload(body)
+            return body
 
-        def _zc_attach(self, cycle, array, view: memoryview, pos: int, reservation) -> None:
-            """The cycle's body goes on into ``view`` (``pos`` bytes in), reserved by ``reservation``."""
-            self._zc_array, self._zc_view, self._zc_pos = array, view, pos
-            self._zc_cycle, self._zc_reservation = cycle, reservation
-            cycle.scope["rev88.body"] = body = ZeroCopyBody(view, reservation, pos)  # its bytes are reserved already
-            cycle.receive = _whole_body_receive(cycle, view)  # the app's task has not started yet
-            cycle.send = _releasing_send(cycle, body)
-            self._zc_bodies = [b for b in self._zc_bodies or () if b.reservation.bytes]  # the answered go
-            self._zc_bodies.append(body)
-
-        def _zc_offload(self) -> None:
+        def _zc_offload(self, body: ZeroCopyBody) -> None:
             sock = self.transport.get_extra_info("socket")
             if sock is None:
                 return
-            loop, view = self.loop, self._zc_view
+            loop = self.loop
 
             def done(pos: int, how: str) -> None:  # in the reading thread
                 try:
-                    loop.call_soon_threadsafe(self._zc_read_done, view, pos)
+                    loop.call_soon_threadsafe(self._zc_read_done, body, pos, how)
                 except RuntimeError:  # the loop has closed
                     pass
 
             self.flow.hold()
-            self._zc_reading = body_reader.start(sock.fileno(), view, self._zc_pos, done)
+            self._zc_reading = body_reader.start(sock.fileno(), body.data, body.pos, body.reservation, done)
             if self._zc_reading is None:
                 self.flow.release()
 
-        def _zc_read_done(self, view: memoryview, pos: int) -> None:
+        def _zc_read_done(self, body: ZeroCopyBody, pos: int, how: str) -> None:
+            """(the loop) The reading thread is done: the body is complete, or the budget refused a
+            read, or it stalled or the client closed (the loop reads on and finds out)."""
             self._zc_reading = None
-            if self._zc_view is view:  # (else the connection was lost meanwhile)
-                self._zc_pos = self._zc_bodies[-1].pos = pos
-                if pos >= len(view):
+            body.pos = pos
+            if self._zc is body:  # (else the connection was lost, or it answered, meanwhile)
+                if how == "refused":
+                    self._zc_refused(body)
+                elif pos >= len(body.data):
                     self._zc_complete()
-            self.flow.release()  # the loop reads the connection again: the rest of a stalled body, or what follows
+            if self._lingering is not None:
+                self.flow.force_resume()  # what the client still sends is read and thrown away
+            else:
+                self.flow.release()  # the loop reads the connection again: the rest of a stalled body, or what follows
+
+        def _zc_refused(self, body: ZeroCopyBody) -> None:
+            """The upload budget could not take the body's latest read: nothing more is read into its
+            buffer, and its request is refused (503; the connection closes once that is out)."""
+            body.refused = True
+            cycle = self._zc_cycle
+            self._zc = self._zc_cycle = None
+            self.flow.pause_reading()
+            if cycle is not None:
+                cycle.message_event.set()
 
         def _zc_complete(self) -> None:
-            cycle, reservation = self._zc_cycle, self._zc_reservation
-            self._zc_array = self._zc_view = self._zc_cycle = self._zc_reservation = None
-            self._zc_pos = 0
+            cycle = self._zc_cycle
+            self._zc = self._zc_cycle = None
             self._fresh_parser()
-            if cycle.response_complete or cycle.disconnected:
-                reservation.release()
-                return
             cycle.more_body = False
             cycle.message_event.set()
 
@@ -430,77 +386,124 @@ if HttpToolsProtocol is not None:
             except AttributeError:  # httptools < 0.6.3
                 pass
 
-        def _zc_release(self) -> None:
-            if self._zc_reading is not None:
-                self._zc_reading.stop()
-            if self._zc_reservation is not None:
-                self._zc_reservation.release()
-            self._zc_array = self._zc_view = self._zc_cycle = self._zc_reservation = None
-            self._zc_pos = 0
+        # ---------------------------------------------------------------- answering
+        def answering_early(self, cycle) -> None:
+            """``cycle`` starts its response before its body is all in: nothing more is read into
+            a buffer for it (the connection closes once the response is out)."""
+            if self._zc_cycle is cycle:
+                if self._zc_reading is not None:
+                    self._zc_reading.stop()
+                self._zc = self._zc_cycle = None
+                self.flow.pause_reading()
 
+        def close_after_answer(self, cycle) -> None:
+            """uvicorn closes the connection after a response that does not keep it alive. If the
+            request's body was not all read, a lingering close instead: the FIN after the answer,
+            and what the client still sends read and thrown away for at most ``LINGER_S``."""
+            transport = self.transport
+            if transport.is_closing():
+                return
+            if cycle is None or not cycle.more_body or self._lingering is not None:
+                transport.close()
+                return
+            try:
+                transport.write_eof()  # once the answer is written
+            except (NotImplementedError, AttributeError, RuntimeError, OSError):  # (TLS cannot half-close)
+                transport.close()
+                return
+            self._disarm_header_timer()
+            self._unset_keepalive_if_required()
+            self._lingering = self.loop.call_later(LINGER_S, self._linger_end)
+            if self._zc_reading is None:  # (else once its thread is done: _zc_read_done)
+                self.flow.force_resume()
 
+        def _linger_end(self) -> None:
+            self._lingering = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            cycle = self.cycle
+            unanswered = cycle is not None and not cycle.response_complete and not cycle.disconnected
+            own_body = unanswered and cycle.more_body and not cycle.response_started  # (the error is in its body)
+            if self.pipeline or (unanswered and not own_body):
+                # answers go out in order: this one once the requests before it are answered
+                # (then the connection closes, as after uvicorn's own 400)
+                self._refusal = msg
+                return
+            super().send_400_response(msg)
+
+        def on_response_complete(self) -> None:
+            if self._lingering is not None:
+                self.server_state.total_requests += 1
+                return
+            if self._refusal is not None and not self.pipeline:
+                self.server_state.total_requests += 1
+                msg, self._refusal = self._refusal, None
+                if not self.transport.is_closing():
+                    super().send_400_response(msg)
+                return
+            super().on_response_complete()
+
+        # ---------------------------------------------------------------- the connection
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._policy = self.app_state.get(STATE)
             self.flow = body_reader.HeldFlow(transport)  # uvicorn's, but it cannot resume a connection a thread reads
             self._arm_header_timer()
 
         def connection_lost(self, exc) -> None:
-            direct, self._direct = self._direct, None
-            if direct is not None:  # (its buffer and socket are given back when its thread is done with them)
-                if direct.reading is not None:
-                    direct.reading.stop()
-                elif direct.held is not None or direct.rest is not None:
-                    direct.close()  # (not started, or answered: no thread holds it)
-                else:
-                    direct.handler.gone()
             for cycle, gone in self._gones or ():  # every request of the connection not yet answered
                 if not cycle.response_complete and not gone.done():
                     gone.set_result(None)
             self._gones = None
             self._disarm_header_timer()
-            self._zc_release()
-            for body in self._zc_bodies or ():  # requests of this connection still holding a body
-                body.reservation.release()
-            self._zc_bodies = None
+            if self._lingering is not None:
+                self._lingering.cancel()
+                self._lingering = None
+            if self._zc_reading is not None:
+                self._zc_reading.stop()  # (the thread gives its socket back; the buffer is the body's)
+            self._zc = self._zc_cycle = None
+            for ref in self._bodies or ():  # requests of this connection still holding a body
+                body = ref()
+                if body is not None:
+                    body.reservation.release()
+            self._bodies = None
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
-            self._read_began += 1
             super().on_message_begin()
             self._arm_header_timer()
 
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
-            lane = self.app_state.get(DIRECT_STATE)
-            if lane is not None and self._direct_admit(lane):
-                return
-            self._headers_complete()
-
-        def _headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = self.cycle
-            if cycle is not None:
-                cycle.transport = transport = _HeadersWithBody(self.transport, cycle)
-                own = cycle.on_response
-
-                def on_response() -> None:  # (a response that ended without a body write)
-                    transport.flush()
-                    own()
-
-                cycle.on_response = on_response
-            if self.scope.get("method") not in ("POST", "PUT"):
+            if cycle is None or cycle.scope is not self.scope:  # (an upgrade: not a request of ours)
                 return
-            self.scope[GONE] = gone = self.loop.create_future()
-            self._gones = [(c, g) for c, g in self._gones or () if not c.response_complete]
-            self._gones.append((self.cycle, gone))
-            length = _declared_length(self.headers)
-            if length is not None and ZERO_COPY_MIN_BYTES <= length <= max_body_bytes() \
-                    and self.cycle is not None and self.cycle.scope is self.scope:
-                self._zc_pending = length
+            cycle.transport = transport = _HeadersWithBody(self.transport, cycle, self)
+            own = cycle.on_response
+
+            def on_response() -> None:  # (a response that ended without a body write)
+                transport.flush()
+                own()
+
+            cycle.on_response = on_response
+            length, has_body = _body_framing(self.headers)
+            if self.scope.get("method") in ("POST", "PUT"):
+                self.scope[GONE] = gone = self.loop.create_future()
+                self._gones = [(c, g) for c, g in self._gones or () if not c.response_complete]
+                self._gones.append((cycle, gone))
+            if has_body:
+                cycle.send = _answering_send(self, cycle, has_body)
+                policy = self._policy
+                if policy is not None and length is not None and ZERO_COPY_MIN_BYTES <= length <= policy.max_body_bytes:
+                    cycle.receive = _zero_copy_receive(self, cycle, length)
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
-            self._header_timer = self.loop.call_later(header_timeout_s(), self._headers_too_slow)
+            timeout = self._policy.header_timeout_s if self._policy is not None else DEFAULT_HEADER_TIMEOUT_S
+            self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
 
         def _disarm_header_timer(self) -> None:
             if self._header_timer is not None:
@@ -509,13 +512,14 @@ if HttpToolsProtocol is not None:
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+                self._arm_header_timer()  # a request before it is still being answered: its time counts from then
+                return
             if not self.transport.is_closing():
                 self.transport.close()
 
         def on_body(self, body: bytes) -> None:
-            if self._direct is not None:  # (what came with the headers of a request served off the loop)
-                self._direct.held.append(bytes(body))
-                return
             cycle = self.cycle
             if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
                 return
@@ -527,229 +531,6 @@ if HttpToolsProtocol is not None:
             if len(cycle.body) > READ_AHEAD_BYTES:
                 self.flow.pause_reading()
             cycle.message_event.set()
-
-
-        # ------------------------------------------------------ served off the loop (DirectExchange)
-        _direct = None  # the DirectExchange of the request being served off the loop
-
-        def _direct_admit(self, lane) -> bool:
-            """A request the lane serves off the loop: a POST with one declared Content-Length of a
-            large body, nothing before it still unanswered on this connection, over plain HTTP/1.1,
-            and that the lane's ``admit`` takes. Anything else goes the ordinary way."""
-            parser = self.parser
-            if self.scheme != "http" or parser.get_method() != b"POST" or parser.get_http_version() != "1.1" \
-                    or self.pipeline or (self.cycle is not None and not self.cycle.response_complete) \
-                    or self.root_path or self.expect_100_continue or parser.should_upgrade():
-                return False
-            if self.limit_concurrency is not None and (
-                    len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency):
-                return False  # (uvicorn answers it 503)
-            length = _declared_length(self.headers)
-            if length is None or not 0 < length <= max_body_bytes():
-                return False
-            url = httptools.parse_url(self.url)
-            if url.path != b"/tasks":
-                return False
-            handler = lane.admit(self.headers, url.query or b"")
-            if handler is None:
-                return False
-            self._direct = DirectExchange(self, handler, length, parser.should_keep_alive())
-            return True
-
-        def _direct_hold(self, direct: DirectExchange):
-            """The body's bytes reserved in the upload budget and a duplicate of the connection's
-            socket for the answer: (reservation, socket), or None (no room, no socket)."""
-            reservation = uploads.BUDGET.reservation()
-            if reservation.take(direct.length):
-                try:
-                    return reservation, socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
-                except (OSError, AttributeError):
-                    pass
-            reservation.release()
-            return None
-
-        def _direct_to_app(self, direct: DirectExchange, held: list[bytes]) -> None:
-            """The request goes the ordinary way after all, from its headers on, with the body
-            bytes ``held`` so far."""
-            self._direct = None
-            direct.close()
-            self._headers_complete()
-            for chunk in held:
-                self.on_body(chunk)
-
-        def _direct_body_in(self, direct: DirectExchange) -> None:
-            """Its handler has the whole body: its timers; and the end, if it has answered already."""
-            direct.body_in = True
-            direct.handler.armed(self.loop)
-            if direct.rest is not None:
-                self._direct_end(direct)
-
-        def _direct_start(self) -> None:
-            """Right after the request's first read: its body to a reading thread, or, when no
-            thread or no room in the upload budget is free, the ordinary way."""
-            direct = self._direct
-            held, direct.held = direct.held, None
-            have = sum(map(len, held))
-            hold = self._direct_hold(direct)
-            if hold is not None:
-                reservation, sock = hold
-                array = np.empty(direct.length, dtype=np.uint8)
-                view = memoryview(array)
-                view[:have] = b"".join(held)
-                direct.array, direct.view, direct.reservation, direct.sock = array, view, reservation, sock
-                loop = self.loop
-
-                def done(pos: int, how: str) -> None:  # in the reading thread
-                    if how == "complete":
-                        direct.handler.body(view, direct)
-                    try:
-                        loop.call_soon_threadsafe(self._direct_read, direct, pos, how)
-                    except RuntimeError:  # the loop has closed
-                        pass
-
-                self.flow.hold()
-                deadline = direct.started_mono + direct.handler.upload_deadline_s
-                direct.reading = body_reader.start(-1, view, have, done, sock=sock, deadline=deadline)
-                if direct.reading is not None:
-                    return
-                self.flow.release()  # (no free thread: direct.close() gives the reservation and socket back)
-            self._direct_to_app(direct, held)
-            if self._zc_pending and self.parser is not None:
-                self._zc_enter()
-
-        def _direct_serve_whole(self) -> None:
-            """A request whose body came whole with its headers: its handler has it now, here."""
-            direct = self._direct
-            held, direct.held = direct.held, None
-            hold = self._direct_hold(direct)
-            if hold is None:  # the ordinary way (which answers a full upload budget itself)
-                self._direct_to_app(direct, held)
-                super().on_message_complete()
-                return
-            view = memoryview(held[0] if len(held) == 1 else b"".join(held))
-            direct.view, (direct.reservation, direct.sock) = view, hold
-            direct.handler.body(view, direct)
-            self._direct_body_in(direct)
-
-        def _direct_read(self, direct: DirectExchange, pos: int, how: str) -> None:
-            """(the loop) The reading thread is done with the body: complete (its handler has it),
-            or the client closed, or it stalled (the loop reads the rest, as an ordinary request)."""
-            direct.reading = None
-            if direct is not self._direct:  # the connection was lost meanwhile
-                if how == "complete":
-                    direct.handler.gone()
-                    if direct.rest is None:
-                        return  # (closed once answered: _direct_responded)
-                direct.close()
-                return
-            if how == "complete":
-                self._fresh_parser()
-                self.flow.release()  # reads again: a disconnect, or what the client sends next (held)
-                self._direct_body_in(direct)
-                return
-            self._direct = None
-            if how in ("eof", "error"):
-                direct.close()
-                self.transport.close()
-                return
-            # stalled: the app gets the request now and the loop reads the rest of its body, under
-            # the body's deadline counted from its start
-            self._headers_complete()
-            self._zc_pending = 0
-            cycle = self.cycle
-            cycle.scope[uploads.UPLOAD_STARTED] = direct.started_mono
-            self._zc_attach(cycle, direct.array, direct.view, pos, direct.reservation)
-            direct.reservation = None  # (the cycle's now)
-            direct.close()
-            self.flow.release()
-
-        def _direct_responded(self, direct: DirectExchange, rest: bytes) -> None:
-            """(the loop) The handler has answered; ``rest``: what the socket did not take at once."""
-            if direct is not self._direct:  # the connection was lost meanwhile
-                if direct.reading is None:
-                    direct.close()
-                else:
-                    direct.rest = rest  # (its reading thread's callback closes it)
-                return
-            direct.rest = rest
-            if direct.body_in:
-                self._direct_end(direct)
-
-        def _direct_end(self, direct: DirectExchange) -> None:
-            """The exchange is over: the connection goes on with what the client sent after it, or
-            waits for its next request, or closes."""
-            self._direct = None
-            direct.handler.ended()
-            if direct.rest:
-                self.transport.write(direct.rest)
-            pipelined, keep_alive = direct.pipelined, direct.keep_alive
-            direct.close()
-            self.server_state.total_requests += 1
-            if not keep_alive or self.transport.is_closing():
-                self.transport.close()
-                return
-            self.flow.resume_reading()
-            if pipelined:  # (what the client sent once it had the answer, before the loop knew)
-                self._feed(b"".join(pipelined))
-            else:
-                self.timeout_keep_alive_task = self.loop.call_later(
-                    self.timeout_keep_alive, self.timeout_keep_alive_handler)
-
-        def data_received(self, data: bytes) -> None:
-            direct = self._direct
-            if direct is not None and direct.held is None:  # sent while a request is served off the loop
-                # (most often the client's next request, sent as soon as it had the answer, before the
-                # loop has heard that it is out): kept for then, and nothing more is read meanwhile,
-                # so that its body too is read by a thread, not here
-                direct.pipelined.append(data)
-                self.flow.pause_reading()
-                return
-            super().data_received(data)
-
-        def on_message_complete(self) -> None:
-            self._read_ended += 1
-            direct = self._direct
-            if direct is not None:
-                if direct.held is None:
-                    return  # (its body is read into its buffer, not by the parser)
-                # All of it came with its headers. When it is all this read holds (the read began
-                # with it, and nothing follows it that the parser would go on with), it is served
-                # off the loop once the parser is done (_feed); otherwise the ordinary way.
-                data = self._read
-                if self._read_began == 1 and self._read_ended == 1 and data.find(b"\r\n\r\n") + 4 + direct.length \
-                        == len(data) and not data.startswith(b"\r\n"):
-                    direct.whole = True
-                    return
-                self._direct_to_app(direct, direct.held)
-            super().on_message_complete()
-
-        def shutdown(self) -> None:
-            if self._direct is not None:  # the server stops: this answer is the connection's last
-                self._direct.keep_alive = False
-                return
-            super().shutdown()
-
-
-@functools.cache
-def max_body_bytes() -> int:
-    """REV88_MAX_BODY_BYTES (64 MiB if unset): a larger declared body never gets a buffer here."""
-    try:
-        return int(os.environ.get("REV88_MAX_BODY_BYTES") or 64 * 1024 * 1024)
-    except ValueError:
-        return 64 * 1024 * 1024
-
-
-@functools.cache
-def header_timeout_s() -> float:
-    """REV88_HEADER_TIMEOUT_S (checked by app.settings when the app starts; 10 s if unset)."""
-    try:
-        value = float(os.environ.get("REV88_HEADER_TIMEOUT_S") or 10.0)
-    except ValueError:
-        value = 10.0
-    return value if value > 0 else 10.0
-
-
-if HttpToolsProtocol is not None:
 
     class BufferedHttpToolsProtocol(asyncio.BufferedProtocol):
         """What the transport sees: a buffered protocol (uvloop reads into ``get_buffer``'s memory
@@ -770,5 +551,5 @@ if HttpToolsProtocol is not None:
 
 
 def protocol_class() -> type | None:
-    """The protocol class for ``uvicorn.run(http=...)``, or None (no httptools, uvicorn < 0.42)."""
+    """The protocol class for ``uvicorn.run(http=...)``, or None (``problem()`` says why)."""
     return BufferedHttpToolsProtocol if HttpToolsProtocol is not None else None

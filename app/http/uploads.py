@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from typing import Any
 
 from starlette.datastructures import Headers, UploadFile
@@ -27,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from ..errors import BadRequest, BodyTooLarge, InvalidRequest, QueueFull, UnsupportedMediaType, UploadTimeout
 
 RAW_TYPES = ("application/octet-stream", "application/x-npz")
+BODY = "rev88.body"  # scope key: a body the protocol reads into one buffer (app/http/protocol.py)
 MULTIPART = "multipart/form-data"
 ACCEPTED_TYPES = (*RAW_TYPES, MULTIPART)
 FORM_FIELDS = ("file", "config")
@@ -93,9 +93,12 @@ class Reservation:
         self.bytes, self._open = 0, False
 
 
-# scope key: when the request's body began to be read (time.monotonic), where that was before the app got it
-UPLOAD_STARTED = "rev88.upload_started"
-BUDGET = UploadBudget(9 * 64 * 1024 * 1024)  # the process's; the service sets its capacity at start
+
+
+def budget_full(budget: UploadBudget) -> QueueFull:
+    """The 503 for a body the upload budget cannot hold now."""
+    return QueueFull(f"too much upload data in progress ({budget.held} bytes in {budget.uploads} uploads; "
+                     f"limit {budget.capacity}: REV88_UPLOAD_BUFFER_BYTES); retry later", retry_after=2)
 
 
 def upload_deadline_s(declared: int | None, timeout_s: float, min_rate: int) -> float:
@@ -105,8 +108,10 @@ def upload_deadline_s(declared: int | None, timeout_s: float, min_rate: int) -> 
 
 async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, min_rate: int = 1 << 20,
                     reservation: Reservation | None = None) -> bytes | memoryview:
-    """The whole body, refusing (413) a declared or streamed size over ``limit``, (408) a body
-    that has not arrived by its deadline, and (503) one the upload budget cannot hold."""
+    """The whole body, refusing (413) a declared or streamed size over ``limit`` or a declared one
+    the upload budget could never hold, (408) a body that has not arrived by its deadline, and
+    (503) one the upload budget cannot hold now. Its bytes are reserved as they arrive (a body
+    the protocol reads into one buffer, app/http/protocol.py, is reserved there)."""
     declared = request.headers.get("content-length")
     size = None
     if declared is not None:
@@ -116,27 +121,25 @@ async def read_body(request: Request, limit: int, *, timeout_s: float = 60.0, mi
             raise BadRequest(f"invalid Content-Length header {declared!r}") from None
         if size > limit:
             raise _too_large(limit, f"of {size} bytes (Content-Length)")
+        if reservation is not None and size > reservation.budget.capacity:
+            capacity = reservation.budget.capacity
+            raise BodyTooLarge(f"request body of {size} bytes (Content-Length) exceeds what the upload buffer can "
+                               f"ever hold, {capacity} bytes (REV88_UPLOAD_BUFFER_BYTES)", limit=capacity)
     deadline = upload_deadline_s(size, timeout_s, min_rate)
-    # (a body that began arriving before the app was given the request, read at first by a
-    # request served off the loop: app/http/protocol.py, counts from its start)
-    started = request.scope.get(UPLOAD_STARTED)
-    left = deadline - max(0.0, time.monotonic() - started) if started is not None else deadline
     chunks: list[bytes] = []
     received = 0
     try:
-        async with asyncio.timeout(left):
+        async with asyncio.timeout(deadline):
             async for chunk in _stream(request):
                 received += len(chunk)
                 if received > limit:
                     raise _too_large(limit, f"of more than {limit} bytes (counted while streaming)")
-                if reservation is not None and "rev88.body" not in request.scope \
+                if reservation is not None and BODY not in request.scope \
                         and not reservation.take(len(chunk)):  # (a body read whole is reserved already)
-                    b = reservation.budget
-                    raise QueueFull(f"too much upload data in progress ({b.held} bytes in {b.uploads} uploads; "
-                                    f"limit {b.capacity}: REV88_UPLOAD_BUFFER_BYTES); retry later", retry_after=2)
+                    raise budget_full(reservation.budget)
                 chunks.append(chunk)
     except TimeoutError:
-        whole = request.scope.get("rev88.body")  # (a body read into one buffer: the bytes it holds)
+        whole = request.scope.get(BODY)  # (a body read into one buffer: the bytes it holds)
         received = max(received, getattr(whole, "pos", 0))
         of = f" of {size}" if size is not None else ""
         raise UploadTimeout(

@@ -334,8 +334,7 @@ class TaskRunner:
         self.metrics.outcome("ok")
         return settled
 
-    # The ends of a task's wait, shared by ``settle`` (on the event loop) and by a request served
-    # off the loop (app/api/direct.py: on the thread that ends its job). None of them waits.
+    # The ends of a task's wait (``_settle``). None of them waits.
     def refused(self, acc: Accepted, refused: NotAccepted) -> Settled:
         """A deferred task whose own job found its body invalid: answered as refused on arrival."""
         status, body, headers = error_answer(refused.error, acc.request_id)

@@ -44,7 +44,7 @@ SERVE_ENV = {
     "header_timeout": "REV88_HEADER_TIMEOUT_S",
     "keepalive": "REV88_KEEPALIVE_S",
     "max_connections": "REV88_MAX_CONNECTIONS",
-    "direct_tasks": "REV88_DIRECT_TASKS",
+    "stock_http": "REV88_STOCK_HTTP",
     "database_url": "REV88_DATABASE_URL",
     "db_pool_size": "REV88_DB_POOL_SIZE",
     "db_timeout": "REV88_DB_TIMEOUT_S",
@@ -107,11 +107,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"{exc} ({where})") from None
 
     from app.http import protocol as http_protocol
+    from app.http import versions
     from app.runtime import allocator
 
+    # The body protocol and the POST /tasks entry use private parts of uvicorn, FastAPI and
+    # Starlette: on a release they were not tested on, refuse rather than run without a word.
+    problems = [p for p in (http_protocol.problem(),) if p] + versions.untested(("fastapi", "starlette"))
+    if problems and not settings.stock_http:
+        raise CliError("refusing to start: " + "; ".join(problems) + ". Install the pinned releases "
+                       "(pip install -e . or the image), or pass --stock-http (REV88_STOCK_HTTP=1) to run uvicorn's "
+                       "own HTTP protocol and FastAPI's own layers, without what they add")
+    if settings.stock_http:
+        print(f"rev88 serve: warning: {versions.STOCK_HTTP_LOST}", file=sys.stderr)
+        protocol = "auto"  # uvicorn's own: httptools where installed, else h11
+    else:
+        protocol = http_protocol.protocol_class()
     malloc = allocator.tune()  # before the app allocates its first task
     files = raise_open_files(settings.max_connections)
-    protocol = http_protocol.protocol_class() or "auto"
     shown = "[::1]" if settings.host == "::1" else settings.host
     print(
         f"rev88 serve: http://{shown}:{settings.port} (backend {settings.backend}, {len(workers.devices)} "
@@ -137,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             access_log=False,  # the app logs each request itself (JSON, with its request id)
             timeout_graceful_shutdown=graceful_shutdown_s(settings.drain_timeout_s, FORCE_EXIT_GRACE_S),
             proxy_headers=False,
-            http=protocol,  # uvicorn's httptools protocol, a body's chunks kept (app/http/protocol.py)
+            http=protocol,  # the body protocol over uvicorn's httptools one (app/http/protocol.py)
             limit_concurrency=settings.max_connections,  # beyond: 503 at once (uvicorn)
             timeout_keep_alive=settings.keepalive_s,
         )
@@ -230,8 +242,10 @@ def add_serve(sub) -> None:
                    "[REV88_KEEPALIVE_S, default 5]")
     p.add_argument("--max-connections", type=int, help="connections (and requests) at once; beyond, 503 at once "
                    "[REV88_MAX_CONNECTIONS, default 4096; the open-file limit is raised to fit where it can]")
-    p.add_argument("--direct-tasks", choices=("on", "off"), help="a synchronous POST /tasks served off the "
-                   "event loop (app/api/direct.py); off: every request through the app [REV88_DIRECT_TASKS, default on]")
+    p.add_argument("--stock-http", action="store_const", const="1", help="run uvicorn's own HTTP protocol and "
+                   "FastAPI's own layers for POST /tasks (needed on framework releases the service was not tested on; "
+                   "loses the header timeout, the lingering close, uploads reserved as they arrive, large bodies in "
+                   "one buffer) [REV88_STOCK_HTTP, default off]")
     p.add_argument("--database-url", help="postgresql://user:password@host:port/db: the ledger in PostgreSQL, "
                    "shared by every replica (claims, leases; docs/ledger.md) [REV88_DATABASE_URL; default: SQLite in "
                    "the data dir; prefer the variable: a flag shows in the process list]")
