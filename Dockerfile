@@ -56,6 +56,7 @@ RUN pip install "torch===2.13.0" ".[gpu,postgres]" \
  && python -c "import learner, app.main, rev88.cli, app.ledger.postgres; from learner.backends import cpu_fast; \
 assert not learner.__file__.startswith('/opt/rev88/'), learner.__file__; \
 assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; \
+from app.http import versions; assert not versions.untested(), versions.untested(); \
 print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel built')"
 
 # The task ledger (SQLite + uploads of asynchronous tasks; unused with REV88_DATABASE_URL): a volume, writable by the service's
