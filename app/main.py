@@ -16,7 +16,7 @@ from learner import __version__
 
 from . import web
 from .api import add_routes, errors, health, tasks
-from .api.hot_path import ServiceApp, post_tasks
+from .api.hot_path import ServiceApp, post_tasks, telemetry_enabled
 from .api.openapi import DESCRIPTION
 from .http import protocol, versions
 from .http.logs import configure_logging
@@ -42,6 +42,8 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     @contextlib.asynccontextmanager
     async def lifespan(app: ServiceApp):
         await service.start()
+        if telemetry_enabled(app):  # (configured by now: looked up once, not per request)
+            app.hot = None
         # What is alive now lives as long as the service (torch, FastAPI, the learner: ~200,000
         # objects the cyclic GC tracks). A full collection walks all of them, ~85 ms on the event
         # loop on the 2-core bench machine; frozen, the collector leaves them out of every pass.

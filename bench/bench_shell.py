@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-max", type=int, default=1, help="> 1: the batching path (a stand-in backend "
                         "with run_many, bench/batching_stand_in.py) with REV88_BATCH_MAX set to this")
     parser.add_argument("--clients", type=int, default=1, help="connections sending at once")
+    parser.add_argument("--launcher", help="a script that runs the rev88 command line (to try a variant of the "
+                        "server without changing it: it may set a module's constant first)")
     parser.add_argument("--only", default=",".join(KINDS), help="the request kinds to run, comma-separated "
                         "(the derived figures need tiny and draw0)")
     args = parser.parse_args(argv)
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"backend": args.backend, "draw0": what, "machine": machine(), "batch_max": args.batch_max,
                  "clients": args.clients, "requests": {}}
     launcher = [str(HERE / "batching_stand_in.py")] if args.batch_max > 1 else None
+    if args.launcher:
+        launcher = [args.launcher]
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = start_server(args.backend, Path(tmp) / "server.log", Path(tmp) / "data", launcher=launcher,
                                   args=["--batch-max", str(args.batch_max)] if args.batch_max > 1 else None)

@@ -69,3 +69,20 @@ def test_an_unexpected_error_on_the_lane_is_a_json_500_with_its_request_id(tmp_p
         assert r.json()["request_id"] == "lane-500" and r.headers["x-request-id"] == "lane-500"
         monkeypatch.undo()
         assert post_task(c, task_to_npz_bytes(small_task(10, 2))).status_code == 200  # the service goes on
+
+
+def test_with_fastapis_telemetry_on_post_tasks_goes_through_its_layers(tmp_path):
+    """FastAPI's native telemetry must see every request: when it is configured (looked up once
+    the app has started), POST /tasks takes FastAPI's own layers, with the same answer."""
+    from opentelemetry.trace import NoOpTracerProvider
+
+    seen: list = []
+    app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "data")))
+    app.add_middleware(Counting, seen=seen)
+    app._telemetry["tracer_provider"] = NoOpTracerProvider()  # (FastAPI's config; app/http/versions.py pins it)
+    task = small_task(30, 6, seed=4)
+    with inprocess_server(app) as server, server.client() as c:
+        assert app.hot is None
+        r = post_task(c, task_to_npz_bytes(task))
+        assert r.status_code == 200 and r.json()["predictions_sha256"] == run_task(task, None, "cpu").predictions_sha256
+    assert ("POST", "/tasks") in seen

@@ -32,19 +32,16 @@ class ServiceApp(FastAPI):
     async def __call__(self, scope, receive, send) -> None:
         if (self.hot is not None and scope["type"] == "http" and scope["path"] == "/tasks"
                 and scope["method"] == "POST" and not self.root_path and not scope.get("root_path")
-                and not _telemetry_on(self, scope)):
+                and "fastapi.telemetry" not in scope):
             scope["app"] = self
             await self.hot(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
 
 
-def _telemetry_on(app: FastAPI, scope) -> bool:
-    """FastAPI's native telemetry (off unless configured): when on, its layer sees every request."""
-    return "fastapi.telemetry" in scope or telemetry_enabled(app)
-
-
 def telemetry_enabled(app: FastAPI) -> bool:
+    """FastAPI's native telemetry (off unless configured): when on, its layer must see every
+    request, so the lifespan (app/main.py) turns this entry off once the app has started."""
     # (private: the FastAPI releases of app/http/versions.py have it; create_app checks the release)
     return app._native_telemetry.enabled()
 

@@ -314,10 +314,11 @@ if HttpToolsProtocol is not None:
             cycle.scope[BODY] = body  # (the app's read_body: reserved already; what a 408 says arrived)
             self._bodies = [b for b in self._bodies or () if b() is not None and b().reservation.bytes]
             self._bodies.append(weakref.ref(body))
-            have = len(cycle.body)
-            if have:
-                body.data[:have] = bytes(cycle.body)
-                cycle.body = bytearray()
+            have = 0
+            for part in getattr(cycle.body, "parts", None) or (cycle.body,):  # (a _Chunks, or uvicorn's bytearray)
+                body.data[have : have + len(part)] = part
+                have += len(part)
+            cycle.body = bytearray()
             body.pos = have
             if not reservation.take(have):
                 body.refused = True
@@ -499,6 +500,9 @@ if HttpToolsProtocol is not None:
                 policy = self._policy
                 if policy is not None and length is not None and ZERO_COPY_MIN_BYTES <= length <= policy.max_body_bytes:
                     cycle.receive = _zero_copy_receive(self, cycle, length)
+                    # nothing more is read until the app asks for the body: then into its buffer
+                    # (what came with the headers goes through the parser, and is copied over)
+                    self.flow.pause_reading()
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
