@@ -6,6 +6,7 @@ tests/test_ledger.py, run against each.)"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -453,3 +454,196 @@ def test_the_pool_says_when_every_connection_is_in_use(pg_url):
             led.get("anything")
     assert led.get("anything") is None
     led.close()
+
+
+# --------------------------------------------------------------------------- faults (issue #36)
+
+
+def expire(url: str, task_id: str) -> None:
+    """The task's lease past its expiry now (what a replica that stopped renewing leaves), without
+    waiting for it: the server's clock decides, as the reaper's does."""
+    with raw(url) as conn:
+        conn.execute("UPDATE rev88_tasks SET lease_expires_at = EXTRACT(EPOCH FROM clock_timestamp()) - 1"
+                     " WHERE id = %s", (task_id,))
+
+
+def test_the_fence_is_by_attempt_even_when_the_same_replica_reaps_and_claims_again(pg_url):
+    """An attempt's writes carry its lease's epoch: once that lease was reaped (here by the
+    replica's own reaper) and the task claimed again, the first attempt's renewal and results are
+    refused, although the owner is the same."""
+    a = open_ledger(pg_url, "one-owner", lease_s=30)
+    try:
+        task = add(a)
+        [first] = a.claim(1)
+        a.mark_running(task.id, "cpu:0", epoch=first.epoch)
+        expire(pg_url, task.id)
+        assert a.reap()["requeued"] == 1
+        [second] = a.claim(1)
+        assert second.epoch == first.epoch + 1
+        assert a.renew({task.id: first.epoch}).lost == [task.id]
+        with pytest.raises(LeaseLost, match=f"epoch {first.epoch}"):
+            a.mark_running(task.id, "cpu:0", epoch=first.epoch)
+        with pytest.raises(LeaseLost, match=f"epoch {first.epoch}"):
+            a.finish(task.id, "succeeded", answer={**answer(task.id), "from": "first"}, epoch=first.epoch)
+        assert a.renew({task.id: second.epoch}).held == [task.id]
+        done = a.finish(task.id, "succeeded", answer={**answer(task.id), "from": "second"}, epoch=second.epoch)
+        assert done.answer["from"] == "second"
+    finally:
+        a.close()
+
+
+def test_two_ledgers_of_one_owner_fence_each_others_attempts(pg_url):
+    """The same owner on two ledger objects (a restarted replica that kept its name): claim,
+    expire, reap, claim again: the first attempt's renewal and write are both refused."""
+    a = open_ledger(pg_url, "same-owner", lease_s=30)
+    b = open_ledger(pg_url, "same-owner", lease_s=30)
+    try:
+        task = add(a)
+        [first] = a.claim(1)
+        expire(pg_url, task.id)
+        assert b.reap()["requeued"] == 1
+        [second] = b.claim(1)
+        assert a.renew().lost == [task.id]  # (a's own bookkeeping: the lease it held is gone)
+        assert a.renew({task.id: first.epoch}).lost == [task.id]
+        with pytest.raises(LeaseLost):
+            a.finish(task.id, "succeeded", answer=answer(task.id), epoch=first.epoch)
+        assert b.finish(task.id, "succeeded", answer=answer(task.id), epoch=second.epoch).status == "succeeded"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_only_live_attempts_are_renewed(pg_url):
+    a = open_ledger(pg_url, "a", lease_s=30)
+    try:
+        t1, t2 = add(a), add(a)
+        c1, c2 = a.claim(2)
+        renewal = a.renew({c1.record.id: c1.epoch})  # c2 never became an attempt here
+        assert renewal.held == [c1.record.id] and c2.record.id not in a.held()
+        expire(pg_url, c1.record.id)
+        expire(pg_url, c2.record.id)
+        a.renew({c1.record.id: c1.epoch})  # the live one: its lease pushed again
+        assert a.reap()["requeued"] == 1
+        assert a.get(c2.record.id).status == "queued" and a.get(c1.record.id).status == "queued"
+        with raw(pg_url) as conn:
+            owners = dict(conn.execute("SELECT id, lease_owner FROM rev88_tasks WHERE id = ANY(%s)",
+                                       ([t1.id, t2.id],)).fetchall())
+        assert owners[c1.record.id] == "a" and owners[c2.record.id] is None
+    finally:
+        a.close()
+
+
+@pytest.fixture
+def commit_then_drop(monkeypatch):
+    """Arm it (``drop.arm(before=False)``) and the next transaction's COMMIT is sent (or, with
+    ``before``, not) and then its connection is reported lost, as when the network fails at that
+    moment."""
+
+    class Drop:
+        armed = None
+
+        def arm(self, before: bool = False) -> None:
+            self.armed = "before" if before else "after"
+
+    drop = Drop()
+    real_exit = psycopg.Transaction.__exit__
+
+    def exit_then_drop(self, exc_type, exc, tb):
+        when, drop.armed = drop.armed, None
+        if when is None or exc_type is not None:
+            return real_exit(self, exc_type, exc, tb)
+        if when == "after":
+            real_exit(self, None, None, None)  # committed
+        else:
+            self._conn.rollback()
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(psycopg.Transaction, "__exit__", exit_then_drop)
+    return drop
+
+
+def test_a_create_whose_commit_went_through_before_the_connection_was_lost_is_recorded(pg_url, commit_then_drop):
+    a = open_ledger(pg_url, "a")
+    try:
+        commit_then_drop.arm()
+        record = add(a, body=b"committed")  # no LedgerUnavailable: it was recorded
+        with raw(pg_url) as conn:
+            assert conn.execute("SELECT count(*) FROM rev88_tasks").fetchone()[0] == 1
+        assert a.get(record.id).status == "queued" and a.load_uploads([record.id]) == {record.id: b"committed"}
+        commit_then_drop.arm(before=True)  # lost before its COMMIT: not recorded, and a 503 says so
+        with pytest.raises(LedgerUnavailable) as lost:
+            add(a)
+        assert not lost.value.outcome_unknown
+        with raw(pg_url) as conn:
+            assert conn.execute("SELECT count(*) FROM rev88_tasks").fetchone()[0] == 1
+    finally:
+        a.close()
+
+
+def test_a_create_whose_row_cannot_be_read_back_says_the_outcome_is_unknown(pg_url, commit_then_drop, monkeypatch):
+    a = open_ledger(pg_url, "a")
+    try:
+        real_conn = a._conn
+
+        def conn(doing, transaction=True):
+            if doing.startswith("read back"):
+                raise LedgerUnavailable(f"cannot {doing}: the database connection failed")
+            return real_conn(doing, transaction)
+
+        monkeypatch.setattr(a, "_conn", conn)
+        commit_then_drop.arm()
+        with pytest.raises(LedgerUnavailable, match="unknown") as unknown:
+            add(a)
+        assert unknown.value.outcome_unknown and "Idempotency-Key" in str(unknown.value)
+    finally:
+        a.close()
+
+
+def test_reads_after_every_backend_was_terminated_are_tried_again_on_a_fresh_connection(pg_url):
+    a = open_ledger(pg_url, "a", pool_size=3)
+    try:
+        tasks = [add(a) for _ in range(3)]
+        with contextlib.ExitStack() as stack:  # three pooled connections, all idle in the pool
+            conns = [stack.enter_context(a._pool.connection()) for _ in range(3)]
+            assert len(conns) == 3
+        with raw(pg_url) as conn:
+            killed = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                                  " WHERE application_name = 'rev88' AND pid <> pg_backend_pid()").fetchone()[0]
+        assert killed >= 3
+        for task in tasks:  # each read on a dead pooled connection first: tried again, answered
+            assert a.get(task.id).id == task.id
+        assert len(a.list()[0]) == 3 and a.counts()["total"] == 3
+    finally:
+        a.close()
+
+
+def test_connection_options_bound_a_vanished_server_and_refuse_a_standby(pg_url):
+    a = open_ledger(pg_url, "a", timeout_s=3)
+    try:
+        options = a._options()
+        assert options["tcp_user_timeout"] == 3000 and options["target_session_attrs"] == "read-write"
+        sep = "&" if "?" in pg_url else "?"
+        b = open_ledger(pg_url + f"{sep}target_session_attrs=any&tcp_user_timeout=700", "b")
+        try:
+            assert "target_session_attrs" not in b._options() and "tcp_user_timeout" not in b._options()
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def test_renewals_hold_while_every_pooled_connection_is_busy(pg_url):
+    """Lease upkeep has a connection of its own: with the pool's only connection held by request
+    traffic, a renewal still goes through, within a quarter lease."""
+    a = open_ledger(pg_url, "a", pool_size=1, timeout_s=2, lease_s=4)
+    try:
+        task = add(a)
+        [claim] = a.claim(1)
+        with a._pool.connection():  # the pool is exhausted
+            with pytest.raises(LedgerUnavailable, match="REV88_DB_POOL_SIZE"):
+                a.get(task.id)
+            t0 = time.monotonic()
+            assert a.renew({task.id: claim.epoch}).held == [task.id]
+            assert time.monotonic() - t0 < a.upkeep_timeout_s
+    finally:
+        a.close()

@@ -194,8 +194,9 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         runner.queue(acc)
     except (QueueFull, Unavailable) as exc:  # the queue filled up meanwhile: not accepted after all
         if record is not None:
-            await asyncio.to_thread(service.ledger.finish, acc.task_id, "failed", None,
-                                    {"status": exc.status, "error": f"not accepted: {exc.message}"})
+            await asyncio.to_thread(functools.partial(
+                service.ledger.finish, acc.task_id, "failed", None,
+                {"status": exc.status, "error": f"not accepted: {exc.message}"}, epoch=acc.epoch))
         raise
     if asynchronous:
         runner.settle_in_background(acc)

@@ -19,14 +19,18 @@ Claims, leases, fencing, reaping.
              to n queued asynchronous tasks (a fused worker: a whole launch), each with a lease
              (``lease_owner`` = this replica, ``lease_expires_at`` = server now + ``lease_s``)
              and a new epoch (``claims`` + 1). Two replicas never claim the same row.
-    renew    ``renew()`` pushes the expiry of every lease this replica holds (owner and epoch
-             must still match); what no longer matches is reported lost, held tasks whose
-             cancellation was requested are reported too.
-    fence    ``mark_running`` and ``finish`` of a task this replica holds are written only
-             while the row still carries this replica's owner and epoch; otherwise ``LeaseLost``
-             and nothing is written (a stale holder's late result is refused). A task nobody
-             holds, or whose lease has expired, is taken over by ``mark_running``; a live lease
-             of another replica is never overridden.
+    renew    ``renew(attempts)`` pushes the expiry of the leases of the attempts that still run
+             here (task id -> epoch; owner and epoch must still match), on a connection of its
+             own (``upkeep``: not the pool's, timeouts of a quarter lease), so request traffic
+             cannot starve it; what no longer matches is reported lost, held tasks whose
+             cancellation was requested are reported too. A lease with no live attempt here is
+             not renewed: it is released, or expires and is reaped.
+    fence    by attempt: ``mark_running`` and ``finish`` with the attempt's ``epoch`` are written
+             only while the row still carries this replica's owner and that epoch; otherwise
+             ``LeaseLost`` and nothing is written (a stale attempt's late result is refused, even
+             when the replica that reaped its lease, or claimed the task again, is its own). A
+             task nobody holds, or whose lease has expired, is taken over by ``mark_running``
+             without an epoch; a live lease of another replica is never overridden.
     reap     ``reap()`` (every replica, periodically): a lease past its expiry is a replica
              that stopped; its asynchronous task is queued again (``expiries`` + 1) until it
              has expired ``lease_attempts`` times, then failed naming why; a synchronous one is
@@ -40,9 +44,16 @@ A synchronous task created here (an Idempotency-Key) is held by this replica fro
 so a replica that dies while running it leaves a lease that expires, and the task is failed.
 
 Failures. Every connection has a bounded connect timeout, ``statement_timeout`` and
-``lock_timeout`` (``timeout_s``); a pool with no connection free within ``timeout_s`` gives up. Any
-of these, or a lost connection, is ``LedgerUnavailable`` naming the problem and the database
-(the service answers 503). The pool reconnects by itself once the server answers again.
+``lock_timeout`` (``timeout_s``), ``tcp_user_timeout`` (a vanished server is noticed within
+``timeout_s``, not the kernel's retransmission timeout) and ``target_session_attrs=read-write``
+(a standby is never written to); the URL's own values of these two win. A pool with no connection
+free within ``timeout_s`` gives up. Any of these, or a lost connection, is ``LedgerUnavailable``
+naming the problem and the database (the service answers 503). A lost connection also has the
+pool check its idle connections (after a failover or a restart all of them are dead), and a read
+(``get``, ``list``, counts, the queue's depth, stored inputs) is tried once more on a fresh one.
+``create`` whose connection was lost re-reads its row on a fresh connection: found, the task was
+recorded and is answered so (no 503 that means "accepted"); not found, a 503; unreadable, a 503
+that says the outcome is unknown (``outcome_unknown``). docs/ledger.md lists every failure.
 """
 
 from __future__ import annotations
@@ -168,9 +179,24 @@ def _record(row: tuple | Any, with_answer: bool) -> TaskRecord:
     )
 
 
+def _connection_lost(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is the connection failing (closed, reset, the server shutting down), not a
+    statement's own error or a timeout: the write may or may not have been committed."""
+    if not isinstance(exc, psycopg.OperationalError) or isinstance(
+            exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _AlreadyRecorded(Exception):
+    def __init__(self, record: TaskRecord) -> None:
+        self.record = record
 
 
 class PostgresLedger:
@@ -202,7 +228,10 @@ class PostgresLedger:
         self._connect_error: str | None = None  # the last failed connection attempt's message
         self._queue_stats: dict[str, Any] | None = None  # the last queue_depth()
         self._pool: ConnectionPool | None = None
+        self._upkeep_conn: psycopg.Connection | None = None  # the lease renewals' own connection
+        self._upkeep_lock = threading.Lock()
         self._check_url(url)
+        self._url_params = set(psycopg.conninfo.conninfo_to_dict(url))
         self._migrate()
         self._pool = self._make_pool()
         try:
@@ -226,15 +255,22 @@ class PostgresLedger:
             raise LedgerError(f"REV88_DATABASE_URL is not a PostgreSQL connection URL ({redact(url)}): "
                               f"{_first_line(exc)}") from None
 
-    def _options(self) -> dict[str, Any]:
-        ms = int(self.timeout_s * 1000)
-        return {
-            "connect_timeout": max(2, math.ceil(self.timeout_s)),
+    def _options(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Connection parameters (``timeout_s``: the statement and lock timeout, default the
+        ledger's). ``tcp_user_timeout`` and ``target_session_attrs``: the URL's own, if it sets them."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        ms = max(1, int(timeout_s * 1000))
+        options = {
+            "connect_timeout": max(2, math.ceil(timeout_s)),
             "application_name": "rev88",
             "options": f"-c statement_timeout={ms} -c lock_timeout={ms} "
                        f"-c idle_in_transaction_session_timeout={max(ms * 4, 10_000)}",
             "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3, "keepalives_count": 3,
+            "tcp_user_timeout": max(1000, int(self.timeout_s * 1000)), "target_session_attrs": "read-write",
         }
+        for name in self._url_params & {"tcp_user_timeout", "target_session_attrs"}:
+            del options[name]
+        return options
 
     def _make_pool(self) -> ConnectionPool:
         ledger = self
@@ -302,7 +338,45 @@ class PostgresLedger:
         except PoolClosed as exc:
             raise LedgerUnavailable(f"the task ledger {self.path} is closed") from exc
         except (psycopg.Error, PoolTimeout) as exc:
+            if _connection_lost(exc):  # (a failover or restart: the others idle in the pool are dead too)
+                with contextlib.suppress(Exception):
+                    pool.check()
             raise LedgerUnavailable(self._describe(exc, doing)) from exc
+
+    def _read(self, doing: str, read: Callable[[psycopg.Connection], Any]) -> Any:
+        """An idempotent read on a pooled connection, tried once more on a fresh one when the
+        first was lost (a server restarted, a failover)."""
+        try:
+            with self._conn(doing, transaction=False) as conn:
+                return read(conn)
+        except LedgerUnavailable as exc:
+            if not _connection_lost(exc.__cause__):
+                raise
+            log.info("task ledger connection lost; reading again on a fresh one", extra={"doing": doing})
+        with self._conn(doing, transaction=False) as conn:
+            return read(conn)
+
+    @contextlib.contextmanager
+    def upkeep(self, doing: str) -> Iterator[psycopg.Connection]:
+        """The connection of the lease renewals: one of its own, outside the pool (request traffic
+        cannot hold it), with timeouts of a quarter lease (at most ``timeout_s``); reopened after
+        a failure. One caller at a time."""
+        with self._upkeep_lock:
+            try:
+                if self._upkeep_conn is None or self._upkeep_conn.closed:
+                    self._upkeep_conn = psycopg.connect(self.url, autocommit=True,
+                                                        **self._options(self.upkeep_timeout_s))
+                yield self._upkeep_conn
+            except psycopg.Error as exc:
+                conn, self._upkeep_conn = self._upkeep_conn, None
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                raise LedgerUnavailable(self._describe(exc, doing)) from exc
+
+    @property
+    def upkeep_timeout_s(self) -> float:
+        return min(self.timeout_s, self.lease_s / 4)
 
     # ------------------------------------------------------------------ schema
 
@@ -354,13 +428,20 @@ class PostgresLedger:
         with self._held_lock:
             return list(self._held)
 
+    def held_epoch(self, task_id: str) -> int | None:
+        """The epoch of this replica's lease of ``task_id`` (what its attempt writes under), or None."""
+        with self._held_lock:
+            return self._held.get(task_id)
+
     def _hold(self, task_id: str, epoch: int) -> None:
         with self._held_lock:
             self._held[task_id] = epoch
 
-    def _unhold(self, task_id: str) -> None:
+    def _unhold(self, task_id: str, epoch: int | None = None) -> None:
+        """This replica no longer holds ``task_id``'s lease (only that ``epoch``'s, if given)."""
         with self._held_lock:
-            self._held.pop(task_id, None)
+            if epoch is None or self._held.get(task_id) == epoch:
+                self._held.pop(task_id, None)
 
     def _lease_for(self, row: tuple, writing: str) -> int:
         """(Row locked FOR UPDATE: id, status, mode, lease_owner, lease_expires_at, claims, now.)
@@ -424,7 +505,7 @@ class PostgresLedger:
         insert += f" RETURNING {ALL_COLUMNS}"
         try:
             for _ in range(3):  # a conflicting row deleted meanwhile (retention): insert again
-                with self._conn(f"record task {task_id}") as conn:
+                with self._recorded_or_lost(task_id, params) as conn:
                     row = conn.execute(insert, params, binary=True).fetchone()
                     if row is None:
                         found = conn.execute(f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE idempotency_key = %s",
@@ -446,6 +527,8 @@ class PostgresLedger:
                 break
             else:  # pragma: no cover - three deletions in a row
                 raise LedgerUnavailable(f"cannot record task {task_id}: its Idempotency-Key kept changing hands")
+        except _AlreadyRecorded as found:  # the COMMIT went through before the connection was lost
+            record = found.record
         except psycopg.errors.UniqueViolation as exc:
             raise ValueError(f"task id {task_id} is already in the ledger ({_first_line(exc)})") from exc
         except psycopg.IntegrityError as exc:
@@ -453,6 +536,37 @@ class PostgresLedger:
         if held:
             self._hold(task_id, 1)
         return record, True
+
+    @contextlib.contextmanager
+    def _recorded_or_lost(self, task_id: str, params: dict) -> Iterator[psycopg.Connection]:
+        """``create``'s transaction. When its connection is lost, the COMMIT may have reached the
+        server before it: the row is read again by its id on a fresh connection, and found
+        (written by this create: same body and options) it raises _AlreadyRecorded with it. Not
+        found: the LedgerUnavailable as it was; unreadable: one that says the outcome is unknown."""
+        try:
+            with self._conn(f"record task {task_id}") as conn:
+                yield conn
+        except LedgerUnavailable as exc:
+            if not _connection_lost(exc.__cause__):
+                raise
+            try:
+                with self._conn(f"read back task {task_id}", transaction=False) as conn:
+                    row = conn.execute(f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,),
+                                       binary=True).fetchone()
+            except LedgerUnavailable as again:
+                unknown = LedgerUnavailable(
+                    f"{exc}; whether task {task_id} was recorded is unknown (the connection was lost during its "
+                    f"COMMIT, and reading it back failed: {again}); resend it with an Idempotency-Key to be sure "
+                    "it runs once")
+                unknown.outcome_unknown = True
+                raise unknown from exc
+            if row is None:
+                raise
+            found = _record(row, True)
+            if found.body_sha256 != params["sha"] or _dumps(found.config) != params["config"]:
+                raise  # (another task of that id: cannot be, ids are random; the 503 stands)
+            log.warning("task recorded although its connection was lost during COMMIT", extra={"task_id": task_id})
+            raise _AlreadyRecorded(found) from None
 
     # A write of a task's row is one statement, its fence in its WHERE: a task this replica holds
     # is written only under its owner and epoch; any other only while no other replica's lease
@@ -464,35 +578,45 @@ class PostgresLedger:
         with self._held_lock:
             return self._held.get(task_id)
 
-    def _refused(self, conn: psycopg.Connection, task_id: str, writing: str) -> None:
+    def _refused(self, conn: psycopg.Connection, task_id: str, writing: str, epoch: int | None = None) -> None:
         """Raise why a fenced write of ``task_id`` updated nothing (KeyError, AlreadyFinished,
-        LeaseLost); return when the row has become writable meanwhile (write again)."""
+        LeaseLost); return when the row has become writable meanwhile (write again). ``epoch``:
+        the attempt's, which only its own lease lets write."""
         row = conn.execute(f"SELECT {_LOCK_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,)).fetchone()
         if row is None:
             raise KeyError(task_id)
         if row[1] in FINISHED:
             raise AlreadyFinished(self._summary(conn, task_id))
+        if epoch is not None:
+            _, _, _, owner, _, claims, _ = row
+            if owner == self.owner and claims == epoch:
+                return
+            self._unhold(task_id, epoch)
+            raise LeaseLost(task_id, f"{writing} of task {task_id} refused: this attempt's lease (epoch {epoch}) has "
+                            f"passed to {owner or 'nobody (queued again)'} (epoch {claims})")
         self._lease_for(row, writing)
 
-    def mark_running(self, task_id: str, device: str | None = None) -> None:
+    def mark_running(self, task_id: str, device: str | None = None, epoch: int | None = None) -> None:
         """queued (or running, re-run after a replica stopped) -> running; sets started_at (server
-        clock) and takes the task's lease for this replica (LeaseLost if another holds it)."""
+        clock). With ``epoch`` (the attempt's lease): only under that lease, else LeaseLost;
+        without one, takes the task's lease for this replica (LeaseLost if another holds it)."""
         for _ in range(3):
             with self._conn(f"mark task {task_id} running", transaction=False) as conn:
-                if self._set_running(conn, [(task_id, device, None)]):
+                if self._set_running(conn, [(task_id, device, None, epoch)]):
                     return
-                self._refused(conn, task_id, "marking running")
+                self._refused(conn, task_id, "marking running", epoch)
         raise LedgerUnavailable(f"cannot mark task {task_id} running: its lease kept changing hands")
 
-    def mark_running_many(self, started: list[tuple[str, str | None, float]]) -> list[str]:
-        """``(task id, device, started_at)`` of tasks a launch started, in one statement: each
-        unfinished one this replica may hold -> running, as ``mark_running``. Returns the ids it
-        left alone (unknown, finished meanwhile, or held by another replica)."""
+    def mark_running_many(self, started: list[tuple]) -> list[str]:
+        """``(task id, device, started_at[, epoch])`` of tasks a launch started, in one statement:
+        each unfinished one this replica may hold -> running, as ``mark_running``. Returns the ids
+        it left alone (unknown, finished meanwhile, or held by another replica)."""
         if not started:
             return []
+        started = [(t[0], t[1], t[2], t[3] if len(t) > 3 else None) for t in started]
         with self._conn(f"mark {len(started)} task(s) running", transaction=False) as conn:
             marked = self._set_running(conn, started)
-        skipped = [task_id for task_id, _, _ in started if task_id not in marked]
+        skipped = [t[0] for t in started if t[0] not in marked]
         for task_id in skipped:
             if self._epoch(task_id) is not None:
                 log.warning("task not marked running: its lease has passed to another replica",
@@ -500,9 +624,9 @@ class PostgresLedger:
                 self._unhold(task_id)
         return skipped
 
-    def _set_running(self, conn: psycopg.Connection, started: list[tuple[str, str | None, float | None]]) -> set[str]:
-        ids = [t for t, _, _ in started]
-        epochs = [self._epoch(t) for t in ids]
+    def _set_running(self, conn: psycopg.Connection, started: list[tuple]) -> set[str]:
+        ids = [t[0] for t in started]
+        epochs = [t[3] if t[3] is not None else self._epoch(t[0]) for t in started]
         rows = conn.execute(
             "UPDATE rev88_tasks t SET status = 'running',"
             f" started_at = COALESCE(s.started_at, {NOW}), device = COALESCE(s.device, t.device),"
@@ -514,18 +638,19 @@ class PostgresLedger:
             "   THEN t.lease_owner = %(owner)s AND t.claims = s.epoch"
             f"  ELSE {self._FENCE_FREE} END"
             " RETURNING t.id, t.claims",
-            {"owner": self.owner, "lease": self.lease_s, "ids": ids, "devices": [d for _, d, _ in started],
-             "started": [a for _, _, a in started], "epochs": epochs}).fetchall()
+            {"owner": self.owner, "lease": self.lease_s, "ids": ids, "devices": [t[1] for t in started],
+             "started": [t[2] for t in started], "epochs": epochs}).fetchall()
         for task_id, epoch in rows:
             self._hold(task_id, epoch)
         return {r[0] for r in rows}
 
     def finish(self, task_id: str, status: str, answer: dict | None = None,
                error: dict | None = None, answer_json: bytes | None = None,
-               with_answer: bool = True, input_hashes: dict | None = None) -> TaskRecord:
+               with_answer: bool = True, input_hashes: dict | None = None, epoch: int | None = None) -> TaskRecord:
         """Record the outcome and delete the task's input, in one statement, then apply
         retention. KeyError for an unknown task, AlreadyFinished for a finished one, LeaseLost
-        when another replica holds (or has taken over) its lease: fenced by owner and epoch."""
+        when another replica holds (or has taken over) its lease: fenced by owner and epoch (the
+        attempt's ``epoch`` when given: then only that lease writes, whoever holds the task now)."""
         check_outcome(status, answer, error, answer_json)
         blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
         sha, run_ms, energy_j = _answer_columns(answer)
@@ -534,8 +659,9 @@ class PostgresLedger:
                   "bytes": len(blob or b""), "json_bytes": json_bytes, "error": None if error is None else _dumps(error),
                   "sha": sha, "run_ms": run_ms, "energy_j": energy_j, "owner": self.owner, "id": task_id,
                   "hashes": None if input_hashes is None else _dumps(input_hashes)}
+        attempt = epoch
         for _ in range(3):
-            params["epoch"] = epoch = self._epoch(task_id)
+            params["epoch"] = epoch = attempt if attempt is not None else self._epoch(task_id)
             with self._conn(f"record the result of task {task_id}", transaction=False) as conn:
                 done = conn.execute(
                     f"WITH done AS (UPDATE rev88_tasks t SET status = %(status)s, finished_at = {NOW},"
@@ -548,13 +674,13 @@ class PostgresLedger:
                     " gone AS (DELETE FROM rev88_task_inputs WHERE task_id = %(id)s AND EXISTS (SELECT 1 FROM done))"
                     " SELECT * FROM done", params, binary=True).fetchone()
                 if done is None:
-                    self._refused(conn, task_id, "the result")
+                    self._refused(conn, task_id, "the result", attempt)
                     continue
             record = _record(done, with_answer)
             break
         else:
             raise LedgerUnavailable(f"cannot record the result of task {task_id}: its lease kept changing hands")
-        self._unhold(task_id)
+        self._unhold(task_id, attempt)
         if self._totals is not None:
             self._totals = (self._totals[0] + 1, self._totals[1] + len(blob or b""))
         self._retain(keep=task_id)
@@ -644,9 +770,8 @@ class PostgresLedger:
     # ------------------------------------------------------------------ reads
 
     def get(self, task_id: str) -> TaskRecord | None:
-        with self._conn(f"read task {task_id}", transaction=False) as conn:
-            row = conn.execute(f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,),
-                               binary=True).fetchone()
+        row = self._read(f"read task {task_id}", lambda conn: conn.execute(
+            f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,), binary=True).fetchone())
         return None if row is None else _record(row, True)
 
     def list(self, limit: int = 50, cursor: str | None = None,
@@ -667,8 +792,7 @@ class PostgresLedger:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, id DESC LIMIT %s"
         args.append(limit + 1)
-        with self._conn("list tasks", transaction=False) as conn:
-            rows = conn.execute(sql, args, binary=True).fetchall()
+        rows = self._read("list tasks", lambda conn: conn.execute(sql, args, binary=True).fetchall())
         records = [_record(row, False) for row in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:
@@ -678,9 +802,9 @@ class PostgresLedger:
 
     def unfinished(self) -> list[TaskRecord]:
         """Queued and running tasks, oldest first (every replica's)."""
-        with self._conn("list unfinished tasks", transaction=False) as conn:
-            rows = conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM rev88_tasks WHERE status IN ('queued', 'running')"
-                                " ORDER BY created_at, id", binary=True).fetchall()
+        rows = self._read("list unfinished tasks", lambda conn: conn.execute(
+            f"SELECT {SUMMARY_COLUMNS} FROM rev88_tasks WHERE status IN ('queued', 'running') ORDER BY created_at, id",
+            binary=True).fetchall())
         return [_record(row, False) for row in rows]
 
     def load_upload(self, task_id: str) -> bytes:
@@ -694,20 +818,19 @@ class PostgresLedger:
         """The stored npz of each task that has one (one query)."""
         if not task_ids:
             return {}
-        with self._conn(f"read the upload of {len(task_ids)} task(s)", transaction=False) as conn:
-            rows = conn.execute("SELECT task_id, body FROM rev88_task_inputs WHERE task_id = ANY(%s)",
-                                (list(task_ids),), binary=True).fetchall()
+        rows = self._read(f"read the upload of {len(task_ids)} task(s)", lambda conn: conn.execute(
+            "SELECT task_id, body FROM rev88_task_inputs WHERE task_id = ANY(%s)", (list(task_ids),),
+            binary=True).fetchall())
         return {task_id: bytes(body) for task_id, body in rows}
 
     def queue_depth(self) -> dict[str, int]:
         """The shared queue (asynchronous tasks of every replica): queued and not claimed,
         claimed and not yet started, running. One count for the whole deployment."""
-        with self._conn("count the shared queue", transaction=False) as conn:
-            free, claimed, running = conn.execute(
-                "SELECT count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NULL),"
-                " count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NOT NULL),"
-                " count(*) FILTER (WHERE status = 'running')"
-                " FROM rev88_tasks WHERE status IN ('queued', 'running') AND mode = 'async'").fetchone()
+        free, claimed, running = self._read("count the shared queue", lambda conn: conn.execute(
+            "SELECT count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NULL),"
+            " count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NOT NULL),"
+            " count(*) FILTER (WHERE status = 'running')"
+            " FROM rev88_tasks WHERE status IN ('queued', 'running') AND mode = 'async'").fetchone())
         stats = {"queued": free + claimed, "unclaimed": free, "claimed": claimed, "running": running,
                  "at": time.time()}
         self._queue_stats = stats
@@ -715,7 +838,7 @@ class PostgresLedger:
 
     def counts(self) -> dict:
         """Tasks per status, stored answer and input bytes, the shared queue, the pool, schema."""
-        with self._conn("count tasks", transaction=False) as conn:
+        def count(conn: psycopg.Connection) -> tuple:
             per_status = dict(conn.execute("SELECT status, count(*) FROM rev88_tasks GROUP BY status").fetchall())
             stored, json_bytes = conn.execute(
                 "SELECT COALESCE(sum(answer_bytes), 0), COALESCE(sum(answer_json_bytes), 0) FROM rev88_tasks"
@@ -725,6 +848,9 @@ class PostgresLedger:
             version = conn.execute("SELECT max(version) FROM rev88_schema").fetchone()[0]
             db_bytes = conn.execute("SELECT pg_total_relation_size('rev88_tasks')"
                                     " + pg_total_relation_size('rev88_task_inputs')").fetchone()[0]
+            return per_status, stored, json_bytes, inputs, input_bytes, version, db_bytes
+
+        per_status, stored, json_bytes, inputs, input_bytes, version, db_bytes = self._read("count tasks", count)
         queue = self.queue_depth()
         return {
             "tasks": {name: per_status.get(name, 0) for name in STATUSES},
@@ -783,15 +909,23 @@ class PostgresLedger:
             self._hold(c.record.id, c.epoch)
         return claims
 
-    def renew(self) -> Renewal:
-        """Extend every lease this replica holds by ``lease_s`` (server clock). Leases that no
-        longer carry this replica's owner and epoch are dropped and reported lost."""
+    def renew(self, attempts: dict[str, int] | None = None) -> Renewal:
+        """Extend by ``lease_s`` (server clock) the leases of ``attempts`` (task id -> the epoch
+        its attempt here runs under: the SharedQueue's live attempts), on the upkeep connection;
+        default every lease this replica holds. A held lease not among ``attempts`` has no live
+        attempt here: it is dropped (not renewed: it is released, or expires and is reaped).
+        Leases that no longer carry this replica's owner and epoch are dropped and reported lost."""
         with self._held_lock:
-            snapshot = dict(self._held)
+            if attempts is None:
+                snapshot = dict(self._held)
+            else:
+                snapshot = dict(attempts)
+                for task_id in [t for t in self._held if t not in snapshot]:
+                    del self._held[task_id]
         if not snapshot:
             return Renewal([], [], [])
         ids = list(snapshot)
-        with self._conn(f"renew {len(ids)} lease(s)", transaction=False) as conn:
+        with self.upkeep(f"renew {len(ids)} lease(s)") as conn:
             rows = conn.execute(
                 f"UPDATE rev88_tasks t SET lease_expires_at = {NOW} + %(lease)s"
                 " FROM unnest(%(ids)s::text[], %(epochs)s::int[]) AS h(id, epoch)"
@@ -804,9 +938,14 @@ class PostgresLedger:
         lost = []
         with self._held_lock:
             for task_id, epoch in snapshot.items():
-                # still held under the same epoch after the update (not finished here meanwhile): lost
-                if task_id not in renewed and self._held.get(task_id) == epoch:
+                if task_id in renewed:
+                    continue
+                if self._held.get(task_id) == epoch:
                     del self._held[task_id]
+                    lost.append(task_id)  # still held under that epoch here, not renewed: lost
+                elif attempts is not None:
+                    # an attempt not renewed (finished here meanwhile, or its lease reaped, or the
+                    # task claimed again): the caller, which knows whether it still runs, decides
                     lost.append(task_id)
         return Renewal(sorted(renewed), lost, sorted(task_id for task_id, cancel in rows if cancel))
 
@@ -923,6 +1062,11 @@ class PostgresLedger:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        with self._upkeep_lock:
+            upkeep, self._upkeep_conn = self._upkeep_conn, None
+        if upkeep is not None:
+            with contextlib.suppress(Exception):
+                upkeep.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             with contextlib.suppress(Exception):

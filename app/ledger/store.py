@@ -136,7 +136,12 @@ class LedgerError(Exception):
 
 
 class LedgerUnavailable(LedgerError):
-    """A read or write of the ledger failed at run time (disk full, I/O error, ...): answer 503."""
+    """A read or write of the ledger failed at run time (disk full, I/O error, ...): answer 503.
+    ``outcome_unknown``: a write whose COMMIT may have reached the database before the connection
+    was lost, and whose row could not be read back to tell (its 503 says so: a retry without an
+    Idempotency-Key might record the task twice)."""
+
+    outcome_unknown = False
 
 
 class IdempotencyConflict(Exception):
@@ -666,8 +671,9 @@ class Ledger:
             raise AlreadyFinished(record)
         return record
 
-    def mark_running(self, task_id: str, device: str | None = None) -> None:
-        """queued (or running, after a restart re-queued it) -> running; sets started_at."""
+    def mark_running(self, task_id: str, device: str | None = None, epoch: int | None = None) -> None:
+        """queued (or running, after a restart re-queued it) -> running; sets started_at.
+        (``epoch``: a shared ledger's lease fence; one replica has no leases.)"""
         with self._write(f"mark task {task_id} running") as conn:
             self._unfinished_record(conn, task_id)
             self._set_running(conn, task_id, device, time.time())
@@ -680,13 +686,13 @@ class Ledger:
             (started_at, device, task_id),
         )
 
-    def mark_running_many(self, started: list[tuple[str, str | None, float]]) -> list[str]:
-        """``(task id, device, started_at)`` of tasks a launch started, in one transaction: each
-        unfinished one -> running, as ``mark_running``. Returns the ids it left alone (unknown,
-        or finished meanwhile: cancelled before its run began, say)."""
+    def mark_running_many(self, started: list[tuple]) -> list[str]:
+        """``(task id, device, started_at[, epoch])`` of tasks a launch started, in one
+        transaction: each unfinished one -> running, as ``mark_running``. Returns the ids it left
+        alone (unknown, or finished meanwhile: cancelled before its run began, say)."""
         skipped = []
         with self._write(f"mark {len(started)} task(s) running") as conn:
-            for task_id, device, started_at in started:
+            for task_id, device, started_at, *_ in started:
                 try:
                     self._unfinished_record(conn, task_id)
                 except (KeyError, AlreadyFinished):
@@ -697,9 +703,10 @@ class Ledger:
 
     def finish(self, task_id: str, status: str, answer: dict | None = None,
                error: dict | None = None, answer_json: bytes | None = None,
-               with_answer: bool = True, input_hashes: dict | None = None) -> TaskRecord:
+               with_answer: bool = True, input_hashes: dict | None = None, epoch: int | None = None) -> TaskRecord:
         """Record the outcome (succeeded: the answer; failed: the error; cancelled: the error if
-        any), delete the upload, then apply retention. KeyError for an unknown task,
+        any), delete the upload, then apply retention (``epoch``: ignored, as by ``mark_running``).
+        KeyError for an unknown task,
         AlreadyFinished for a finished one. ``answer_json``: ``answer`` already encoded as JSON
         (stored as given); ``with_answer=False`` returns the record without reading the stored
         answer back (the caller has it); ``input_hashes``: the task's, where ``create`` had none."""

@@ -51,9 +51,10 @@ class LedgerWriter:
         self._unwritten = 0  # ``finished`` records handed over and not yet written
         self._count_lock = threading.Lock()
 
-    def started(self, task_id: str, device: str | None, started_at: float) -> None:
-        """From a device worker: returns at once; the task is marked running soon after."""
-        self._queue.put(("running", (task_id, device, started_at)))
+    def started(self, task_id: str, device: str | None, started_at: float, epoch: int | None = None) -> None:
+        """From a device worker: returns at once; the task is marked running soon after
+        (``epoch``: its attempt's lease, with a shared ledger)."""
+        self._queue.put(("running", (task_id, device, started_at, epoch)))
 
     def finished(self, task: FinishedTask, linger: bool = True) -> concurrent.futures.Future:
         """A finished task's only record (``Ledger.add_finished``), in the next group commit
@@ -139,14 +140,14 @@ class LedgerWriter:
             if item[0] != "finished":
                 return
 
-    def _mark(self, running: list[tuple[str, str | None, float]]) -> None:
+    def _mark(self, running: list[tuple]) -> None:
         if not running:
             return
         try:
             self.ledger.mark_running_many(running)
             self.batches += 1
         except Exception as exc:  # noqa: BLE001 - the runs go on; their results are still recorded
-            log.error("could not record tasks as running", extra={"tasks": [t for t, _, _ in running],
+            log.error("could not record tasks as running", extra={"tasks": [t[0] for t in running],
                                                                   "error": str(exc)})
 
     def _add(self, finished: list[tuple[FinishedTask, concurrent.futures.Future]]) -> None:

@@ -11,11 +11,20 @@ replica-side machinery, built by the service beside the ``TaskRunner`` and drivi
               whole launch) under leases; each task is queued on the local workers and settled
               as any asynchronous task. A task offered by this replica is run from the arrays it
               already parsed; any other from its stored npz.
-    renew     every ``REV88_LEASE_RENEW_S``: every lease held here is extended; a task whose
-              lease was lost (it expired and another replica took the task over) is stopped
-              here, its late result would be refused anyway (fencing); a held task whose
-              cancellation was requested through another replica is stopped and recorded
-              cancelled.
+    attempts  every task queued here under a lease (a claim, or a synchronous task recorded
+              here) is an attempt with that lease's epoch, from its queueing until its settling
+              ends, recorded or not (``attempt_began``/``attempt_ended``, called by the runner);
+              each of its writes is fenced by that epoch. A claim that never becomes an attempt
+              (its input cannot be read or parsed, the queue refuses it, an older attempt of the
+              task still runs here) is released at once, or, with the database away, left to
+              expire: nothing holds a lease that no attempt here uses.
+    renew     every ``REV88_LEASE_RENEW_S``, on a thread (``rev88-leases``) and a database
+              connection of their own (not the pool, not asyncio's threads: request traffic
+              cannot starve it; timeouts of a quarter lease): the leases of the live attempts, and
+              only those, are extended; an attempt whose lease was lost (it expired and was reaped
+              or taken over) is stopped here, its late result would be refused anyway (fencing);
+              a held task whose cancellation was requested through another replica is stopped and
+              recorded cancelled.
     reap      every ``REV88_CLAIM_POLL_S``: expired leases, any replica's, queued again or
               failed (``ledger.reap``); the shared queue depth is counted for /metrics.
     listen    a thread LISTENs for the ledger's notifications: a queued task wakes the
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import threading
 import time
@@ -43,6 +53,7 @@ from learner.taskio import load_task
 
 from ..errors import QueueFull
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
+from ..threads import name_os_thread
 from .runner import Accepted, TaskRunner
 
 log = logging.getLogger("rev88." + __name__)
@@ -78,6 +89,9 @@ class SharedQueue:
         self._tasks: list[asyncio.Task] = []
         self._stop_listening = threading.Event()
         self._listener: threading.Thread | None = None
+        self._attempts: dict[str, Accepted] = {}  # task id -> the attempt running it here under a lease
+        self._attempts_lock = threading.Lock()
+        self._keeper: threading.Thread | None = None  # the lease renewals' thread
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -95,7 +109,9 @@ class SharedQueue:
         self._listener = threading.Thread(target=self.ledger.listen, args=(self._notified, self._stop_listening),
                                           name="rev88-listen", daemon=True)
         self._listener.start()
-        for loop in (self._claim_loop, self._renew_loop, self._maintain_loop):
+        self._keeper = threading.Thread(target=self._keep_leases, name="rev88-leases", daemon=True)
+        self._keeper.start()
+        for loop in (self._claim_loop, self._maintain_loop):
             self._tasks.append(asyncio.create_task(loop(), name=f"rev88-{loop.__name__.strip('_')}"))
         self.wake()
         return counts
@@ -108,7 +124,9 @@ class SharedQueue:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        held = self.ledger.held()
+        if self._keeper is not None:
+            await asyncio.to_thread(self._keeper.join, 5.0)
+        held = sorted(set(self.ledger.held()) | set(self.live_attempts()))
         if held:
             try:
                 released = await asyncio.to_thread(self.ledger.release, held)
@@ -208,27 +226,54 @@ class SharedQueue:
             if not claims:
                 break
             self.counters["claimed"] += len(claims)
+            queued += await self._queue_claims(claims)
+        return queued
+
+    async def _queue_claims(self, claims: list) -> int:
+        """Each claim becomes an attempt queued here, or its lease is given back (whatever fails on
+        the way: reading or parsing its input, the queue, the database)."""
+        attempts: set[str] = set()
+        try:
             stored = [c.record.id for c in claims if c.record.id not in self.offered]
             bodies = await asyncio.to_thread(self.ledger.load_uploads, stored) if stored else {}
             for claim in claims:
-                acc = self._take_offered(claim.record.id)
+                task_id = claim.record.id
+                if task_id in self.runner.pending:  # an older attempt of it still runs here: not twice
+                    log.warning("claimed a task an older attempt here still runs; its lease is given back",
+                                extra={"task_id": task_id})
+                    continue
+                acc = self._take_offered(task_id)
                 if acc is None:
-                    acc = await self._from_stored(claim.record, bodies.get(claim.record.id))
+                    acc = await self._from_stored(claim.record, bodies.get(task_id), claim.epoch)
                     if acc is None:
                         continue
                     self.counters["from_stored_input"] += 1
+                acc.epoch = claim.epoch
                 try:
                     self.runner.queue(acc, reserved=True)
                 except Exception as exc:  # noqa: BLE001 - e.g. a drain began: let another replica run it
+                    acc.epoch = None
                     log.warning("claimed task not queued here; its lease is given back",
-                                extra={"task_id": acc.task_id, "error": str(exc)})
-                    await asyncio.to_thread(self.ledger.release, [acc.task_id])
+                                extra={"task_id": task_id, "error": str(exc)})
                     continue
+                attempts.add(task_id)
                 self.runner.settle_in_background(acc)
-                queued += 1
-        return queued
+        finally:
+            await self._give_back([c.record.id for c in claims if c.record.id not in attempts])
+        return len(attempts)
 
-    async def _from_stored(self, record: TaskRecord, body: bytes | None) -> Accepted | None:
+    async def _give_back(self, task_ids: list[str]) -> None:
+        """Release claims no attempt here runs (queued again at once, no expiry counted); with the
+        database away they are only forgotten here, and expire."""
+        if not task_ids:
+            return
+        try:
+            released = await asyncio.to_thread(self.ledger.release, task_ids)
+            self.counters["released"] += len(released)
+        except LedgerUnavailable as exc:
+            self._failed("give back claims", exc)
+
+    async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Accepted | None:
         """A claimed task accepted by another replica, from its stored npz; a task that cannot be
         re-run from it is failed, loudly."""
         try:
@@ -239,8 +284,8 @@ class SharedQueue:
         except Exception as exc:  # noqa: BLE001
             log.error("cannot run a claimed task", extra={"task_id": record.id, "error": str(exc)})
             try:
-                await asyncio.to_thread(self.ledger.finish, record.id, "failed", None, {
-                    "status": 500, "error": f"could not run the task from its stored input: {exc}"})
+                await asyncio.to_thread(functools.partial(self.ledger.finish, record.id, "failed", None, {
+                    "status": 500, "error": f"could not run the task from its stored input: {exc}"}, epoch=epoch))
             except (LeaseLost, AlreadyFinished, LedgerUnavailable) as exc2:
                 log.warning("could not record the claimed task's failure", extra={"task_id": record.id,
                                                                                     "error": str(exc2)})
@@ -252,25 +297,60 @@ class SharedQueue:
 
     # ------------------------------------------------------------------ leases
 
-    async def _renew_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.renew_s)
+    def attempt_began(self, acc: Accepted) -> None:
+        """(the runner, as it queues a task under a lease) Its lease is renewed while it lives."""
+        with self._attempts_lock:
+            self._attempts[acc.task_id] = acc
+
+    def attempt_ended(self, acc: Accepted) -> None:
+        """(the runner, as its settling ends, recorded or not) Its lease is renewed no more."""
+        with self._attempts_lock:
+            if self._attempts.get(acc.task_id) is acc:
+                del self._attempts[acc.task_id]
+
+    def live_attempts(self) -> dict[str, int]:
+        """task id -> the epoch of the attempt running it here (thread-safe)."""
+        with self._attempts_lock:
+            return {task_id: acc.epoch for task_id, acc in self._attempts.items() if acc.epoch is not None}
+
+    def _keep_leases(self) -> None:
+        """The ``rev88-leases`` thread: every ``renew_s``, the live attempts' leases renewed on the
+        ledger's upkeep connection; what it found handed to the loop."""
+        name_os_thread("rev88-leases")
+        while not self._stop_listening.wait(self.renew_s):
+            attempts = self.live_attempts()
             try:
-                renewal = await asyncio.to_thread(self.ledger.renew)
-                self._ok()
+                renewal = self.ledger.renew(attempts)
             except LedgerUnavailable as exc:
-                self._failed("renew leases", exc)
+                self._to_loop(self._failed, "renew leases", exc)
                 continue
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the thread must go on
                 log.exception("renewing leases failed")
                 continue
-            for task_id in renewal.lost:
-                self.counters["leases_lost"] += 1
-                log.warning("lease lost: the task runs on another replica now; stopping it here",
-                            extra={"task_id": task_id})
-                self._stop_here(task_id, "lease", "lost its lease to another replica (it expired)")
-            for task_id in renewal.cancel:
-                self._cancel_here(task_id)
+            self._to_loop(self._renewed, renewal, attempts)
+
+    def _to_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _renewed(self, renewal: Any, attempts: dict[str, int]) -> None:
+        """(the loop) A renewal's findings: attempts whose lease was lost are stopped here."""
+        self._ok()
+        for task_id in renewal.lost:
+            with self._attempts_lock:
+                acc = self._attempts.get(task_id)
+            if acc is None or acc.epoch != attempts.get(task_id):
+                continue  # (it finished here meanwhile)
+            self.counters["leases_lost"] += 1
+            log.warning("lease lost: the task runs on another replica now, or is queued again; stopping it here",
+                        extra={"task_id": task_id, "epoch": acc.epoch})
+            self._stop_here(task_id, "lease", "lost its lease (it expired and was reaped or taken over)")
+        for task_id in renewal.cancel:
+            self._cancel_here(task_id)
 
     def _stop_here(self, task_id: str, why: str, reason: str) -> bool:
         acc = self.runner.pending.get(task_id)
@@ -356,7 +436,7 @@ class SharedQueue:
         return {
             "slots": self.slots,
             "in_flight_here": self.runner.executor.in_flight(),
-            "leases_held": len(self.ledger.held()),
+            "leases_held": len(self.live_attempts()),
             "offered_cached": len(self.offered),
             "offered_cached_bytes": self.offered_bytes,
             "limit": self.limit,

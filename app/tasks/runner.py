@@ -117,6 +117,10 @@ class Accepted:
     # set on the device worker as its job starts: the queue's wait and the start (time.monotonic)
     queue_wait_s: float = 0.0
     started_mono: float | None = None
+    # A shared ledger's lease this attempt runs under (its claim's epoch, or 1 for a synchronous
+    # task recorded here): every write of its row is fenced by it, and it is renewed only while
+    # this attempt lives (app/tasks/claims.py). None: no lease (SQLite, a deferred task).
+    epoch: int | None = None
 
     @property
     def kind(self) -> str:
@@ -210,13 +214,16 @@ class TaskRunner:
         """Write the task to the ledger (blocking: call it in a thread). ``body`` makes it durable.
         A synchronous task's input hashes are still being computed beside it: they are recorded
         when it finishes (``settle``)."""
-        return self.ledger.create(
+        record, created = self.ledger.create(
             task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
             options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
             body_sha256=body_sha256, body_bytes=body_bytes,
             input_hashes=input_hashes(acc.task) if acc.mode == "async" else None,
             body=body, idempotency_key=idempotency_key,
         )
+        if created and self.shared is not None and acc.mode == "sync":  # held here from its creation
+            acc.epoch = self.ledger.held_epoch(acc.task_id)
+        return record, created
 
     def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
         """How a task job may share a launch with queued tasks of its launch key
@@ -240,7 +247,7 @@ class TaskRunner:
             if acc.deferred:
                 acc.started_at, acc.device = time.time(), job.worker
             else:
-                self.writer.started(acc.task_id, job.worker, time.time())
+                self.writer.started(acc.task_id, job.worker, time.time(), acc.epoch)
 
         if acc.measure is not None:
             arguments = acc.measure
@@ -270,6 +277,8 @@ class TaskRunner:
         acc.job = job
         if self.shared is not None:  # a worker frees up when it ends: claim more
             job.future.add_done_callback(self.shared.job_done)
+            if acc.epoch is not None:  # its lease is renewed while this attempt lives (until settle ends)
+                self.shared.attempt_began(acc)
         return job
 
     def _parse_late(self, acc: Accepted) -> TaskArrays:
@@ -297,6 +306,8 @@ class TaskRunner:
         finally:
             if acc.finished is None:  # (else its group commit takes it out: _committed)
                 self.pending.pop(acc.task_id, None)
+            if self.shared is not None and acc.epoch is not None:
+                self.shared.attempt_ended(acc)  # recorded or not, this attempt no longer renews its lease
             # The job's closures hold ``acc`` (its arrays, megabytes): without this link back the
             # pair is a reference cycle, freed only by the cyclic GC's next full pass, not here.
             acc.job = None
@@ -327,7 +338,7 @@ class TaskRunner:
             content = settled.json()
             await self._write_outcome(acc, lambda: self.ledger.finish(  # the hashes on the writer thread,
                 acc.task_id, "succeeded", settled.body, None, content, False,  # never waited for on the loop
-                input_hashes(acc.task)))
+                input_hashes(acc.task), epoch=acc.epoch))
         except Exception as exc:  # noqa: BLE001 - the answer stands, whatever the ledger says
             if _unrecorded(acc, exc):
                 settled.headers["X-Ledger-Error"] = str(exc)[:200]
@@ -459,7 +470,8 @@ class TaskRunner:
                     await asyncio.wrap_future(write)
             else:
                 await self._write_outcome(acc, lambda: self.ledger.finish(acc.task_id, status, None, error,
-                                                                          input_hashes=input_hashes(acc.task)))
+                                                                          input_hashes=input_hashes(acc.task),
+                                                                          epoch=acc.epoch))
         except LeaseLost as exc2:
             log.warning("outcome refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc2)})
         except AlreadyFinished:
@@ -468,11 +480,13 @@ class TaskRunner:
             log.error("could not record the failure in the ledger", extra={"task_id": acc.task_id, "error": str(exc2)})
 
     async def _write_outcome(self, acc: Accepted, write: Callable[[], Any]) -> Any:
-        """``write`` on the ledger writer's thread. With a shared ledger an asynchronous task's
-        outcome is retried while the database is unavailable (``record_retry_s``): its lease, if
-        still this replica's when the database answers, keeps the result; if not, the write is
-        refused (LeaseLost) and the task's new holder records it."""
-        deadline = time.monotonic() + (self.record_retry_s if self.shared is not None and acc.mode == "async" else 0)
+        """``write`` on the ledger writer's thread. With a shared ledger a task's outcome is
+        retried while the database is unavailable (``record_retry_s``), its lease renewed
+        meanwhile (the attempt lives until ``settle`` ends): if still this attempt's when the
+        database answers, it keeps the result; if not, the write is refused (LeaseLost) and the
+        task's new holder records it. (A synchronous task's answer waits for its record: a 200
+        is never followed by a record that says it failed.)"""
+        deadline = time.monotonic() + (self.record_retry_s if self.shared is not None else 0)
         delay = 0.25
         while True:
             try:
