@@ -153,6 +153,8 @@ def error_answer(exc: BaseException, request_id: str | None) -> tuple[int, dict[
         status, body = 422, {"error": str(exc), "type": "BackendUnavailable"}
     elif isinstance(exc, LedgerUnavailable):
         status, body, headers = 503, {"error": f"the task ledger is unavailable: {exc}"}, {"Retry-After": "5"}
+        if exc.outcome_unknown:  # (its COMMIT may have gone through: a retry needs an Idempotency-Key)
+            body["accepted"] = "unknown"
     else:
         log.error("unexpected error", exc_info=exc)
         status, body = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}

@@ -33,7 +33,10 @@ date: the seconds until then; a date in the past is 0); without a usable ``Retry
 1 s, then 2, 4, 8 ... (``DEFAULT_RETRY_WAIT_S * 2**retry``). Every wait is capped at ``max_wait``
 (default 120 s), so ``retries`` waits take at most ``retries * max_wait``. Nothing else is retried:
 not a connection failure, not a timeout, not another status. A refused 503 was not accepted, so
-retrying a POST never trains a task twice (an ``Idempotency-Key`` makes any resubmission safe).
+retrying a POST never trains a task twice (an ``Idempotency-Key`` makes any resubmission safe) --
+except a 503 whose body says ``"accepted": "unknown"`` (the shared ledger lost its database
+connection during the task's commit and could not read it back): that one is retried only when
+the request carries an Idempotency-Key; without one it is raised (``Unavailable``) at once.
 
 ``wait`` polls every 0.1 s at first, the interval growing by half each time to at most 2 s.
 
@@ -145,6 +148,15 @@ class BadAnswer(ClientError):
 
 
 # --------------------------------------------------------------------------- the retry policy
+
+
+def _outcome_unknown(response: httpx.Response) -> bool:
+    """A 503 that says the task may have been recorded after all (``"accepted": "unknown"``)."""
+    try:
+        doc = response.json()
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("accepted") == "unknown"
 
 
 def retry_after_seconds(value: str | None, attempt: int = 0, cap: float = MAX_RETRY_WAIT_S) -> float:
@@ -536,6 +548,8 @@ class _Core:
             response = yield call
             if response.status_code != 503 or not call.retry or attempt == self.retries:
                 return response
+            if _outcome_unknown(response) and "Idempotency-Key" not in (call.headers or {}):
+                return response  # it may have been recorded: resending it could train it twice
             wait = retry_after_seconds(response.headers.get("Retry-After"), attempt, self.max_wait)
             busy = _http_error(response, call, self.retries)
             if self.on_retry is not None:

@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = DATA_DIR / "mnist"  # the repository's own copy (data/README.md)
 REFERENCE_DIR = DATA_DIR / "reference"
 DRAW0_SEED = 2026091400
+# The one factor for the few bounds a test must put on elapsed time (a notification "within a
+# moment", a read that did not wait for a lock): REV88_TEST_TIME_SCALE=3 on a machine three times slower.
+TIME_SCALE = float(__import__("os").environ.get("REV88_TEST_TIME_SCALE") or 1.0)
 
 
 def small_task(n: int = 19, m: int = 7, seed: int = 0):
@@ -24,3 +27,29 @@ def small_task(n: int = 19, m: int = 7, seed: int = 0):
         rng.integers(0, 10, n).astype(np.int64),
         rng.random((m, 1, 9, 9), dtype=np.float32),
     )
+
+
+# --------------------------------------------------------------------------- the tests that need a server or a browser
+
+REQUIRE_ENV = "REV88_TEST_REQUIRE"  # comma-separated: postgres, browser (`make test` and .ci/run set both)
+
+
+def required(kind: str) -> bool:
+    """Whether tests of ``kind`` ("postgres", "browser") must run here: their missing parts fail
+    the run instead of skipping it (REV88_TEST_REQUIRE; REV88_TEST_POSTGRES=required, the older
+    switch, still counts for postgres)."""
+    import os
+
+    names = {n.strip() for n in os.environ.get(REQUIRE_ENV, "").split(",") if n.strip()}
+    if kind == "postgres" and os.environ.get("REV88_TEST_POSTGRES") == "required":
+        names.add("postgres")
+    return kind in names or "all" in names
+
+
+def unavailable(kind: str, reason: str):
+    """Skip with ``reason``, or fail with it when tests of ``kind`` are required here."""
+    import pytest
+
+    if required(kind):
+        pytest.fail(f"{REQUIRE_ENV} requires the {kind} tests, but {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)

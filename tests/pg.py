@@ -11,8 +11,9 @@ that way; the benchmark starts one with ``fsync=on``.
 Fixtures (import them into a test module: ``from .pg import pg_server, pg_url  # noqa: F401``):
 
     pg_server   session: a running server (started once) or the external one; skips with a
-                message saying how to get one when neither exists, and fails instead when
-                ``REV88_TEST_POSTGRES=required`` (CI sets it, so CI cannot skip them silently)
+                message saying how to get one when neither exists, and fails instead where
+                REV88_TEST_REQUIRE names postgres (`make test` and CI set it: they cannot skip
+                them silently; tests/helpers.py)
     pg_url      a fresh, empty database on it for one test (its URL)
     pg_cluster  a cluster of the test's own (for tests that stop or restart the server)
 """
@@ -32,6 +33,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+
+from .helpers import unavailable
 
 URL_ENV = "REV88_TEST_DATABASE_URL"
 REQUIRED_ENV = "REV88_TEST_POSTGRES"
@@ -144,9 +147,17 @@ def drop_database(admin_url: str, url: str) -> None:
 
 
 def _unavailable(reason: str):
-    if os.environ.get(REQUIRED_ENV) == "required":
-        pytest.fail(f"{REQUIRED_ENV}=required, but {reason}")
-    pytest.skip(reason)
+    unavailable("postgres", reason)
+
+
+def require_psycopg():
+    """psycopg, imported for a test module; a skip without it, or a failure where the PostgreSQL
+    tests are required (tests/helpers.py: REV88_TEST_REQUIRE)."""
+    try:
+        import psycopg
+    except ImportError:
+        _unavailable("PostgreSQL tests skipped: psycopg is not installed (pip install -e '.[test]')")
+    return psycopg
 
 
 class PgServer:
@@ -195,7 +206,7 @@ def pg_cluster(pg_server):
     """A cluster of this test's own, which it may stop and restart (needs the local binaries)."""
     bindir = find_bindir()
     if bindir is None:  # pg_server gave the external server: these tests must not restart it
-        pytest.skip("needs PostgreSQL server binaries to stop and restart a server of its own "
+        _unavailable("needs PostgreSQL server binaries to stop and restart a server of its own "
                     "(REV88_TEST_DATABASE_URL names a server the tests must not restart)")
     cluster = PgCluster(bindir)
     try:
@@ -203,3 +214,13 @@ def pg_cluster(pg_server):
         yield cluster
     finally:
         cluster.destroy()
+
+
+def expire(url: str, task_id: str) -> None:
+    """The task's lease past its expiry now, by the server's clock (what a replica that stopped
+    renewing leaves behind), without waiting for it."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("UPDATE rev88_tasks SET lease_expires_at = EXTRACT(EPOCH FROM clock_timestamp()) - 1"
+                     " WHERE id = %s", (task_id,))

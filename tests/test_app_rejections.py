@@ -181,6 +181,22 @@ def test_body_over_limit_by_content_length_is_413(client):
     assert body["limit"] == LIMIT
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(client, chunked):
+    """The limit is inclusive: REV88_MAX_BODY_BYTES bytes are read (and refused as what they are,
+    not an npz: 400), one more is a 413, declared or streamed."""
+    def send(size: int):
+        data = b"\0" * size
+        if not chunked:
+            return post_task(client, data)
+        return client.post("/tasks", content=(data[i : i + 65536] for i in range(0, size, 65536)),
+                           headers={"Content-Type": "application/octet-stream"})
+
+    at = send(LIMIT)
+    assert at.status_code == 400 and "zip" in at.json()["error"].lower(), at.text
+    assert_error(send(LIMIT + 1), 413, str(LIMIT))
+
+
 def test_chunked_body_over_limit_is_413_counted_while_streaming(client):
     chunk = b"\0" * 50_000
 

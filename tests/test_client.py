@@ -358,3 +358,25 @@ def test_retry_policy():
     soon = email.utils.formatdate(time.time() + 30, usegmt=True)
     assert 25.0 <= retry_after_seconds(soon) <= 30.0
     assert retry_after_seconds(email.utils.formatdate(time.time() - 100, usegmt=True)) == 0.0
+
+
+def test_a_503_that_may_have_recorded_the_task_is_resent_only_with_an_idempotency_key():
+    """The shared ledger lost its connection during the task's commit and could not read it
+    back: ``"accepted": "unknown"``. Without an Idempotency-Key a resend might train it twice, so
+    the client raises at once; with one, it retries as for any 503."""
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.headers.get("Idempotency-Key"))
+        if len(sent) in (1, 2):
+            return httpx.Response(503, json={"error": "the task ledger is unavailable: ... unknown", "accepted": "unknown"},
+                                  headers={"Retry-After": "0"})
+        return httpx.Response(202, json={"id": "t1", "status": "queued"}, headers={"Location": "/tasks/t1"})
+
+    task = small_task(20, 3, seed=1)
+    with Client("http://svc", transport=httpx.MockTransport(answer), retries=3) as c:
+        with pytest.raises(Unavailable, match="unknown"):
+            c.submit(task)
+        assert len(sent) == 1  # not resent
+        assert c.submit(task, idempotency_key="k-1") == "t1"
+        assert sent == [None, "k-1", "k-1"]  # with the key: retried

@@ -27,6 +27,7 @@ from learner.measure.figures import RECORD_FORMAT, _process_check, canonical_sha
 from learner.measure.gated import measure_energy, measure_gated
 
 from .conftest import small_task
+from .helpers import TIME_SCALE
 
 CONFIG = make_config({"batch_size": 16})
 WINDOWS = {"trials": 3, "target_seconds": 2.0, "settle_seconds": 0.5, "idle_seconds": 1.0,
@@ -408,7 +409,8 @@ def test_nvml_sampler_process_on_the_real_clock(fake_pynvml, instant, watts, que
     assert c1["parent_before"] <= c1["sampler"] <= c1["parent_after"]
     times = [s[0] for s in rec["samples"]]
     assert {s[1] for s in rec["samples"]} == {watts}
-    assert len(times) >= 6 and statistics.median(b - a for a, b in zip(times, times[1:])) == pytest.approx(0.05, abs=0.01)
+    gaps = [b - a for a, b in zip(times, times[1:])]  # never faster than its period; late only by load
+    assert len(times) >= 6 and 0.05 - 0.005 <= statistics.median(gaps) <= 0.05 + 0.01 * TIME_SCALE
     assert rec["bye"]["count"] == len(times)
 
 

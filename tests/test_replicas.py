@@ -32,10 +32,10 @@ from learner.taskio import task_to_npz_bytes
 
 from . import pg
 from .gates import FileGate
-from .helpers import small_task
+from .helpers import TIME_SCALE, small_task
 from .server import ROOT, free_port, post_task, wait_for
 
-pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e '.[test]')")
+pg.require_psycopg()
 
 pg_server, pg_url, pg_cluster = pg.pg_server, pg.pg_url, pg.pg_cluster  # the fixtures (tests/pg.py)
 
@@ -172,7 +172,7 @@ def test_a_task_running_on_one_replica_is_cancelled_through_the_other(tmp_path, 
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
         assert "stopped on the device" in r.json()["error"]["error"]
         print(f"cancel through the other replica answered cancelled in {took * 1000:.0f} ms")
-        assert took < 1.5, f"the cancel took {took:.2f} s"
+        assert took < 1.5 * TIME_SCALE, f"the cancel took {took:.2f} s"
         assert holder.running() is None  # stopped there, not left running
         gate.release()
         assert finished(ca, task_id)["status"] == "cancelled"

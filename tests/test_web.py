@@ -31,6 +31,7 @@ from learner.result import run_task
 from learner.taskio import save_task
 from tests.conftest import ROOT, small_task
 from tests.gates import FileGate
+from tests.helpers import unavailable
 from tests.server import post_task, running_server, wait_for
 
 KEY = "web-test-key"
@@ -131,11 +132,11 @@ def test_package_data_covers_the_web_files():
 def browser():
     executable = chromium_path()
     if executable is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does it)")
+        unavailable("browser", "Debian's chromium is not installed (apt-get install chromium; .ci/run does it)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("the playwright package is not installed (pip install -e '.[test]')")
+        unavailable("browser", "the playwright package is not installed (pip install -e '.[test]')")
     with sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
         try:

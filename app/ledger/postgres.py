@@ -428,6 +428,12 @@ class PostgresLedger:
         with self._held_lock:
             return list(self._held)
 
+    def forget(self, task_ids: list[str]) -> None:
+        """This replica gives up its leases of ``task_ids`` without telling the database (it does
+        not answer): they are not renewed, and expire."""
+        for task_id in task_ids:
+            self._unhold(task_id)
+
     def held_epoch(self, task_id: str) -> int | None:
         """The epoch of this replica's lease of ``task_id`` (what its attempt writes under), or None."""
         with self._held_lock:

@@ -271,6 +271,7 @@ class SharedQueue:
             released = await asyncio.to_thread(self.ledger.release, task_ids)
             self.counters["released"] += len(released)
         except LedgerUnavailable as exc:
+            self.ledger.forget(task_ids)
             self._failed("give back claims", exc)
 
     async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Accepted | None:
