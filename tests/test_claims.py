@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 import uuid
 
 import httpx
@@ -28,7 +29,8 @@ from learner.result import run_task
 from learner.taskio import task_to_npz_bytes
 
 from . import pg
-from .helpers import small_task
+from .gates import Gate, gated_engines
+from .helpers import TIME_SCALE, small_task
 from .server import inprocess_server, post_task, wait_for
 
 psycopg = pg.require_psycopg()
@@ -79,11 +81,11 @@ class Once:
 
 
 @contextlib.contextmanager
-def node(tmp_path, url: str, **over):
+def node(tmp_path, url: str, engines=None, **over):
     settings = Settings(**{"backend": "cpu", "workers": 1, "data_dir": str(tmp_path / "data"), "database_url": url,
                            "lease_s": 20.0, "lease_renew_s": 0.2, "claim_poll_s": 0.1, "db_timeout_s": 2.0,
                            "batch_max": 4, **over})
-    app = create_app(settings)
+    app = create_app(settings, engines=engines)
     with inprocess_server(app) as server:
         yield server, app.state.service
 
@@ -200,3 +202,31 @@ def test_an_attempt_that_ends_unrecorded_stops_renewing_and_its_task_runs_again(
         assert done["status"] == "succeeded" and done["expiries"] == 1
         assert httpx.get(f"{server.url}/tasks/{task_id}").json()["predictions_sha256"] == EXPECTED
         nothing_held(service)
+
+
+def test_leases_are_renewed_while_request_traffic_holds_every_pooled_connection(tmp_path, pg_url, other):
+    """Renewals have a thread and a connection of their own: with the only pooled connection held
+    (request traffic), a running task's lease keeps being pushed ahead, and no reaper takes it."""
+    gate = Gate()
+    with node(tmp_path, pg_url, engines=gated_engines(gate), lease_s=2.0, db_pool_size=1) as (server, service):
+        gate.hold()  # (after the warm-up, which runs a task too)
+        task_id = record_elsewhere(other)
+        wait_for(lambda: task_id in service.runner.shared.live_attempts() and row(pg_url, task_id)["status"] == "running",
+                 timeout=30, what="the task running here")
+        with service.ledger._pool.connection():  # every pooled connection busy, for longer than a lease
+            first = lease_expires_at(pg_url, task_id)
+            renewed = 0
+            while lease_expires_at(pg_url, task_id) < first + 1.5 * 2.0:  # until pushed 1.5 leases ahead
+                assert other.reap() == {"requeued": 0, "failed": 0, "cancelled": 0}  # never expired
+                renewed += 1
+                time.sleep(0.1)
+                assert renewed < 300 * TIME_SCALE, "the lease was not renewed while the pool was busy"
+        gate.release()
+        done = finished(pg_url, task_id)
+        assert done["status"] == "succeeded" and done["expiries"] == 0 and done["claims"] == 1
+        nothing_held(service)
+
+
+def lease_expires_at(url: str, task_id: str) -> float:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SELECT lease_expires_at FROM rev88_tasks WHERE id = %s", (task_id,)).fetchone()[0]
