@@ -51,6 +51,10 @@ class TaskAnswer(Open):
     energy_reason: str | None = None
     device: str
     versions: dict[str, Any]
+    dataset: str | None = Field(None, description="POST /tasks?dataset=: the dataset's digest")
+    correct: int | None = Field(None, description="with the dataset's scoring labels: predictions right")
+    total: int | None = Field(None, description="with the dataset's scoring labels: queries scored")
+    accuracy: float | None = None
 
 
 class TaskSummary(Open):
@@ -90,6 +94,27 @@ class TaskStatus(TaskSummary):
 class TaskList(BaseModel):
     tasks: list[TaskSummary]
     next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null at the end")
+
+
+class DatasetLabels(Open):
+    attached: bool
+    sha256: str | None = Field(None, description="the labels .npy's SHA-256 (never the labels themselves)")
+
+
+class DatasetInfo(Open):
+    digest: str = Field(description="sha256:<hex> of the npz bytes")
+    bytes: int
+    train_count: int
+    test_count: int
+    input_hashes: dict[str, str]
+    created_at: float
+    labels: DatasetLabels
+    location: str | None = None
+
+
+class DatasetList(BaseModel):
+    datasets: list[DatasetInfo]
+    next_cursor: str | None
 
 
 class Health(Open):

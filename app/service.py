@@ -36,11 +36,13 @@ from learner.validate import cached_validation
 from .http import uploads
 from .http.logs import flush_logs
 from .ledger import LedgerWriter, is_shared, open_ledger
+from .ledger.engines import open_datasets
 from .runtime.devices import GPU_BACKENDS, PlanError, plan
 from .runtime.energy import Energy
 from .runtime.executor import DeviceExecutor
 from .runtime.metrics import Metrics
 from .settings import Settings, SettingsError
+from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
@@ -94,6 +96,8 @@ class Service:
         # unwritable one stops startup here (LedgerError).
         self.ledger = open_ledger(settings)
         self.ledger_writer = LedgerWriter(self.ledger)  # running marks and results, off the device workers
+        # Datasets stored once and parsed once (app/tasks/datasets.py): beside the ledger
+        self.datasets = DatasetCatalog(open_datasets(settings, self.ledger), settings.dataset_cache_bytes)
         self.recovered: dict[str, int] | None = None
         self.started_at = time.time()
         self._t0 = time.monotonic()
@@ -124,6 +128,7 @@ class Service:
             engines=self.engines, metrics=self.metrics, task_timeout_s=settings.task_timeout_s,
             batch_max=self.batch_max, versions=self.versions,
         )
+        self.runner.datasets = self.datasets
         if is_shared(self.ledger):  # asynchronous tasks claimed from the shared ledger by idle workers
             from .tasks.claims import SharedQueue
 
@@ -340,6 +345,7 @@ class Service:
         self._unhook_signals()
         if not await asyncio.to_thread(self.ledger_writer.close, 10.0):
             log.error("the ledger writer did not finish its writes within 10 s")
+        self.datasets.store.close()
         self.ledger.close()
         log.info("stopped", extra={"device_thread_ended": ended, "queue": self.executor.snapshot()})
         await asyncio.to_thread(flush_logs)  # every line written before the process goes

@@ -38,6 +38,9 @@
     REV88_SHARED_QUEUE_SIZE queued asynchronous tasks the shared   16 x REV88_QUEUE_SIZE
                             ledger takes before 503
 
+    REV88_DATASET_BYTES     stored datasets and labels, in all     4294967296 (4 GiB)
+    REV88_DATASET_CACHE_BYTES  parsed datasets kept in memory      536870912 (512 MiB)
+
 A bad value stops the service at startup with a message naming the variable.
 """
 
@@ -113,6 +116,10 @@ class Settings:
     lease_attempts: int = 3
     claim_poll_s: float = 1.0
     shared_queue_size: int | None = None  # None: 16 x the queue size
+    # Datasets (app/tasks/datasets.py, docs/sweeps.md): the stored npz files and labels together
+    # hold at most dataset_bytes; parsed datasets kept in memory, at most dataset_cache_bytes.
+    dataset_bytes: int = 4 << 30
+    dataset_cache_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -151,6 +158,10 @@ class Settings:
         if self.upload_buffer_bytes is not None and self.upload_buffer_bytes < self.max_body_bytes:
             raise SettingsError(f"REV88_UPLOAD_BUFFER_BYTES must be at least REV88_MAX_BODY_BYTES "
                                 f"({self.max_body_bytes}), got {self.upload_buffer_bytes}")
+        for name, value in (("REV88_DATASET_BYTES", self.dataset_bytes),
+                            ("REV88_DATASET_CACHE_BYTES", self.dataset_cache_bytes)):
+            if value < 0:
+                raise SettingsError(f"{name} must be >= 0 bytes, got {value}")
         if self.max_connections < 16:
             raise SettingsError(f"REV88_MAX_CONNECTIONS must be >= 16, got {self.max_connections}")
         if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgres://")):
@@ -255,4 +266,6 @@ class Settings:
             lease_attempts=integer("REV88_LEASE_ATTEMPTS", defaults.lease_attempts),
             claim_poll_s=number("REV88_CLAIM_POLL_S", defaults.claim_poll_s),
             shared_queue_size=integer("REV88_SHARED_QUEUE_SIZE", None),
+            dataset_bytes=integer("REV88_DATASET_BYTES", defaults.dataset_bytes),
+            dataset_cache_bytes=integer("REV88_DATASET_CACHE_BYTES", defaults.dataset_cache_bytes),
         )

@@ -12,6 +12,7 @@ from .client import (
     Client,
     ClientError,
     ConnectionFailed,
+    Dataset,
     NotFinished,
     Refused,
     ServerError,
@@ -22,6 +23,6 @@ from .client import (
     Unavailable,
 )
 
-__all__ = ["Answer", "AsyncClient", "BadAnswer", "BadInput", "Client", "ClientError", "ConnectionFailed",
+__all__ = ["Answer", "AsyncClient", "BadAnswer", "BadInput", "Client", "ClientError", "ConnectionFailed", "Dataset",
            "NotFinished", "Refused", "ServerError", "TaskFailed", "TaskPage", "TaskStatus", "TimedOut",
            "Unavailable"]

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import hashlib
 import io
 import logging
 import math
@@ -305,6 +306,18 @@ class TaskStatus:
         """A failed or cancelled task's recorded error: ``{"status": 422, "error": "..."}``."""
         err = self.document.get("error")
         return err if isinstance(err, dict) else None
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset stored on the service (``put_dataset`` answers one): pass it where a task goes
+    (``run``, ``submit``, ``send``) to train on it without sending it again."""
+
+    digest: str
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.digest, str) and self.digest.startswith("sha256:") and len(self.digest) == 71):
+            raise BadInput(f"a dataset is named by its digest, sha256:<64 hex digits>, got {self.digest!r}")
 
 
 @dataclass(frozen=True)
@@ -570,8 +583,12 @@ class _Core:
     def _op_send(self, task: Any, respond_async: bool, backend: str | None, include_scores: bool,
                  idempotency_key: str | None, progress: ProgressCallback | None, config: Mapping[str, Any]) -> Op:
         params = _task_params(backend, include_scores, config)
-        body = _task_body(task, progress)  # every local check before anything is sent
-        headers = {"Content-Type": NPZ_BODY, "Content-Length": str(body.size), "Accept": JSON}
+        if isinstance(task, Dataset):  # a stored dataset: named, not sent
+            body, headers = None, {"Accept": JSON}
+            params.append(("dataset", task.digest))
+        else:
+            body = _task_body(task, progress)  # every local check before anything is sent
+            headers = {"Content-Type": NPZ_BODY, "Content-Length": str(body.size), "Accept": JSON}
         if respond_async:
             headers["Prefer"] = "respond-async"
         if idempotency_key is not None:
@@ -660,6 +677,40 @@ class _Core:
             raise BadAnswer(f"the predictions of task {task_id} hash to {digest}, not to the "
                             f"X-Predictions-SHA256 {claimed!r} sent with them", url=call.url)
         return array
+
+    def _op_put_dataset(self, task: Any, progress: ProgressCallback | None) -> Op:
+        body = _task_body(task, progress)
+        data = body.source if isinstance(body.source, bytes) else Path(body.source).read_bytes()
+        dataset = Dataset("sha256:" + hashlib.sha256(data).hexdigest())
+        url = f"{self.url}/datasets/{dataset.digest}"
+        there = yield from self._exchange(_Call("HEAD", url, f"the check for dataset {dataset.digest}"))
+        if there.status_code == 200:
+            return dataset
+        if there.status_code != 404:
+            raise _http_error(there, _Call("HEAD", url, "the dataset check"), self.retries)
+        call = _Call("PUT", url, f"the upload of dataset {dataset.digest}",
+                     headers={"Content-Type": NPZ_BODY, "Content-Length": str(len(data)), "Accept": JSON},
+                     body=_Body(data, progress))
+        yield from self._expect(call, 200, 201)
+        return dataset
+
+    def _op_put_labels(self, dataset: Dataset | str, labels: Any) -> Op:
+        digest = dataset.digest if isinstance(dataset, Dataset) else Dataset(dataset).digest
+        array = np.asarray(labels)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise BadInput(f"labels are a 1-d integer array, one per query; got shape {array.shape}, dtype {array.dtype}")
+        buf = io.BytesIO()
+        np.save(buf, array.astype(np.int64), allow_pickle=False)
+        call = _Call("PUT", f"{self.url}/datasets/{digest}/labels", f"the labels of dataset {digest}",
+                     headers={"Content-Type": NPZ_BODY, "Accept": JSON}, body=_Body(buf.getvalue(), None))
+        response = yield from self._expect(call, 200, 201)
+        return _json_object(response)
+
+    def _op_dataset(self, dataset: Dataset | str) -> Op:
+        digest = dataset.digest if isinstance(dataset, Dataset) else Dataset(dataset).digest
+        call = _Call("GET", f"{self.url}/datasets/{digest}", f"dataset {digest}", headers={"Accept": JSON})
+        response = yield from self._expect(call, 200)
+        return _json_object(response)
 
     def _op_health(self) -> Op:
         call = _Call("GET", self.url + "/health", "the health check", headers={"Accept": JSON}, retry=False)
@@ -791,6 +842,21 @@ class Client(_Core):
         here is an answer, not retried)."""
         return self._drive(self._op_health())
 
+    def put_dataset(self, task: Any, *, progress: ProgressCallback | None = None) -> Dataset:
+        """Store ``task`` (a path, npz bytes, or the three arrays) as a dataset and return it
+        (``Dataset``: pass it to ``run``/``submit``). Asks first (HEAD) and uploads only when the
+        service does not have those bytes."""
+        return self._drive(self._op_put_dataset(task, progress))
+
+    def put_labels(self, dataset: Dataset | str, labels: Any) -> dict[str, Any]:
+        """Attach the scoring labels of the dataset's queries (kept by the service, never
+        returned): answers of tasks on it then count ``correct``/``total``."""
+        return self._drive(self._op_put_labels(dataset, labels))
+
+    def dataset(self, dataset: Dataset | str) -> dict[str, Any]:
+        """GET /datasets/{digest}: its size, counts, input hashes, whether labels are attached."""
+        return self._drive(self._op_dataset(dataset))
+
 
 class AsyncClient(_Core):
     """``Client`` over ``httpx.AsyncClient``: the same operations, awaited (``async with``, ``aclose``);
@@ -879,3 +945,12 @@ class AsyncClient(_Core):
 
     async def health(self) -> dict[str, Any]:
         return await self._drive(self._op_health())
+
+    async def put_dataset(self, task: Any, *, progress: ProgressCallback | None = None) -> Dataset:
+        return await self._drive(self._op_put_dataset(task, progress))
+
+    async def put_labels(self, dataset: Dataset | str, labels: Any) -> dict[str, Any]:
+        return await self._drive(self._op_put_labels(dataset, labels))
+
+    async def dataset(self, dataset: Dataset | str) -> dict[str, Any]:
+        return await self._drive(self._op_dataset(dataset))

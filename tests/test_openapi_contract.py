@@ -31,6 +31,22 @@ checks.positive_data_acceptance.expected-statuses = [200, 202, 400, 413, 415, 42
 include-name = "GET /tasks"
 checks.positive_data_acceptance.expected-statuses = [200, 422]
 
+[[operations]]
+include-name = "GET /datasets"
+checks.positive_data_acceptance.expected-statuses = [200, 422]
+
+[[operations]]
+include-name = "PUT /datasets/{{digest}}"
+checks.positive_data_acceptance.expected-statuses = [200, 201, 400, 413, 415, 422, 503]
+
+[[operations]]
+include-name = "POST /datasets"
+checks.positive_data_acceptance.expected-statuses = [200, 201, 400, 413, 415, 422, 503]
+
+[[operations]]
+include-name = "PUT /datasets/{{digest}}/labels"
+checks.positive_data_acceptance.expected-statuses = [200, 201, 400, 404, 409, 413, 415, 422, 503]
+
 [parameters]
 task_id = "{task_id}"
 """

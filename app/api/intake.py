@@ -124,8 +124,10 @@ async def handle(request: Request, service: Service) -> Response:
 
 async def _handle(request: Request, service: Service, t0: float, request_id: str | None) -> Response:
     gate(service)
-    kind = uploads.check_content_type(request.headers.get("content-type"))
     options = parse_options(list(request.query_params.multi_items()), service.backend)
+    if options.dataset is not None:  # POST /tasks?dataset=: the stored dataset, no body
+        return await _handle_dataset(request, service, options, t0, request_id)
+    kind = uploads.check_content_type(request.headers.get("content-type"))
     asynchronous = wants_async(request.headers.get("prefer"))
     key = idempotency_key(request)
     shared = service.runner.shared  # a ledger the replicas share: asynchronous tasks go to its queue
@@ -169,7 +171,6 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         check_budget(estimate(task.train_count, task.test_count, config),
                      service.settings.max_task_work, service.settings.max_task_bytes)
 
-    runner = service.runner
     acc = Accepted(
         task_id=new_task_id(), task=task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
@@ -177,11 +178,57 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         body_bytes=len(body), deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
         late=late,
     )
+    return await _accepted(request, service, acc, body, body_sha256, key, asynchronous)
+
+
+async def _handle_dataset(request: Request, service: Service, options, t0: float,
+                          request_id: str | None) -> Response:
+    """A task on a stored dataset (issue #31): no body; the dataset's parsed arrays (parsed once
+    per process); from there the same path as an uploaded task's, so the same answer, plus the
+    dataset's digest and, with its labels, the count of correct predictions."""
+    declared = request.headers.get("content-length")
+    if (declared not in (None, "0")) or request.headers.get("transfer-encoding"):
+        raise InvalidRequest("POST /tasks?dataset= trains on the stored dataset and takes no body; send either "
+                             "the npz as the body or dataset=<digest>, not both", field="dataset")
+    asynchronous = wants_async(request.headers.get("prefer"))
+    key = idempotency_key(request)
+    shared = service.runner.shared
+    if asynchronous and shared is not None:
+        shared.check_capacity()
+    else:
+        service.executor.check_capacity()
+    t_parse = time.perf_counter()
+    catalog = service.datasets
+    record = await asyncio.to_thread(catalog.get, options.dataset)
+    task = catalog.cached(options.dataset) or await asyncio.to_thread(catalog.task, options.dataset)
+    labels = catalog.cached_labels(options.dataset) if record.labels_sha256 else None
+    if record.labels_sha256 and labels is None:
+        labels = await asyncio.to_thread(catalog.labels, options.dataset)
+    config = options.config(None)
+    check_budget(estimate(task.train_count, task.test_count, config),
+                 service.settings.max_task_work, service.settings.max_task_bytes)
+    gate(service)
+    acc = Accepted(
+        task_id=new_task_id(), task=task, config=config, backend=options.backend,
+        include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
+        request_id=request_id, t0=t0, receive_s=0.0, parse_s=time.perf_counter() - t_parse,
+        body_bytes=record.bytes, deferred=not (asynchronous or key is not None), dataset=options.dataset,
+        labels=labels,
+    )
+    # (the body's SHA-256 is the dataset's: an Idempotency-Key matches the same bytes however sent)
+    return await _accepted(request, service, acc, None, options.dataset.split(":", 1)[1], key, asynchronous)
+
+
+async def _accepted(request: Request, service: Service, acc: Accepted, body: bytes | memoryview | None,
+                    body_sha256: str | None, key: str | None, asynchronous: bool) -> Response:
+    """An accepted task, from its record to its answer (any body, or a stored dataset)."""
+    runner = service.runner
+    shared = runner.shared
     record = None
     if not acc.deferred:
         try:  # durable before the 202: an asynchronous task's npz is stored with its record
             record, created = await asyncio.to_thread(
-                runner.record, acc, body_sha256, len(body), body if asynchronous else None, key)
+                runner.record, acc, body_sha256, acc.body_bytes, body if asynchronous else None, key)
         except IdempotencyConflict as exc:
             raise Conflict(f"{exc}; use a new key for a new task", task_id=exc.task_id) from None
         if not created:

@@ -23,3 +23,15 @@ def open_ledger(settings: Any, owner: str | None = None) -> TaskLedger:
         pool_size=settings.db_pool_size, timeout_s=settings.db_timeout_s, lease_s=settings.lease_s,
         lease_attempts=settings.lease_attempts, owner=owner,
     )
+
+
+def open_datasets(settings: Any, ledger: TaskLedger):
+    """The datasets beside the ledger (app/ledger/datasets.py): in the shared PostgreSQL database
+    with a shared ledger, else in the data dir."""
+    if getattr(ledger, "shared", False):
+        from .datasets_pg import PostgresDatasets
+
+        return PostgresDatasets(ledger, settings.dataset_bytes)
+    from .datasets import SqliteDatasets
+
+    return SqliteDatasets(settings.ledger_dir, settings.dataset_bytes)

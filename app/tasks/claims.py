@@ -234,7 +234,8 @@ class SharedQueue:
         the way: reading or parsing its input, the queue, the database)."""
         attempts: set[str] = set()
         try:
-            stored = [c.record.id for c in claims if c.record.id not in self.offered]
+            stored = [c.record.id for c in claims if c.record.id not in self.offered
+                      and not c.record.options.get("dataset")]
             bodies = await asyncio.to_thread(self.ledger.load_uploads, stored) if stored else {}
             for claim in claims:
                 task_id = claim.record.id
@@ -277,10 +278,14 @@ class SharedQueue:
     async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Accepted | None:
         """A claimed task accepted by another replica, from its stored npz; a task that cannot be
         re-run from it is failed, loudly."""
+        dataset, labels = record.options.get("dataset"), None
         try:
-            if body is None:
+            if dataset is not None:  # a task on a stored dataset: the dataset, read by this replica
+                task, labels = await asyncio.to_thread(self.runner.dataset_task, dataset)
+            elif body is None:
                 raise ValueError("its stored input is missing from the ledger")
-            task = await asyncio.to_thread(load_task, body)
+            else:
+                task = await asyncio.to_thread(load_task, body)
             config = make_config(record.config)
         except Exception as exc:  # noqa: BLE001
             log.error("cannot run a claimed task", extra={"task_id": record.id, "error": str(exc)})
@@ -294,7 +299,7 @@ class SharedQueue:
         return Accepted(task_id=record.id, task=task, config=config, backend=record.backend,
                         include_scores=bool(record.options.get("include_scores")),
                         measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
-                        created_at=record.created_at)
+                        created_at=record.created_at, dataset=dataset, labels=labels)
 
     # ------------------------------------------------------------------ leases
 

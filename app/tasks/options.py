@@ -15,8 +15,9 @@ from learner.backends import BackendUnavailable, resolve
 from learner.config import Config, coerce_config_strings, make_config
 
 from ..errors import InvalidRequest
+from ..ledger.datasets import DIGEST
 
-SERVICE_PARAMS = ("backend", "include", "measure")
+SERVICE_PARAMS = ("backend", "include", "measure", "dataset")
 MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
     "trials": (int, 1, 10, 3),
     "target_seconds": (float, 0.1, 60.0, 5.0),
@@ -41,6 +42,7 @@ class TaskOptions:
     backend: str  # concrete: a name from learner.backends.NAMES other than "auto"
     include_scores: bool = False
     measure: dict[str, Any] | None = None  # protocol arguments for ?measure=energy
+    dataset: str | None = None  # ?dataset=sha256:...: the stored dataset to train on (no body)
 
     def config(self, form_config: dict[str, Any] | None = None) -> Config:
         """Query overrides merged with a multipart ``config`` field; a key in both is an error."""
@@ -64,6 +66,10 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
     unknown = [p for p in include if p not in INCLUDES]
     if unknown:
         raise InvalidRequest(f"include={','.join(unknown)} is not known; allowed: {', '.join(INCLUDES)}")
+    dataset = query.pop("dataset", None)
+    if dataset is not None and not DIGEST.match(dataset):
+        raise InvalidRequest(f"dataset must be a stored dataset's digest, sha256:<64 lowercase hex digits>, "
+                             f"got {dataset!r}", field="dataset")
     measure = query.pop("measure", None)
     protocol = {name: query.pop(name) for name in list(query) if name in MEASURE_PARAMS}
     if measure is None and protocol:
@@ -77,6 +83,7 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
         backend=backend,
         include_scores="scores" in include,
         measure=None if measure is None else measure_arguments(protocol),
+        dataset=dataset,
     )
 
 

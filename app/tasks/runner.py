@@ -50,6 +50,7 @@ from ..ledger import (
 from ..runtime.executor import Batch, DeviceExecutor, Job
 from ..runtime.metrics import Metrics
 from .answers import Settled, encode_json, run_timing, task_answer
+from .datasets import score
 from .device import (
     DeviceOutcome,
     Engines,
@@ -121,13 +122,21 @@ class Accepted:
     # task recorded here): every write of its row is fenced by it, and it is renewed only while
     # this attempt lives (app/tasks/claims.py). None: no lease (SQLite, a deferred task).
     epoch: int | None = None
+    # POST /tasks?dataset=: the stored dataset it trains on (kept in its options, so a restart or
+    # another replica reads it from there), and that dataset's scoring labels, if attached: its
+    # answer then counts its correct predictions (the labels reach neither the task nor the answer)
+    dataset: str | None = None
+    labels: Any = None
 
     @property
     def kind(self) -> str:
         return "measure" if self.measure is not None else "task"
 
     def options(self) -> dict[str, Any]:
-        return {"include_scores": self.include_scores, "measure": self.measure}
+        options = {"include_scores": self.include_scores, "measure": self.measure}
+        if self.dataset is not None:
+            options["dataset"] = self.dataset
+        return options
 
     def parsed(self) -> TaskArrays | None:
         """The task, parsing its body here if its job has not yet (None: a body its job will refuse)."""
@@ -182,6 +191,16 @@ def _unrecorded(acc: Accepted, exc: BaseException) -> bool:
     return True
 
 
+def with_dataset(body: dict[str, Any], acc: Accepted, outcome: DeviceOutcome) -> dict[str, Any]:
+    """A task from a stored dataset: its answer names the dataset, and, with the dataset's labels,
+    counts its correct predictions (issue #31)."""
+    if acc.dataset is not None:
+        body["dataset"] = acc.dataset
+        if acc.labels is not None:
+            body.update(score(outcome.result.predictions, acc.labels))
+    return body
+
+
 def input_hashes(task: TaskArrays) -> dict[str, str]:
     """The task's input hashes (computed once per task where TaskArrays caches them)."""
     cached = getattr(task, "input_hashes", None)
@@ -207,6 +226,14 @@ class TaskRunner:
         # claims asynchronous tasks for this replica's workers; None with SQLite.
         self.shared: Any = None
         self.record_retry_s = 60.0  # a claimed task's result: retried this long while the database is away
+        self.datasets: Any = None  # the DatasetCatalog (app/tasks/datasets.py): tasks on stored datasets
+
+    def dataset_task(self, digest: str) -> tuple[TaskArrays, Any]:
+        """(blocking) A stored dataset's parsed arrays and scoring labels (None without), for a
+        task recorded on it that runs again (a restart, a claim)."""
+        if self.datasets is None:
+            raise ValueError(f"the task is on dataset {digest}, but this service has no dataset store")
+        return self.datasets.task(digest), self.datasets.labels(digest)
 
     # ------------------------------------------------------------------ accept
     def record(self, acc: Accepted, body_sha256: str | None, body_bytes: int, body: bytes | None,
@@ -422,7 +449,8 @@ class TaskRunner:
         if acc.request_id is not None:  # (the worker's thread is not in the request's context)
             extra["request_id"] = acc.request_id
         log.info("task answered", extra=extra)
-        return task_answer(acc.task_id, acc.request_id, outcome, timing, acc.include_scores)
+        body = task_answer(acc.task_id, acc.request_id, outcome, timing, acc.include_scores)
+        return with_dataset(body, acc, outcome)
 
     def measure_answer(self, acc: Accepted, job: Job, doc: dict) -> dict[str, Any]:
         self.metrics.queue_wait_seconds.observe(job.queue_wait_s or 0.0)
@@ -593,8 +621,12 @@ class TaskRunner:
                 counts["failed"] += 1
                 continue
             try:
-                body = await asyncio.to_thread(self.ledger.load_upload, rec.id)
-                task = await asyncio.to_thread(load_task, body)
+                dataset, labels = rec.options.get("dataset"), None
+                if dataset is not None:  # (a task on a stored dataset keeps no copy of it)
+                    task, labels = await asyncio.to_thread(self.dataset_task, dataset)
+                else:
+                    body = await asyncio.to_thread(self.ledger.load_upload, rec.id)
+                    task = await asyncio.to_thread(load_task, body)
                 config = make_config(rec.config)
             except Exception as exc:  # noqa: BLE001 - a record that cannot be re-run is failed, loudly
                 log.error("cannot re-run a recovered task", extra={"task_id": rec.id, "error": str(exc)})
@@ -604,7 +636,7 @@ class TaskRunner:
                 continue
             acc = Accepted(task_id=rec.id, task=task, config=config, backend=rec.backend,
                            include_scores=bool(rec.options.get("include_scores")), measure=rec.options.get("measure"),
-                           mode="async")
+                           mode="async", dataset=dataset, labels=labels)
             self.queue(acc, reserved=True)
             self.settle_in_background(acc)
             counts["requeued"] += 1

@@ -2,7 +2,7 @@
 
 Exit status: 0 success, 2 bad input or usage (the message says why), 1 anything else.
 Each command lives in a module of this package (learner.py, evaluate.py, measure.py, serve.py,
-tasks.py); this package sits above ``learner`` and ``app`` and imports both; neither imports it.
+tasks.py, datasets.py); this package sits above ``learner`` and ``app`` and imports both; neither imports it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from learner.backends import BackendUnavailable
 from learner.errors import TaskError
 
 from .common import CliError
+from .datasets import add_dataset
 from .evaluate import add_evaluate
 from .learner import add_make_task, add_run, add_score
 from .measure import add_measure
@@ -22,7 +23,7 @@ from .serve import add_serve
 from .tasks import add_cancel, add_submit, add_task, add_tasks
 
 COMMANDS = [add_run, add_make_task, add_score, add_evaluate, add_measure, add_serve, add_submit, add_tasks, add_task,
-            add_cancel]
+            add_cancel, add_dataset]
 
 
 def build_parser() -> argparse.ArgumentParser:

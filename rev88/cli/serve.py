@@ -53,6 +53,8 @@ SERVE_ENV = {
     "lease_attempts": "REV88_LEASE_ATTEMPTS",
     "claim_poll": "REV88_CLAIM_POLL_S",
     "shared_queue_size": "REV88_SHARED_QUEUE_SIZE",
+    "dataset_bytes": "REV88_DATASET_BYTES",
+    "dataset_cache_bytes": "REV88_DATASET_CACHE_BYTES",
 }
 
 
@@ -263,4 +265,8 @@ def add_serve(sub) -> None:
                    "leases) when no notification came [REV88_CLAIM_POLL_S, default 1]")
     p.add_argument("--shared-queue-size", type=int, help="asynchronous tasks the shared ledger may hold queued; "
                    "beyond, 503 [REV88_SHARED_QUEUE_SIZE, default 16 x the queue size]")
+    p.add_argument("--dataset-bytes", type=int, help="bytes the stored datasets and their labels may take in all; "
+                   "beyond, 413 naming it [REV88_DATASET_BYTES, default 4 GiB]")
+    p.add_argument("--dataset-cache-bytes", type=int, help="parsed datasets kept in memory per process "
+                   "[REV88_DATASET_CACHE_BYTES, default 512 MiB]")
     p.set_defaults(func=cmd_serve)

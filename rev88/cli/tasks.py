@@ -36,6 +36,7 @@ from rev88.client import (
     BadInput,
     Client,
     ClientError,
+    Dataset,
     NotFinished,
     Refused,
     TaskFailed,
@@ -178,9 +179,12 @@ def _task_failed(exc: TaskFailed) -> CliError:
 
 @_client_errors
 def cmd_submit(args: argparse.Namespace) -> int:
-    path = Path(args.task)
-    if not path.is_file():
-        raise CliError(f"task file not found: {path}")
+    if args.task.startswith("sha256:"):  # a dataset stored on the service (rev88 dataset put)
+        path = Dataset(args.task)
+    else:
+        path = Path(args.task)
+        if not path.is_file():
+            raise CliError(f"task file not found: {path}")
     if not args.asynchronous and not args.output:
         raise CliError("--output is required (where to write the JSON answer) unless --async")
     config = config_overrides(args.config) if args.config else {}
@@ -243,7 +247,8 @@ def _add_client_flags(p, timeout_help: str, timeout: float = 60.0) -> None:
 def add_submit(sub) -> None:
     p = sub.add_parser("submit", help="upload a task npz to a running service and save its JSON answer "
                        "(--async: print its task id instead of waiting)")
-    p.add_argument("task", help="task npz: train_images, train_labels, test_images")
+    p.add_argument("task", help="task npz: train_images, train_labels, test_images; or sha256:<hex>, a dataset "
+                   "stored on the service (rev88 dataset put), trained on without sending it")
     p.add_argument("--async", dest="asynchronous", action="store_true",
                    help="ask for 'Prefer: respond-async': print the task id (last line of stdout) once the "
                    "server has stored the task, without waiting; fetch it with 'rev88 task ID --wait'")

@@ -1,0 +1,272 @@
+"""Datasets: task npz files stored once, addressed by the SHA-256 of their bytes (issue #31).
+
+A dataset is the bytes of a task npz (train_images, train_labels, test_images: the same three
+members a task has), its digest ``sha256:<hex>`` the SHA-256 of those bytes, and what reading it
+found (the train and query counts, the input hashes a task's metadata carries). Scoring labels
+for its queries may be attached: an ``.npy`` kept apart, never part of a task, never returned.
+
+Two stores, one interface (``DatasetStore``), chosen with the ledger (``open_datasets``, app/ledger/engines.py):
+
+    SQLite      ``SqliteDatasets``: ``<data_dir>/datasets/<hex>.npz`` (and ``<hex>.labels.npy``),
+                indexed by ``<data_dir>/datasets.sqlite3``; one replica
+    PostgreSQL  ``PostgresDatasets`` (app/ledger/datasets_pg.py): rows of ``rev88_datasets`` in
+                the shared database; every replica reads every dataset
+
+Durability: a dataset's file is written to a temporary name, fsynced, renamed, its folder
+fsynced, and only then is its row committed (synchronous=FULL); a ``kill -9`` at any moment
+leaves the dataset whole or absent (an orphaned file is deleted at the next open). A total size
+cap (``capacity_bytes``, REV88_DATASET_BYTES) refuses a dataset that does not fit
+(``DatasetsFull``). Nothing here parses npz files: the caller (app/tasks/datasets.py) reads and
+checks a dataset before it is stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from .store import LedgerError, LedgerUnavailable, _fsync_dir
+
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+DB_NAME = "datasets.sqlite3"
+FOLDER = "datasets"
+
+
+class DatasetsFull(Exception):
+    """The datasets' total size cap would be passed."""
+
+    def __init__(self, size: int, used: int, capacity: int) -> None:
+        self.size, self.used, self.capacity = size, used, capacity
+        super().__init__(f"a dataset of {size} bytes does not fit: {used} of {capacity} bytes are stored "
+                         "(REV88_DATASET_BYTES); delete one (DELETE /datasets/<digest>) or raise the limit")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetRecord:
+    digest: str  # "sha256:<hex>" of the npz bytes
+    bytes: int
+    train_count: int
+    test_count: int
+    input_hashes: dict[str, str]
+    created_at: float
+    labels_sha256: str | None = None  # the attached scoring labels' .npy, if any
+    labels_bytes: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        """What a client may see (never the labels themselves)."""
+        return {"digest": self.digest, "bytes": self.bytes, "train_count": self.train_count,
+                "test_count": self.test_count, "input_hashes": self.input_hashes, "created_at": self.created_at,
+                "labels": {"attached": self.labels_sha256 is not None, "sha256": self.labels_sha256}}
+
+
+class DatasetStore(Protocol):
+    def put(self, record: DatasetRecord, body: bytes) -> tuple[DatasetRecord, bool]: ...
+
+    def get(self, digest: str) -> DatasetRecord | None: ...
+
+    def body(self, digest: str) -> bytes | None: ...
+
+    def labels(self, digest: str) -> bytes | None: ...
+
+    def put_labels(self, digest: str, npy: bytes, sha256: str) -> tuple[DatasetRecord, bool]: ...
+
+    def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]: ...
+
+    def delete(self, digest: str) -> bool: ...
+
+    def used_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class LabelsConflict(Exception):
+    """Other labels are attached to the dataset already."""
+
+
+def encode_cursor(created_at: float, digest: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps([created_at, digest]).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        created_at, digest = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        return float(created_at), str(digest)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"cursor {cursor!r} is not one this service gave (use next_cursor as it is)") from exc
+
+
+def _hex(digest: str) -> str:
+    if not DIGEST.match(digest):
+        raise ValueError(f"a dataset digest is sha256:<64 lowercase hex digits>, got {digest!r}")
+    return digest.split(":", 1)[1]
+
+
+_COLUMNS = "digest, bytes, train_count, test_count, input_hashes, created_at, labels_sha256, labels_bytes"
+
+
+def record_of(row) -> DatasetRecord:
+    digest, size, train, test, hashes, created, labels_sha, labels_bytes = row
+    return DatasetRecord(digest=digest, bytes=int(size), train_count=int(train), test_count=int(test),
+                         input_hashes=json.loads(hashes), created_at=float(created), labels_sha256=labels_sha,
+                         labels_bytes=int(labels_bytes or 0))
+
+
+class SqliteDatasets:
+    """One replica's datasets in its data dir (see the module docstring). Thread-safe."""
+
+    engine = "sqlite"
+
+    def __init__(self, data_dir: str | Path, capacity_bytes: int) -> None:
+        self.folder = Path(data_dir) / FOLDER
+        self.path = Path(data_dir) / DB_NAME
+        self.capacity = int(capacity_bytes)
+        self._lock = threading.Lock()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            self._conn.execute("PRAGMA synchronous = FULL")
+            self._conn.execute(
+                "CREATE TABLE IF NOT EXISTS datasets (digest TEXT PRIMARY KEY, bytes INTEGER NOT NULL,"
+                " train_count INTEGER NOT NULL, test_count INTEGER NOT NULL, input_hashes TEXT NOT NULL,"
+                " created_at REAL NOT NULL, labels_sha256 TEXT, labels_bytes INTEGER NOT NULL DEFAULT 0)")
+            self._clean()
+        except (OSError, sqlite3.Error) as exc:
+            raise LedgerError(f"cannot open the dataset store {self.path}: {exc}") from exc
+
+    def _clean(self) -> None:
+        """At open: temporary files, and files no row names (a crash before the commit), deleted;
+        a row whose file is gone (deleted by hand) dropped."""
+        digests = {row[0] for row in self._conn.execute("SELECT digest FROM datasets")}
+        hexes = {d.split(":", 1)[1] for d in digests}
+        for entry in self.folder.iterdir():
+            stem = entry.name.split(".", 1)[0]
+            if entry.name.endswith(".tmp") or stem not in hexes:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+        for digest in digests:
+            if not self._file(digest).exists():
+                self._conn.execute("DELETE FROM datasets WHERE digest = ?", (digest,))
+
+    def _file(self, digest: str, labels: bool = False) -> Path:
+        return self.folder / (_hex(digest) + (".labels.npy" if labels else ".npz"))
+
+    def _write(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.folder)
+
+    @contextlib.contextmanager
+    def _db(self, doing: str):
+        with self._lock:
+            try:
+                yield self._conn
+            except (OSError, sqlite3.Error) as exc:
+                raise LedgerUnavailable(f"cannot {doing}: {exc} (the dataset store {self.path})") from exc
+
+    def put(self, record: DatasetRecord, body: bytes) -> tuple[DatasetRecord, bool]:
+        with self._db(f"store dataset {record.digest}") as conn:
+            existing = self._get(conn, record.digest)
+            if existing is not None:
+                return existing, False
+            used = self._used(conn)
+            if used + len(body) > self.capacity:
+                raise DatasetsFull(len(body), used, self.capacity)
+            self._write(self._file(record.digest), body)
+            conn.execute(f"INSERT INTO datasets ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, 0)",
+                         (record.digest, record.bytes, record.train_count, record.test_count,
+                          json.dumps(record.input_hashes), record.created_at or time.time()))
+            return self._get(conn, record.digest), True
+
+    @staticmethod
+    def _get(conn, digest: str) -> DatasetRecord | None:
+        row = conn.execute(f"SELECT {_COLUMNS} FROM datasets WHERE digest = ?", (digest,)).fetchone()
+        return None if row is None else record_of(row)
+
+    @staticmethod
+    def _used(conn) -> int:
+        return int(conn.execute("SELECT COALESCE(sum(bytes + labels_bytes), 0) FROM datasets").fetchone()[0])
+
+    def get(self, digest: str) -> DatasetRecord | None:
+        _hex(digest)
+        with self._db(f"read dataset {digest}") as conn:
+            return self._get(conn, digest)
+
+    def body(self, digest: str) -> bytes | None:
+        if self.get(digest) is None:
+            return None
+        try:
+            return self._file(digest).read_bytes()
+        except OSError as exc:
+            raise LedgerUnavailable(f"cannot read dataset {digest}: {exc}") from exc
+
+    def labels(self, digest: str) -> bytes | None:
+        record = self.get(digest)
+        if record is None or record.labels_sha256 is None:
+            return None
+        try:
+            return self._file(digest, labels=True).read_bytes()
+        except OSError as exc:
+            raise LedgerUnavailable(f"cannot read the labels of dataset {digest}: {exc}") from exc
+
+    def put_labels(self, digest: str, npy: bytes, sha256: str) -> tuple[DatasetRecord, bool]:
+        with self._db(f"store the labels of dataset {digest}") as conn:
+            record = self._get(conn, digest)
+            if record is None:
+                raise KeyError(digest)
+            if record.labels_sha256 == sha256:
+                return record, False
+            if record.labels_sha256 is not None:
+                raise LabelsConflict(f"dataset {digest} has other labels attached (sha256 {record.labels_sha256})")
+            used = self._used(conn)
+            if used + len(npy) > self.capacity:
+                raise DatasetsFull(len(npy), used, self.capacity)
+            self._write(self._file(digest, labels=True), npy)
+            conn.execute("UPDATE datasets SET labels_sha256 = ?, labels_bytes = ? WHERE digest = ?",
+                         (sha256, len(npy), digest))
+            return self._get(conn, digest), True
+
+    def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
+        sql, args = f"SELECT {_COLUMNS} FROM datasets", []
+        if cursor is not None:
+            created_at, digest = decode_cursor(cursor)
+            sql += " WHERE (created_at < ? OR (created_at = ? AND digest < ?))"
+            args += [created_at, created_at, digest]
+        sql += " ORDER BY created_at DESC, digest DESC LIMIT ?"
+        args.append(limit + 1)
+        with self._db("list datasets") as conn:
+            rows = conn.execute(sql, args).fetchall()
+        records = [record_of(r) for r in rows[:limit]]
+        more = len(rows) > limit
+        return records, encode_cursor(records[-1].created_at, records[-1].digest) if more else None
+
+    def delete(self, digest: str) -> bool:
+        _hex(digest)
+        with self._db(f"delete dataset {digest}") as conn:
+            gone = conn.execute("DELETE FROM datasets WHERE digest = ?", (digest,)).rowcount
+            for path in (self._file(digest), self._file(digest, labels=True)):  # after the commit
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            return bool(gone)
+
+    def used_bytes(self) -> int:
+        with self._db("count the datasets' bytes") as conn:
+            return self._used(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()

@@ -1,0 +1,115 @@
+"""The datasets in the shared PostgreSQL database (issue #31): ``rev88_datasets`` (migration
+0002), one row a dataset with its bytes and its labels apart in their own column, read by every
+replica. The same interface and behaviour as ``SqliteDatasets`` (app/ledger/datasets.py), on the
+ledger's pool and its failure handling (LedgerUnavailable naming the problem: a 503). The size cap
+is checked in the inserting transaction under an advisory lock, so replicas storing at once
+cannot pass it together."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .datasets import (
+    _COLUMNS,
+    DatasetRecord,
+    DatasetsFull,
+    LabelsConflict,
+    _hex,
+    decode_cursor,
+    encode_cursor,
+    record_of,
+)
+
+CAPACITY_LOCK = 0x7265_7638_0003  # pg_advisory_xact_lock key: the datasets' size cap
+NOW = "EXTRACT(EPOCH FROM clock_timestamp())::float8"
+
+
+class PostgresDatasets:
+    engine = "postgresql"
+
+    def __init__(self, ledger: Any, capacity_bytes: int) -> None:
+        self.ledger, self.capacity = ledger, int(capacity_bytes)
+        self.path = ledger.path
+
+    def _get(self, conn, digest: str) -> DatasetRecord | None:
+        row = conn.execute(f"SELECT {_COLUMNS} FROM rev88_datasets WHERE digest = %s", (digest,)).fetchone()
+        return None if row is None else record_of(row)
+
+    def _reserve(self, conn, size: int) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CAPACITY_LOCK,))
+        used = int(conn.execute("SELECT COALESCE(sum(bytes + labels_bytes), 0) FROM rev88_datasets").fetchone()[0])
+        if used + size > self.capacity:
+            raise DatasetsFull(size, used, self.capacity)
+
+    def put(self, record: DatasetRecord, body: bytes) -> tuple[DatasetRecord, bool]:
+        with self.ledger._conn(f"store dataset {record.digest}") as conn:
+            existing = self._get(conn, record.digest)
+            if existing is not None:
+                return existing, False
+            self._reserve(conn, len(body))
+            row = conn.execute(
+                f"INSERT INTO rev88_datasets (digest, bytes, train_count, test_count, input_hashes, created_at, body)"
+                f" VALUES (%s, %s, %s, %s, %s, {NOW}, %b) ON CONFLICT (digest) DO NOTHING RETURNING {_COLUMNS}",
+                (record.digest, record.bytes, record.train_count, record.test_count, json.dumps(record.input_hashes),
+                 body)).fetchone()
+            if row is None:  # another replica stored the same bytes meanwhile
+                return self._get(conn, record.digest), False
+            return record_of(row), True
+
+    def get(self, digest: str) -> DatasetRecord | None:
+        _hex(digest)
+        return self.ledger._read(f"read dataset {digest}", lambda conn: self._get(conn, digest))
+
+    def body(self, digest: str) -> bytes | None:
+        _hex(digest)
+        row = self.ledger._read(f"read dataset {digest}", lambda conn: conn.execute(
+            "SELECT body FROM rev88_datasets WHERE digest = %s", (digest,), binary=True).fetchone())
+        return None if row is None else bytes(row[0])
+
+    def labels(self, digest: str) -> bytes | None:
+        _hex(digest)
+        row = self.ledger._read(f"read the labels of dataset {digest}", lambda conn: conn.execute(
+            "SELECT labels FROM rev88_datasets WHERE digest = %s", (digest,), binary=True).fetchone())
+        return None if row is None or row[0] is None else bytes(row[0])
+
+    def put_labels(self, digest: str, npy: bytes, sha256: str) -> tuple[DatasetRecord, bool]:
+        with self.ledger._conn(f"store the labels of dataset {digest}") as conn:
+            row = conn.execute(f"SELECT {_COLUMNS} FROM rev88_datasets WHERE digest = %s FOR UPDATE",
+                               (digest,)).fetchone()
+            if row is None:
+                raise KeyError(digest)
+            record = record_of(row)
+            if record.labels_sha256 == sha256:
+                return record, False
+            if record.labels_sha256 is not None:
+                raise LabelsConflict(f"dataset {digest} has other labels attached (sha256 {record.labels_sha256})")
+            self._reserve(conn, len(npy))
+            row = conn.execute(f"UPDATE rev88_datasets SET labels = %b, labels_sha256 = %s, labels_bytes = %s"
+                               f" WHERE digest = %s RETURNING {_COLUMNS}", (npy, sha256, len(npy), digest)).fetchone()
+            return record_of(row), True
+
+    def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
+        sql, args = f"SELECT {_COLUMNS} FROM rev88_datasets", []
+        if cursor is not None:
+            created_at, digest = decode_cursor(cursor)
+            sql += " WHERE (created_at, digest) < (%s, %s)"
+            args += [created_at, digest]
+        sql += " ORDER BY created_at DESC, digest DESC LIMIT %s"
+        args.append(limit + 1)
+        rows = self.ledger._read("list datasets", lambda conn: conn.execute(sql, args).fetchall())
+        records = [record_of(r) for r in rows[:limit]]
+        more = len(rows) > limit
+        return records, encode_cursor(records[-1].created_at, records[-1].digest) if more else None
+
+    def delete(self, digest: str) -> bool:
+        _hex(digest)
+        with self.ledger._conn(f"delete dataset {digest}") as conn:
+            return conn.execute("DELETE FROM rev88_datasets WHERE digest = %s", (digest,)).rowcount > 0
+
+    def used_bytes(self) -> int:
+        return int(self.ledger._read("count the datasets' bytes", lambda conn: conn.execute(
+            "SELECT COALESCE(sum(bytes + labels_bytes), 0) FROM rev88_datasets").fetchone()[0]))
+
+    def close(self) -> None:  # (the ledger's pool: closed with the ledger)
+        pass
