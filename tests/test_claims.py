@@ -230,3 +230,26 @@ def test_leases_are_renewed_while_request_traffic_holds_every_pooled_connection(
 def lease_expires_at(url: str, task_id: str) -> float:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute("SELECT lease_expires_at FROM rev88_tasks WHERE id = %s", (task_id,)).fetchone()[0]
+
+
+def test_a_task_on_a_dataset_recorded_elsewhere_is_run_here_from_the_shared_dataset(tmp_path, pg_url, other):
+    """Another replica stored the dataset and recorded a task on it (no copy of the npz): this one
+    claims it and reads the dataset from the shared database."""
+    from app.ledger.datasets_pg import PostgresDatasets
+    from app.tasks.datasets import DatasetCatalog
+
+    catalog = DatasetCatalog(PostgresDatasets(other, 1 << 30), 0)
+    record, _ = catalog.put(BODY)
+    task_id = uuid.uuid4().hex
+    with node(tmp_path, pg_url) as (server, service):
+        with claims_held_back(service):
+            other.create(task_id=task_id, kind="task", mode="async", backend="cpu", config={},
+                         options={"include_scores": False, "measure": None, "dataset": record.digest},
+                         train_count=60, test_count=8, body_sha256=record.digest.split(":")[1], body_bytes=record.bytes,
+                         input_hashes=record.input_hashes, body=None)
+        done = finished(pg_url, task_id)
+        assert done["status"] == "succeeded", done
+        doc = httpx.get(f"{server.url}/tasks/{task_id}").json()
+        assert doc["predictions_sha256"] == EXPECTED and doc["dataset"] == record.digest
+        assert service.runner.shared.counters["from_stored_input"] == 1
+        nothing_held(service)
