@@ -110,10 +110,70 @@ class DatasetInfo(Open):
     created_at: float
     labels: DatasetLabels
     location: str | None = None
+    sweeps: list[str] | None = Field(None, description="GET /datasets/<digest>: the sweeps on it")
 
 
 class DatasetList(BaseModel):
     datasets: list[DatasetInfo]
+    next_cursor: str | None
+
+
+class SweepRequest(BaseModel):
+    """POST /sweeps: one stored dataset, a grid of config values × seeds."""
+
+    model_config = ConfigDict(extra="forbid")
+    dataset: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="a stored dataset's digest")
+    config: dict[str, int | float] = Field(default_factory=dict, description="base config overrides")
+    grid: dict[str, list[int | float]] = Field(default_factory=dict,
+                                               description="config key -> its values; the cells are their product")
+    seeds: list[int] | dict[str, int] = Field(default_factory=lambda: [0],
+                                             description="a list, or {\"start\": S, \"count\": N}")
+    backend: str | None = None
+    include_scores: bool = False
+    name: str | None = Field(None, max_length=200)
+
+
+class SweepCell(Open):
+    task_id: str
+    config: dict[str, Any]
+    status: Status
+    predictions_sha256: str | None = None
+    timing: dict[str, Any] | None = None
+    correct: int | None = None
+    total: int | None = None
+    accuracy: float | None = None
+
+
+class SweepState(Open):
+    id: str
+    status: Literal["queued", "running", "completed", "cancelled"]
+    dataset: str
+    created_at: float
+    cancelled_at: float | None = None
+    definition: dict[str, Any]
+    counts: dict[str, int]
+    cells: list[SweepCell]
+
+
+class SweepAccepted(Open):
+    id: str
+    status: str
+    cells: int
+    location: str
+
+
+class SweepSummary(Open):
+    id: str
+    dataset: str
+    created_at: float
+    cancelled_at: float | None = None
+    definition: dict[str, Any]
+    cells: int
+    location: str
+
+
+class SweepList(BaseModel):
+    sweeps: list[SweepSummary]
     next_cursor: str | None
 
 

@@ -46,6 +46,7 @@ from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
+from .tasks.sweeps import Sweeps
 from .threads import name_os_thread
 
 log = logging.getLogger("rev88." + __name__)
@@ -129,6 +130,7 @@ class Service:
             batch_max=self.batch_max, versions=self.versions,
         )
         self.runner.datasets = self.datasets
+        self.sweeps = Sweeps(self.runner, self.datasets, settings)
         if is_shared(self.ledger):  # asynchronous tasks claimed from the shared ledger by idle workers
             from .tasks.claims import SharedQueue
 

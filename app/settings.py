@@ -40,6 +40,8 @@
 
     REV88_DATASET_BYTES     stored datasets and labels, in all     4294967296 (4 GiB)
     REV88_DATASET_CACHE_BYTES  parsed datasets kept in memory      536870912 (512 MiB)
+    REV88_SWEEP_MAX_CELLS   cells of one sweep                     1000
+    REV88_SWEEP_MAX_WORK    a sweep's estimated work in all        200 x the task default
 
 A bad value stops the service at startup with a message naming the variable.
 """
@@ -120,6 +122,9 @@ class Settings:
     # hold at most dataset_bytes; parsed datasets kept in memory, at most dataset_cache_bytes.
     dataset_bytes: int = 4 << 30
     dataset_cache_bytes: int = 512 << 20
+    # Sweeps (app/tasks/sweeps.py): at most sweep_max_cells cells, sweep_max_work estimated work in all
+    sweep_max_cells: int = 1000
+    sweep_max_work: int = 200 * DEFAULT_MAX_TASK_WORK
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -158,6 +163,9 @@ class Settings:
         if self.upload_buffer_bytes is not None and self.upload_buffer_bytes < self.max_body_bytes:
             raise SettingsError(f"REV88_UPLOAD_BUFFER_BYTES must be at least REV88_MAX_BODY_BYTES "
                                 f"({self.max_body_bytes}), got {self.upload_buffer_bytes}")
+        for name, value in (("REV88_SWEEP_MAX_CELLS", self.sweep_max_cells), ("REV88_SWEEP_MAX_WORK", self.sweep_max_work)):
+            if value < 1:
+                raise SettingsError(f"{name} must be >= 1, got {value}")
         for name, value in (("REV88_DATASET_BYTES", self.dataset_bytes),
                             ("REV88_DATASET_CACHE_BYTES", self.dataset_cache_bytes)):
             if value < 0:
@@ -268,4 +276,6 @@ class Settings:
             shared_queue_size=integer("REV88_SHARED_QUEUE_SIZE", None),
             dataset_bytes=integer("REV88_DATASET_BYTES", defaults.dataset_bytes),
             dataset_cache_bytes=integer("REV88_DATASET_CACHE_BYTES", defaults.dataset_cache_bytes),
+            sweep_max_cells=integer("REV88_SWEEP_MAX_CELLS", defaults.sweep_max_cells),
+            sweep_max_work=integer("REV88_SWEEP_MAX_WORK", defaults.sweep_max_work),
         )

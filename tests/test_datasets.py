@@ -70,7 +70,7 @@ def test_put_head_get_list_and_delete(store):
         posted = c.post("/datasets", content=BODY, headers=NPZ)
         assert posted.status_code == 200 and posted.json()["digest"] == DIGEST
         assert c.head(f"/datasets/{DIGEST}").status_code == 200
-        assert c.get(f"/datasets/{DIGEST}").json() == {**doc, "location": f"/datasets/{DIGEST}"}
+        assert c.get(f"/datasets/{DIGEST}").json() == {**doc, "location": f"/datasets/{DIGEST}", "sweeps": []}
         other = task_to_npz_bytes(small_task(30, 4, seed=22))
         assert c.post("/datasets", content=other, headers=NPZ).status_code == 201
         page = c.get("/datasets", params={"limit": 1}).json()

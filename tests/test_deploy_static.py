@@ -284,7 +284,8 @@ def test_serve_flags_cover_every_settings_variable():
                "REV88_LEASE_ATTEMPTS": "5", "REV88_CLAIM_POLL_S": "0.5", "REV88_SHARED_QUEUE_SIZE": "50",
                "REV88_UPLOAD_TIMEOUT_S": "30", "REV88_UPLOAD_MIN_RATE": "1000", "REV88_UPLOAD_BUFFER_BYTES": str(1 << 30),
                "REV88_HEADER_TIMEOUT_S": "3", "REV88_KEEPALIVE_S": "9", "REV88_MAX_CONNECTIONS": "100",
-               "REV88_STOCK_HTTP": "1", "REV88_DATASET_BYTES": "1000", "REV88_DATASET_CACHE_BYTES": "5"}
+               "REV88_STOCK_HTTP": "1", "REV88_DATASET_BYTES": "1000", "REV88_DATASET_CACHE_BYTES": "5",
+               "REV88_SWEEP_MAX_CELLS": "7", "REV88_SWEEP_MAX_WORK": "99"}
     assert set(samples) == ENV_NAMES
     for name, value in samples.items():
         assert Settings.from_env({name: value}) != DEFAULTS, f"{name} is not read by app.settings"

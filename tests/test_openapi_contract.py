@@ -47,6 +47,14 @@ checks.positive_data_acceptance.expected-statuses = [200, 201, 400, 413, 415, 42
 include-name = "PUT /datasets/{{digest}}/labels"
 checks.positive_data_acceptance.expected-statuses = [200, 201, 400, 404, 409, 413, 415, 422, 503]
 
+[[operations]]
+include-name = "POST /sweeps"
+checks.positive_data_acceptance.expected-statuses = [202, 404, 409, 413, 422, 503]
+
+[[operations]]
+include-name = "GET /sweeps"
+checks.positive_data_acceptance.expected-statuses = [200, 422]
+
 [parameters]
 task_id = "{task_id}"
 """

@@ -77,7 +77,8 @@ async def head_dataset(digest: Digest, service: ServiceDep) -> Response:
             response_model=DatasetInfo, responses=error_responses(401, 404, 422, 503))
 async def get_dataset(digest: Digest, service: ServiceDep) -> JSONResponse:
     record = await run_in_threadpool(service.datasets.get, digest)
-    return JSONResponse(_described(record))
+    sweeps = await run_in_threadpool(service.datasets.store.sweeps_of, digest)
+    return JSONResponse({**_described(record), "sweeps": sweeps})
 
 
 @router.get("/datasets", summary="The stored datasets, newest first", response_model=DatasetList,

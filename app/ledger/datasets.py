@@ -68,6 +68,30 @@ class DatasetRecord:
                 "labels": {"attached": self.labels_sha256 is not None, "sha256": self.labels_sha256}}
 
 
+@dataclasses.dataclass(frozen=True)
+class SweepRecord:
+    """A sweep (app/tasks/sweeps.py): its definition as sent (checked), and its cells: one task
+    each, ``{"task_id", "config"}`` with the cell's whole effective config (its seed included)."""
+
+    id: str
+    created_at: float
+    dataset: str
+    definition: dict[str, Any]
+    cells: list[dict[str, Any]]
+    idempotency_key: str | None = None
+    cancelled_at: float | None = None
+
+
+_SWEEP_COLUMNS = "id, created_at, dataset, definition, cells, idempotency_key, cancelled_at"
+
+
+def sweep_of(row) -> SweepRecord:
+    sweep_id, created, dataset, definition, cells, key, cancelled = row
+    return SweepRecord(id=sweep_id, created_at=float(created), dataset=dataset, definition=json.loads(definition),
+                       cells=json.loads(cells), idempotency_key=key,
+                       cancelled_at=None if cancelled is None else float(cancelled))
+
+
 class DatasetStore(Protocol):
     def put(self, record: DatasetRecord, body: bytes) -> tuple[DatasetRecord, bool]: ...
 
@@ -84,6 +108,16 @@ class DatasetStore(Protocol):
     def delete(self, digest: str) -> bool: ...
 
     def used_bytes(self) -> int: ...
+
+    def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]: ...
+
+    def get_sweep(self, sweep_id: str) -> SweepRecord | None: ...
+
+    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]: ...
+
+    def cancel_sweep(self, sweep_id: str) -> None: ...
+
+    def sweeps_of(self, digest: str) -> list[str]: ...
 
     def close(self) -> None: ...
 
@@ -139,6 +173,10 @@ class SqliteDatasets:
                 "CREATE TABLE IF NOT EXISTS datasets (digest TEXT PRIMARY KEY, bytes INTEGER NOT NULL,"
                 " train_count INTEGER NOT NULL, test_count INTEGER NOT NULL, input_hashes TEXT NOT NULL,"
                 " created_at REAL NOT NULL, labels_sha256 TEXT, labels_bytes INTEGER NOT NULL DEFAULT 0)")
+            self._conn.execute(
+                "CREATE TABLE IF NOT EXISTS sweeps (id TEXT PRIMARY KEY, created_at REAL NOT NULL, dataset TEXT NOT NULL,"
+                " definition TEXT NOT NULL, cells TEXT NOT NULL, idempotency_key TEXT UNIQUE, cancelled_at REAL)")
+            self._conn.execute("CREATE INDEX IF NOT EXISTS sweeps_dataset ON sweeps (dataset)")
             self._clean()
         except (OSError, sqlite3.Error) as exc:
             raise LedgerError(f"cannot open the dataset store {self.path}: {exc}") from exc
@@ -265,6 +303,48 @@ class SqliteDatasets:
     def used_bytes(self) -> int:
         with self._db("count the datasets' bytes") as conn:
             return self._used(conn)
+
+    # ------------------------------------------------------------------ sweeps
+    def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]:
+        """Record a sweep; an Idempotency-Key recorded already: (that sweep, False)."""
+        with self._db(f"record sweep {sweep.id}") as conn:
+            if sweep.idempotency_key is not None:
+                row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM sweeps WHERE idempotency_key = ?",
+                                   (sweep.idempotency_key,)).fetchone()
+                if row is not None:
+                    return sweep_of(row), False
+            conn.execute(f"INSERT INTO sweeps ({_SWEEP_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                         (sweep.id, sweep.created_at, sweep.dataset, json.dumps(sweep.definition),
+                          json.dumps(sweep.cells), sweep.idempotency_key))
+            return sweep, True
+
+    def get_sweep(self, sweep_id: str) -> SweepRecord | None:
+        with self._db(f"read sweep {sweep_id}") as conn:
+            row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM sweeps WHERE id = ?", (sweep_id,)).fetchone()
+        return None if row is None else sweep_of(row)
+
+    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
+        sql, args = f"SELECT {_SWEEP_COLUMNS} FROM sweeps", []
+        if cursor is not None:
+            created_at, last = decode_cursor(cursor)
+            sql += " WHERE (created_at < ? OR (created_at = ? AND id < ?))"
+            args += [created_at, created_at, last]
+        sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
+        args.append(limit + 1)
+        with self._db("list sweeps") as conn:
+            rows = conn.execute(sql, args).fetchall()
+        sweeps = [sweep_of(r) for r in rows[:limit]]
+        return sweeps, encode_cursor(sweeps[-1].created_at, sweeps[-1].id) if len(rows) > limit else None
+
+    def cancel_sweep(self, sweep_id: str) -> None:
+        with self._db(f"cancel sweep {sweep_id}") as conn:
+            conn.execute("UPDATE sweeps SET cancelled_at = COALESCE(cancelled_at, ?) WHERE id = ?",
+                         (time.time(), sweep_id))
+
+    def sweeps_of(self, digest: str) -> list[str]:
+        with self._db(f"list the sweeps of dataset {digest}") as conn:
+            return [r[0] for r in conn.execute("SELECT id FROM sweeps WHERE dataset = ? ORDER BY created_at",
+                                               (digest,))]
 
     def close(self) -> None:
         with self._lock:

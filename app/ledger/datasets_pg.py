@@ -12,13 +12,16 @@ from typing import Any
 
 from .datasets import (
     _COLUMNS,
+    _SWEEP_COLUMNS,
     DatasetRecord,
     DatasetsFull,
     LabelsConflict,
+    SweepRecord,
     _hex,
     decode_cursor,
     encode_cursor,
     record_of,
+    sweep_of,
 )
 
 CAPACITY_LOCK = 0x7265_7638_0003  # pg_advisory_xact_lock key: the datasets' size cap
@@ -110,6 +113,46 @@ class PostgresDatasets:
     def used_bytes(self) -> int:
         return int(self.ledger._read("count the datasets' bytes", lambda conn: conn.execute(
             "SELECT COALESCE(sum(bytes + labels_bytes), 0) FROM rev88_datasets").fetchone()[0]))
+
+    def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]:
+        with self.ledger._conn(f"record sweep {sweep.id}") as conn:
+            row = conn.execute(
+                f"INSERT INTO rev88_sweeps ({_SWEEP_COLUMNS}) VALUES (%s, {NOW}, %s, %s, %s, %s, NULL)"
+                f" ON CONFLICT (idempotency_key) DO NOTHING RETURNING {_SWEEP_COLUMNS}",
+                (sweep.id, sweep.dataset, json.dumps(sweep.definition), json.dumps(sweep.cells),
+                 sweep.idempotency_key)).fetchone()
+            if row is not None:
+                return sweep_of(row), True
+            row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps WHERE idempotency_key = %s",
+                               (sweep.idempotency_key,)).fetchone()
+            return sweep_of(row), False
+
+    def get_sweep(self, sweep_id: str) -> SweepRecord | None:
+        row = self.ledger._read(f"read sweep {sweep_id}", lambda conn: conn.execute(
+            f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps WHERE id = %s", (sweep_id,)).fetchone())
+        return None if row is None else sweep_of(row)
+
+    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
+        sql, args = f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps", []
+        if cursor is not None:
+            created_at, last = decode_cursor(cursor)
+            sql += " WHERE (created_at, id) < (%s, %s)"
+            args += [created_at, last]
+        sql += " ORDER BY created_at DESC, id DESC LIMIT %s"
+        args.append(limit + 1)
+        rows = self.ledger._read("list sweeps", lambda conn: conn.execute(sql, args).fetchall())
+        sweeps = [sweep_of(r) for r in rows[:limit]]
+        return sweeps, encode_cursor(sweeps[-1].created_at, sweeps[-1].id) if len(rows) > limit else None
+
+    def cancel_sweep(self, sweep_id: str) -> None:
+        with self.ledger._conn(f"cancel sweep {sweep_id}") as conn:
+            conn.execute(f"UPDATE rev88_sweeps SET cancelled_at = COALESCE(cancelled_at, {NOW}) WHERE id = %s",
+                         (sweep_id,))
+
+    def sweeps_of(self, digest: str) -> list[str]:
+        rows = self.ledger._read(f"list the sweeps of dataset {digest}", lambda conn: conn.execute(
+            "SELECT id FROM rev88_sweeps WHERE dataset = %s ORDER BY created_at", (digest,)).fetchall())
+        return [r[0] for r in rows]
 
     def close(self) -> None:  # (the ledger's pool: closed with the ledger)
         pass

@@ -780,6 +780,14 @@ class PostgresLedger:
             f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,), binary=True).fetchone())
         return None if row is None else _record(row, True)
 
+    def get_many(self, task_ids: list[str]) -> dict[str, TaskRecord]:
+        """The records (with answers) of those of ``task_ids`` the ledger has, by id (one query)."""
+        if not task_ids:
+            return {}
+        rows = self._read(f"read {len(task_ids)} task(s)", lambda conn: conn.execute(
+            f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = ANY(%s)", (list(task_ids),), binary=True).fetchall())
+        return {row[0]: _record(row, True) for row in rows}
+
     def list(self, limit: int = 50, cursor: str | None = None,
              status: str | None = None) -> tuple[list[TaskRecord], str | None]:
         """Newest first (created_at, then id), keyset-paged over the shared table. Returns

@@ -820,6 +820,19 @@ class Ledger:
         with self._read(f"read task {task_id}") as conn:
             return self._get(conn, task_id)
 
+    def get_many(self, task_ids: list[str]) -> dict[str, TaskRecord]:
+        """The records (with answers) of those of ``task_ids`` the ledger has, by id (one query a
+        few hundred ids)."""
+        out: dict[str, TaskRecord] = {}
+        with self._read(f"read {len(task_ids)} task(s)") as conn:
+            for i in range(0, len(task_ids), 500):
+                part = task_ids[i : i + 500]
+                marks = ", ".join("?" * len(part))
+                for row in conn.execute(f"SELECT {_ALL_COLUMNS} FROM tasks WHERE id IN ({marks})", part):
+                    record = self._record(row, True)
+                    out[record.id] = record
+        return out
+
     def list(self, limit: int = 50, cursor: str | None = None,
              status: str | None = None) -> tuple[list[TaskRecord], str | None]:
         """Newest first (created_at, then id). Returns (records without their answers, the cursor

@@ -299,7 +299,8 @@ class SharedQueue:
         return Accepted(task_id=record.id, task=task, config=config, backend=record.backend,
                         include_scores=bool(record.options.get("include_scores")),
                         measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
-                        created_at=record.created_at, dataset=dataset, labels=labels)
+                        created_at=record.created_at, dataset=dataset, labels=labels,
+                        sweep=record.options.get("sweep"))
 
     # ------------------------------------------------------------------ leases
 

@@ -127,6 +127,7 @@ class Accepted:
     # answer then counts its correct predictions (the labels reach neither the task nor the answer)
     dataset: str | None = None
     labels: Any = None
+    sweep: str | None = None  # the sweep it is a cell of (app/tasks/sweeps.py)
 
     @property
     def kind(self) -> str:
@@ -136,6 +137,8 @@ class Accepted:
         options = {"include_scores": self.include_scores, "measure": self.measure}
         if self.dataset is not None:
             options["dataset"] = self.dataset
+        if self.sweep is not None:
+            options["sweep"] = self.sweep
         return options
 
     def parsed(self) -> TaskArrays | None:
@@ -636,7 +639,7 @@ class TaskRunner:
                 continue
             acc = Accepted(task_id=rec.id, task=task, config=config, backend=rec.backend,
                            include_scores=bool(rec.options.get("include_scores")), measure=rec.options.get("measure"),
-                           mode="async", dataset=dataset, labels=labels)
+                           mode="async", dataset=dataset, labels=labels, sweep=rec.options.get("sweep"))
             self.queue(acc, reserved=True)
             self.settle_in_background(acc)
             counts["requeued"] += 1

@@ -13,3 +13,17 @@ CREATE TABLE rev88_datasets (
     labels bytea
 );
 CREATE INDEX rev88_datasets_created ON rev88_datasets (created_at DESC, digest DESC);
+
+-- Sweeps (app/tasks/sweeps.py): a definition and its cells, one task each (the tasks' own rows
+-- in rev88_tasks carry their state).
+CREATE TABLE rev88_sweeps (
+    id text PRIMARY KEY,
+    created_at double precision NOT NULL,
+    dataset text NOT NULL,
+    definition text NOT NULL,             -- JSON: base config, grid, seeds, backend, name
+    cells text NOT NULL,                  -- JSON: [{"task_id", "config"}] in order
+    idempotency_key text UNIQUE,
+    cancelled_at double precision
+);
+CREATE INDEX rev88_sweeps_created ON rev88_sweeps (created_at DESC, id DESC);
+CREATE INDEX rev88_sweeps_dataset ON rev88_sweeps (dataset);

@@ -1,0 +1,229 @@
+"""Sweeps (issue #31): one stored dataset, a grid of config values × seeds, one request.
+
+A sweep's cells are the grid's product (every combination of its values) times its seeds, each
+over the base config; an empty grid is the base config once per seed. Every cell's config is
+checked against the config bounds and the task budget before anything is recorded (a 422 naming
+the parameter and the value), and the sweep's cell count and total work have limits
+(REV88_SWEEP_MAX_CELLS, REV88_SWEEP_MAX_WORK). Then each cell is an asynchronous task on the
+dataset, recorded in the ledger like any other (``POST /tasks?dataset=`` with the cell's config
+would give the same answer, byte for byte): it survives a restart, on the shared ledger any
+replica runs it, and on a backend with batched launches the cells of one shape and config but
+the seed share launches (app/tasks/device.py ``launch_key``). A sweep is its definition and its
+cells' task ids; its state is read from the cells' own records (``state``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import itertools
+import time
+import uuid
+from typing import Any
+
+from learner.budget import check_budget, estimate
+from learner.config import FIELDS, Config, make_config
+from learner.errors import ConfigError
+
+from ..errors import Conflict, InvalidRequest, NotFound
+from ..ledger.datasets import SweepRecord
+from .runner import Accepted, new_task_id
+
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+def expand(definition: dict[str, Any]) -> list[Config]:
+    """The cells' configs, in order (the grid's keys in the order given, the seeds innermost)."""
+    base = definition.get("config") or {}
+    grid = definition.get("grid") or {}
+    if "seed" in base or "seed" in grid:
+        raise InvalidRequest("seeds are given by 'seeds', not in 'config' or 'grid'", field="seed")
+    for name, values in grid.items():
+        if name not in FIELDS:
+            raise InvalidRequest(f"grid parameter {name!r} is not a config key; the keys are {', '.join(FIELDS)}",
+                                 field=name)
+        if not isinstance(values, list) or not values:
+            raise InvalidRequest(f"grid parameter {name!r} needs a non-empty list of values, got {values!r}",
+                                 field=name)
+    seeds = seeds_of(definition.get("seeds", [0]))
+    names = list(grid)
+    cells = []
+    for combo in itertools.product(*(grid[n] for n in names)) if names else [()]:
+        for seed in seeds:
+            overrides = {**base, **dict(zip(names, combo)), "seed": seed}
+            try:
+                cells.append(make_config(overrides))
+            except ConfigError as exc:
+                raise InvalidRequest(f"cell {dict(zip(names, combo)) | {'seed': seed}}: {exc}",
+                                     field=(getattr(exc, "details", None) or {}).get("field")) from None
+    return cells
+
+
+def seeds_of(seeds: Any) -> list[int]:
+    if isinstance(seeds, dict):
+        if set(seeds) != {"start", "count"}:
+            raise InvalidRequest("seeds is a list of integers or {\"start\": S, \"count\": N}", field="seeds")
+        start, count = seeds["start"], seeds["count"]
+        if not (isinstance(start, int) and isinstance(count, int) and count >= 1 and start >= 0):
+            raise InvalidRequest(f"seeds {{start, count}} must be integers, start >= 0 and count >= 1; got {seeds}",
+                                 field="seeds")
+        return list(range(start, start + count))
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                           for s in seeds):
+        raise InvalidRequest(f"seeds must be a non-empty list of integers, got {seeds!r}", field="seeds")
+    if len(set(seeds)) != len(seeds):
+        raise InvalidRequest("seeds are given more than once", field="seeds")
+    return list(seeds)
+
+
+def check_limits(cells: list[Config], train_count: int, test_count: int, *, max_cells: int, max_work: int,
+                 max_task_work: int, max_task_bytes: int) -> int:
+    """Every cell within the task budget; the sweep within its own limits. Returns its work."""
+    if len(cells) > max_cells:
+        raise InvalidRequest(f"the sweep has {len(cells)} cells; at most {max_cells} (REV88_SWEEP_MAX_CELLS)",
+                             limit=max_cells)
+    total = 0
+    for config in cells:
+        est = estimate(train_count, test_count, config)
+        check_budget(est, max_task_work, max_task_bytes)
+        total += est.work
+    if total > max_work:
+        raise InvalidRequest(f"the sweep needs an estimated {total:,} work units in all; at most {max_work:,} "
+                             "(REV88_SWEEP_MAX_WORK)", limit=max_work)
+    return total
+
+
+def new_sweep(dataset: str, definition: dict[str, Any], cells: list[Config], task_ids: list[str],
+              key: str | None) -> SweepRecord:
+    return SweepRecord(id="sw-" + uuid.uuid4().hex, created_at=time.time(), dataset=dataset, definition=definition,
+                       cells=[{"task_id": t, "config": c.as_dict()} for t, c in zip(task_ids, cells)],
+                       idempotency_key=key)
+
+
+def state(sweep: SweepRecord, records: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's document: its definition, status, counts by status, and a row per cell from
+    the cell's own record."""
+    rows = []
+    counts = dict.fromkeys(("queued", "running", "succeeded", "failed", "cancelled"), 0)
+    for cell in sweep.cells:
+        record = records.get(cell["task_id"])
+        status = record.status if record is not None else "queued"
+        counts[status] += 1
+        row = {"task_id": cell["task_id"], "config": cell["config"], "status": status}
+        answer = record.answer if record is not None and record.status == "succeeded" else None
+        if answer:
+            row["predictions_sha256"] = answer.get("predictions_sha256")
+            row["timing"] = answer.get("timing")
+            if answer.get("energy") is not None:
+                row["energy"] = answer["energy"]
+            for name in ("correct", "total", "accuracy"):
+                if name in answer:
+                    row[name] = answer[name]
+        elif record is not None and record.error:
+            row["error"] = record.error.get("error")
+        rows.append(row)
+    unfinished = counts["queued"] + counts["running"]
+    if sweep.cancelled_at is not None and not unfinished:
+        status = "cancelled"
+    elif not unfinished:
+        status = "completed"
+    else:
+        status = "queued" if counts["queued"] == len(rows) else "running"
+    return {"id": sweep.id, "status": status, "dataset": sweep.dataset, "created_at": sweep.created_at,
+            "cancelled_at": sweep.cancelled_at, "definition": sweep.definition, "counts": counts,
+            "cells": rows}
+
+
+def summary(sweep: SweepRecord) -> dict[str, Any]:
+    """A sweep in a list: no cell rows (GET /sweeps/<id> has them)."""
+    return {"id": sweep.id, "dataset": sweep.dataset, "created_at": sweep.created_at,
+            "cancelled_at": sweep.cancelled_at, "definition": sweep.definition, "cells": len(sweep.cells),
+            "location": f"/sweeps/{sweep.id}"}
+
+
+def as_csv(doc: dict[str, Any]) -> str:
+    """The cell table: one row per cell, the config's keys as columns."""
+    keys = list(FIELDS)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["task_id", "status", *keys, "predictions_sha256", "run_ms", "total_ms", "correct", "total",
+                     "accuracy"])
+    for row in doc["cells"]:
+        timing = row.get("timing") or {}
+        writer.writerow([row["task_id"], row["status"], *(row["config"].get(k) for k in keys),
+                         row.get("predictions_sha256", ""), timing.get("run_ms", ""), timing.get("total_ms", ""),
+                         row.get("correct", ""), row.get("total", ""), row.get("accuracy", "")])
+    return out.getvalue()
+
+
+class Sweeps:
+    """The sweeps of a service, over its task runner and dataset catalog (what the routes call)."""
+
+    def __init__(self, runner: Any, datasets: Any, settings: Any) -> None:
+        self.runner, self.datasets, self.settings = runner, datasets, settings
+
+    async def submit(self, definition: dict[str, Any], backend: str, key: str | None) -> tuple[SweepRecord, bool]:
+        """Check the sweep, record it and its cells (each an asynchronous task on the dataset) and
+        queue them; an Idempotency-Key seen before: that sweep (its missing cells, after a crash
+        between the two records, recorded now), another definition under it a 409."""
+        catalog = self.datasets
+        record = await asyncio.to_thread(catalog.get, definition["dataset"])
+        cells = expand(definition)
+        s = self.settings
+        check_limits(cells, record.train_count, record.test_count, max_cells=s.sweep_max_cells,
+                     max_work=s.sweep_max_work, max_task_work=s.max_task_work, max_task_bytes=s.max_task_bytes)
+        task_ids = [new_task_id() for _ in cells]
+        sweep, created = await asyncio.to_thread(catalog.store.create_sweep,
+                                                 new_sweep(record.digest, definition, cells, task_ids, key))
+        if not created and sweep.definition != definition:
+            raise Conflict(f"Idempotency-Key {key!r} was already used for sweep {sweep.id} with another definition; "
+                           "use a new key for a new sweep", sweep_id=sweep.id)
+        await self._record_cells(sweep, backend)
+        return sweep, created
+
+    async def _record_cells(self, sweep: SweepRecord, backend: str) -> None:
+        """Record and queue the sweep's cells that the ledger does not have yet."""
+        runner, catalog = self.runner, self.datasets
+        have = await asyncio.to_thread(runner.ledger.get_many, [c["task_id"] for c in sweep.cells])
+        missing = [c for c in sweep.cells if c["task_id"] not in have]
+        if not missing:
+            return
+        task = catalog.cached(sweep.dataset) or await asyncio.to_thread(catalog.task, sweep.dataset)
+        labels = await asyncio.to_thread(catalog.labels, sweep.dataset)
+        record = await asyncio.to_thread(catalog.get, sweep.dataset)
+        include = bool(sweep.definition.get("include_scores"))
+        accs = [Accepted(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
+                         include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
+                         labels=labels, sweep=sweep.id) for c in missing]
+        sha = sweep.dataset.split(":", 1)[1]
+
+        def record_all() -> None:
+            for acc in accs:
+                runner.record(acc, sha, acc.body_bytes, None, None)
+
+        await asyncio.to_thread(record_all)
+        shared = runner.shared
+        for acc in accs:
+            if shared is not None:
+                shared.offer(acc)  # claimed by whichever replica has a free worker
+            else:  # every cell queued now (beyond REV88_QUEUE_SIZE: the sweep's cells share one parsed dataset)
+                runner.queue(acc, reserved=True)
+                runner.settle_in_background(acc)
+
+    async def state(self, sweep_id: str) -> dict[str, Any]:
+        sweep = await asyncio.to_thread(self.datasets.store.get_sweep, sweep_id)
+        if sweep is None:
+            raise NotFound(f"no sweep {sweep_id!r} here")
+        await self.runner.written()
+        records = await asyncio.to_thread(self.runner.ledger.get_many, [c["task_id"] for c in sweep.cells])
+        return state(sweep, records)
+
+    async def cancel(self, sweep_id: str) -> dict[str, Any]:
+        """Every unfinished cell cancelled (queued ones never run, running ones stopped); finished
+        cells kept."""
+        doc = await self.state(sweep_id)
+        await asyncio.to_thread(self.datasets.store.cancel_sweep, sweep_id)
+        unfinished = [row["task_id"] for row in doc["cells"] if row["status"] not in FINISHED]
+        await asyncio.gather(*(self.runner.cancel(task_id) for task_id in unfinished), return_exceptions=True)
+        return await self.state(sweep_id)

@@ -1,0 +1,139 @@
+"""Sweeps (issue #31): a grid × seeds over one stored dataset in one request, every cell a task
+whose answer equals POST /tasks?dataset= with the cell's config; on a real server, both stores."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+
+import numpy as np
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from learner.taskio import task_to_npz_bytes
+
+from . import pg
+from .gates import Gate, gated_engines
+from .helpers import small_task
+from .server import inprocess_server, wait_for
+
+pg_server, pg_url = pg.pg_server, pg.pg_url  # the fixtures (tests/pg.py)
+
+TASK = small_task(60, 10, seed=31)
+BODY = task_to_npz_bytes(TASK)
+DIGEST = "sha256:" + hashlib.sha256(BODY).hexdigest()
+LABELS = np.random.default_rng(7).integers(0, 10, 10).astype(np.int64)
+NPZ = {"Content-Type": "application/octet-stream"}
+
+
+def npy(array) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        return {"data_dir": str(tmp_path / "data")}
+    return {"data_dir": str(tmp_path / "data"), "database_url": request.getfixturevalue("pg_url"),
+            "lease_renew_s": 0.2, "claim_poll_s": 0.1}
+
+
+def serve(engines=None, **settings):
+    return inprocess_server(create_app(Settings(backend="cpu", workers=1, **settings), engines=engines))
+
+
+def completed(c, sweep_id: str, timeout: float = 120) -> dict:
+    return wait_for(lambda: (d := c.get(f"/sweeps/{sweep_id}").json())["status"] in ("completed", "cancelled") and d,
+                    timeout, what=f"sweep {sweep_id}")
+
+
+def test_a_sweep_runs_every_cell_as_its_single_task_and_counts(store):
+    with serve(**store) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        assert c.put(f"/datasets/{DIGEST}/labels", content=npy(LABELS), headers=NPZ).status_code == 201
+        r = c.post("/sweeps", json={"dataset": DIGEST, "config": {"batch_size": 16},
+                                    "grid": {"epochs": [1, 2], "learning_rate": [0.05, 0.2]}, "seeds": [3, 4]})
+        assert r.status_code == 202, r.text
+        sweep_id = r.json()["id"]
+        assert r.headers["location"] == f"/sweeps/{sweep_id}" and r.json()["cells"] == 8
+        doc = completed(c, sweep_id)
+        assert doc["status"] == "completed" and doc["counts"]["succeeded"] == 8
+        configs = [(row["config"]["epochs"], row["config"]["learning_rate"], row["config"]["seed"]) for row in doc["cells"]]
+        assert configs == [(e, lr, s) for e in (1, 2) for lr in (0.05, 0.2) for s in (3, 4)]  # grid order, seeds inner
+        for row in doc["cells"]:
+            cfg = row["config"]
+            single = c.post("/tasks", params={"dataset": DIGEST, "epochs": cfg["epochs"], "batch_size": 16,
+                                              "learning_rate": cfg["learning_rate"], "seed": cfg["seed"]}).json()
+            assert row["predictions_sha256"] == single["predictions_sha256"]  # byte for byte
+            assert (row["correct"], row["total"]) == (single["correct"], 10) and row["timing"]["run_ms"] > 0
+            task = c.get(f"/tasks/{row['task_id']}").json()  # every cell is a task in the ledger
+            assert task["status"] == "succeeded" and task["dataset"] == DIGEST
+        table = list(csv.DictReader(io.StringIO(c.get(f"/sweeps/{sweep_id}", params={"format": "csv"}).text)))
+        assert [r["task_id"] for r in table] == [row["task_id"] for row in doc["cells"]]
+        assert table[0]["epochs"] == "1" and table[0]["correct"] == str(doc["cells"][0]["correct"])
+        listed = c.get("/sweeps").json()["sweeps"]
+        assert [s["id"] for s in listed] == [sweep_id] and listed[0]["cells"] == 8
+        assert c.get(f"/datasets/{DIGEST}").json()["sweeps"] == [sweep_id]
+        assert str(LABELS.tolist()) not in c.get(f"/sweeps/{sweep_id}").text
+
+
+def test_an_empty_grid_runs_the_base_config_once_per_seed_and_one_failed_cell_fails_alone(tmp_path):
+    with serve(data_dir=str(tmp_path / "d")) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        r = c.post("/sweeps", json={"dataset": DIGEST, "seeds": {"start": 5, "count": 3}})
+        doc = completed(c, r.json()["id"])
+        assert [row["config"]["seed"] for row in doc["cells"]] == [5, 6, 7] and doc["counts"]["succeeded"] == 3
+        r = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1, 1e9]}, "seeds": [0]})
+        doc = completed(c, r.json()["id"])
+        assert doc["status"] == "completed" and doc["counts"] == {"queued": 0, "running": 0, "succeeded": 1,
+                                                                  "failed": 1, "cancelled": 0}
+        failed = [row for row in doc["cells"] if row["status"] == "failed"][0]
+        assert failed["config"]["learning_rate"] == 1e9 and "diverged" in failed["error"]
+
+
+def test_bad_sweeps_are_refused_naming_the_problem(tmp_path):
+    with serve(data_dir=str(tmp_path / "d"), sweep_max_cells=6, sweep_max_work=100_000) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        cases = [
+            ({"dataset": "sha256:" + "2" * 64}, 404, "no dataset"),
+            ({"dataset": "md5:x"}, 422, "dataset"),
+            ({"dataset": DIGEST, "grid": {"depht": [2]}}, 422, "'depht' is not a config key"),
+            ({"dataset": DIGEST, "grid": {"epochs": []}}, 422, "non-empty list"),
+            ({"dataset": DIGEST, "grid": {"epochs": [1, 0]}}, 422, "epochs"),
+            ({"dataset": DIGEST, "grid": {"seed": [1]}}, 422, "seeds"),
+            ({"dataset": DIGEST, "config": {"epochs": 10**6}}, 422, "epochs"),
+            ({"dataset": DIGEST, "seeds": [1, 1]}, 422, "more than once"),
+            ({"dataset": DIGEST, "seeds": {"start": 0, "count": 7}}, 422, "REV88_SWEEP_MAX_CELLS"),
+            ({"dataset": DIGEST, "grid": {"epochs": [200, 300]}, "seeds": [0, 1, 2]}, 422, "REV88_SWEEP_MAX_WORK"),
+            ({"dataset": DIGEST, "colour": "blue"}, 422, "colour"),
+        ]
+        for body, status, says in cases:
+            r = c.post("/sweeps", json=body)
+            assert r.status_code == status and says in r.json()["error"], (body, r.status_code, r.text)
+        assert c.get("/sweeps").json()["sweeps"] == []  # nothing recorded
+        assert c.get("/tasks").json()["tasks"] == []
+
+
+def test_an_idempotency_key_gives_the_same_sweep_and_cancel_stops_the_rest(tmp_path):
+    gate = Gate()
+    with serve(engines=gated_engines(gate), data_dir=str(tmp_path / "d")) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        gate.hold()
+        body = {"dataset": DIGEST, "grid": {"epochs": [1, 2]}, "seeds": [0, 1]}
+        first = c.post("/sweeps", json=body, headers={"Idempotency-Key": "sweep-1"})
+        again = c.post("/sweeps", json=body, headers={"Idempotency-Key": "sweep-1"})
+        assert first.status_code == again.status_code == 202 and again.json()["id"] == first.json()["id"]
+        assert again.headers["idempotent-replayed"] == "true"
+        other = c.post("/sweeps", json={**body, "seeds": [9]}, headers={"Idempotency-Key": "sweep-1"})
+        assert other.status_code == 409 and first.json()["id"] in other.json()["error"]
+        sweep_id = first.json()["id"]
+        wait_for(lambda: c.get(f"/sweeps/{sweep_id}").json()["counts"]["running"] == 1, 30, what="a running cell")
+        doc = c.post(f"/sweeps/{sweep_id}/cancel").json()
+        gate.release()
+        doc = completed(c, sweep_id)
+        assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 4 and doc["cancelled_at"]
+        assert len(c.get("/tasks").json()["tasks"]) == 4  # the replay made no second set of cells
