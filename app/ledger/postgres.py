@@ -543,6 +543,28 @@ class PostgresLedger:
             self._hold(task_id, 1)
         return record, True
 
+    def create_many(self, tasks: list[dict]) -> None:
+        """Record many new asynchronous tasks without a body or an Idempotency-Key (a sweep's
+        cells) as queued, claimable by any replica, in one transaction (one wake-up)."""
+        rows = []
+        for t in tasks:
+            check_new_task(t["kind"], t["mode"], None, t["body_bytes"], t["body_sha256"], None)
+            check_task_id(t["task_id"])
+            rows.append((t["task_id"], t["kind"], t["mode"], t["backend"], _dumps(t["config"]), _dumps(t["options"]),
+                         int(t["train_count"]), int(t["test_count"]),
+                         None if t.get("input_hashes") is None else _dumps(t["input_hashes"]), t["body_sha256"],
+                         int(t["body_bytes"])))
+        try:
+            with self._conn(f"record {len(rows)} task(s)") as conn, conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
+                    f" test_count, input_hashes, body_sha256, body_bytes, has_input, claims) VALUES (%s, 'queued', %s,"
+                    f" %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, false, 0)", rows)
+                if any(t["mode"] == "async" for t in tasks):
+                    cur.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
+        except psycopg.IntegrityError as exc:
+            raise ValueError(f"a task id is already in the ledger ({_first_line(exc)})") from exc
+
     @contextlib.contextmanager
     def _recorded_or_lost(self, task_id: str, params: dict) -> Iterator[psycopg.Connection]:
         """``create``'s transaction. When its connection is lost, the COMMIT may have reached the

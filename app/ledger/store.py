@@ -662,6 +662,28 @@ class Ledger:
                     upload.unlink()
         return record, True
 
+    def create_many(self, tasks: list[dict]) -> None:
+        """Record many new tasks without a body or an Idempotency-Key (a sweep's cells: their
+        dataset is stored apart) as queued, in one transaction: all of them, or none (ValueError
+        for an id already in the ledger). ``tasks``: ``create``'s keyword arguments."""
+        rows = []
+        now = time.time()
+        for t in tasks:
+            check_new_task(t["kind"], t["mode"], None, t["body_bytes"], t["body_sha256"], None)
+            self.upload_path(t["task_id"])
+            rows.append((t["task_id"], t["kind"], t["mode"], now, t["backend"], _dumps(t["config"]),
+                         _dumps(t["options"]), int(t["train_count"]), int(t["test_count"]),
+                         None if t.get("input_hashes") is None else _dumps(t["input_hashes"]), t["body_sha256"],
+                         int(t["body_bytes"])))
+        try:
+            with self._write(f"record {len(rows)} task(s)") as conn:
+                conn.executemany(
+                    "INSERT INTO tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
+                    " test_count, input_hashes, body_sha256, body_bytes, has_upload, idempotency_key)"
+                    " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL)", rows)
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"a task id is already in the ledger ({exc})") from exc
+
     def _unfinished_record(self, conn: sqlite3.Connection, task_id: str) -> TaskRecord:
         """The task's record (without its answer); KeyError if unknown, AlreadyFinished if finished."""
         record = self._get(conn, task_id, with_answer=False)

@@ -255,6 +255,14 @@ class TaskRunner:
             acc.epoch = self.ledger.held_epoch(acc.task_id)
         return record, created
 
+    def record_many(self, accs: list[Accepted], body_sha256: str) -> None:
+        """Write many asynchronous tasks on a stored dataset (a sweep's cells) in one transaction
+        (blocking: call it in a thread)."""
+        self.ledger.create_many([dict(
+            task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
+            options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
+            body_sha256=body_sha256, body_bytes=acc.body_bytes, input_hashes=input_hashes(acc.task)) for acc in accs])
+
     def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
         """How a task job may share a launch with queued tasks of its launch key
         (None when REV88_BATCH_MAX is 1). Whether it does is decided on the device

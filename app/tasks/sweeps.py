@@ -31,6 +31,7 @@ from ..ledger.datasets import SweepRecord
 from .runner import Accepted, new_task_id
 
 FINISHED = ("succeeded", "failed", "cancelled")
+FINISHED_ROWS = 200_000  # finished cells' rows kept in memory (GET /sweeps/<id> reads only the others)
 
 
 def expand(definition: dict[str, Any]) -> list[Config]:
@@ -101,28 +102,29 @@ def new_sweep(dataset: str, definition: dict[str, Any], cells: list[Config], tas
                        idempotency_key=key)
 
 
-def state(sweep: SweepRecord, records: dict[str, Any]) -> dict[str, Any]:
-    """A sweep's document: its definition, status, counts by status, and a row per cell from
-    the cell's own record."""
-    rows = []
+def cell_row(cell: dict[str, Any], record: Any) -> dict[str, Any]:
+    """A cell's row of the sweep's table, from its task's record (None: not recorded yet)."""
+    status = record.status if record is not None else "queued"
+    row = {"task_id": cell["task_id"], "config": cell["config"], "status": status}
+    answer = record.answer if record is not None and record.status == "succeeded" else None
+    if answer:
+        row["predictions_sha256"] = answer.get("predictions_sha256")
+        row["timing"] = answer.get("timing")
+        if answer.get("energy") is not None:
+            row["energy"] = answer["energy"]
+        for name in ("correct", "total", "accuracy"):
+            if name in answer:
+                row[name] = answer[name]
+    elif record is not None and record.error:
+        row["error"] = record.error.get("error")
+    return row
+
+
+def state(sweep: SweepRecord, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sweep's document: its definition, status, counts by status, and its cells' rows."""
     counts = dict.fromkeys(("queued", "running", "succeeded", "failed", "cancelled"), 0)
-    for cell in sweep.cells:
-        record = records.get(cell["task_id"])
-        status = record.status if record is not None else "queued"
-        counts[status] += 1
-        row = {"task_id": cell["task_id"], "config": cell["config"], "status": status}
-        answer = record.answer if record is not None and record.status == "succeeded" else None
-        if answer:
-            row["predictions_sha256"] = answer.get("predictions_sha256")
-            row["timing"] = answer.get("timing")
-            if answer.get("energy") is not None:
-                row["energy"] = answer["energy"]
-            for name in ("correct", "total", "accuracy"):
-                if name in answer:
-                    row[name] = answer[name]
-        elif record is not None and record.error:
-            row["error"] = record.error.get("error")
-        rows.append(row)
+    for row in rows:
+        counts[row["status"]] += 1
     unfinished = counts["queued"] + counts["running"]
     if sweep.cancelled_at is not None and not unfinished:
         status = "cancelled"
@@ -162,6 +164,7 @@ class Sweeps:
 
     def __init__(self, runner: Any, datasets: Any, settings: Any) -> None:
         self.runner, self.datasets, self.settings = runner, datasets, settings
+        self._finished: dict[str, dict[str, Any]] = {}  # task id -> its finished cell's row
 
     async def submit(self, definition: dict[str, Any], backend: str, key: str | None) -> tuple[SweepRecord, bool]:
         """Check the sweep, record it and its cells (each an asynchronous task on the dataset) and
@@ -196,13 +199,7 @@ class Sweeps:
         accs = [Accepted(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
                          include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
                          labels=labels, sweep=sweep.id) for c in missing]
-        sha = sweep.dataset.split(":", 1)[1]
-
-        def record_all() -> None:
-            for acc in accs:
-                runner.record(acc, sha, acc.body_bytes, None, None)
-
-        await asyncio.to_thread(record_all)
+        await asyncio.to_thread(runner.record_many, accs, sweep.dataset.split(":", 1)[1])  # one transaction
         shared = runner.shared
         for acc in accs:
             if shared is not None:
@@ -216,8 +213,21 @@ class Sweeps:
         if sweep is None:
             raise NotFound(f"no sweep {sweep_id!r} here")
         await self.runner.written()
-        records = await asyncio.to_thread(self.runner.ledger.get_many, [c["task_id"] for c in sweep.cells])
-        return state(sweep, records)
+        # a finished cell's row never changes: kept here, so that a poll reads only the rest
+        rows = {c["task_id"]: self._finished.get(c["task_id"]) for c in sweep.cells}
+        missing = [task_id for task_id, row in rows.items() if row is None]
+        records = await asyncio.to_thread(self.runner.ledger.get_many, missing) if missing else {}
+        for cell in sweep.cells:
+            if rows[cell["task_id"]] is None:
+                row = rows[cell["task_id"]] = cell_row(cell, records.get(cell["task_id"]))
+                if row["status"] in FINISHED:
+                    self._keep(row)
+        return state(sweep, [rows[c["task_id"]] for c in sweep.cells])
+
+    def _keep(self, row: dict[str, Any]) -> None:
+        if len(self._finished) >= FINISHED_ROWS:
+            self._finished.clear()  # (a bound, not a policy: the rows are read again when asked)
+        self._finished[row["task_id"]] = row
 
     async def cancel(self, sweep_id: str) -> dict[str, Any]:
         """Every unfinished cell cancelled (queued ones never run, running ones stopped); finished
