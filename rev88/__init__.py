@@ -16,6 +16,7 @@ from .client import (
     NotFinished,
     Refused,
     ServerError,
+    SweepResult,
     TaskFailed,
     TaskPage,
     TaskStatus,
@@ -24,5 +25,5 @@ from .client import (
 )
 
 __all__ = ["Answer", "AsyncClient", "BadAnswer", "BadInput", "Client", "ClientError", "ConnectionFailed", "Dataset",
-           "NotFinished", "Refused", "ServerError", "TaskFailed", "TaskPage", "TaskStatus", "TimedOut",
+           "NotFinished", "Refused", "ServerError", "SweepResult", "TaskFailed", "TaskPage", "TaskStatus", "TimedOut",
            "Unavailable"]

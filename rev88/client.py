@@ -51,6 +51,7 @@ import asyncio
 import email.utils
 import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -318,6 +319,35 @@ class Dataset:
     def __post_init__(self) -> None:
         if not (isinstance(self.digest, str) and self.digest.startswith("sha256:") and len(self.digest) == 71):
             raise BadInput(f"a dataset is named by its digest, sha256:<64 hex digits>, got {self.digest!r}")
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """A sweep's document (GET /sweeps/{id}): ``status``, ``counts``, and ``rows`` (one per cell:
+    its ``config``, ``status``, ``task_id``, ``predictions_sha256``, ``timing``, and
+    ``correct``/``accuracy`` when the dataset has labels)."""
+
+    document: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        return self.document["id"]
+
+    @property
+    def status(self) -> str:
+        return self.document["status"]
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "cancelled")
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.document["counts"]
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return self.document["cells"]
 
 
 @dataclass(frozen=True)
@@ -712,6 +742,61 @@ class _Core:
         response = yield from self._expect(call, 200)
         return _json_object(response)
 
+    def _op_sweep(self, dataset: Dataset | str, grid: Mapping[str, Any] | None, seeds: Any, backend: str | None,
+                  include_scores: bool, name: str | None, idempotency_key: str | None,
+                  config: Mapping[str, Any]) -> Op:
+        digest = dataset.digest if isinstance(dataset, Dataset) else Dataset(dataset).digest
+        definition: dict[str, Any] = {"dataset": digest, "config": dict(config), "grid": {k: list(v) for k, v in
+                                                                                         (grid or {}).items()}}
+        if seeds is not None:
+            definition["seeds"] = list(seeds) if not isinstance(seeds, Mapping) else dict(seeds)
+        if backend is not None:
+            definition["backend"] = backend
+        if include_scores:
+            definition["include_scores"] = True
+        if name is not None:
+            definition["name"] = name
+        headers = {"Content-Type": JSON, "Accept": JSON}
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        data = json.dumps(definition).encode()
+        call = _Call("POST", f"{self.url}/sweeps", "the sweep", headers=headers, body=_Body(data, None))
+        response = yield from self._expect(call, 202)
+        return _json_object(response)["id"]
+
+    def _op_sweep_status(self, sweep_id: str) -> Op:
+        call = _Call("GET", f"{self.url}/sweeps/{quote(sweep_id, safe='')}", f"sweep {sweep_id}",
+                     headers={"Accept": JSON})
+        response = yield from self._expect(call, 200)
+        return SweepResult(_json_object(response))
+
+    def _op_wait_sweep(self, sweep_id: str, timeout: float, progress: Callable[[SweepResult], None] | None) -> Op:
+        deadline = self._clock() + timeout
+        interval = POLL_FIRST_S
+        while True:
+            got = yield from self._op_sweep_status(sweep_id)
+            if progress is not None:
+                progress(got)
+            if got.finished:
+                return got
+            left = deadline - self._clock()
+            if left <= 0:
+                raise NotFinished(f"sweep {sweep_id} is still {got.status} after {timeout:g} s ({got.counts})")
+            yield _Pause(min(interval, left))
+            interval = min(interval * 1.5, POLL_MAX_S)
+
+    def _op_sweep_csv(self, sweep_id: str) -> Op:
+        call = _Call("GET", f"{self.url}/sweeps/{quote(sweep_id, safe='')}", f"sweep {sweep_id}'s table",
+                     params=[("format", "csv")], headers={"Accept": "text/csv"})
+        response = yield from self._expect(call, 200)
+        return response.text
+
+    def _op_cancel_sweep(self, sweep_id: str) -> Op:
+        call = _Call("POST", f"{self.url}/sweeps/{quote(sweep_id, safe='')}/cancel", f"the cancel of sweep {sweep_id}",
+                     headers={"Accept": JSON})
+        response = yield from self._expect(call, 200)
+        return SweepResult(_json_object(response))
+
     def _op_health(self) -> Op:
         call = _Call("GET", self.url + "/health", "the health check", headers={"Accept": JSON}, retry=False)
         response = yield from self._expect(call, 200, 503)  # 503: not ready, and the document says why
@@ -857,6 +942,28 @@ class Client(_Core):
         """GET /datasets/{digest}: its size, counts, input hashes, whether labels are attached."""
         return self._drive(self._op_dataset(dataset))
 
+    def sweep(self, dataset: Dataset | str, *, grid: Mapping[str, Any] | None = None, seeds: Any = None,
+              backend: str | None = None, include_scores: bool = False, name: str | None = None,
+              idempotency_key: str | None = None, **config: Any) -> str:
+        """POST /sweeps: the grid's product × the seeds (a list, or {"start", "count"}) over the
+        stored ``dataset``, ``config`` the base overrides; returns the sweep's id."""
+        return self._drive(self._op_sweep(dataset, grid, seeds, backend, include_scores, name, idempotency_key, config))
+
+    def sweep_status(self, sweep_id: str) -> SweepResult:
+        return self._drive(self._op_sweep_status(sweep_id))
+
+    def wait_sweep(self, sweep_id: str, timeout: float = DEFAULT_TIMEOUT_S,
+                   progress: Callable[[SweepResult], None] | None = None) -> SweepResult:
+        """Poll until the sweep has completed (or was cancelled); ``progress(result)`` after each poll."""
+        return self._drive(self._op_wait_sweep(sweep_id, timeout, progress))
+
+    def cancel_sweep(self, sweep_id: str) -> SweepResult:
+        return self._drive(self._op_cancel_sweep(sweep_id))
+
+    def sweep_csv(self, sweep_id: str) -> str:
+        """The sweep's cell table as CSV (a column per config key)."""
+        return self._drive(self._op_sweep_csv(sweep_id))
+
 
 class AsyncClient(_Core):
     """``Client`` over ``httpx.AsyncClient``: the same operations, awaited (``async with``, ``aclose``);
@@ -954,3 +1061,22 @@ class AsyncClient(_Core):
 
     async def dataset(self, dataset: Dataset | str) -> dict[str, Any]:
         return await self._drive(self._op_dataset(dataset))
+
+    async def sweep(self, dataset: Dataset | str, *, grid: Mapping[str, Any] | None = None, seeds: Any = None,
+                    backend: str | None = None, include_scores: bool = False, name: str | None = None,
+                    idempotency_key: str | None = None, **config: Any) -> str:
+        return await self._drive(self._op_sweep(dataset, grid, seeds, backend, include_scores, name, idempotency_key,
+                                                config))
+
+    async def sweep_status(self, sweep_id: str) -> SweepResult:
+        return await self._drive(self._op_sweep_status(sweep_id))
+
+    async def wait_sweep(self, sweep_id: str, timeout: float = DEFAULT_TIMEOUT_S,
+                         progress: Callable[[SweepResult], None] | None = None) -> SweepResult:
+        return await self._drive(self._op_wait_sweep(sweep_id, timeout, progress))
+
+    async def cancel_sweep(self, sweep_id: str) -> SweepResult:
+        return await self._drive(self._op_cancel_sweep(sweep_id))
+
+    async def sweep_csv(self, sweep_id: str) -> str:
+        return await self._drive(self._op_sweep_csv(sweep_id))

@@ -22,6 +22,9 @@ backend's warm-up), then:
                idle-adjusted mJ per task
   metrics      GET /metrics: task counters, launch sizes, the GPU gauges (power, energy counter,
                summed task energy)
+  sweep        draw 0 stored once (PUT /datasets), a sweep of batch_max (8) seeds on it: completed,
+               every cell's predictions equal to its single POST /tasks?dataset=&seed=, and on the
+               GPU all 8 in one launch (``tasks_in_launch`` 8); cells/s against the single POSTs'
   drain        a long task in flight, then SIGTERM: it is answered 200, new work is refused
                (``Unavailable`` 503 or ``ConnectionFailed``), readiness is no longer 200, and the
                process exits 0
@@ -211,7 +214,7 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, deadli
     steps = report["steps"]
 
     def finish(report: dict) -> None:
-        expected = ("start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "drain")
+        expected = ("start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "sweep", "drain")
         report["missing_steps"] = [name for name in expected if name not in steps]
         report["passed"] = (not report["missing_steps"] and "error" not in report
                             and all(steps[n]["passed"] for n in expected))
@@ -220,7 +223,7 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, deadli
                 "the fused and cuda backends' warm-up",
                 "/health's gpu object and /metrics' GPU gauges (their absence was checked)",
                 "per-request and ?measure=energy joules (their null with a reason was checked)",
-                "launch sharing (the CPU backends have no run_many; one task per launch was checked)"]
+                "launch sharing (the CPU backends have no run_many; one task per launch was checked), also a sweep's"]
         report["seconds"] = time.perf_counter() - t_start
 
     with common.kept(report, out_dir / "service.json", finish):
@@ -466,6 +469,30 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
                 s.check("task_energy_counter", "rev88_task_energy_joules_total" in samples)
             else:
                 s.check("no_gpu_gauges_without_nvml", not any(k.startswith("rev88_gpu_") for k in samples))
+
+        with Step(steps, "sweep", log) as s, service(600) as c:
+            # draw 0 stored once, a sweep of batch_max seeds on it: on the GPU one fused launch
+            dataset = c.put_dataset(draw0_body)
+            t = time.perf_counter()
+            sweep_id = c.sweep(dataset, seeds={"start": 0, "count": BATCH_TASKS})
+            result = c.wait_sweep(sweep_id, left(300))
+            sweep_s = time.perf_counter() - t
+            rows = result.rows
+            sizes = [int((row.get("timing") or {}).get("tasks_in_launch") or 1) for row in rows]
+            t = time.perf_counter()
+            singles = [c.run(dataset, seed=row["config"]["seed"]) for row in rows]
+            singles_s = time.perf_counter() - t
+            s.doc.update({"sweep_id": sweep_id, "status": result.status, "counts": result.counts,
+                          "tasks_in_launch": sizes, "sweep_seconds": sweep_s, "singles_seconds": singles_s,
+                          "cells_per_s": len(rows) / sweep_s if sweep_s else None,
+                          "single_posts_per_s": len(rows) / singles_s if singles_s else None})
+            s.check("completed", result.status == "completed" and result.counts["succeeded"] == BATCH_TASKS)
+            s.check("each_cell_equals_its_single_task", [row.get("predictions_sha256") for row in rows]
+                    == [a.predictions_sha256 for a in singles])
+            if on_gpu:
+                s.check("one_launch_of_batch_max", all(n == BATCH_TASKS for n in sizes))
+            else:
+                s.check("one_task_per_launch_on_a_cpu_backend", all(n == 1 for n in sizes))
 
         with Step(steps, "drain", log) as s:
             epochs = drain_epochs(run_ms)

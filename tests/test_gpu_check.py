@@ -230,7 +230,8 @@ def test_dry_run_of_the_precheck_and_the_service(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert list(report["sections"]) == ["precheck", "service"] and report["passed"]
     steps = report["sections"]["service"]["steps"]
-    assert set(steps) == {"start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "drain"}
+    assert set(steps) == {"start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "sweep", "drain"}
+    assert steps["sweep"]["checks"]["each_cell_equals_its_single_task"] and steps["sweep"]["counts"]["succeeded"] == 8
     assert steps["draw0"]["predictions_sha256"] == common.DRAW0_PREDICTIONS_SHA256
     assert steps["draw0"]["checks"]["predictions_equal_cpu"] and steps["draw0"]["checks"]["correct_8887"]
     assert steps["draw0"]["predictions_sha256_is_cpu_hash"] is True and "vs_cpu" not in steps["draw0"]

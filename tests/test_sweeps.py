@@ -137,3 +137,35 @@ def test_an_idempotency_key_gives_the_same_sweep_and_cancel_stops_the_rest(tmp_p
         doc = completed(c, sweep_id)
         assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 4 and doc["cancelled_at"]
         assert len(c.get("/tasks").json()["tasks"]) == 4  # the replay made no second set of cells
+
+
+def test_the_client_and_rev88_sweep(tmp_path):
+    import subprocess
+    import sys
+
+    from rev88 import Client
+
+    path = tmp_path / "task.npz"
+    path.write_bytes(BODY)
+    with serve(data_dir=str(tmp_path / "d")) as server, Client(server.url) as client:
+        dataset = client.put_dataset(path)
+        client.put_labels(dataset, LABELS)
+        sweep_id = client.sweep(dataset, grid={"epochs": [1, 2]}, seeds={"start": 0, "count": 2}, batch_size=32)
+        seen = []
+        result = client.wait_sweep(sweep_id, 120, progress=seen.append)
+        assert result.status == "completed" and result.counts["succeeded"] == 4 and seen[-1].finished
+        assert [(r["config"]["epochs"], r["config"]["seed"], r["config"]["batch_size"]) for r in result.rows] == [
+            (1, 0, 32), (1, 1, 32), (2, 0, 32), (2, 1, 32)]
+        assert all("correct" in r for r in result.rows)
+        out = tmp_path / "table.csv"
+        run = subprocess.run([sys.executable, "-m", "rev88", "sweep", dataset.digest, "--grid", "learning_rate=0.05,0.1",
+                              "--seeds", "3-4", "--wait", "--output", str(out), "--url", server.url],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert "4 succeeded" in run.stdout and "cells" in run.stderr  # (the progress bar)
+        table = list(csv.DictReader(io.StringIO(out.read_text())))
+        assert [(r["learning_rate"], r["seed"]) for r in table] == [("0.05", "3"), ("0.05", "4"), ("0.1", "3"),
+                                                                     ("0.1", "4")]
+        bad = subprocess.run([sys.executable, "-m", "rev88", "sweep", dataset.digest, "--grid", "depht=2",
+                              "--url", server.url], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "depht" in bad.stderr

@@ -28,7 +28,7 @@ from app.http.middleware import is_open
 from learner.config import make_config
 from learner.hashing import array_sha256
 from learner.result import run_task
-from learner.taskio import save_task
+from learner.taskio import save_task, task_to_npz_bytes
 from tests.conftest import ROOT, small_task
 from tests.gates import FileGate
 from tests.helpers import unavailable
@@ -337,3 +337,42 @@ def test_task_page_follows_a_queued_task_and_cancels(server, desktop, task_npz):
         server.gate.release()
     page.wait_for_selector("#task-status.status-succeeded", timeout=60_000)  # no reload: the page polled
     assert page.locator("#download-npy").is_visible()
+
+
+def test_the_sweep_page_shows_its_cells_and_chart_and_the_task_list_links_to_it(server, desktop, tmp_path):
+    """A sweep of two learning rates × two batch sizes × two seeds on a labelled dataset: its page
+    fills the cell table and draws one line per batch size, a point per learning rate (mean over
+    the seeds); the task list links each cell to the sweep."""
+    import hashlib
+    import io
+
+    task = small_task(n=40, m=10, seed=8)
+    body = task_to_npz_bytes(task)
+    digest = "sha256:" + hashlib.sha256(body).hexdigest()
+    labels = io.BytesIO()
+    np.save(labels, (np.arange(10) % 10).astype(np.int64))
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        assert c.put(f"/datasets/{digest}", content=body, headers={"Content-Type": "application/octet-stream"}).is_success
+        assert c.put(f"/datasets/{digest}/labels", content=labels.getvalue(),
+                     headers={"Content-Type": "application/octet-stream"}).is_success
+        r = c.post("/sweeps", json={"dataset": digest, "grid": {"learning_rate": [0.05, 0.2], "batch_size": [8, 16]},
+                                    "seeds": [0, 1]})
+        assert r.status_code == 202, r.text
+        sweep_id = r.json()["id"]
+    page = desktop
+    page.goto(f"{server.url}/ui/sweeps/{sweep_id}")
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#sweep-status.status-completed", timeout=60_000)
+    assert page.locator("#cell-rows tr").count() == 8
+    assert page.locator("#cell-rows tr[data-status=succeeded]").count() == 8
+    assert page.inner_text("#chart-title") == "accuracy by learning_rate"
+    assert page.locator("#sweep-chart polyline").count() == 2  # one per batch size
+    assert page.locator("#sweep-chart circle").count() == 4  # one per (batch size, learning rate)
+    assert sorted(page.eval_on_selector_all("#sweep-chart circle", "cs => cs.map(c => c.dataset.n)")) == ["2"] * 4
+    screenshot(page, "sweep")
+    page.goto(server.url + "/")
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    page.locator(f"#tasks-body a.sweep-link[title='{sweep_id}']").first.click()  # (a locator: the list re-renders)
+    page.wait_for_selector("#sweep-status.status-completed")

@@ -1,4 +1,5 @@
-"""The web page: ``/`` (upload form, recent tasks, health) and ``/ui/tasks/{id}`` (one task).
+"""The web page: ``/`` (upload form, recent tasks, health), ``/ui/tasks/{id}`` (one task) and
+``/ui/sweeps/{id}`` (one sweep: its cell table and chart).
 
 Server-rendered with Jinja2 (templates/) plus a little plain JavaScript (static/rev88.js, no
 build step). The HTML carries no task data: the script fetches the JSON API (``/tasks``,
@@ -97,4 +98,16 @@ async def task_page(request: Request, task_id: str) -> HTMLResponse:
         )
     return templates.TemplateResponse(
         request, "task.html", _context(request, page="task", task_id=task_id), headers=SECURITY_HEADERS,
+    )
+
+
+@router.get(UI_PREFIX + "sweeps/{sweep_id}", response_class=HTMLResponse, summary="The web page of one sweep")
+async def sweep_page(request: Request, sweep_id: str) -> HTMLResponse:
+    if not TASK_ID.match(sweep_id):
+        return templates.TemplateResponse(
+            request, "not_found.html", _context(request, page="missing", task_id=sweep_id),
+            status_code=404, headers=SECURITY_HEADERS,
+        )
+    return templates.TemplateResponse(
+        request, "sweep.html", _context(request, page="sweep", sweep_id=sweep_id), headers=SECURITY_HEADERS,
     )

@@ -15,7 +15,7 @@ from learner.backends import BackendUnavailable
 from learner.errors import TaskError
 
 from .common import CliError
-from .datasets import add_dataset
+from .datasets import add_dataset, add_sweep
 from .evaluate import add_evaluate
 from .learner import add_make_task, add_run, add_score
 from .measure import add_measure
@@ -23,7 +23,7 @@ from .serve import add_serve
 from .tasks import add_cancel, add_submit, add_task, add_tasks
 
 COMMANDS = [add_run, add_make_task, add_score, add_evaluate, add_measure, add_serve, add_submit, add_tasks, add_task,
-            add_cancel, add_dataset]
+            add_cancel, add_dataset, add_sweep]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,11 @@
-"""``rev88 dataset put|show``: a task npz stored on the service once, under its SHA-256, and its
+"""``rev88 dataset put|show`` and ``rev88 sweep``: a task npz stored on the service once, under its SHA-256, and its
 scoring labels (docs/sweeps.md); ``rev88 submit --dataset DIGEST`` then trains on it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,3 +44,92 @@ def add_dataset(sub) -> None:
     p.add_argument("--labels", help="put: an .npy of the query labels (shape (M,), integers 0-9)")
     _add_client_flags(p, "seconds to wait for each answer (default 600)", 600.0)
     p.set_defaults(func=cmd_dataset)
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+def parse_grid(items: list[str]) -> dict[str, list]:
+    """``--grid learning_rate=0.05,0.1`` (repeatable) -> {"learning_rate": [0.05, 0.1]}."""
+    grid: dict[str, list] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or not name or not values:
+            raise CliError(f"--grid takes NAME=V1,V2,..., got {item!r}", 2)
+        if name in grid:
+            raise CliError(f"--grid {name} given twice", 2)
+        grid[name] = [_number(v, f"--grid {name}") for v in values.split(",")]
+    return grid
+
+
+def _number(text: str, what: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise CliError(f"{what}: {text!r} is not a number", 2) from None
+
+
+def parse_seeds(text: str) -> list[int] | dict[str, int]:
+    """``0-9`` -> {"start": 0, "count": 10}; ``1,5,7`` -> [1, 5, 7]."""
+    if "-" in text and "," not in text:
+        first, _, last = text.partition("-")
+        start, end = int(_number(first, "--seeds")), int(_number(last, "--seeds"))
+        if end < start:
+            raise CliError(f"--seeds {text}: the range ends before it starts", 2)
+        return {"start": start, "count": end - start + 1}
+    return [int(_number(s, "--seeds")) for s in text.split(",")]
+
+
+def _bar(result) -> None:
+    counts = result.counts
+    total = sum(counts.values())
+    done = counts["succeeded"] + counts["failed"] + counts["cancelled"]
+    width = 30
+    filled = int(width * done / total) if total else width
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} cells "
+                     f"({counts['running']} running, {counts['failed']} failed)")
+    sys.stderr.flush()
+
+
+@_client_errors
+def cmd_sweep(args: argparse.Namespace) -> int:
+    grid = parse_grid(args.grid or [])
+    config = json.loads(args.config) if args.config else {}
+    if not isinstance(config, dict):
+        raise CliError("--config is a JSON object of config overrides", 2)
+    with open_client(args, args.timeout) as client:
+        sweep_id = client.sweep(args.dataset, grid=grid, seeds=parse_seeds(args.seeds) if args.seeds else None,
+                                backend=args.backend, idempotency_key=args.idempotency_key, **config)
+        if not args.wait:
+            print(sweep_id)
+            return 0
+        result = client.wait_sweep(sweep_id, args.timeout, progress=None if args.no_progress else _bar)
+        if not args.no_progress:
+            sys.stderr.write("\n")
+        if args.output:
+            Path(args.output).write_text(client.sweep_csv(sweep_id))
+        counts = result.counts
+        print(f"sweep {sweep_id} {result.status}: {counts['succeeded']} succeeded, {counts['failed']} failed, "
+              f"{counts['cancelled']} cancelled" + (f"; wrote {args.output}" if args.output else ""))
+        return 0 if counts["failed"] == 0 and counts["cancelled"] == 0 else 1
+
+
+def add_sweep(sub) -> None:
+    p = sub.add_parser("sweep", help="a grid of configs x seeds over a stored dataset, in one request",
+                       description="POST /sweeps: every combination of the --grid values, once per seed, each a "
+                       "task on the stored dataset (docs/sweeps.md). Prints the sweep's id, or with --wait its "
+                       "outcome (and --output: its table as CSV).")
+    p.add_argument("dataset", metavar="DIGEST", help="sha256:<hex> of a stored dataset (rev88 dataset put)")
+    p.add_argument("--grid", action="append", metavar="NAME=V1,V2", help="a config key and its values (repeatable)")
+    p.add_argument("--seeds", help="0-9 (a range) or 1,5,7 (a list) [default: 0]")
+    p.add_argument("--config", help="JSON object of base config overrides")
+    p.add_argument("--backend", help="ask for a backend; default: the server's")
+    p.add_argument("--idempotency-key", help="sent as Idempotency-Key: the same key gives the same sweep")
+    p.add_argument("--wait", action="store_true", help="wait for every cell, with a progress bar on stderr")
+    p.add_argument("--no-progress", action="store_true", help="with --wait: no progress bar")
+    p.add_argument("--output", help="with --wait: where to write the cell table (CSV)")
+    _add_client_flags(p, "seconds to wait for the sweep with --wait (default 3600)", 3600.0)
+    p.set_defaults(func=cmd_sweep)

@@ -105,6 +105,7 @@
   }
 
   const taskURL = (id) => `${root}/ui/tasks/${encodeURIComponent(id)}`;
+  const sweepURL = (id) => `${root}/ui/sweeps/${encodeURIComponent(id)}`;
   const short = (hash) => (hash ? `${hash.slice(0, 12)}…` : dash);
 
   function facts(list, pairs) {
@@ -206,8 +207,12 @@
     pill(status, task.status);
     const hash = task.predictions_sha256
       ? el("code", { title: task.predictions_sha256, class: "hash" }, short(task.predictions_sha256)) : dash;
+    const sweep = task.options && task.options.sweep;
+    const taskCell = sweep
+      ? el("span", {}, link, " ", el("a", { href: sweepURL(sweep), class: "sweep-link", title: sweep }, "sweep"))
+      : link;
     return el("tr", { "data-task-id": task.id, "data-status": task.status },
-      cell("task", link),
+      cell("task", taskCell),
       cell("status", status),
       cell("created", when(task.created_at)),
       cell("train", task.train_count, "num"),
@@ -516,7 +521,151 @@
     load();
   }
 
+  // ------------------------------------------------------------------ the sweep page
+
+  const mean = (xs) => xs.reduce((a, b) => a + b, 0) / xs.length;
+  const sd = (xs) => {
+    if (xs.length < 2) return 0;
+    const m = mean(xs);
+    return Math.sqrt(xs.reduce((a, b) => a + (b - m) ** 2, 0) / (xs.length - 1));
+  };
+
+  // The swept keys: the grid's, in its order (the seeds are averaged over).
+  function sweptKeys(doc) {
+    return Object.keys((doc.definition && doc.definition.grid) || {});
+  }
+
+  // Points of the chart: x = the first swept key's value, one series per value of the second
+  // (one series when there is none), y = mean ± SD over the seeds of accuracy (or run ms).
+  function chartSeries(doc) {
+    const keys = sweptKeys(doc);
+    const rows = doc.cells.filter((r) => r.status === "succeeded");
+    const labelled = rows.some((r) => typeof r.accuracy === "number");
+    const value = (r) => (labelled ? r.accuracy : r.timing && r.timing.run_ms);
+    const xKey = keys[0] || "seed", groupKey = keys[1];
+    const groups = new Map();
+    for (const row of rows) {
+      const y = value(row);
+      if (typeof y !== "number") continue;
+      const g = groupKey ? `${groupKey}=${row.config[groupKey]}` : "all";
+      const x = xKey === "seed" ? 0 : row.config[xKey];
+      if (!groups.has(g)) groups.set(g, new Map());
+      const points = groups.get(g);
+      if (!points.has(x)) points.set(x, []);
+      points.get(x).push(y);
+    }
+    const series = [...groups.entries()].map(([name, points]) => ({
+      name,
+      points: [...points.entries()].sort((a, b) => a[0] - b[0]).map(([x, ys]) => ({ x, mean: mean(ys), sd: sd(ys), n: ys.length })),
+    }));
+    return { series, xKey, yLabel: labelled ? "accuracy" : "run ms" };
+  }
+
+  function sweepChart(doc) {
+    const { series, xKey, yLabel } = chartSeries(doc);
+    const box = $("#sweep-chart");
+    $("#chart-title").textContent = `${yLabel} by ${xKey}`;
+    box.replaceChildren();
+    const all = series.flatMap((s) => s.points);
+    if (!all.length) { box.append(el("p", { class: "muted", text: "no finished cells yet" })); return; }
+    const W = 660, H = 260, P = 60, R = 130;  // R: room on the right for the legend
+    const xs = all.map((p) => p.x), lo = all.map((p) => p.mean - p.sd), hi = all.map((p) => p.mean + p.sd);
+    const xMin = Math.min(...xs), xMax = Math.max(...xs), yMin = Math.min(...lo), yMax = Math.max(...hi);
+    const G = 24;  // the first and last points kept off the axes
+    const sx = (x) => P + G + (xMax === xMin ? (W - P - R - 2 * G) / 2 : ((x - xMin) / (xMax - xMin)) * (W - P - R - 2 * G));
+    const sy = (y) => H - P - G / 2 - (yMax === yMin ? (H - 2 * P - G) / 2 : ((y - yMin) / (yMax - yMin)) * (H - 2 * P - G));
+    const NS = "http://www.w3.org/2000/svg";
+    const svg = document.createElementNS(NS, "svg");
+    const node = (tag, attrs, text) => {
+      const n = document.createElementNS(NS, tag);
+      for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, String(v));
+      if (text !== undefined) n.textContent = text;
+      return n;
+    };
+    svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+    svg.setAttribute("role", "img");
+    svg.append(node("line", { x1: P, y1: H - P, x2: W - R, y2: H - P, class: "axis" }),
+      node("line", { x1: P, y1: P, x2: P, y2: H - P, class: "axis" }),
+      node("text", { x: (W - R + P) / 2, y: H - 8, class: "axis-label", "text-anchor": "middle" }, xKey),
+      node("text", { x: 12, y: P - 12, class: "axis-label" }, yLabel),
+      node("text", { x: P - 6, y: sy(yMax) + 4, class: "tick", "text-anchor": "end" }, num(yMax, 4)),
+      node("text", { x: P - 6, y: sy(yMin) + 4, class: "tick", "text-anchor": "end" }, num(yMin, 4)));
+    for (const x of [...new Set(xs)]) svg.append(node("text", { x: sx(x), y: H - P + 16, class: "tick", "text-anchor": "middle" }, x));
+    series.forEach((s, i) => {
+      const cls = `series series-${i % 6}`;
+      svg.append(node("polyline", { points: s.points.map((p) => `${sx(p.x)},${sy(p.mean)}`).join(" "), class: cls, "data-series": s.name }));
+      for (const p of s.points) {
+        svg.append(node("line", { x1: sx(p.x), y1: sy(p.mean - p.sd), x2: sx(p.x), y2: sy(p.mean + p.sd), class: `${cls} error-bar` }));
+        const dot = node("circle", { cx: sx(p.x), cy: sy(p.mean), r: 4, class: cls, "data-x": p.x, "data-mean": p.mean, "data-n": p.n });
+        dot.append(node("title", {}, `${s.name} ${xKey}=${p.x}: ${num(p.mean, 4)} ± ${num(p.sd, 4)} (${p.n} seeds)`));
+        svg.append(dot);
+      }
+      svg.append(node("text", { x: W - R + 12, y: P + 16 * i, class: `${cls} legend` }, s.name));
+    });
+    box.append(svg);
+  }
+
+  function cellRow(row, keys) {
+    const cell = (label, content, cls) => el("td", { "data-label": label, class: cls }, content);
+    const status = el("span", {});
+    pill(status, row.status);
+    const swept = keys.map((k) => `${k}=${row.config[k]}`).join(" ") || dash;
+    return el("tr", { "data-task-id": row.task_id, "data-status": row.status },
+      cell("task", el("a", { href: taskURL(row.task_id), class: "id", title: row.task_id }, row.task_id.slice(0, 8))),
+      cell("status", status),
+      cell("config", swept),
+      cell("seed", row.config.seed, "num"),
+      cell("accuracy", typeof row.accuracy === "number" ? num(row.accuracy, 4) : dash, "num"),
+      cell("run ms", num(row.timing && row.timing.run_ms), "num"),
+      cell("predictions sha256", row.predictions_sha256
+        ? el("code", { class: "hash", title: row.predictions_sha256 }, short(row.predictions_sha256)) : dash));
+  }
+
+  function initSweep() {
+    const id = body.dataset.sweepId;
+    const status = $("#sweep-status"), message = $("#sweep-message"), cancel = $("#sweep-cancel");
+    const say = (text, error) => { message.textContent = text; message.className = error ? "message error" : "message"; };
+    const load = poller(async () => {
+      const response = await api(`/sweeps/${encodeURIComponent(id)}`, { headers: { Accept: "application/json" } });
+      const { data } = await readJSON(response);
+      if (!response.ok || !data) {
+        pill(status, response.status === 404 ? "not found" : "error");
+        say(problem(response, data), true);
+        return response.status === 401 || response.status === 404 ? null : 5000;
+      }
+      pill(status, data.status);
+      body.dataset.status = data.status;
+      const active = data.status === "queued" || data.status === "running";
+      cancel.hidden = !active;
+      const c = data.counts;
+      facts($("#sweep-facts"), [
+        ["dataset", el("code", { class: "hash", title: data.dataset }, short(data.dataset))],
+        ["grid", Object.entries(data.definition.grid || {}).map(([k, v]) => `${k}: ${v.join(", ")}`).join("; ") || "none"],
+        ["cells", `${data.cells.length}: ${c.succeeded} succeeded, ${c.failed} failed, ${c.cancelled} cancelled, ${c.running} running, ${c.queued} queued`],
+        ["created", when(data.created_at)],
+      ]);
+      say(active ? `${data.status}… this page refreshes by itself` : "");
+      const keys = sweptKeys(data);
+      $("#cell-count").textContent = `(${data.cells.length})`;
+      $("#cell-rows").replaceChildren(...data.cells.map((row) => cellRow(row, keys)));
+      sweepChart(data);
+      return active ? 1000 : null;
+    });
+    cancel.addEventListener("click", async () => {
+      cancel.disabled = true;
+      const response = await api(`/sweeps/${encodeURIComponent(id)}/cancel`, { method: "POST" });
+      const { data } = await readJSON(response);
+      if (!response.ok) say(`cancel: ${problem(response, data)}`, true);
+      cancel.disabled = false;
+      load();
+    });
+    initKey(load);
+    initDownloads((text) => say(text, true));
+    load();
+  }
+
   if (body.dataset.page === "index") initIndex();
   else if (body.dataset.page === "task") initTask();
+  else if (body.dataset.page === "sweep") initSweep();
   else initKey(() => {});
 })();
