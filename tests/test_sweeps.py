@@ -169,3 +169,29 @@ def test_the_client_and_rev88_sweep(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "rev88", "sweep", dataset.digest, "--grid", "depht=2",
                               "--url", server.url], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "depht" in bad.stderr
+
+
+def test_a_sweeps_cells_share_launches_on_a_backend_that_batches(tmp_path):
+    """On a backend with run_many (tests/test_app_batching.py's LaunchRecorder: the real cpu
+    backend, each launch's tasks run one by one and recorded), a sweep's cells of one shape and
+    config but the seed are gathered into launches of up to batch_max, and each cell still equals
+    its single task (run through the same backend outside any sweep)."""
+    from learner.backends import get_backend
+
+    from .test_app_batching import LaunchRecorder
+
+    recorder = LaunchRecorder()
+    engines = lambda name, device=None: recorder if name == "cpu" else get_backend(name, device)  # noqa: E731
+    with serve(engines=engines, data_dir=str(tmp_path / "d"), batch_max=4, batch_wait_ms=200) as server, \
+            server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        recorder.launches.clear()
+        r = c.post("/sweeps", json={"dataset": DIGEST, "seeds": {"start": 0, "count": 8}})
+        doc = completed(c, r.json()["id"])
+        assert doc["counts"]["succeeded"] == 8
+        sizes = [len(seeds) for kind, _, seeds in recorder.launches if kind == "run_many"]
+        assert sizes and max(sizes) > 1 and max(sizes) <= 4 and sum(len(s) for _, _, s in recorder.launches) == 8
+        assert max(row["timing"]["tasks_in_launch"] for row in doc["cells"]) > 1
+        for row in doc["cells"]:
+            single = c.post("/tasks", params={"dataset": DIGEST, "seed": row["config"]["seed"]}).json()
+            assert row["predictions_sha256"] == single["predictions_sha256"]
