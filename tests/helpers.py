@@ -17,6 +17,15 @@ DRAW0_SEED = 2026091400
 TIME_SCALE = float(__import__("os").environ.get("REV88_TEST_TIME_SCALE") or 1.0)
 
 
+def npy_bytes(array) -> bytes:
+    """``array`` as np.save writes it (a labels file, say)."""
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
 def small_task(n: int = 19, m: int = 7, seed: int = 0):
     """A synthetic task with pixels in [0, 1] and labels 0..9."""
     from learner.taskio import validate_task

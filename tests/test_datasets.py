@@ -17,6 +17,7 @@ from learner.taskio import task_to_npz_bytes
 
 from . import pg
 from .gates import Gate, gated_engines
+from .helpers import npy_bytes as npy
 from .helpers import small_task
 from .server import inprocess_server, post_task, wait_for
 
@@ -28,12 +29,6 @@ DIGEST = "sha256:" + hashlib.sha256(BODY).hexdigest()
 LABELS = np.random.default_rng(5).integers(0, 10, 12).astype(np.int64)
 NPZ = {"Content-Type": "application/octet-stream"}
 VARYING = ("id", "request_id", "timing", "dataset", "correct", "total", "accuracy")
-
-
-def npy(array) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
 
 
 def same(doc: dict) -> dict:

@@ -16,6 +16,7 @@ from learner.taskio import task_to_npz_bytes
 
 from . import pg
 from .gates import Gate, gated_engines
+from .helpers import npy_bytes as npy
 from .helpers import small_task
 from .server import inprocess_server, wait_for
 
@@ -26,12 +27,6 @@ BODY = task_to_npz_bytes(TASK)
 DIGEST = "sha256:" + hashlib.sha256(BODY).hexdigest()
 LABELS = np.random.default_rng(7).integers(0, 10, 10).astype(np.int64)
 NPZ = {"Content-Type": "application/octet-stream"}
-
-
-def npy(array) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

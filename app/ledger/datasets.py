@@ -103,7 +103,21 @@ class DatasetStore(Protocol):
 
     def put_labels(self, digest: str, npy: bytes, sha256: str) -> tuple[DatasetRecord, bool]: ...
 
-    def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]: ...
+    def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
+        records = self._page("datasets", _COLUMNS, "digest", limit, cursor, record_of)
+        return records, _next(records, limit, lambda r: (r.created_at, r.digest))
+
+    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make) -> list:
+        """Newest first (created_at, then ``key``), ``limit`` + 1 rows from ``cursor`` on."""
+        sql, args = f"SELECT {columns} FROM {table}", []
+        if cursor is not None:
+            created_at, last = decode_cursor(cursor)
+            sql += f" WHERE (created_at < ? OR (created_at = ? AND {key} < ?))"
+            args += [created_at, created_at, last]
+        sql += f" ORDER BY created_at DESC, {key} DESC LIMIT ?"
+        args.append(limit + 1)
+        with self._db(f"list {table}") as conn:
+            return [make(r) for r in conn.execute(sql, args).fetchall()]
 
     def delete(self, digest: str) -> bool: ...
 
@@ -113,7 +127,9 @@ class DatasetStore(Protocol):
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None: ...
 
-    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]: ...
+    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
+        sweeps = self._page("sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of)
+        return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None: ...
 
@@ -136,6 +152,14 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         return float(created_at), str(digest)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"cursor {cursor!r} is not one this service gave (use next_cursor as it is)") from exc
+
+
+def _next(rows: list, limit: int, key) -> str | None:
+    """Trim a page read with one row more than ``limit``: the next page's cursor, or None."""
+    if len(rows) <= limit:
+        return None
+    del rows[limit:]
+    return encode_cursor(*key(rows[-1]))
 
 
 def _hex(digest: str) -> str:

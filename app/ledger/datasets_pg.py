@@ -18,8 +18,8 @@ from .datasets import (
     LabelsConflict,
     SweepRecord,
     _hex,
+    _next,
     decode_cursor,
-    encode_cursor,
     record_of,
     sweep_of,
 )
@@ -93,17 +93,19 @@ class PostgresDatasets:
             return record_of(row), True
 
     def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
-        sql, args = f"SELECT {_COLUMNS} FROM rev88_datasets", []
+        records = self._page("rev88_datasets", _COLUMNS, "digest", limit, cursor, record_of)
+        return records, _next(records, limit, lambda r: (r.created_at, r.digest))
+
+    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make) -> list:
+        sql, args = f"SELECT {columns} FROM {table}", []
         if cursor is not None:
-            created_at, digest = decode_cursor(cursor)
-            sql += " WHERE (created_at, digest) < (%s, %s)"
-            args += [created_at, digest]
-        sql += " ORDER BY created_at DESC, digest DESC LIMIT %s"
+            created_at, last = decode_cursor(cursor)
+            sql += f" WHERE (created_at, {key}) < (%s, %s)"
+            args += [created_at, last]
+        sql += f" ORDER BY created_at DESC, {key} DESC LIMIT %s"
         args.append(limit + 1)
-        rows = self.ledger._read("list datasets", lambda conn: conn.execute(sql, args).fetchall())
-        records = [record_of(r) for r in rows[:limit]]
-        more = len(rows) > limit
-        return records, encode_cursor(records[-1].created_at, records[-1].digest) if more else None
+        rows = self.ledger._read(f"list {table}", lambda conn: conn.execute(sql, args).fetchall())
+        return [make(r) for r in rows]
 
     def delete(self, digest: str) -> bool:
         _hex(digest)
@@ -133,16 +135,8 @@ class PostgresDatasets:
         return None if row is None else sweep_of(row)
 
     def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
-        sql, args = f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps", []
-        if cursor is not None:
-            created_at, last = decode_cursor(cursor)
-            sql += " WHERE (created_at, id) < (%s, %s)"
-            args += [created_at, last]
-        sql += " ORDER BY created_at DESC, id DESC LIMIT %s"
-        args.append(limit + 1)
-        rows = self.ledger._read("list sweeps", lambda conn: conn.execute(sql, args).fetchall())
-        sweeps = [sweep_of(r) for r in rows[:limit]]
-        return sweeps, encode_cursor(sweeps[-1].created_at, sweeps[-1].id) if len(rows) > limit else None
+        sweeps = self._page("rev88_sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of)
+        return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None:
         with self.ledger._conn(f"cancel sweep {sweep_id}") as conn:

@@ -89,25 +89,22 @@ async def index(request: Request) -> HTMLResponse:
     )
 
 
-@router.get(UI_PREFIX + "tasks/{task_id}", response_class=HTMLResponse, summary="The web page of one task")
-async def task_page(request: Request, task_id: str) -> HTMLResponse:
-    if not TASK_ID.match(task_id):
+def _one(request: Request, template: str, page: str, item_id: str, **names) -> HTMLResponse:
+    """The page of one task or sweep (its id checked: anything else is the not-found page)."""
+    if not TASK_ID.match(item_id):
         return templates.TemplateResponse(
-            request, "not_found.html", _context(request, page="missing", task_id=task_id),
+            request, "not_found.html", _context(request, page="missing", task_id=item_id),
             status_code=404, headers=SECURITY_HEADERS,
         )
-    return templates.TemplateResponse(
-        request, "task.html", _context(request, page="task", task_id=task_id), headers=SECURITY_HEADERS,
-    )
+    return templates.TemplateResponse(request, template, _context(request, page=page, **names),
+                                      headers=SECURITY_HEADERS)
+
+
+@router.get(UI_PREFIX + "tasks/{task_id}", response_class=HTMLResponse, summary="The web page of one task")
+async def task_page(request: Request, task_id: str) -> HTMLResponse:
+    return _one(request, "task.html", "task", task_id, task_id=task_id)
 
 
 @router.get(UI_PREFIX + "sweeps/{sweep_id}", response_class=HTMLResponse, summary="The web page of one sweep")
 async def sweep_page(request: Request, sweep_id: str) -> HTMLResponse:
-    if not TASK_ID.match(sweep_id):
-        return templates.TemplateResponse(
-            request, "not_found.html", _context(request, page="missing", task_id=sweep_id),
-            status_code=404, headers=SECURITY_HEADERS,
-        )
-    return templates.TemplateResponse(
-        request, "sweep.html", _context(request, page="sweep", sweep_id=sweep_id), headers=SECURITY_HEADERS,
-    )
+    return _one(request, "sweep.html", "sweep", sweep_id, sweep_id=sweep_id)

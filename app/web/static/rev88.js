@@ -507,15 +507,20 @@
       return active ? 1000 : null;
     });
 
-    cancel.addEventListener("click", async () => {
-      cancel.disabled = true;
-      const response = await api(`/tasks/${encodeURIComponent(id)}/cancel`, { method: "POST" });
+    wireCancel(cancel, `/tasks/${encodeURIComponent(id)}/cancel`, say, load);
+  }
+
+  // A Cancel button that POSTs ``path``, says what went wrong, and loads the page again; then the
+  // key field, the downloads and the first load (what a task's and a sweep's page share).
+  function wireCancel(button, path, say, load) {
+    button.addEventListener("click", async () => {
+      button.disabled = true;
+      const response = await api(path, { method: "POST" });
       const { data } = await readJSON(response);
       if (!response.ok) say(`cancel: ${problem(response, data)}`, true);
-      cancel.disabled = false;
+      button.disabled = false;
       load();
     });
-
     initKey(load);
     initDownloads((text) => say(text, true));
     load();
@@ -651,17 +656,7 @@
       sweepChart(data);
       return active ? 1000 : null;
     });
-    cancel.addEventListener("click", async () => {
-      cancel.disabled = true;
-      const response = await api(`/sweeps/${encodeURIComponent(id)}/cancel`, { method: "POST" });
-      const { data } = await readJSON(response);
-      if (!response.ok) say(`cancel: ${problem(response, data)}`, true);
-      cancel.disabled = false;
-      load();
-    });
-    initKey(load);
-    initDownloads((text) => say(text, true));
-    load();
+    wireCancel(cancel, `/sweeps/${encodeURIComponent(id)}/cancel`, say, load);
   }
 
   if (body.dataset.page === "index") initIndex();
