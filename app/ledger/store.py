@@ -712,16 +712,19 @@ class Ledger:
         """``(task id, device, started_at[, epoch])`` of tasks a launch started, in one
         transaction: each unfinished one -> running, as ``mark_running``. Returns the ids it left
         alone (unknown, or finished meanwhile: cancelled before its run began, say)."""
-        skipped = []
+        ids = [t[0] for t in started]
         with self._write(f"mark {len(started)} task(s) running") as conn:
-            for task_id, device, started_at, *_ in started:
-                try:
-                    self._unfinished_record(conn, task_id)
-                except (KeyError, AlreadyFinished):
-                    skipped.append(task_id)
-                    continue
-                self._set_running(conn, task_id, device, started_at)
-        return skipped
+            unfinished: set[str] = set()
+            for i in range(0, len(ids), 500):  # (SQLite's limit on a statement's parameters)
+                part = ids[i : i + 500]
+                unfinished.update(row[0] for row in conn.execute(
+                    f"SELECT id FROM tasks WHERE id IN ({', '.join('?' * len(part))}) AND status IN ('queued', 'running')",
+                    part))
+            conn.executemany(
+                "UPDATE tasks SET status = 'running', started_at = ?, device = COALESCE(?, device),"
+                " attempts = attempts + 1 WHERE id = ?",
+                [(started_at, device, task_id) for task_id, device, started_at, *_ in started if task_id in unfinished])
+        return [task_id for task_id in ids if task_id not in unfinished]
 
     def finish(self, task_id: str, status: str, answer: dict | None = None,
                error: dict | None = None, answer_json: bytes | None = None,
