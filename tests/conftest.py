@@ -84,3 +84,13 @@ def draw0_cpu_result(draw0):
 @pytest.fixture
 def small():
     return small_task()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """The service's settings for each ledger: SQLite in the data dir, or a fresh PostgreSQL
+    database (the module imports tests/pg.py's fixtures; short renewal and poll periods)."""
+    if request.param == "sqlite":
+        return {"data_dir": str(tmp_path / "data")}
+    return {"data_dir": str(tmp_path / "data"), "database_url": request.getfixturevalue("pg_url"),
+            "lease_renew_s": 0.2, "claim_poll_s": 0.1}

@@ -9,7 +9,6 @@ import io
 import zipfile
 
 import numpy as np
-import pytest
 
 from app.main import create_app
 from app.settings import Settings
@@ -36,15 +35,6 @@ def same(doc: dict) -> dict:
     out = {k: v for k, v in doc.items() if k not in VARYING}
     out["metadata"] = {k: v for k, v in out["metadata"].items() if not k.endswith("_seconds") and k != "run_count"}
     return out
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path):
-    """The service's settings for each store (a fresh database for PostgreSQL)."""
-    if request.param == "sqlite":
-        return {"data_dir": str(tmp_path / "data")}
-    url = request.getfixturevalue("pg_url")
-    return {"data_dir": str(tmp_path / "data"), "database_url": url, "lease_renew_s": 0.2, "claim_poll_s": 0.1}
 
 
 def serve(**settings):

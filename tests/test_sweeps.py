@@ -8,7 +8,6 @@ import hashlib
 import io
 
 import numpy as np
-import pytest
 
 from app.main import create_app
 from app.settings import Settings
@@ -27,14 +26,6 @@ BODY = task_to_npz_bytes(TASK)
 DIGEST = "sha256:" + hashlib.sha256(BODY).hexdigest()
 LABELS = np.random.default_rng(7).integers(0, 10, 10).astype(np.int64)
 NPZ = {"Content-Type": "application/octet-stream"}
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path):
-    if request.param == "sqlite":
-        return {"data_dir": str(tmp_path / "data")}
-    return {"data_dir": str(tmp_path / "data"), "database_url": request.getfixturevalue("pg_url"),
-            "lease_renew_s": 0.2, "claim_poll_s": 0.1}
 
 
 def serve(engines=None, **settings):

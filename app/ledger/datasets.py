@@ -26,7 +26,6 @@ import base64
 import contextlib
 import dataclasses
 import json
-import os
 import re
 import sqlite3
 import threading
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from .store import LedgerError, LedgerUnavailable, _fsync_dir
+from .store import LedgerError, LedgerUnavailable, write_durably
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 DB_NAME = "datasets.sqlite3"
@@ -103,21 +102,7 @@ class DatasetStore(Protocol):
 
     def put_labels(self, digest: str, npy: bytes, sha256: str) -> tuple[DatasetRecord, bool]: ...
 
-    def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
-        records = self._page("datasets", _COLUMNS, "digest", limit, cursor, record_of)
-        return records, _next(records, limit, lambda r: (r.created_at, r.digest))
-
-    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make) -> list:
-        """Newest first (created_at, then ``key``), ``limit`` + 1 rows from ``cursor`` on."""
-        sql, args = f"SELECT {columns} FROM {table}", []
-        if cursor is not None:
-            created_at, last = decode_cursor(cursor)
-            sql += f" WHERE (created_at < ? OR (created_at = ? AND {key} < ?))"
-            args += [created_at, created_at, last]
-        sql += f" ORDER BY created_at DESC, {key} DESC LIMIT ?"
-        args.append(limit + 1)
-        with self._db(f"list {table}") as conn:
-            return [make(r) for r in conn.execute(sql, args).fetchall()]
+    def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]: ...
 
     def delete(self, digest: str) -> bool: ...
 
@@ -127,9 +112,7 @@ class DatasetStore(Protocol):
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None: ...
 
-    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
-        sweeps = self._page("sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of)
-        return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
+    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]: ...
 
     def cancel_sweep(self, sweep_id: str) -> None: ...
 
@@ -222,15 +205,6 @@ class SqliteDatasets:
     def _file(self, digest: str, labels: bool = False) -> Path:
         return self.folder / (_hex(digest) + (".labels.npy" if labels else ".npz"))
 
-    def _write(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.folder)
-
     @contextlib.contextmanager
     def _db(self, doing: str):
         with self._lock:
@@ -247,7 +221,7 @@ class SqliteDatasets:
             used = self._used(conn)
             if used + len(body) > self.capacity:
                 raise DatasetsFull(len(body), used, self.capacity)
-            self._write(self._file(record.digest), body)
+            write_durably(self._file(record.digest), body)
             conn.execute(f"INSERT INTO datasets ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, 0)",
                          (record.digest, record.bytes, record.train_count, record.test_count,
                           json.dumps(record.input_hashes), record.created_at or time.time()))
@@ -296,24 +270,26 @@ class SqliteDatasets:
             used = self._used(conn)
             if used + len(npy) > self.capacity:
                 raise DatasetsFull(len(npy), used, self.capacity)
-            self._write(self._file(digest, labels=True), npy)
+            write_durably(self._file(digest, labels=True), npy)
             conn.execute("UPDATE datasets SET labels_sha256 = ?, labels_bytes = ? WHERE digest = ?",
                          (sha256, len(npy), digest))
             return self._get(conn, digest), True
 
     def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
-        sql, args = f"SELECT {_COLUMNS} FROM datasets", []
+        records = self._page("datasets", _COLUMNS, "digest", limit, cursor, record_of)
+        return records, _next(records, limit, lambda r: (r.created_at, r.digest))
+
+    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make) -> list:
+        """Newest first (created_at, then ``key``), ``limit`` + 1 rows from ``cursor`` on."""
+        sql, args = f"SELECT {columns} FROM {table}", []
         if cursor is not None:
-            created_at, digest = decode_cursor(cursor)
-            sql += " WHERE (created_at < ? OR (created_at = ? AND digest < ?))"
-            args += [created_at, created_at, digest]
-        sql += " ORDER BY created_at DESC, digest DESC LIMIT ?"
+            created_at, last = decode_cursor(cursor)
+            sql += f" WHERE (created_at < ? OR (created_at = ? AND {key} < ?))"
+            args += [created_at, created_at, last]
+        sql += f" ORDER BY created_at DESC, {key} DESC LIMIT ?"
         args.append(limit + 1)
-        with self._db("list datasets") as conn:
-            rows = conn.execute(sql, args).fetchall()
-        records = [record_of(r) for r in rows[:limit]]
-        more = len(rows) > limit
-        return records, encode_cursor(records[-1].created_at, records[-1].digest) if more else None
+        with self._db(f"list {table}") as conn:
+            return [make(r) for r in conn.execute(sql, args).fetchall()]
 
     def delete(self, digest: str) -> bool:
         _hex(digest)
@@ -348,17 +324,8 @@ class SqliteDatasets:
         return None if row is None else sweep_of(row)
 
     def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
-        sql, args = f"SELECT {_SWEEP_COLUMNS} FROM sweeps", []
-        if cursor is not None:
-            created_at, last = decode_cursor(cursor)
-            sql += " WHERE (created_at < ? OR (created_at = ? AND id < ?))"
-            args += [created_at, created_at, last]
-        sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
-        args.append(limit + 1)
-        with self._db("list sweeps") as conn:
-            rows = conn.execute(sql, args).fetchall()
-        sweeps = [sweep_of(r) for r in rows[:limit]]
-        return sweeps, encode_cursor(sweeps[-1].created_at, sweeps[-1].id) if len(rows) > limit else None
+        sweeps = self._page("sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of)
+        return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None:
         with self._db(f"cancel sweep {sweep_id}") as conn:

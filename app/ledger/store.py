@@ -391,6 +391,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_durably(path: Path, data: bytes, tmp: Path | None = None) -> None:
+    """``data`` at ``path``, whole or not at all across a crash: written to ``tmp`` (default
+    ``path`` + ``.tmp``), fsynced, renamed over ``path``, its folder fsynced. On an OSError the
+    temporary file is removed and the error raised."""
+    tmp = tmp or path.with_name(path.name + TMP_SUFFIX)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 class Ledger:
     """The task ledger of one replica. Thread-safe: one connection, guarded by a lock."""
 
@@ -584,15 +602,8 @@ class Ledger:
         final = self.upload_path(task_id)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            _fsync_dir(self.uploads_dir)
+            write_durably(final, body, tmp)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             with contextlib.suppress(OSError):
                 final.unlink()
             what = "no space left on the device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror or exc

@@ -456,15 +456,8 @@
     const say = (text, error) => { message.textContent = text; message.className = error ? "message error" : "message"; };
 
     const load = poller(async () => {
-      const response = await api(`/tasks/${encodeURIComponent(id)}`, { headers: { Accept: "application/json" } });
-      const { data } = await readJSON(response);
-      if (!response.ok || !data) {
-        pill(status, response.status === 404 ? "not found" : "error");
-        say(problem(response, data), true);
-        return response.status === 401 || response.status === 404 ? null : 5000;
-      }
-      pill(status, data.status);
-      body.dataset.status = data.status;
+      const { data, retry } = await pageDocument(`/tasks/${encodeURIComponent(id)}`, status, say);
+      if (!data) return retry;
       const active = ACTIVE.has(data.status);
       cancel.hidden = !active;
       const succeeded = data.status === "succeeded";
@@ -508,6 +501,21 @@
     });
 
     wireCancel(cancel, `/tasks/${encodeURIComponent(id)}/cancel`, say, load);
+  }
+
+  // The document a task's or a sweep's page shows, its status pill set; or, with nothing to show,
+  // what went wrong said and when to try again (null: not at all, for a 401 or a 404).
+  async function pageDocument(path, status, say) {
+    const response = await api(path, { headers: { Accept: "application/json" } });
+    const { data } = await readJSON(response);
+    if (!response.ok || !data) {
+      pill(status, response.status === 404 ? "not found" : "error");
+      say(problem(response, data), true);
+      return { data: null, retry: response.status === 401 || response.status === 404 ? null : 5000 };
+    }
+    pill(status, data.status);
+    body.dataset.status = data.status;
+    return { data };
   }
 
   // A Cancel button that POSTs ``path``, says what went wrong, and loads the page again; then the
@@ -631,15 +639,8 @@
     const status = $("#sweep-status"), message = $("#sweep-message"), cancel = $("#sweep-cancel");
     const say = (text, error) => { message.textContent = text; message.className = error ? "message error" : "message"; };
     const load = poller(async () => {
-      const response = await api(`/sweeps/${encodeURIComponent(id)}`, { headers: { Accept: "application/json" } });
-      const { data } = await readJSON(response);
-      if (!response.ok || !data) {
-        pill(status, response.status === 404 ? "not found" : "error");
-        say(problem(response, data), true);
-        return response.status === 401 || response.status === 404 ? null : 5000;
-      }
-      pill(status, data.status);
-      body.dataset.status = data.status;
+      const { data, retry } = await pageDocument(`/sweeps/${encodeURIComponent(id)}`, status, say);
+      if (!data) return retry;
       const active = data.status === "queued" || data.status === "running";
       cancel.hidden = !active;
       const c = data.counts;
