@@ -128,13 +128,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     if options.dataset is not None:  # POST /tasks?dataset=: the stored dataset, no body
         return await _handle_dataset(request, service, options, t0, request_id)
     kind = uploads.check_content_type(request.headers.get("content-type"))
-    asynchronous = wants_async(request.headers.get("prefer"))
-    key = idempotency_key(request)
-    shared = service.runner.shared  # a ledger the replicas share: asynchronous tasks go to its queue
-    if asynchronous and shared is not None:
-        shared.check_capacity()
-    else:
-        service.executor.check_capacity()
+    asynchronous, key = _admitted(request, service)
     settings = service.settings
     reservation = service.uploads.reservation()  # the body's bytes, as they arrive, until it is parsed
     try:
@@ -181,6 +175,19 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     return await _accepted(request, service, acc, body, body_sha256, key, asynchronous)
 
 
+def _admitted(request: Request, service: Service) -> tuple[bool, str | None]:
+    """(asynchronous, Idempotency-Key) of a task request that there is room for: a full queue
+    (the shared one for an asynchronous task on a shared ledger) refuses it before its body."""
+    asynchronous = wants_async(request.headers.get("prefer"))
+    key = idempotency_key(request)
+    shared = service.runner.shared  # a ledger the replicas share: asynchronous tasks go to its queue
+    if asynchronous and shared is not None:
+        shared.check_capacity()
+    else:
+        service.executor.check_capacity()
+    return asynchronous, key
+
+
 async def _handle_dataset(request: Request, service: Service, options, t0: float,
                           request_id: str | None) -> Response:
     """A task on a stored dataset (issue #31): no body; the dataset's parsed arrays (parsed once
@@ -190,13 +197,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
     if (declared not in (None, "0")) or request.headers.get("transfer-encoding"):
         raise InvalidRequest("POST /tasks?dataset= trains on the stored dataset and takes no body; send either "
                              "the npz as the body or dataset=<digest>, not both", field="dataset")
-    asynchronous = wants_async(request.headers.get("prefer"))
-    key = idempotency_key(request)
-    shared = service.runner.shared
-    if asynchronous and shared is not None:
-        shared.check_capacity()
-    else:
-        service.executor.check_capacity()
+    asynchronous, key = _admitted(request, service)
     t_parse = time.perf_counter()
     catalog = service.datasets
     record = await asyncio.to_thread(catalog.get, options.dataset)
