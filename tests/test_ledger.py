@@ -232,6 +232,37 @@ def test_failed_and_cancelled_keep_their_error(ledger):
     assert ledger.get(bogus.id).status == "queued"
 
 
+def test_finish_many_writes_each_outcome_and_names_each_refusal(ledger):
+    """One call, several outcomes: the good ones written (their records returned), each bad one
+    answered with the exception ``finish`` gives it alone, without undoing the others."""
+    from app.ledger import AlreadyFinished, Outcome
+
+    good = [create(ledger)[0] for _ in range(3)]
+    done, _ = create(ledger)
+    ledger.finish(done.id, "cancelled")
+    bogus, _ = create(ledger)
+    ledger.mark_running(good[0].id)
+    outcomes = [Outcome(good[0].id, "succeeded", answer_for(good[0].id), with_answer=False),
+                Outcome("no-such-task", "cancelled"),
+                Outcome(good[1].id, "failed", error={"status": 422, "error": "diverged"}),
+                Outcome(done.id, "succeeded", answer_for(done.id)),
+                Outcome(bogus.id, "succeeded"),  # no answer
+                Outcome(good[2].id, "succeeded", answer_for(good[2].id, seed=2),
+                        input_hashes=lambda: {"train_images_sha256": "12" * 32})]
+    results = ledger.finish_many(outcomes)
+    assert len(results) == len(outcomes)
+    assert results[0].status == "succeeded" and results[0].answer is None and results[0].attempts == 1
+    assert isinstance(results[1], KeyError)
+    assert results[2].status == "failed" and results[2].error["error"] == "diverged"
+    assert isinstance(results[3], AlreadyFinished)
+    assert isinstance(results[4], ValueError) and ledger.get(bogus.id).status == "queued"
+    assert results[5].answer == answer_for(good[2].id, seed=2)
+    assert results[5].input_hashes == {"train_images_sha256": "12" * 32}
+    assert ledger.get(good[0].id).answer == answer_for(good[0].id)
+    assert ledger.get(done.id).status == "cancelled"
+    assert ledger.finish_many([]) == []
+
+
 def test_async_body_is_stored_then_deleted_on_finish(store, ledger):
     body = os.urandom(100_000)
     record, created = create(ledger, body=body)

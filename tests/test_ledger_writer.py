@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from app.ledger import FinishedTask, Ledger
+from app.ledger import FinishedTask, Ledger, Outcome
 from app.ledger.writer import LedgerWriter
 
 from .test_ledger import answer_for, create
@@ -155,5 +155,44 @@ def test_a_record_someone_waits_for_does_not_linger(tmp_path):
     t = time.monotonic()
     assert writer.finished(finished_task(5), linger=False).result(10) is None  # (a failed task's record)
     assert time.monotonic() - t < 10 and ledger.get("sync-0005").status == "succeeded"
+    assert writer.close(30)
+    ledger.close()
+
+
+def test_asynchronous_outcomes_share_one_transaction_and_a_waited_one_does_not_linger(tmp_path):
+    """Outcomes handed over together are written by one ``finish_many``; an outcome nobody
+    waits on lingers for company (up to ``linger_s``), one a client waits on is written at once."""
+    ledger = Ledger(tmp_path / "data")
+    writer = LedgerWriter(ledger)
+    records = [create(ledger, mode="async")[0] for _ in range(20)]
+    calls = []
+    real = ledger.finish_many
+    ledger.finish_many = lambda outcomes: (calls.append(len(outcomes)), real(outcomes))[1]
+    hold, holding = threading.Event(), threading.Event()
+    writer.call(lambda: (holding.set(), hold.wait(30)))
+    assert holding.wait(30)
+    for r in records:
+        writer.started(r.id, "cpu:0", time.time())
+    futures = [writer.finish(Outcome(r.id, "succeeded", answer_for(r.id), with_answer=False)) for r in records]
+    hold.set()
+    assert all(f.result(30).status == "succeeded" for f in futures)
+    assert calls == [20] and writer.batches == 1
+    assert all(ledger.get(r.id).attempts == 1 for r in records)  # each marked running before its result
+    # alone, a lingering outcome waits (a long linger: it is still unwritten when a waited one comes)
+    writer.linger_s = 30.0
+    late, now = create(ledger, mode="async")[0], create(ledger)[0]
+    lingering = writer.finish(Outcome(late.id, "cancelled"))
+    time.sleep(0.2)
+    assert not lingering.done() and ledger.get(late.id).status == "queued"
+    waited = writer.finish(Outcome(now.id, "cancelled"), linger=False)
+    assert waited.result(5).status == "cancelled" and lingering.result(5).status == "cancelled"
+    assert calls[-1] == 2
+    # a refused outcome reaches its caller; the writer goes on
+    refused = writer.finish(Outcome("no-such-task", "cancelled"), linger=False)
+    try:
+        refused.result(5)
+        raise AssertionError("an unknown task's outcome must be refused")
+    except KeyError:
+        pass
     assert writer.close(30)
     ledger.close()

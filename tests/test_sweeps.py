@@ -181,3 +181,25 @@ def test_a_sweeps_cells_share_launches_on_a_backend_that_batches(tmp_path):
         for row in doc["cells"]:
             single = c.post("/tasks", params={"dataset": DIGEST, "seed": row["config"]["seed"]}).json()
             assert row["predictions_sha256"] == single["predictions_sha256"]
+
+
+def test_a_poll_reads_no_answer_back_for_cells_this_process_recorded(tmp_path):
+    """A finished cell's row is kept from the answer in hand when its outcome is recorded, so
+    polls read only unfinished cells from the ledger; the kept rows equal rows read back."""
+    app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "data")))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        assert c.put(f"/datasets/{DIGEST}/labels", content=npy(LABELS), headers=NPZ).status_code == 201
+        sweep_id = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"epochs": [1, 2]}, "seeds": [0, 1]}).json()["id"]
+        service = app.state.service
+        asked: list[list[str]] = []
+        real = service.ledger.get_many
+        service.ledger.get_many = lambda ids: (asked.append(list(ids)), real(ids))[1]
+        doc = completed(c, sweep_id)
+        assert doc["counts"]["succeeded"] == 4
+        asked.clear()
+        assert c.get(f"/sweeps/{sweep_id}").json() == doc
+        assert asked == []  # every row from hand
+        service.sweeps._finished.clear()  # (as on a replica that ran none of them)
+        assert c.get(f"/sweeps/{sweep_id}").json() == doc
+        assert sorted(asked[0]) == sorted(row["task_id"] for row in doc["cells"])

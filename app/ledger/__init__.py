@@ -11,10 +11,11 @@ from .store import (
     Ledger,
     LedgerError,
     LedgerUnavailable,
+    Outcome,
     TaskRecord,
 )
 from .writer import LedgerWriter
 
 __all__ = ["AlreadyFinished", "FinishedTask", "IdempotencyConflict", "Ledger", "LedgerError", "LedgerUnavailable", "LedgerWriter",
-           "TaskRecord", "Claim", "LeaseLost", "Renewal", "SharedLedger", "TaskLedger", "is_shared", "ledger_engine",
+           "Outcome", "TaskRecord", "Claim", "LeaseLost", "Renewal", "SharedLedger", "TaskLedger", "is_shared", "ledger_engine",
            "open_ledger"]

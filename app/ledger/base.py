@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
-from .store import FinishedTask, TaskRecord
+from .store import FinishedTask, Outcome, TaskRecord
 
 
 class LeaseLost(Exception):
@@ -72,6 +72,8 @@ class TaskLedger(Protocol):
     def finish(self, task_id: str, status: str, answer: dict | None = None, error: dict | None = None,
                answer_json: bytes | None = None, with_answer: bool = True,
                input_hashes: dict | None = None, epoch: int | None = None) -> TaskRecord: ...
+
+    def finish_many(self, outcomes: list[Outcome]) -> list[TaskRecord | Exception]: ...
 
     def add_finished(self, tasks: list[FinishedTask]) -> None: ...
 

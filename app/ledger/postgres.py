@@ -87,6 +87,7 @@ from .store import (
     IdempotencyConflict,
     LedgerError,
     LedgerUnavailable,
+    Outcome,
     TaskRecord,
     _answer_columns,
     _decode_cursor,
@@ -713,6 +714,20 @@ class PostgresLedger:
             self._totals = (self._totals[0] + 1, self._totals[1] + len(blob or b""))
         self._retain(keep=task_id)
         return record
+
+    def finish_many(self, outcomes: list[Outcome]) -> list[TaskRecord | Exception]:
+        """``finish`` for each of ``outcomes``, one statement each (each fenced by its own lease,
+        and each a commit of its own: a fence refused for one leaves the others). One result per
+        outcome: its record, or the exception ``finish`` raised for it. LedgerUnavailable raises
+        (the outcomes after it are not written)."""
+        results: list[TaskRecord | Exception] = []
+        for o in outcomes:
+            try:
+                results.append(self.finish(o.task_id, o.status, o.answer, o.error, o.answer_json, o.with_answer,
+                                           o.hashes(), epoch=o.epoch))
+            except (ValueError, KeyError, AlreadyFinished, LeaseLost) as exc:
+                results.append(exc)
+        return results
 
     def add_finished(self, tasks: list[FinishedTask]) -> None:
         """Record tasks that ran and finished without a record before, in one transaction, then

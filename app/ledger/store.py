@@ -297,6 +297,23 @@ class FinishedTask:
     device: str | None = None
 
 
+
+@dataclasses.dataclass
+class Outcome:
+    """A queued or running task's result, as ``finish`` takes it (``finish_many`` takes a list)."""
+
+    task_id: str
+    status: str
+    answer: dict | None = None
+    error: dict | None = None
+    answer_json: bytes | None = None
+    with_answer: bool = True
+    input_hashes: dict | Callable[[], dict] | None = None  # a callable is called where it is written
+    epoch: int | None = None
+
+    def hashes(self) -> dict | None:
+        return self.input_hashes() if callable(self.input_hashes) else self.input_hashes
+
 # --------------------------------------------------------------------------- argument checks
 # Both stores (this one and app/ledger/postgres.py) take the same arguments and refuse the same.
 
@@ -746,34 +763,68 @@ class Ledger:
         AlreadyFinished for a finished one. ``answer_json``: ``answer`` already encoded as JSON
         (stored as given); ``with_answer=False`` returns the record without reading the stored
         answer back (the caller has it); ``input_hashes``: the task's, where ``create`` had none."""
-        check_outcome(status, answer, error, answer_json)
-        blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
-        error_text = None if error is None else _dumps(error)
-        sha, run_ms, energy_j = _answer_columns(answer)
-        with self._write(f"record the result of task {task_id}") as conn:
-            self._unfinished_record(conn, task_id)
-            conn.execute(
-                "UPDATE tasks SET status = ?, finished_at = ?, answer = ?, answer_codec = ?, answer_bytes = ?,"
-                " answer_json_bytes = ?, error = ?, predictions_sha256 = ?, run_ms = ?, energy_j = ?,"
-                " input_hashes = COALESCE(?, input_hashes), has_upload = 0 WHERE id = ?",
-                (status, time.time(), blob, ANSWER_CODEC if blob is not None else None, len(blob or b""),
-                 json_bytes, error_text, sha, run_ms, energy_j,
-                 None if input_hashes is None else _dumps(input_hashes), task_id),
-            )
-            record = self._get(conn, task_id, with_answer)
+        outcome = self.finish_many([Outcome(task_id, status, answer, error, answer_json, with_answer,
+                                            input_hashes, epoch)])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def finish_many(self, outcomes: list[Outcome]) -> list[TaskRecord | Exception]:
+        """``finish`` for each of ``outcomes``, all in one transaction (group commit: a stream of
+        asynchronous tasks, a sweep's cells, costs one commit per batch, not one per task), then
+        retention once. One result per outcome, in order: its record, or the exception ``finish``
+        would have raised for it alone (ValueError, KeyError, AlreadyFinished), which leaves the
+        others written. A failure of the database itself (LedgerUnavailable) raises: none written."""
+        results: list[TaskRecord | Exception | None] = [None] * len(outcomes)
+        rows: list[tuple[int, tuple]] = []
+        for i, o in enumerate(outcomes):
+            try:
+                check_outcome(o.status, o.answer, o.error, o.answer_json)
+            except ValueError as exc:
+                results[i] = exc
+                continue
+            blob, json_bytes = encode_answer(o.answer, o.answer_json) if o.answer is not None else (None, 0)
+            sha, run_ms, energy_j = _answer_columns(o.answer)
+            rows.append((i, (o.status, blob, ANSWER_CODEC if blob is not None else None, len(blob or b""),
+                             json_bytes, None if o.error is None else _dumps(o.error), sha, run_ms, energy_j,
+                             None if (hashes := o.hashes()) is None else _dumps(hashes), o.task_id)))
+        if not rows:
+            return results  # type: ignore[return-value]
+        written: list[tuple[str, int]] = []
+        doing = (f"record the result of task {outcomes[rows[0][0]].task_id}" if len(rows) == 1
+                 else f"record the results of {len(rows)} tasks")
+        with self._write(doing) as conn:
+            now = time.time()
+            for i, values in rows:
+                task_id = values[-1]
+                try:
+                    self._unfinished_record(conn, task_id)
+                except (KeyError, AlreadyFinished) as exc:
+                    results[i] = exc
+                    continue
+                conn.execute(
+                    "UPDATE tasks SET status = ?, finished_at = ?, answer = ?, answer_codec = ?, answer_bytes = ?,"
+                    " answer_json_bytes = ?, error = ?, predictions_sha256 = ?, run_ms = ?, energy_j = ?,"
+                    " input_hashes = COALESCE(?, input_hashes), has_upload = 0 WHERE id = ?",
+                    (values[0], now, *values[1:]))
+                results[i] = self._get(conn, task_id, outcomes[i].with_answer)
+                written.append((task_id, values[3]))
+        if not written:
+            return results  # type: ignore[return-value]
         if self._totals is not None:
-            self._totals = (self._totals[0] + 1, self._totals[1] + len(blob or b""))
+            self._totals = (self._totals[0] + len(written), self._totals[1] + sum(size for _, size in written))
         # After the commit: a crash (or a failed unlink) before it leaves an orphan, deleted at open.
-        upload = self.upload_path(task_id)
-        try:
-            upload.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("cannot delete the upload %s of finished task %s: %s (deleted at the next start)",
-                        upload, task_id, exc)
-        self._retain(keep=task_id)
-        return record
+        for task_id, _ in written:
+            upload = self.upload_path(task_id)
+            try:
+                upload.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot delete the upload %s of finished task %s: %s (deleted at the next start)",
+                            upload, task_id, exc)
+        self._retain(keep=written[-1][0])
+        return results  # type: ignore[return-value]
 
     def _retain(self, keep: str, synced: bool = True) -> None:
         """Retention after a result is committed. A retention that fails (a full disk can refuse

@@ -16,6 +16,12 @@ writer has, it waits up to ``LINGER_S`` (20 ms) for more to share the commit: on
 stream of small tasks shares commits too (bench/bench_shell.py: 0.5 -> 0.27 ms of the writer's
 CPU per tiny task). Any other write ends the wait at once; so does a read that must see them
 (``written()``: GET /tasks and /health's counts), and the stop.
+
+An asynchronous task's outcome (``finish``: a sweep's cell, say) is written the same way: every
+outcome handed over since the last write shares one transaction (``Ledger.finish_many``), and
+when only such records (and ``running`` marks) are queued the writer lingers for more, as above:
+nobody holds a connection open for them (their clients poll), and a sweep's cells otherwise cost
+two commits each (bench/bench_sweep.py: the writer's CPU per cell 0.9 -> see docs/sweeps.md).
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..threads import name_os_thread
-from .store import FinishedTask, Ledger
+from .store import FinishedTask, Ledger, Outcome
 
 log = logging.getLogger("rev88." + __name__)
 
 _STOP = object()
 LINGER_S = 0.02  # answered tasks' records wait this long at most for others to share their commit
 LINGER_MAX = 256
+LINGERING = frozenset({"finished", "outcome", "running"})  # what may wait up to LINGER_S for company
 
 
 class LedgerWriter:
@@ -64,6 +71,15 @@ class LedgerWriter:
         with self._count_lock:
             self._unwritten += 1
         self._queue.put(("finished" if linger else "finished-now", (task, future)))
+        return future
+
+    def finish(self, outcome: Outcome, linger: bool = True) -> concurrent.futures.Future:
+        """A queued or running task's result (``Ledger.finish``), in the next transaction of
+        outcomes (``finish_many``); the future's result is the record, or the exception ``finish``
+        raised for it. ``linger=False``: a client waits for this record, so the write does not
+        wait for others to share it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(("outcome" if linger else "outcome-now", (outcome, future)))
         return future
 
     def written(self) -> concurrent.futures.Future | None:
@@ -97,10 +113,11 @@ class LedgerWriter:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if self.linger_s > 0 and all(kind == "finished" for kind, _ in items):
+            if self.linger_s > 0 and all(kind in LINGERING for kind, _ in items):
                 self._linger(items)
             running: list[tuple[str, str | None, float]] = []
             finished: list[tuple[FinishedTask, concurrent.futures.Future]] = []
+            outcomes: list[tuple[Outcome, concurrent.futures.Future]] = []
             for kind, payload in items:
                 if kind == "running":
                     running.append(payload)
@@ -108,9 +125,13 @@ class LedgerWriter:
                 if kind in ("finished", "finished-now"):
                     finished.append(payload)
                     continue
-                self._mark(running)
+                if kind in ("outcome", "outcome-now"):
+                    outcomes.append(payload)
+                    continue
+                self._mark(running)  # (a task's running mark was queued before its outcome)
                 self._add(finished)
-                running, finished = [], []
+                self._finish(outcomes)
+                running, finished, outcomes = [], [], []
                 if kind is _STOP:
                     return
                 fn, args, future = payload
@@ -122,9 +143,11 @@ class LedgerWriter:
                     future.set_exception(exc)
             self._mark(running)
             self._add(finished)
+            self._finish(outcomes)
 
     def _linger(self, items: list) -> None:
-        """Only answered tasks' records so far, which nobody waits for: wait up to ``linger_s``
+        """Only records nobody waits for so far (answered tasks', asynchronous tasks' outcomes,
+        running marks): wait up to ``linger_s``
         for more to share their commit, until anything else arrives (a write someone waits
         for, a read's ``written()``, the stop), which ends the wait at once."""
         deadline = time.monotonic() + self.linger_s
@@ -137,7 +160,7 @@ class LedgerWriter:
             except queue.Empty:
                 return
             items.append(item)
-            if item[0] != "finished":
+            if item[0] not in LINGERING:
                 return
 
     def _mark(self, running: list[tuple]) -> None:
@@ -172,3 +195,19 @@ class LedgerWriter:
             return
         for _, future in live:
             future.set_result(None)
+
+    def _finish(self, outcomes: list[tuple[Outcome, concurrent.futures.Future]]) -> None:
+        live = [(o, future) for o, future in outcomes if future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            results = self.ledger.finish_many([o for o, _ in live])
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the failure
+            for _, future in live:
+                future.set_exception(exc)
+            return
+        for (_, future), result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)

@@ -45,6 +45,7 @@ from ..ledger import (
     Ledger,
     LedgerUnavailable,
     LedgerWriter,
+    Outcome,
     TaskRecord,
 )
 from ..runtime.executor import Batch, DeviceExecutor, Job
@@ -224,6 +225,9 @@ class TaskRunner:
         self.energy, self.engines, self.metrics = energy, engines, metrics
         self.task_timeout_s, self.batch_max, self.versions = task_timeout_s, batch_max, versions
         self.pending: dict[str, Accepted] = {}  # task id -> its acceptance, while queued or running here
+        # called with (acc, Outcome) once a task's outcome is in the ledger, on the event loop
+        # (app/tasks/sweeps.py keeps its cells' rows from them)
+        self.recorded_hooks: list[Callable[[Accepted, Outcome], None]] = []
         self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
         # With a ledger the replicas share (PostgreSQL): the SharedQueue (app/tasks/claims.py) that
         # claims asynchronous tasks for this replica's workers; None with SQLite.
@@ -374,9 +378,9 @@ class TaskRunner:
             return self.answered(acc, settled)
         try:
             content = settled.json()
-            await self._write_outcome(acc, lambda: self.ledger.finish(  # the hashes on the writer thread,
-                acc.task_id, "succeeded", settled.body, None, content, False,  # never waited for on the loop
-                input_hashes(acc.task), epoch=acc.epoch))
+            task = acc.task  # the hashes on the writer thread, never waited for on the loop
+            await self._write_outcome(acc, Outcome(acc.task_id, "succeeded", settled.body, None, content, False,
+                                                   lambda: input_hashes(task), epoch=acc.epoch))
         except Exception as exc:  # noqa: BLE001 - the answer stands, whatever the ledger says
             if _unrecorded(acc, exc):
                 settled.headers["X-Ledger-Error"] = str(exc)[:200]
@@ -508,9 +512,9 @@ class TaskRunner:
                 if write is not None:  # (None: it never ran, and its job would have refused its body)
                     await asyncio.wrap_future(write)
             else:
-                await self._write_outcome(acc, lambda: self.ledger.finish(acc.task_id, status, None, error,
-                                                                          input_hashes=input_hashes(acc.task),
-                                                                          epoch=acc.epoch))
+                task = acc.task
+                await self._write_outcome(acc, Outcome(acc.task_id, status, None, error,
+                                                       input_hashes=lambda: input_hashes(task), epoch=acc.epoch))
         except LeaseLost as exc2:
             log.warning("outcome refused by the ledger: lease lost", extra={"task_id": acc.task_id, "error": str(exc2)})
         except AlreadyFinished:
@@ -518,8 +522,8 @@ class TaskRunner:
         except Exception as exc2:  # noqa: BLE001
             log.error("could not record the failure in the ledger", extra={"task_id": acc.task_id, "error": str(exc2)})
 
-    async def _write_outcome(self, acc: Accepted, write: Callable[[], Any]) -> Any:
-        """``write`` on the ledger writer's thread. With a shared ledger a task's outcome is
+    async def _write_outcome(self, acc: Accepted, outcome: Outcome) -> Any:
+        """``outcome`` written by the ledger writer (``finish``). With a shared ledger a task's outcome is
         retried while the database is unavailable (``record_retry_s``), its lease renewed
         meanwhile (the attempt lives until ``settle`` ends): if still this attempt's when the
         database answers, it keeps the result; if not, the write is refused (LeaseLost) and the
@@ -529,7 +533,12 @@ class TaskRunner:
         delay = 0.25
         while True:
             try:
-                return await self.writer.run(write)
+                # An asynchronous task's outcome shares a commit with others (its client polls);
+                # a synchronous task's answer waits for its record, so that write goes at once.
+                record = await asyncio.wrap_future(self.writer.finish(outcome, linger=acc.mode == "async"))
+                for hook in self.recorded_hooks:
+                    hook(acc, outcome)
+                return record
             except LedgerUnavailable as exc:
                 if time.monotonic() + delay > deadline:
                     raise

@@ -104,10 +104,16 @@ def new_sweep(dataset: str, definition: dict[str, Any], cells: list[Config], tas
 
 def cell_row(cell: dict[str, Any], record: Any) -> dict[str, Any]:
     """A cell's row of the sweep's table, from its task's record (None: not recorded yet)."""
-    status = record.status if record is not None else "queued"
-    row = {"task_id": cell["task_id"], "config": cell["config"], "status": status}
-    answer = record.answer if record is not None and record.status == "succeeded" else None
-    if answer:
+    if record is None:
+        return outcome_row(cell["task_id"], cell["config"], "queued", None, None)
+    return outcome_row(cell["task_id"], cell["config"], record.status, record.answer, record.error)
+
+
+def outcome_row(task_id: str, config: dict[str, Any], status: str, answer: dict[str, Any] | None,
+                error: dict[str, Any] | None) -> dict[str, Any]:
+    """A cell's row from its status and, when finished, its answer or error."""
+    row = {"task_id": task_id, "config": config, "status": status}
+    if answer and status == "succeeded":
         row["predictions_sha256"] = answer.get("predictions_sha256")
         row["timing"] = answer.get("timing")
         if answer.get("energy") is not None:
@@ -115,8 +121,8 @@ def cell_row(cell: dict[str, Any], record: Any) -> dict[str, Any]:
         for name in ("correct", "total", "accuracy"):
             if name in answer:
                 row[name] = answer[name]
-    elif record is not None and record.error:
-        row["error"] = record.error.get("error")
+    elif error:
+        row["error"] = error.get("error")
     return row
 
 
@@ -165,6 +171,7 @@ class Sweeps:
     def __init__(self, runner: Any, datasets: Any, settings: Any) -> None:
         self.runner, self.datasets, self.settings = runner, datasets, settings
         self._finished: dict[str, dict[str, Any]] = {}  # task id -> its finished cell's row
+        runner.recorded_hooks.append(self._recorded)
 
     async def submit(self, definition: dict[str, Any], backend: str, key: str | None) -> tuple[SweepRecord, bool]:
         """Check the sweep, record it and its cells (each an asynchronous task on the dataset) and
@@ -223,6 +230,13 @@ class Sweeps:
                 if row["status"] in FINISHED:
                     self._keep(row)
         return state(sweep, [rows[c["task_id"]] for c in sweep.cells])
+
+    def _recorded(self, acc: Any, outcome: Any) -> None:
+        """A cell of this process has its outcome in the ledger: its row kept from the answer in
+        hand, so that no poll reads the answer back (decompressing and parsing its predictions:
+        about as much CPU as writing it). Cells other replicas ran are read from the ledger."""
+        if acc.sweep is not None and outcome.status in FINISHED:
+            self._keep(outcome_row(acc.task_id, acc.config.as_dict(), outcome.status, outcome.answer, outcome.error))
 
     def _keep(self, row: dict[str, Any]) -> None:
         if len(self._finished) >= FINISHED_ROWS:
