@@ -21,7 +21,7 @@ An asynchronous task's outcome (``finish``: a sweep's cell, say) is written the 
 outcome handed over since the last write shares one transaction (``Ledger.finish_many``), and
 when only such records (and ``running`` marks) are queued the writer lingers for more, as above:
 nobody holds a connection open for them (their clients poll), and a sweep's cells otherwise cost
-two commits each (bench/bench_sweep.py: the writer's CPU per cell 0.9 -> see docs/sweeps.md).
+two commits each (bench/bench_sweep.py: the writer's CPU per cell 0.95 -> 0.55 ms, docs/sweeps.md).
 """
 
 from __future__ import annotations
