@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -174,6 +174,86 @@ class SweepSummary(Open):
 
 class SweepList(BaseModel):
     sweeps: list[SweepSummary]
+    next_cursor: str | None
+
+
+class EvaluationRequest(BaseModel):
+    """POST /evaluations: the published draws for one config (docs/evaluations.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    draws: StrictStr | list[StrictInt] = Field(
+        "0-10", description="published draws k in 0..10: \"0-10\", \"0,3,5\", \"2\", or a list [0, 3, 5]")
+    config: dict[str, int | float] = Field(default_factory=dict, description="config overrides (as a task takes)")
+    backend: str | None = Field(None, description="learner backend (default: the server's)")
+    name: str | None = Field(None, max_length=200, description="a label for the leaderboard")
+    measure: Literal["energy"] | None = Field(None, description="energy: each draw also measured (docs/energy.md)")
+    protocol: dict[str, int | float] | None = Field(
+        None, description="the measurement's arguments (trials, target_seconds, ...; measure=energy only)")
+
+
+class EvaluationAccepted(Open):
+    id: str
+    status: str
+    draws: list[int]
+    location: str
+    report: str
+
+
+class EvaluationDraw(Open):
+    draw: int
+    dataset_seed: int
+    dataset: str
+    task_id: str
+    status: Status
+    correct: int | None = None
+    total: int | None = None
+    accuracy: float | None = None
+    predictions_sha256: str | None = None
+    run_ms: float | None = None
+    energy: dict[str, Any] | None = None
+
+
+class EvaluationState(Open):
+    id: str
+    name: str | None = None
+    status: Literal["queued", "running", "completed", "failed", "cancelled"]
+    created_at: float
+    finished_at: float | None = None
+    cancelled_at: float | None = None
+    definition: dict[str, Any]
+    config: dict[str, Any]
+    config_changes: dict[str, Any]
+    backend: dict[str, Any]
+    counts: dict[str, int]
+    draws: list[EvaluationDraw]
+    totals: dict[str, Any] | None = Field(None, description="as rev88 evaluate's summary.json: once every draw succeeded")
+    time: dict[str, Any] | None = None
+    energy: dict[str, Any] | None = None
+    device: Any = None
+    versions: dict[str, Any] | None = None
+    comparison: str | None = Field(None, description="device and versions: rows ranked together share it")
+
+
+class EvaluationRow(Open):
+    id: str
+    name: str | None = None
+    status: str
+    created_at: float
+    draws: list[int]
+    config_changes: dict[str, Any]
+    backend: str
+    device: Any = None
+    comparison: str | None = None
+    correct: int | None = None
+    total: int | None = None
+    mean_accuracy: float | None = None
+    sd_accuracy_pp: float | None = None
+    ms_per_task: float | None = None
+    mj_per_task: float | None = None
+
+
+class EvaluationList(BaseModel):
+    evaluations: list[EvaluationRow]
     next_cursor: str | None
 
 

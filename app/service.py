@@ -44,6 +44,7 @@ from .runtime.metrics import Metrics
 from .settings import Settings, SettingsError
 from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
+from .tasks.evaluations import Evaluations
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
 from .tasks.sweeps import Sweeps
@@ -131,6 +132,7 @@ class Service:
         )
         self.runner.datasets = self.datasets
         self.sweeps = Sweeps(self.runner, self.datasets, settings)
+        self.evaluations = Evaluations(self.runner, self.datasets, settings)
         if is_shared(self.ledger):  # asynchronous tasks claimed from the shared ledger by idle workers
             from .tasks.claims import SharedQueue
 

@@ -46,6 +46,56 @@ def dataset_seed(draw: int) -> int:
     return DRAW_SEED_BASE + draw
 
 
+def parse_draws(spec: str | Sequence[int], name: str = "--draws") -> list[int]:
+    """``"0-10"``, ``"0,3,5"``, ``"2"``, a mix (``"0-2,7"``) or a list of ints -> sorted draws.
+
+    Every draw must be one of the published draws 0..10; duplicates, empty items, reversed
+    ranges and non-numbers are a ValueError that names ``name`` and the item that is wrong.
+    """
+    if not isinstance(spec, str):
+        if not isinstance(spec, (list, tuple)) or not spec:
+            raise ValueError(f"{name} must be a text like 0-10 or a non-empty list of draw numbers, got {spec!r}")
+        bad = [v for v in spec if not isinstance(v, int) or isinstance(v, bool)]
+        if bad:
+            raise ValueError(f"{name}: {bad[0]!r} is not a draw number (0..10)")
+        spec = ",".join(str(v) for v in spec)
+    text = spec
+    if not text.strip():
+        raise ValueError(f"{name} is empty; give e.g. 0-10, 0,3,5 or 2")
+    seen: list[int] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            raise ValueError(f"{name} {text!r} has an empty item; give e.g. 0-10, 0,3,5 or 2")
+        if "-" in item[1:]:
+            a_text, b_text = item.split("-", 1)
+            a, b = _draw_number(a_text, text, name), _draw_number(b_text, text, name)
+            if b < a:
+                raise ValueError(f"{name} range {item!r} runs backwards; write {b}-{a}")
+            values = list(range(a, b + 1))
+        else:
+            values = [_draw_number(item, text, name)]
+        for v in values:
+            if v in seen:
+                raise ValueError(f"{name} {text!r} names draw {v} more than once")
+            seen.append(v)
+    outside = [v for v in seen if v not in PUBLISHED_DRAWS]
+    if outside:
+        raise ValueError(
+            f"{name}: draw(s) {', '.join(map(str, outside))} outside the published draws "
+            f"{PUBLISHED_DRAWS.start}..{PUBLISHED_DRAWS.stop - 1} (dataset seeds "
+            f"{dataset_seed(PUBLISHED_DRAWS.start)}..{dataset_seed(PUBLISHED_DRAWS.stop - 1)})"
+        )
+    return sorted(seen)
+
+
+def _draw_number(item: str, whole: str, name: str) -> int:
+    item = item.strip()
+    if not (item.isascii() and item.isdigit()):
+        raise ValueError(f"{name} {whole!r}: {item!r} is not a draw number (0..10) or a range like 0-10")
+    return int(item)
+
+
 # --------------------------------------------------------------------------- figures (pure)
 
 
@@ -81,6 +131,21 @@ def bands_met(mean_error: Fraction, bands: Sequence[int] = ERROR_BANDS_PERCENT) 
     return {b: e <= Fraction(b, 100) for b in bands}
 
 
+def wilson_interval(correct: int, total: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval (95 % by default) for a pooled accuracy ``correct / total``.
+
+    It treats the ``total`` predictions as independent trials; the draws share images (each
+    draws its 20,000 rows from the same 60,000), so it describes this learner on this pool of
+    queries, not on unseen MNIST digits."""
+    if total <= 0:
+        raise ValueError("an interval needs at least one prediction")
+    p = correct / total
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def totals(correct: Sequence[int], total: Sequence[int]) -> dict[str, Any]:
     """Totals over draws: pooled count, mean accuracy, sample SD, mean error, bands met."""
     if not correct or len(correct) != len(total):
@@ -96,6 +161,8 @@ def totals(correct: Sequence[int], total: Sequence[int]) -> dict[str, Any]:
         "total": sum_t,
         "correct_over_total": f"{sum_c:,} / {sum_t:,}",
         "pooled_accuracy": sum_c / sum_t,
+        "pooled_accuracy_interval_95": list(wilson_interval(sum_c, sum_t)),
+        "interval_rule": "Wilson score interval for the pooled count, the predictions taken as independent",
         "mean_accuracy": float(mean_acc),
         "mean_accuracy_percent": float(mean_acc * 100),
         "sd_accuracy_pp": sample_sd_pp(accs),

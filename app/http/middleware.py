@@ -36,10 +36,36 @@ def request_id_from(headers: Headers) -> str:
     return uuid.uuid4().hex
 
 
-def is_open(path: str) -> bool:
+# An evaluation's report page (its HTML carries no data), and its JSON URL asked for HTML (which
+# only redirects there): open, like the web page.
+_REPORT = re.compile(r"^/evaluations/[A-Za-z0-9_-]{1,128}(/report)?$")
+
+
+def prefers_html(accept: str | None) -> bool:
+    """Whether an Accept header ranks text/html above JSON (a browser's navigation does; a
+    client asking for application/json, ``*/*`` or nothing gets JSON)."""
+    ranks: dict[str, float] = {}
+    for part in (accept or "").split(","):
+        kind, *params = (p.strip() for p in part.split(";"))
+        q = 1.0
+        for param in params:
+            if param.startswith("q="):
+                try:
+                    q = float(param[2:])
+                except ValueError:
+                    q = 0.0
+        ranks[kind.lower()] = max(q, ranks.get(kind.lower(), 0.0))
+    html = ranks.get("text/html", 0.0)
+    return html > 0 and html > ranks.get("application/json", 0.0)
+
+
+def is_open(path: str, method: str = "GET", accept: str | None = None) -> bool:
     """Whether ``path`` is served without the API key. Prefixed paths with dot segments
     or empty segments (``/ui/../tasks``) are not open, whatever a router would make of them."""
     if path in OPEN_PATHS:
+        return True
+    m = _REPORT.match(path)
+    if m and method in ("GET", "HEAD") and (m[1] or prefers_html(accept)):
         return True
     if not path.startswith(OPEN_PREFIXES):
         return False
@@ -81,7 +107,8 @@ class RequestMiddleware:
             await send(message)
 
         try:
-            if self.api_key is not None and not is_open(path) and not authorized(headers, self.api_key):
+            if (self.api_key is not None and not is_open(path, scope.get("method", "GET"), headers.get("accept"))
+                    and not authorized(headers, self.api_key)):
                 await self._unauthorized(send_with_id, "authorization" in headers)
             else:
                 await self.app(scope, receive, send_with_id)

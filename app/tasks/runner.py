@@ -129,6 +129,7 @@ class Accepted:
     dataset: str | None = None
     labels: Any = None
     sweep: str | None = None  # the sweep it is a cell of (app/tasks/sweeps.py)
+    evaluation: str | None = None  # the evaluation it is a cell of (app/tasks/evaluations.py)
 
     @property
     def kind(self) -> str:
@@ -140,6 +141,8 @@ class Accepted:
             options["dataset"] = self.dataset
         if self.sweep is not None:
             options["sweep"] = self.sweep
+        if self.evaluation is not None:
+            options["evaluation"] = self.evaluation
         return options
 
     def parsed(self) -> TaskArrays | None:
@@ -259,13 +262,14 @@ class TaskRunner:
             acc.epoch = self.ledger.held_epoch(acc.task_id)
         return record, created
 
-    def record_many(self, accs: list[Accepted], body_sha256: str) -> None:
-        """Write many asynchronous tasks on a stored dataset (a sweep's cells) in one transaction
-        (blocking: call it in a thread)."""
+    def record_many(self, accs: list[Accepted]) -> None:
+        """Write many asynchronous tasks on stored datasets (a sweep's or an evaluation's cells)
+        in one transaction (blocking: call it in a thread)."""
         self.ledger.create_many([dict(
             task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
             options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
-            body_sha256=body_sha256, body_bytes=acc.body_bytes, input_hashes=input_hashes(acc.task)) for acc in accs])
+            body_sha256=acc.dataset.split(":", 1)[1], body_bytes=acc.body_bytes, input_hashes=input_hashes(acc.task))
+            for acc in accs])
 
     def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
         """How a task job may share a launch with queued tasks of its launch key
@@ -656,7 +660,8 @@ class TaskRunner:
                 continue
             acc = Accepted(task_id=rec.id, task=task, config=config, backend=rec.backend,
                            include_scores=bool(rec.options.get("include_scores")), measure=rec.options.get("measure"),
-                           mode="async", dataset=dataset, labels=labels, sweep=rec.options.get("sweep"))
+                           mode="async", dataset=dataset, labels=labels, sweep=rec.options.get("sweep"),
+                           evaluation=rec.options.get("evaluation"))
             self.queue(acc, reserved=True)
             self.settle_in_background(acc)
             counts["requeued"] += 1

@@ -206,7 +206,7 @@ class Sweeps:
         accs = [Accepted(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
                          include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
                          labels=labels, sweep=sweep.id) for c in missing]
-        await asyncio.to_thread(runner.record_many, accs, sweep.dataset.split(":", 1)[1])  # one transaction
+        await asyncio.to_thread(runner.record_many, accs)  # one transaction
         shared = runner.shared
         for acc in accs:
             if shared is not None:

@@ -1,5 +1,6 @@
 """The web page: ``/`` (upload form, recent tasks, health), ``/ui/tasks/{id}`` (one task) and
-``/ui/sweeps/{id}`` (one sweep: its cell table and chart).
+``/ui/sweeps/{id}`` (one sweep: its cell table and chart), ``/ui/evaluations`` (the leaderboard) and
+``/ui/evaluations/{id}`` = ``/evaluations/{id}/report`` (one evaluation's report).
 
 Server-rendered with Jinja2 (templates/) plus a little plain JavaScript (static/rev88.js, no
 build step). The HTML carries no task data: the script fetches the JSON API (``/tasks``,
@@ -108,3 +109,21 @@ async def task_page(request: Request, task_id: str) -> HTMLResponse:
 @router.get(UI_PREFIX + "sweeps/{sweep_id}", response_class=HTMLResponse, summary="The web page of one sweep")
 async def sweep_page(request: Request, sweep_id: str) -> HTMLResponse:
     return _one(request, "sweep.html", "sweep", sweep_id, sweep_id=sweep_id)
+
+
+@router.get(UI_PREFIX + "evaluations", response_class=HTMLResponse, summary="The leaderboard of graded evaluations")
+async def leaderboard_page(request: Request) -> HTMLResponse:
+    return templates.TemplateResponse(request, "evaluations.html", _context(request, page="evaluations"),
+                                      headers=SECURITY_HEADERS)
+
+
+@router.get(UI_PREFIX + "evaluations/{evaluation_id}", response_class=HTMLResponse,
+            summary="The report page of one evaluation")
+async def evaluation_page(request: Request, evaluation_id: str) -> HTMLResponse:
+    return _one(request, "evaluation.html", "evaluation", evaluation_id, evaluation_id=evaluation_id)
+
+
+@router.get("/evaluations/{evaluation_id}/report", response_class=HTMLResponse,
+            summary="The report page of one evaluation (as /ui/evaluations/{id})")
+async def evaluation_report(request: Request, evaluation_id: str) -> HTMLResponse:
+    return _one(request, "evaluation.html", "evaluation", evaluation_id, evaluation_id=evaluation_id)

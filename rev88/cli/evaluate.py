@@ -23,14 +23,13 @@ from typing import Any, TextIO
 
 from learner.evaluate import (
     OUTPUT_FILES,
-    PUBLISHED_DRAWS,
     InProcessRunner,
     RunAnswer,
     build_summary,
-    dataset_seed,
     evaluate,
     write_report,
 )
+from learner.evaluate import parse_draws as parse_learner_draws
 from rev88.client import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT_S,
@@ -48,45 +47,11 @@ from .common import CliError
 
 
 def parse_draws(text: str) -> list[int]:
-    """``"0-10"``, ``"0,3,5"``, ``"2"`` or a mix (``"0-2,7"``) -> sorted draw numbers.
-
-    Every draw must be one of the published draws 0..10; duplicates, empty
-    items, reversed ranges and non-numbers are errors that say which item is wrong.
-    """
-    if not text or not text.strip():
-        raise CliError("--draws is empty; give e.g. 0-10, 0,3,5 or 2")
-    seen: list[int] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            raise CliError(f"--draws {text!r} has an empty item; give e.g. 0-10, 0,3,5 or 2")
-        if "-" in item[1:]:
-            a_text, b_text = item.split("-", 1)
-            a, b = _draw_number(a_text, text), _draw_number(b_text, text)
-            if b < a:
-                raise CliError(f"--draws range {item!r} runs backwards; write {b}-{a}")
-            values = list(range(a, b + 1))
-        else:
-            values = [_draw_number(item, text)]
-        for v in values:
-            if v in seen:
-                raise CliError(f"--draws {text!r} names draw {v} more than once")
-            seen.append(v)
-    outside = [v for v in seen if v not in PUBLISHED_DRAWS]
-    if outside:
-        raise CliError(
-            f"draw(s) {', '.join(map(str, outside))} outside the published draws "
-            f"{PUBLISHED_DRAWS.start}..{PUBLISHED_DRAWS.stop - 1} (dataset seeds "
-            f"{dataset_seed(PUBLISHED_DRAWS.start)}..{dataset_seed(PUBLISHED_DRAWS.stop - 1)})"
-        )
-    return sorted(seen)
-
-
-def _draw_number(item: str, whole: str) -> int:
-    item = item.strip()
-    if not item.isdigit():
-        raise CliError(f"--draws {whole!r}: {item!r} is not a draw number (0..10) or a range like 0-10")
-    return int(item)
+    """``learner.evaluate.parse_draws`` with its message as a CliError (exit status 2)."""
+    try:
+        return parse_learner_draws(text, "--draws")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- through a service

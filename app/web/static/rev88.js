@@ -660,8 +660,12 @@
     wireCancel(cancel, `/sweeps/${encodeURIComponent(id)}/cancel`, say, load);
   }
 
+  // What the evaluation pages' script (static/evaluations.js, loaded after this one) shares.
+  window.rev88 = { el, api, readJSON, problem, num, when, pill, facts, poller, initKey, initDownloads,
+    pageDocument, wireCancel, short, taskURL, dash };
+
   if (body.dataset.page === "index") initIndex();
   else if (body.dataset.page === "task") initTask();
   else if (body.dataset.page === "sweep") initSweep();
-  else initKey(() => {});
+  else if (body.dataset.page !== "evaluation" && body.dataset.page !== "evaluations") initKey(() => {});
 })();

@@ -1,0 +1,454 @@
+"""Graded evaluations (issue #32): the published eleven-draw protocol for one config, on the server.
+
+``POST /evaluations`` names draws (of the published 0..10), a config and a backend. Each draw is
+built from the server's MNIST files exactly as ``rev88 make-task --dataset-seed 2026091400+k``
+builds it (``learner.taskio.make_task``), stored as a dataset with its query labels attached
+(``PublishedDraws``: content-addressed, so built and stored once), and run as an asynchronous task
+on it, recorded in the ledger like a sweep's cell: it survives a restart, any replica of a shared
+ledger runs it, and on a batching backend the draws (one shape, one config) share launches. The
+task's answer counts its correct predictions against the labels it never sees; the labels reach
+no answer. With ``measure: "energy"`` each draw also gets a measurement task (the gated protocol,
+docs/energy.md) whose predictions must hash as the draw's task's did.
+
+When the last cell has finished, whichever process sees it first grades the evaluation (``grade``,
+the figures of ``rev88 evaluate``'s summary.json, by ``learner.evaluate``'s own functions) and
+records the result once; after that, reads are one row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from learner.budget import check_budget, estimate
+from learner.config import Config, make_config
+from learner.errors import ConfigError
+from learner.evaluate import DRAW_SEED_BASE, dataset_seed, parse_draws, totals
+
+from ..errors import Conflict, InvalidRequest, NotFound
+from ..ledger.evaluations import SORTS, EvaluationRecord, open_evaluations
+from .options import MEASURE_PARAMS, measure_arguments
+from .runner import Accepted, new_task_id
+
+log = logging.getLogger("rev88." + __name__)
+
+FINISHED = ("succeeded", "failed", "cancelled")
+PROTOCOL = {
+    "dataset_seed": f"{DRAW_SEED_BASE} + k",
+    "data": "MNIST training split; rows order[:10000] train, order[10000:20000] queries; 9x9 box-area",
+    "labels": "query labels stay with the evaluator; the learner sees only the three task arrays",
+}
+
+
+# --------------------------------------------------------------------------- the request
+
+
+def check_definition(body: dict[str, Any], backend: str, settings: Any) -> dict[str, Any]:
+    """The request as it is recorded: draws a sorted list, the config whole, the measurement's
+    arguments filled in. A 422 names the field (``draws``, the config key, ``protocol``...)."""
+    try:
+        draws = parse_draws(body.get("draws", "0-10"), "draws")
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), field="draws") from None
+    overrides = body.get("config") or {}
+    try:
+        config = make_config(overrides)
+    except ConfigError as exc:
+        unknown = sorted(set(overrides) - set(Config().as_dict()))
+        field = (getattr(exc, "details", None) or {}).get("field") or (unknown[0] if unknown else "config")
+        raise InvalidRequest(f"config: {exc}", field=field) from None
+    check_budget(estimate(10000, 10000, config), settings.max_task_work, settings.max_task_bytes)
+    measure, protocol = body.get("measure"), body.get("protocol")
+    if protocol and measure is None:
+        raise InvalidRequest("protocol only applies with measure: \"energy\"", field="protocol")
+    unknown = sorted(set(protocol or {}) - set(MEASURE_PARAMS))
+    if unknown:
+        raise InvalidRequest(f"protocol key(s) {', '.join(unknown)} are not known; the keys are "
+                             f"{', '.join(MEASURE_PARAMS)}", field="protocol")
+    definition: dict[str, Any] = {"draws": draws, "config": config.as_dict(), "backend": backend,
+                                  "name": body.get("name"), "measure": measure}
+    if measure is not None:
+        definition["protocol"] = measure_arguments({k: str(v) for k, v in (protocol or {}).items()})
+    return definition
+
+
+def config_changes(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's difference from the default (what a leaderboard row shows)."""
+    default = Config().as_dict()
+    return {k: v for k, v in config.items() if default.get(k) != v}
+
+
+# --------------------------------------------------------------------------- the draws
+
+
+@dataclass(frozen=True)
+class Draw:
+    draw: int
+    digest: str  # the stored dataset's
+    query_labels_sha256: str  # learner.hashing.array_sha256 of the int64 labels, as rev88 evaluate reports it
+    input_hashes: dict[str, str]
+    build_seconds: float
+
+
+class PublishedDraws:
+    """The published draws as stored datasets with their labels attached, built on first use."""
+
+    def __init__(self, catalog: Any, mnist_dir: str | Path | None) -> None:
+        self.catalog, self.mnist_dir = catalog, mnist_dir
+        self._known: dict[int, Draw] = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, k: int) -> Draw:
+        """(blocking) Draw k stored, its labels attached; built when this process has not."""
+        with self._lock:
+            known = self._known.get(k)
+            if known is not None:
+                record = self.catalog.store.get(known.digest)
+                if record is not None and record.labels_sha256 is not None:
+                    return known
+            drawn = self._build(k)
+            self._known[k] = drawn
+            return drawn
+
+    def _build(self, k: int) -> Draw:
+        from learner.hashing import array_sha256
+        from learner.taskio import InputError, make_task, task_to_npz_bytes
+
+        t0 = time.perf_counter()
+        try:
+            task, labels = make_task(self.mnist_dir, dataset_seed(k))
+        except (InputError, OSError) as exc:
+            raise InvalidRequest(f"the server cannot build draw {k} from its MNIST files ({exc}); "
+                                 "set REV88_MNIST_DIR to a folder with the official files") from None
+        record, _ = self.catalog.put(task_to_npz_bytes(task))
+        npy = io.BytesIO()
+        np.save(npy, labels.astype(np.int64))
+        try:
+            self.catalog.put_labels(record.digest, npy.getvalue())
+        except Conflict:
+            raise Conflict(f"dataset {record.digest} (published draw {k}) has other scoring labels attached than "
+                           "the draw's own; DELETE /datasets/" + record.digest + " to let evaluations store it "
+                           "with its true labels", field="draws") from None
+        return Draw(k, record.digest, array_sha256(labels.astype(np.int64)), dict(task.input_hashes()),
+                    time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- grading
+
+
+def cell_status(record: Any) -> str:
+    return "queued" if record is None else record.status
+
+
+def draw_row(cell: dict[str, Any], record: Any, measured: Any) -> dict[str, Any]:
+    """A draw's row: the figures of ``rev88 evaluate``'s per-draw record, from its task's answer."""
+    row: dict[str, Any] = {"draw": cell["draw"], "dataset_seed": dataset_seed(cell["draw"]),
+                           "dataset": cell["dataset"], "task_id": cell["task_id"], "status": cell_status(record),
+                           "input_hashes": cell.get("input_hashes"),
+                           "query_labels_sha256": cell.get("query_labels_sha256")}
+    answer = record.answer if record is not None and record.status == "succeeded" else None
+    if answer is not None:
+        meta = answer.get("metadata") or {}
+        timing = answer.get("timing") or {}
+        row.update({
+            "correct": answer["correct"], "total": answer["total"], "accuracy": answer["correct"] / answer["total"],
+            "predictions_sha256": answer.get("predictions_sha256"),
+            "training_prediction_seconds": meta.get("training_prediction_seconds"),
+            "preparation_seconds": meta.get("preparation_seconds"),
+            "run_ms": timing.get("run_ms"), "run_clock": timing.get("run_clock"),
+            "tasks_in_launch": timing.get("tasks_in_launch"), "timing": timing,
+            "backend": meta.get("backend"), "device": answer.get("device"), "versions": answer.get("versions"),
+        })
+        if meta.get("input_hashes") not in (None, row["input_hashes"]):  # (cannot happen: the dataset is the draw)
+            row["input_hashes_mismatch"] = meta["input_hashes"]
+    elif record is not None and record.error:
+        row["error"] = record.error.get("error")
+    if "measure_task_id" in cell:
+        row["measure_task_id"] = cell["measure_task_id"]
+        row["energy"] = energy_of(measured, row.get("predictions_sha256"))
+    return row
+
+
+def energy_of(record: Any, predictions_sha256: str | None) -> dict[str, Any]:
+    """A draw's measurement: its status, gates and mJ per task (valid only when every gate passed
+    and its predictions hash as the draw's task's did)."""
+    status = cell_status(record)
+    out: dict[str, Any] = {"status": status, "valid": None, "mj_per_task": None}
+    if record is None or status != "succeeded" or not record.answer:
+        if record is not None and record.error:
+            out["error"] = record.error.get("error")
+        return out
+    doc = record.answer.get("measurement") or {}
+    headline = ((doc.get("figures") or {}).get("headline") or {}).get("net_mj_per_task") or {}
+    same = doc.get("predictions_sha256") == predictions_sha256
+    out.update({
+        "valid": bool(doc.get("valid")) and same if doc.get("valid") is not None else None,
+        "failed_gates": doc.get("failed_gates"), "gates": doc.get("gates"),
+        "gates_reason": doc.get("gates_reason"), "energy_reason": record.answer.get("energy_reason"),
+        "mj_per_task": headline.get("mean"), "mj_sd": headline.get("sample_sd"),
+        "ms_per_task": (doc.get("timing") or {}).get("wall_ms_per_task"),
+        "predictions_match_task": same,
+    })
+    return out
+
+
+def grade(ev: EvaluationRecord, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation's figures from its draws' rows (totals only when every draw succeeded)."""
+    done = [r for r in rows if r["status"] == "succeeded"]
+    complete = len(done) == len(rows)
+    figures: dict[str, Any] = {"totals": None, "time": None, "energy": None}
+    if complete:
+        figures["totals"] = totals([r["correct"] for r in rows], [r["total"] for r in rows])
+    run_ms = [r["run_ms"] for r in done if r.get("run_ms") is not None]
+    if run_ms:
+        figures["time"] = {"ms_per_task": statistics.mean(run_ms),
+                           "ms_sd": statistics.stdev(run_ms) if len(run_ms) > 1 else None,
+                           "clock": sorted({r["run_clock"] for r in done if r.get("run_clock")}),
+                           "scope": "the learner's own run per task (timing.run_ms of each draw's answer)"}
+    if ev.definition.get("measure") and complete:
+        energies = [r["energy"] for r in rows]
+        valid = all(e.get("valid") for e in energies)
+        values = [e["mj_per_task"] for e in energies if e.get("mj_per_task") is not None]
+        figures["energy"] = {
+            "valid": valid,
+            "mj_per_task": statistics.mean(values) if valid and values else None,
+            "draws_valid": sum(1 for e in energies if e.get("valid")),
+            "reason": None if valid else "a draw's measurement is not valid (its gates, its predictions, or no "
+                                         "energy meter: see each draw's energy)",
+        }
+    devices = sorted({str(r.get("device")) for r in done if r.get("device")})
+    versions = next((r["versions"] for r in done if r.get("versions")), None)
+    figures["device"] = devices[0] if len(devices) == 1 else (devices or None)
+    figures["versions"] = versions
+    figures["backends_used"] = sorted({r["backend"] for r in done if r.get("backend")})
+    figures["comparison"] = comparison_label(figures["device"], versions)
+    return figures
+
+
+def comparison_label(device: Any, versions: dict[str, Any] | None) -> str | None:
+    """What must match for two evaluations to be ranked together: the device and the versions."""
+    if device is None or versions is None:
+        return None
+    hardware = versions.get("gpu_name") or device
+    parts = [str(hardware), f"rev88 {versions.get('rev88')}", f"torch {versions.get('torch')}"]
+    if versions.get("cuda"):
+        parts.append(f"CUDA {versions['cuda']}")
+    return " · ".join(parts)
+
+
+def status_of(ev: EvaluationRecord, rows: list[dict[str, Any]]) -> str:
+    statuses = [r["status"] for r in rows] + [r["energy"]["status"] for r in rows if "energy" in r]
+    if any(s not in FINISHED for s in statuses):
+        return "queued" if all(s == "queued" for s in statuses) else "running"
+    if all(s == "succeeded" for s in statuses):
+        return "completed"
+    return "cancelled" if ev.cancelled_at is not None or "cancelled" in statuses else "failed"
+
+
+def document(ev: EvaluationRecord, rows: list[dict[str, Any]] | None = None,
+             status: str | None = None) -> dict[str, Any]:
+    """GET /evaluations/<id>: the definition, the status and, once graded, every figure."""
+    result = ev.result or {}
+    rows = result.get("draws", rows or [])
+    doc = {"id": ev.id, "name": ev.name, "status": status or ev.status, "created_at": ev.created_at,
+           "finished_at": ev.finished_at, "cancelled_at": ev.cancelled_at, "definition": ev.definition,
+           "config": ev.definition["config"], "config_changes": config_changes(ev.definition["config"]),
+           "backend": {"requested": ev.definition["backend"], "used": result.get("backends_used")},
+           "measure": ev.definition.get("measure"), "protocol": PROTOCOL,
+           "counts": counts(rows), "draws": rows, "totals": result.get("totals"), "time": result.get("time"),
+           "energy": result.get("energy"), "device": result.get("device"), "versions": result.get("versions"),
+           "comparison": result.get("comparison"), "location": f"/evaluations/{ev.id}",
+           "report": f"/evaluations/{ev.id}/report", "chart": f"/evaluations/{ev.id}/accuracy.svg"}
+    return doc
+
+
+def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    out = dict.fromkeys(("queued", "running", "succeeded", "failed", "cancelled"), 0)
+    for row in rows:
+        out[row["status"]] += 1
+    return out
+
+
+def leaderboard_row(ev: EvaluationRecord) -> dict[str, Any]:
+    """An evaluation in GET /evaluations: what the leaderboard shows (no draw rows)."""
+    result = ev.result or {}
+    t = result.get("totals") or {}
+    energy = result.get("energy") or {}
+    return {"id": ev.id, "name": ev.name, "status": ev.status, "created_at": ev.created_at,
+            "finished_at": ev.finished_at, "draws": ev.definition["draws"],
+            "config_changes": config_changes(ev.definition["config"]), "backend": ev.definition["backend"],
+            "device": result.get("device"), "comparison": result.get("comparison"),
+            "correct": t.get("correct"), "total": t.get("total"), "correct_over_total": t.get("correct_over_total"),
+            "mean_accuracy": t.get("mean_accuracy"), "sd_accuracy_pp": t.get("sd_accuracy_pp"),
+            "ms_per_task": ev.ms_per_task, "mj_per_task": ev.mj_per_task,
+            "energy_valid": energy.get("valid"), "measure": ev.definition.get("measure"),
+            "location": f"/evaluations/{ev.id}", "report": f"/evaluations/{ev.id}/report"}
+
+
+# --------------------------------------------------------------------------- the service's part
+
+
+class Evaluations:
+    """The evaluations of a service, over its task runner and dataset catalog (what the routes call)."""
+
+    def __init__(self, runner: Any, datasets: Any, settings: Any) -> None:
+        self.runner, self.datasets, self.settings = runner, datasets, settings
+        self.store = open_evaluations(datasets.store)
+        self.draws = PublishedDraws(datasets, None)  # $REV88_MNIST_DIR, else the checkout's data/mnist
+        self._grading: set[asyncio.Task] = set()
+        runner.recorded_hooks.append(self._recorded)
+
+    async def submit(self, body: dict[str, Any], backend: str, key: str | None) -> tuple[EvaluationRecord, bool]:
+        """Check the request, build (or find) its draws, record the evaluation and its cells and
+        queue them; an Idempotency-Key seen before: that evaluation (its missing cells recorded
+        now), another request under it a 409."""
+        definition = check_definition(body, backend, self.settings)
+        if key is not None:
+            seen = await asyncio.to_thread(self.store.by_key, key)
+            if seen is not None:
+                self._replay(seen, definition)
+                await self._record_cells(seen)  # (cells a crash kept out of the ledger)
+                return seen, False
+        draws = [await asyncio.to_thread(self.draws.ensure, k) for k in definition["draws"]]
+        measured = definition.get("measure") is not None
+        cells = []
+        for d in draws:
+            cell = {"draw": d.draw, "dataset": d.digest, "task_id": new_task_id(),
+                    "input_hashes": d.input_hashes, "query_labels_sha256": d.query_labels_sha256,
+                    "build_seconds": round(d.build_seconds, 6)}
+            if measured:
+                cell["measure_task_id"] = new_task_id()
+            cells.append(cell)
+        record = EvaluationRecord(id="ev-" + uuid.uuid4().hex, created_at=time.time(), name=definition.get("name"),
+                                  definition=definition, cells=cells, idempotency_key=key)
+        stored, created = await asyncio.to_thread(self.store.create, record)
+        if not created:  # (the same key sent twice at once: the first one's)
+            stored = self._replay(stored, definition)
+        await self._record_cells(stored)
+        return stored, created
+
+    def _replay(self, seen: EvaluationRecord, definition: dict[str, Any]) -> EvaluationRecord:
+        if seen.definition != definition:
+            raise Conflict(f"Idempotency-Key was already used for evaluation {seen.id} with another request; use a "
+                           "new key for a new evaluation", evaluation_id=seen.id)
+        return seen
+
+    async def _record_cells(self, ev: EvaluationRecord) -> None:
+        runner, catalog = self.runner, self.datasets
+        ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
+        have = await asyncio.to_thread(runner.ledger.get_many, ids)
+        config = make_config(ev.definition["config"])
+        protocol = ev.definition.get("protocol")
+        accs = []
+        for cell in ev.cells:
+            wanted = [(cell["task_id"], None)]
+            if "measure_task_id" in cell:
+                wanted.append((cell["measure_task_id"], protocol))
+            wanted = [(t, m) for t, m in wanted if t not in have]
+            if not wanted:
+                continue
+            digest = cell["dataset"]
+            task = catalog.cached(digest) or await asyncio.to_thread(catalog.task, digest)
+            labels = await asyncio.to_thread(catalog.labels, digest)
+            size = (await asyncio.to_thread(catalog.get, digest)).bytes
+            accs += [Accepted(task_id=t, task=task, config=config, backend=ev.definition["backend"], measure=m,
+                              mode="async", body_bytes=size, dataset=digest, labels=labels, evaluation=ev.id)
+                     for t, m in wanted]
+        if not accs:
+            return
+        await asyncio.to_thread(runner.record_many, accs)  # one transaction
+        for acc in accs:
+            if runner.shared is not None:
+                runner.shared.offer(acc)  # claimed by whichever replica has a free worker
+            else:
+                runner.queue(acc, reserved=True)
+                runner.settle_in_background(acc)
+
+    # ------------------------------------------------------------------ reading and grading
+    async def get(self, evaluation_id: str) -> EvaluationRecord:
+        ev = await asyncio.to_thread(self.store.get, evaluation_id)
+        if ev is None:
+            raise NotFound(f"no evaluation {evaluation_id!r} here")
+        return ev
+
+    async def state(self, evaluation_id: str) -> dict[str, Any]:
+        ev = await self.get(evaluation_id)
+        if ev.result is not None:
+            return document(ev)
+        ev, rows, status = await self._grade(ev)
+        return document(ev, rows, status)
+
+    async def _grade(self, ev: EvaluationRecord) -> tuple[EvaluationRecord, list[dict[str, Any]], str]:
+        """The draws' rows from their tasks' records; when all have finished, the result recorded."""
+        await self.runner.written()
+        ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
+        records = await asyncio.to_thread(self.runner.ledger.get_many, ids)
+        rows = []
+        for cell in ev.cells:
+            row = draw_row(cell, records.get(cell["task_id"]), records.get(cell.get("measure_task_id", "")))
+            row["build_seconds"] = cell.get("build_seconds")
+            rows.append(row)
+        status = status_of(ev, rows)
+        if status in ("queued", "running"):
+            return ev, rows, status
+        figures = grade(ev, rows)
+        result = {"draws": rows, **figures}
+        totals_ = figures["totals"]
+        time_ = figures["time"] or {}
+        energy = figures["energy"] or {}
+        stored = await asyncio.to_thread(
+            self.store.finish, ev.id, status, result, None if totals_ is None else totals_["mean_accuracy"],
+            time_.get("ms_per_task") if totals_ is not None else None, energy.get("mj_per_task"))
+        return stored or ev, rows, status
+
+    def _recorded(self, acc: Any, outcome: Any) -> None:
+        """A cell's outcome is in the ledger: grade its evaluation if that was the last one (the
+        process whose outcome commits last sees every cell finished)."""
+        if acc.evaluation is None or outcome.status not in FINISHED:
+            return
+        task = asyncio.get_running_loop().create_task(self._grade_quietly(acc.evaluation))
+        self._grading.add(task)
+        task.add_done_callback(self._grading.discard)
+
+    async def _grade_quietly(self, evaluation_id: str) -> None:
+        try:
+            ev = await asyncio.to_thread(self.store.get, evaluation_id)
+            if ev is not None and ev.result is None:
+                await self._grade(ev)
+        except Exception as exc:  # noqa: BLE001 - the next read grades it instead
+            log.warning("evaluation not graded yet", extra={"evaluation": evaluation_id, "error": str(exc)})
+
+    async def page(self, limit: int, cursor: str | None, sort: str) -> tuple[list[dict[str, Any]], str | None]:
+        """One page of the leaderboard (ungraded evaluations whose cells have all finished are
+        graded first, so that they sort where they belong)."""
+        if sort not in SORTS:
+            raise InvalidRequest(f"sort must be one of {', '.join(SORTS)}, got {sort!r}", field="sort")
+        for ev in await asyncio.to_thread(self.store.unfinished):
+            await self._grade(ev)
+        try:
+            records, next_cursor = await asyncio.to_thread(self.store.list, limit, cursor, sort)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), field="cursor") from None
+        return [leaderboard_row(ev) for ev in records], next_cursor
+
+    async def cancel(self, evaluation_id: str) -> dict[str, Any]:
+        """Every unfinished cell cancelled (queued ones never run, running ones stopped)."""
+        ev = await self.get(evaluation_id)
+        if ev.result is not None:
+            return document(ev)
+        await asyncio.to_thread(self.store.cancel, evaluation_id)
+        ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
+        records = await asyncio.to_thread(self.runner.ledger.get_many, ids)
+        unfinished = [t for t in ids if cell_status(records.get(t)) not in FINISHED]
+        await asyncio.gather(*(self.runner.cancel(t) for t in unfinished), return_exceptions=True)
+        return await self.state(evaluation_id)

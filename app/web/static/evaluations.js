@@ -1,0 +1,246 @@
+// The evaluation pages: one evaluation's report (/ui/evaluations/{id}, /evaluations/{id}/report)
+// and the leaderboard (/ui/evaluations). Plain JavaScript over the JSON API (/evaluations), with
+// the helpers of rev88.js (window.rev88, loaded first).
+"use strict";
+
+(() => {
+  const body = document.body;
+  const { el, api, readJSON, problem, num, when, pill, facts, poller, initKey, initDownloads,
+    pageDocument, wireCancel, short, taskURL, dash } = window.rev88;
+  const $ = (selector) => document.querySelector(selector);
+  const root = body.dataset.root || "";
+  const reportURL = (id) => `${root}/ui/evaluations/${encodeURIComponent(id)}`;
+  const pct = (x, digits = 3) => (typeof x === "number" ? `${(100 * x).toFixed(digits)} %` : dash);
+  const changes = (c) => Object.entries(c || {}).map(([k, v]) => `${k}=${v}`).join(" ") || "default";
+
+  // ------------------------------------------------------------------ one evaluation's report
+
+  function energyText(e) {
+    if (!e) return dash;
+    if (typeof e.mj_per_task === "number") return `${num(e.mj_per_task)}${e.valid ? "" : " (not valid)"}`;
+    return e.status === "succeeded" ? "no meter" : e.status;
+  }
+
+  function gatesText(e) {
+    if (!e) return dash;
+    if (e.valid === true) return "all passed";
+    if (e.valid === false) {
+      const failed = (e.failed_gates || []).join(", ");
+      return failed ? `failed: ${failed}` : (e.predictions_match_task === false ? "predictions differ" : "failed");
+    }
+    return e.gates_reason ? "none (no meter)" : dash;
+  }
+
+  function drawRow(row) {
+    const cell = (label, content, cls) => el("td", { "data-label": label, class: cls }, content);
+    const status = el("span", {});
+    pill(status, row.status);
+    const counted = typeof row.correct === "number";
+    return el("tr", { "data-draw": row.draw, "data-status": row.status, "data-correct": counted ? row.correct : null },
+      cell("draw", el("a", { href: taskURL(row.task_id), title: row.task_id }, row.draw), "num"),
+      cell("dataset seed", row.dataset_seed, "num"),
+      cell("status", status),
+      cell("correct / total", counted ? `${row.correct.toLocaleString("en")} / ${row.total.toLocaleString("en")}` : dash, "num"),
+      cell("accuracy", counted ? pct(row.accuracy, 2) : dash, "num"),
+      cell("run ms", num(row.run_ms), "num"),
+      cell("mJ / task", energyText(row.energy), "num"),
+      cell("gates", gatesText(row.energy)),
+      cell("predictions sha256", row.predictions_sha256
+        ? el("code", { class: "hash", title: row.predictions_sha256 }, short(row.predictions_sha256)) : dash));
+  }
+
+  function totalsFacts(data) {
+    const t = data.totals;
+    if (!t) {
+      facts($("#totals"), [["status", data.status === "completed" ? "graded" : `${data.status}: not graded`]]);
+      $("#bands").replaceChildren();
+      return;
+    }
+    const [lo, hi] = t.pooled_accuracy_interval_95 || [];
+    const sdText = t.sd_accuracy_pp === null ? "(one draw: no SD)" : `± ${num(t.sd_accuracy_pp, 2)} pp`;
+    const time = data.time || {};
+    const energy = data.energy;
+    facts($("#totals"), [
+      ["correct", t.correct_over_total],
+      ["pooled accuracy", `${pct(t.pooled_accuracy)} (95 % interval ${pct(lo)} – ${pct(hi)})`],
+      ["mean accuracy", `${num(t.mean_accuracy_percent, 3)} % ${sdText} over ${t.draws} draw(s)`],
+      ["mean error", `${num(t.mean_error_percent, 3)} % (exactly ${t.mean_error_exact})`],
+      ["time per task", time.ms_per_task === undefined ? dash
+        : `${num(time.ms_per_task)} ms${time.ms_sd ? ` ± ${num(time.ms_sd)}` : ""} (${(time.clock || []).join(", ")})`],
+      ["energy per task", energy === null || energy === undefined ? "not measured"
+        : (energy.valid ? `${num(energy.mj_per_task)} mJ (every draw's gates passed)`
+          : `not valid: ${energy.draws_valid} of ${data.draws.length} draws passed (${energy.reason})`)],
+    ]);
+    $("#bands").replaceChildren(...t.error_bands.map((b) => el("li", { class: b.met ? "met" : "not-met", "data-band": b.band_percent },
+      `${b.band_percent} % ${b.met ? "met" : "not met"} (mean accuracy ≥ ${b.min_mean_accuracy_percent} %)`)));
+  }
+
+  let chartShown = null;
+  async function showChart(id, data) {
+    const img = $("#accuracy-chart");
+    if (!data.totals || chartShown === id) return;
+    const response = await api(`/evaluations/${encodeURIComponent(id)}/accuracy.svg`);
+    if (!response.ok) return;
+    img.src = URL.createObjectURL(await response.blob());
+    img.hidden = false;
+    $("#download-chart").hidden = false;
+    $("#chart-note").hidden = true;
+    chartShown = id;
+  }
+
+  function initEvaluation() {
+    const id = body.dataset.evaluationId;
+    const status = $("#evaluation-status"), message = $("#evaluation-message"), cancel = $("#evaluation-cancel");
+    const say = (text, error) => { message.textContent = text; message.className = error ? "message error" : "message"; };
+    const load = poller(async () => {
+      const { data, retry } = await pageDocument(`/evaluations/${encodeURIComponent(id)}`, status, say);
+      if (!data) return retry;
+      const active = data.status === "queued" || data.status === "running";
+      cancel.hidden = !active;
+      $("#evaluation-name").textContent = data.name || "Evaluation";
+      const c = data.counts;
+      facts($("#evaluation-facts"), [
+        ["draws", data.definition.draws.join(", ")],
+        ["config", changes(data.config_changes)],
+        ["backend", `${data.backend.requested}${data.backend.used ? ` (used: ${data.backend.used.join(", ")})` : ""}`],
+        ["device", data.device === null ? dash : String(data.device)],
+        ["compared with", data.comparison || dash],
+        ["progress", `${c.succeeded} succeeded, ${c.failed} failed, ${c.cancelled} cancelled, ${c.running} running, ${c.queued} queued`],
+        ["created", when(data.created_at)],
+        ["finished", when(data.finished_at)],
+      ]);
+      say(active ? `${data.status}… this page refreshes by itself` : "");
+      totalsFacts(data);
+      $("#draw-count").textContent = `(${data.draws.length})`;
+      $("#draw-rows").replaceChildren(...data.draws.map(drawRow));
+      await showChart(id, data);
+      return active ? 1000 : null;
+    });
+    wireCancel(cancel, `/evaluations/${encodeURIComponent(id)}/cancel`, say, load);
+  }
+
+  // ------------------------------------------------------------------ the leaderboard
+
+  // The rows not beaten on both axes: no other row at most as slow (or costly) and at least as
+  // accurate, better on one. x: lower is better; y: higher is better.
+  function paretoFront(points) {
+    return points.filter((p) => !points.some((q) => q !== p && q.x <= p.x && q.y >= p.y && (q.x < p.x || q.y > p.y)));
+  }
+
+  function boardChart(rows, xName) {
+    const key = xName === "energy" ? "mj_per_task" : "ms_per_task";
+    const points = rows.filter((r) => typeof r[key] === "number" && typeof r.mean_accuracy === "number"
+      && (xName !== "energy" || r.energy_valid))
+      .map((r) => ({ x: r[key], y: 100 * r.mean_accuracy, row: r }));
+    const box = el("div", { class: "sweep-chart board-chart" });
+    if (!points.length) {
+      box.append(el("p", { class: "muted", text: xName === "energy" ? "no evaluation with a valid energy figure" : "nothing graded yet" }));
+      return box;
+    }
+    const front = new Set(paretoFront(points));
+    const W = 660, H = 280, P = 60, G = 20;
+    const xs = points.map((p) => p.x), ys = points.map((p) => p.y);
+    const xMin = Math.min(...xs), xMax = Math.max(...xs), yMin = Math.min(...ys), yMax = Math.max(...ys);
+    const sx = (x) => P + G + (xMax === xMin ? (W - 2 * P - 2 * G) / 2 : ((x - xMin) / (xMax - xMin)) * (W - 2 * P - 2 * G));
+    const sy = (y) => H - P - G - (yMax === yMin ? (H - 2 * P - 2 * G) / 2 : ((y - yMin) / (yMax - yMin)) * (H - 2 * P - 2 * G));
+    const NS = "http://www.w3.org/2000/svg";
+    const node = (tag, attrs, text) => {
+      const n = document.createElementNS(NS, tag);
+      for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, String(v));
+      if (text !== undefined) n.textContent = text;
+      return n;
+    };
+    const svg = node("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
+    const xLabel = xName === "energy" ? "mJ per task" : "ms per task";
+    svg.append(node("line", { x1: P, y1: H - P, x2: W - P, y2: H - P, class: "axis" }),
+      node("line", { x1: P, y1: P, x2: P, y2: H - P, class: "axis" }),
+      node("text", { x: W / 2, y: H - 12, class: "axis-label", "text-anchor": "middle" }, xLabel),
+      node("text", { x: 12, y: P - 14, class: "axis-label" }, "mean accuracy %"),
+      node("text", { x: P - 6, y: sy(yMax) + 4, class: "tick", "text-anchor": "end" }, num(yMax, 3)),
+      node("text", { x: P - 6, y: sy(yMin) + 4, class: "tick", "text-anchor": "end" }, num(yMin, 3)),
+      node("text", { x: sx(xMin), y: H - P + 16, class: "tick", "text-anchor": "middle" }, num(xMin)),
+      node("text", { x: sx(xMax), y: H - P + 16, class: "tick", "text-anchor": "middle" }, num(xMax)));
+    const frontLine = [...front].sort((a, b) => a.x - b.x);
+    svg.append(node("polyline", { points: frontLine.map((p) => `${sx(p.x)},${sy(p.y)}`).join(" "), class: "pareto-line series-1" }));
+    for (const p of points) {
+      const onFront = front.has(p);
+      const dot = node("circle", { cx: sx(p.x), cy: sy(p.y), r: onFront ? 6 : 4, class: onFront ? "point pareto series-1" : "point series-0",
+        "data-id": p.row.id, "data-pareto": onFront ? "true" : "false" });
+      dot.append(node("title", {}, `${p.row.name || p.row.id}: ${num(p.y, 3)} %, ${num(p.x)} ${xName === "energy" ? "mJ" : "ms"}${onFront ? " (Pareto front)" : ""}`));
+      svg.append(dot);
+    }
+    box.append(svg);
+    return box;
+  }
+
+  function boardRow(row, rank) {
+    const cell = (label, content, cls) => el("td", { "data-label": label, class: cls }, content);
+    const energy = typeof row.mj_per_task === "number" && row.energy_valid ? num(row.mj_per_task)
+      : (row.measure ? "not valid" : dash);
+    const sdText = typeof row.sd_accuracy_pp === "number" ? ` ± ${num(row.sd_accuracy_pp, 2)}` : "";
+    return el("tr", { "data-id": row.id, "data-status": row.status, "data-rank": rank },
+      cell("rank", rank === null ? dash : rank, "num"),
+      cell("name", el("a", { href: reportURL(row.id), title: row.id }, row.name || row.id.slice(0, 11))),
+      cell("config", changes(row.config_changes)),
+      cell("backend", row.backend),
+      cell("device", row.device === null ? dash : String(row.device)),
+      cell("correct", row.correct_over_total || row.status, "num"),
+      cell("mean ± SD", typeof row.mean_accuracy === "number" ? `${num(100 * row.mean_accuracy, 3)} %${sdText}` : dash, "num"),
+      cell("ms / task", num(row.ms_per_task), "num"),
+      cell("mJ / task", energy, "num"),
+      cell("created", when(row.created_at)));
+  }
+
+  function boardGroup(label, rows, xName) {
+    const graded = rows.filter((r) => r.status === "completed");
+    let rank = 0;
+    const table = el("table", { class: "tasks board-table" },
+      el("thead", {}, el("tr", {}, ...["rank", "name", "config", "backend", "device", "correct", "mean ± SD",
+        "ms / task", "mJ / task", "created"].map((h) => el("th", { text: h })))),
+      el("tbody", {}, ...rows.map((r) => boardRow(r, r.status === "completed" ? (rank += 1) : null))));
+    return el("section", { class: "board-group", "data-comparison": label },
+      el("h3", {}, label === "" ? "not graded yet" : label),
+      table, graded.length ? boardChart(graded, xName) : null);
+  }
+
+  function initLeaderboard() {
+    const message = $("#board-message"), sortBox = $("#board-sort"), xBox = $("#board-x");
+    const say = (text, error) => { message.textContent = text; message.className = error ? "message error" : "message"; };
+    const load = poller(async () => {
+      const rows = [];
+      let cursor = null, pages = 0;
+      do {  // every page (the server's pages are 500 rows at most; ten of them here)
+        const query = new URLSearchParams({ sort: sortBox.value, limit: "500" });
+        if (cursor) query.set("cursor", cursor);
+        const response = await api(`/evaluations?${query}`, { headers: { Accept: "application/json" } });
+        const { data } = await readJSON(response);
+        if (!response.ok || !data) { say(problem(response, data), true); return response.status === 401 ? null : 5000; }
+        rows.push(...data.evaluations);
+        cursor = data.next_cursor;
+        pages += 1;
+      } while (cursor && pages < 10);
+      // one group per device and versions: rows are ranked only within their group
+      const groups = new Map();
+      for (const row of rows) {
+        const label = row.status === "completed" ? (row.comparison || "unknown device") : "";
+        if (!groups.has(label)) groups.set(label, []);
+        groups.get(label).push(row);
+      }
+      const ordered = [...groups.entries()].sort((a, b) => (a[0] === "") - (b[0] === ""));
+      $("#board-groups").replaceChildren(...ordered.map(([label, list]) => boardGroup(label, list, xBox.value)));
+      $("#board-count").textContent = `(${rows.length})`;
+      say(rows.length ? (groups.size > 1 && !groups.has("") || groups.size > 2
+        ? "evaluations on different devices or versions are in separate groups, not ranked together" : "")
+        : "no evaluations yet: POST /evaluations, or rev88 evaluate --url");
+      return rows.some((r) => r.status === "queued" || r.status === "running") ? 2000 : null;
+    });
+    sortBox.addEventListener("change", load);
+    xBox.addEventListener("change", load);
+    initKey(load);
+    initDownloads((text) => say(text, true));
+    load();
+  }
+
+  if (body.dataset.page === "evaluation") initEvaluation();
+  else if (body.dataset.page === "evaluations") initLeaderboard();
+})();
