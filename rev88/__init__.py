@@ -13,6 +13,7 @@ from .client import (
     ClientError,
     ConnectionFailed,
     Dataset,
+    EvaluationResult,
     NotFinished,
     Refused,
     ServerError,
@@ -25,5 +26,5 @@ from .client import (
 )
 
 __all__ = ["Answer", "AsyncClient", "BadAnswer", "BadInput", "Client", "ClientError", "ConnectionFailed", "Dataset",
-           "NotFinished", "Refused", "ServerError", "SweepResult", "TaskFailed", "TaskPage", "TaskStatus", "TimedOut",
+           "EvaluationResult", "NotFinished", "Refused", "ServerError", "SweepResult", "TaskFailed", "TaskPage", "TaskStatus", "TimedOut",
            "Unavailable"]

@@ -56,7 +56,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -348,6 +348,35 @@ class SweepResult:
     @property
     def rows(self) -> list[dict[str, Any]]:
         return self.document["cells"]
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """An evaluation's document (GET /evaluations/{id}): ``status``, ``draws`` (one row per draw:
+    ``correct``, ``accuracy``, ``predictions_sha256``, ``task_id``...) and, once every draw has
+    succeeded, ``totals`` (as ``rev88 evaluate``'s summary.json has them)."""
+
+    document: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        return self.document["id"]
+
+    @property
+    def status(self) -> str:
+        return self.document["status"]
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "failed", "cancelled")
+
+    @property
+    def draws(self) -> list[dict[str, Any]]:
+        return self.document["draws"]
+
+    @property
+    def totals(self) -> dict[str, Any] | None:
+        return self.document.get("totals")
 
 
 @dataclass(frozen=True)
@@ -797,6 +826,63 @@ class _Core:
         response = yield from self._expect(call, 200)
         return SweepResult(_json_object(response))
 
+    def _op_evaluate(self, draws: Any, backend: str | None, name: str | None, measure: str | None,
+                     protocol: Mapping[str, Any] | None, idempotency_key: str | None,
+                     config: Mapping[str, Any]) -> Op:
+        request: dict[str, Any] = {"draws": draws if isinstance(draws, str) else list(draws), "config": dict(config)}
+        for key, value in (("backend", backend), ("name", name), ("measure", measure), ("protocol", protocol)):
+            if value is not None:
+                request[key] = dict(value) if isinstance(value, Mapping) else value
+        headers = {"Content-Type": JSON, "Accept": JSON}
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        call = _Call("POST", f"{self.url}/evaluations", "the evaluation", headers=headers,
+                     body=_Body(json.dumps(request).encode(), None))
+        response = yield from self._expect(call, 202)
+        return _json_object(response)["id"]
+
+    def _op_evaluation(self, evaluation_id: str) -> Op:
+        call = _Call("GET", f"{self.url}/evaluations/{quote(evaluation_id, safe='')}", f"evaluation {evaluation_id}",
+                     headers={"Accept": JSON})
+        response = yield from self._expect(call, 200)
+        return EvaluationResult(_json_object(response))
+
+    def _op_wait_evaluation(self, evaluation_id: str, timeout: float,
+                            progress: Callable[[EvaluationResult], None] | None) -> Op:
+        deadline = self._clock() + timeout
+        interval = POLL_FIRST_S
+        while True:
+            got = yield from self._op_evaluation(evaluation_id)
+            if progress is not None:
+                progress(got)
+            if got.finished:
+                return got
+            left = deadline - self._clock()
+            if left <= 0:
+                raise NotFinished(f"evaluation {evaluation_id} is still {got.status} after {timeout:g} s "
+                                  f"({got.document.get('counts')})")
+            yield _Pause(min(interval, left))
+            interval = min(interval * 1.5, POLL_MAX_S)
+
+    def _op_run_evaluation(self, draws: Any, backend: str | None, name: str | None, measure: str | None,
+                           protocol: Mapping[str, Any] | None, idempotency_key: str | None, config: Mapping[str, Any],
+                           timeout: float, progress: Callable[[EvaluationResult], None] | None) -> Op:
+        evaluation_id = yield from self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config)
+        return (yield from self._op_wait_evaluation(evaluation_id, timeout, progress))
+
+    def _op_cancel_evaluation(self, evaluation_id: str) -> Op:
+        call = _Call("POST", f"{self.url}/evaluations/{quote(evaluation_id, safe='')}/cancel",
+                     f"the cancel of evaluation {evaluation_id}", headers={"Accept": JSON})
+        response = yield from self._expect(call, 200)
+        return EvaluationResult(_json_object(response))
+
+    def _op_leaderboard(self, sort: str, limit: int | None, cursor: str | None) -> Op:
+        params = [("sort", sort)] + ([("limit", str(limit))] if limit is not None else []) + (
+            [("cursor", cursor)] if cursor is not None else [])
+        call = _Call("GET", f"{self.url}/evaluations", "the leaderboard", params=params, headers={"Accept": JSON})
+        response = yield from self._expect(call, 200)
+        return _json_object(response)
+
     def _op_health(self) -> Op:
         call = _Call("GET", self.url + "/health", "the health check", headers={"Accept": JSON}, retry=False)
         response = yield from self._expect(call, 200, 503)  # 503: not ready, and the document says why
@@ -964,6 +1050,37 @@ class Client(_Core):
         """The sweep's cell table as CSV (a column per config key)."""
         return self._drive(self._op_sweep_csv(sweep_id))
 
+    def evaluate(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None, name: str | None = None,
+                 measure: str | None = None, protocol: Mapping[str, Any] | None = None,
+                 idempotency_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 progress: Callable[[EvaluationResult], None] | None = None, **config: Any) -> EvaluationResult:
+        """POST /evaluations and wait for it: the published ``draws`` (``"0-10"``, ``"0,3"`` or a
+        list) graded on the server for ``config``; the labels stay there. Returns the finished
+        evaluation (``status`` completed, failed or cancelled); ``NotFinished`` after ``timeout``."""
+        return self._drive(self._op_run_evaluation(draws, backend, name, measure, protocol, idempotency_key, config,
+                                                   timeout, progress))
+
+    def submit_evaluation(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None,
+                          name: str | None = None, measure: str | None = None,
+                          protocol: Mapping[str, Any] | None = None, idempotency_key: str | None = None,
+                          **config: Any) -> str:
+        """POST /evaluations without waiting: the evaluation's id."""
+        return self._drive(self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config))
+
+    def evaluation(self, evaluation_id: str) -> EvaluationResult:
+        return self._drive(self._op_evaluation(evaluation_id))
+
+    def wait_evaluation(self, evaluation_id: str, timeout: float = DEFAULT_TIMEOUT_S,
+                        progress: Callable[[EvaluationResult], None] | None = None) -> EvaluationResult:
+        return self._drive(self._op_wait_evaluation(evaluation_id, timeout, progress))
+
+    def cancel_evaluation(self, evaluation_id: str) -> EvaluationResult:
+        return self._drive(self._op_cancel_evaluation(evaluation_id))
+
+    def leaderboard(self, sort: str = "accuracy", limit: int | None = None, cursor: str | None = None) -> dict[str, Any]:
+        """One page of GET /evaluations: ``{"evaluations": [...], "next_cursor": ...}``."""
+        return self._drive(self._op_leaderboard(sort, limit, cursor))
+
 
 class AsyncClient(_Core):
     """``Client`` over ``httpx.AsyncClient``: the same operations, awaited (``async with``, ``aclose``);
@@ -1080,3 +1197,30 @@ class AsyncClient(_Core):
 
     async def sweep_csv(self, sweep_id: str) -> str:
         return await self._drive(self._op_sweep_csv(sweep_id))
+
+    async def evaluate(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None,
+                       name: str | None = None, measure: str | None = None, protocol: Mapping[str, Any] | None = None,
+                       idempotency_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                       progress: Callable[[EvaluationResult], None] | None = None, **config: Any) -> EvaluationResult:
+        return await self._drive(self._op_run_evaluation(draws, backend, name, measure, protocol, idempotency_key,
+                                                         config, timeout, progress))
+
+    async def submit_evaluation(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None,
+                                name: str | None = None, measure: str | None = None,
+                                protocol: Mapping[str, Any] | None = None, idempotency_key: str | None = None,
+                                **config: Any) -> str:
+        return await self._drive(self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config))
+
+    async def evaluation(self, evaluation_id: str) -> EvaluationResult:
+        return await self._drive(self._op_evaluation(evaluation_id))
+
+    async def wait_evaluation(self, evaluation_id: str, timeout: float = DEFAULT_TIMEOUT_S,
+                              progress: Callable[[EvaluationResult], None] | None = None) -> EvaluationResult:
+        return await self._drive(self._op_wait_evaluation(evaluation_id, timeout, progress))
+
+    async def cancel_evaluation(self, evaluation_id: str) -> EvaluationResult:
+        return await self._drive(self._op_cancel_evaluation(evaluation_id))
+
+    async def leaderboard(self, sort: str = "accuracy", limit: int | None = None,
+                          cursor: str | None = None) -> dict[str, Any]:
+        return await self._drive(self._op_leaderboard(sort, limit, cursor))

@@ -376,3 +376,56 @@ def test_the_sweep_page_shows_its_cells_and_chart_and_the_task_list_links_to_it(
     page.click("#key-save")
     page.locator(f"#tasks-body a.sweep-link[title='{sweep_id}']").first.click()  # (a locator: the list re-renders)
     page.wait_for_selector("#sweep-status.status-completed")
+
+
+def test_an_evaluations_report_and_the_leaderboard(server, desktop):
+    """Two graded evaluations on this server and one of another device (written into the
+    server's store): the report page shows the draws, the totals, the band verdicts and the
+    chart; the leaderboard ranks the two together and the other device apart, marks the Pareto
+    front of accuracy against time, and re-sorts."""
+    from tests.test_evaluations import insert_graded
+
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        ids = [c.post("/evaluations", json={"draws": "0-1", "config": config, "name": name}).json()["id"]
+               for name, config in (("one epoch", {"epochs": 1}), ("default", {}))]
+        docs = [wait_for(lambda i=i: (d := c.get(f"/evaluations/{i}").json())["status"] == "completed" and d, 300,
+                         what="an evaluation") for i in ids]
+    port = server.url.rsplit(":", 1)[1]
+    other = "NVIDIA H200 · rev88 0.1.0 · torch 2.13.0 · CUDA 13.0"
+    insert_graded(server.log.parent / f"data-{port}", "ev-elsewhere", other, 9990, 0.5)
+    page = desktop
+    page.goto(f"{server.url}/evaluations/{ids[0]}")  # a browser asks for HTML: the report page
+    assert page.url.endswith(f"/evaluations/{ids[0]}/report")
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#evaluation-status.status-completed", timeout=60_000)
+    doc = docs[0]
+    assert page.eval_on_selector_all("#draw-rows tr", "rs => rs.map(r => Number(r.dataset.correct))") == [
+        row["correct"] for row in doc["draws"]]
+    totals_text = page.inner_text("#totals")
+    assert doc["totals"]["correct_over_total"] in totals_text and "95 % interval" in totals_text
+    assert page.locator("#bands li").count() == 5
+    page.wait_for_function("() => { const i = document.querySelector('#accuracy-chart'); "
+                           "return !i.hidden && i.complete && i.naturalWidth > 0; }")
+    assert page.inner_text("#evaluation-name") == "one epoch"
+    screenshot(page, "evaluation")
+
+    page.goto(f"{server.url}/ui/evaluations")
+    page.wait_for_selector(".board-group[data-comparison] tbody tr")
+    page.wait_for_function("() => document.querySelectorAll('.board-group').length === 2")
+    labels = page.eval_on_selector_all(".board-group", "gs => gs.map(g => g.dataset.comparison)")
+    assert set(labels) == {doc["comparison"], other}
+    here = f".board-group[data-comparison='{doc['comparison']}']"
+    best = max(docs, key=lambda d: d["totals"]["mean_accuracy"])
+    assert page.eval_on_selector_all(f"{here} tbody tr", "rs => rs.map(r => [r.dataset.id, r.dataset.rank])") == [
+        [best["id"], "1"], [next(d["id"] for d in docs if d is not best), "2"]]
+    assert page.eval_on_selector_all(f".board-group[data-comparison='{other}'] tbody tr",
+                                     "rs => rs.map(r => r.dataset.rank)") == ["1"]  # ranked apart
+    points = [(d["time"]["ms_per_task"], d["totals"]["mean_accuracy"], d["id"]) for d in docs]
+    front = {i for x, y, i in points if not any(x2 <= x and y2 >= y and (x2 < x or y2 > y) for x2, y2, _ in points)}
+    marked = page.eval_on_selector_all(f"{here} circle", "cs => cs.map(c => [c.dataset.id, c.dataset.pareto])")
+    assert sorted(marked) == sorted([i, "true" if i in front else "false"] for _, _, i in points)
+    page.select_option("#board-sort", "time")
+    fastest = min(docs, key=lambda d: d["time"]["ms_per_task"])["id"]
+    page.wait_for_function(f"() => document.querySelector(\"{here} tbody tr\").dataset.id === '{fastest}'")
+    screenshot(page, "leaderboard")

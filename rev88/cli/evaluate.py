@@ -2,10 +2,15 @@
 
 For each draw k (dataset seed 2026091400 + k) it builds the task exactly as ``make-task`` does,
 runs it — in this process (``learner.evaluate.InProcessRunner``), or through a running service
-when ``--url`` is given (``ServiceRunner``, over ``rev88.Client``) — scores it against that draw's
-held-back query labels and writes a report folder (``learner.evaluate``: summary.json,
-predictions/draw-NN.npy, README.md, accuracy.svg). The labels never leave the evaluator: the
-learner (or the service) only ever receives the three allowed arrays.
+when ``--url`` is given — scores it against that draw's held-back query labels and writes a
+report folder (``learner.evaluate``: summary.json, predictions/draw-NN.npy, README.md,
+accuracy.svg). The labels never leave the evaluator: the learner only ever receives the three
+allowed arrays.
+
+With ``--url`` the service grades the draws itself in one request (``ServerEvaluation``: POST
+/evaluations; it builds the draws from its own MNIST files and keeps its own copy of the labels),
+and this side checks every figure against the draws it builds; a service without /evaluations,
+or ``--uploads``, gets one upload per draw (``ServiceRunner``, over ``rev88.Client``).
 
 Exit status: 0 report written; 2 bad input (draws, flags, a refused task); 1 anything else.
 """
@@ -26,6 +31,7 @@ from learner.evaluate import (
     InProcessRunner,
     RunAnswer,
     build_summary,
+    dataset_seed,
     evaluate,
     write_report,
 )
@@ -122,6 +128,105 @@ class ServiceRunner:
         return CliError(f"the service failed ({exc.status}): {exc.message}", 1)
 
 
+# --------------------------------------------------------------------------- graded on the server
+
+
+@dataclass
+class ServerEvaluation:
+    """One ``POST /evaluations`` (``rev88.Client.evaluate``): the server builds and runs the draws
+    and counts them against labels it keeps. This side then checks what it was given, as it
+    would for its own uploads: each draw's predictions (fetched, hashed as claimed), its input
+    hashes and query-label hash against the draw built here, its count against this side's own
+    scoring of those predictions, and the config against the one asked for. ``run`` returns the
+    per-draw records ``learner.evaluate.evaluate`` would, or None when the server offers no
+    /evaluations (an older one): then each draw is uploaded as before."""
+
+    url: str
+    config: Any
+    backend: str | None
+    api_key: str | None = None
+    retries: int = DEFAULT_RETRIES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    transport: Any = None
+    evaluation_id: str | None = None
+
+    def describe(self) -> str:
+        return f"graded by the service {self.url}" + (f", backend {self.backend}" if self.backend else "")
+
+    def run(self, mnist_dir: Path, draws: list[int], output: Path, progress: Progress | None) -> list[dict] | None:
+        import numpy as np
+
+        from learner.evaluate import score
+        from learner.hashing import array_sha256
+        from learner.taskio import make_task
+
+        shown: set[int] = set()
+
+        def report(got) -> None:
+            for row in got.draws:
+                if progress is not None and row["status"] == "succeeded" and row["draw"] not in shown:
+                    shown.add(row["draw"])
+                    progress.finish(row["draw"], row["correct"], row["total"], (row.get("run_ms") or 0) / 1000)
+
+        try:
+            with Client(self.url, api_key=self.api_key, timeout=self.timeout_s, retries=self.retries,
+                        transport=self.transport) as client:
+                try:
+                    self.evaluation_id = client.submit_evaluation(draws, backend=self.backend, **self.config.as_dict())
+                except Refused as exc:
+                    if exc.status in (404, 405):
+                        return None
+                    raise
+                got = client.wait_evaluation(self.evaluation_id, timeout=max(self.timeout_s, 3600.0), progress=report)
+                if got.status != "completed":
+                    failed = [f"draw {r['draw']}: {r.get('error') or r['status']}" for r in got.draws
+                              if r["status"] != "succeeded"]
+                    raise CliError(f"the service's evaluation {got.id} {got.status}: {'; '.join(failed)}", 1)
+                if got.document.get("config") != self.config.as_dict():
+                    raise CliError(f"the service graded config {got.document.get('config')} instead of "
+                                   f"{self.config.as_dict()}", 1)
+                rows = {r["draw"]: r for r in got.draws}
+                predictions = {k: client.predictions(rows[k]["task_id"]) for k in draws}  # checked against their hash
+                versions = got.document.get("versions")
+        except ClientError as exc:
+            raise ServiceRunner(self.url, self.config, self.backend)._error(exc) from None
+        pred_dir = output / "predictions"
+        pred_dir.mkdir(parents=True, exist_ok=True)
+        records = []
+        for k in draws:
+            row, preds = rows[k], np.ascontiguousarray(predictions[k], dtype=np.int64)
+            t0 = time.perf_counter()
+            task, query_labels = make_task(mnist_dir, dataset_seed(k))
+            build = time.perf_counter() - t0
+            sent = {name: array_sha256(arr) for name, arr in task.as_dict().items()}
+            if row.get("input_hashes") != sent:
+                raise CliError(f"draw {k}: the service built other arrays than this side does (input hashes "
+                               f"{row.get('input_hashes')} instead of {sent})", 1)
+            if row.get("query_labels_sha256") != array_sha256(query_labels):
+                raise CliError(f"draw {k}: the service holds other query labels than this side builds", 1)
+            correct = score(preds, query_labels)
+            if correct != row["correct"] or array_sha256(preds) != row["predictions_sha256"]:
+                raise CliError(f"draw {k}: the service counts {row['correct']} correct, this side {correct} from the "
+                               "same predictions", 1)
+            pred_file = pred_dir / f"draw-{k:02d}.npy"
+            np.save(pred_file, preds)
+            timing = row.get("timing") or {}
+            records.append({
+                "draw": k, "dataset_seed": dataset_seed(k), "correct": correct, "total": int(query_labels.size),
+                "accuracy": correct / int(query_labels.size), "input_hashes": sent,
+                "query_labels_sha256": array_sha256(query_labels), "predictions_sha256": array_sha256(preds),
+                "predictions_file": str(pred_file.relative_to(output)),
+                "training_prediction_seconds": row.get("training_prediction_seconds"),
+                "preparation_seconds": row.get("preparation_seconds"),
+                "wall_seconds": (timing.get("total_ms") or 0.0) / 1000, "build_seconds": build,
+                "backend": row.get("backend"), "device": row.get("device"),
+                "service": {"id": row["task_id"], "evaluation": self.evaluation_id, "timing": timing,
+                            "device": row.get("device"), "energy": row.get("energy")},
+                "service_versions": versions,
+            })
+        return records
+
+
 # --------------------------------------------------------------------------- progress
 
 
@@ -188,6 +293,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.api_key and not args.url:
         raise CliError("--api-key only applies with --url (the service); in-process runs need no key")
     config = load_config_file(args.config) if args.config else Config()
+    if args.uploads and not args.url:
+        raise CliError("--uploads only applies with --url (the service)")
     if args.url:
         url = args.url.rstrip("/")
         if not url.startswith(("http://", "https://")):
@@ -198,13 +305,24 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         runner = InProcessRunner(config, args.backend or "auto")
     output = Path(args.output)
     prepare_output(output, args.overwrite)
-    print(f"evaluating draw(s) {args.draws} ({len(draws)} task(s)), {runner.describe()}", file=sys.stderr)
     t0 = time.perf_counter()
-    try:
-        records = evaluate(mnist_dir, draws, runner, output, Progress(len(draws)))
-    except ValueError as exc:  # e.g. predictions that do not match the query labels' shape
-        raise CliError(str(exc), 1) from None
+    records = graded = None
+    if url and not args.uploads:
+        graded = ServerEvaluation(url, config, args.backend, api_key, retries=args.retries)
+        print(f"evaluating draw(s) {args.draws} ({len(draws)} task(s)), {graded.describe()}", file=sys.stderr)
+        records = graded.run(mnist_dir, draws, output, Progress(len(draws)))
+        if records is None:
+            print("the service has no /evaluations: uploading each draw instead", file=sys.stderr)
+    if records is None:
+        print(f"evaluating draw(s) {args.draws} ({len(draws)} task(s)), {runner.describe()}", file=sys.stderr)
+        try:
+            records = evaluate(mnist_dir, draws, runner, output, Progress(len(draws)))
+        except ValueError as exc:  # e.g. predictions that do not match the query labels' shape
+            raise CliError(str(exc), 1) from None
     summary = build_summary(records, config, args.backend, url, time.perf_counter() - t0)
+    if graded is not None and graded.evaluation_id is not None:
+        summary["evaluation"] = {"id": graded.evaluation_id, "location": f"{url}/evaluations/{graded.evaluation_id}",
+                                 "report": f"{url}/evaluations/{graded.evaluation_id}/report"}
     table = write_report(output, summary)
     print(table)
     print(
@@ -236,7 +354,11 @@ def add_evaluate(sub) -> None:
         default=None,
         help="learner backend (default auto in process; the service's default with --url)",
     )
-    p.add_argument("--url", help="run through the service at this base URL instead of in process")
+    p.add_argument("--url", help="run through the service at this base URL instead of in process: one "
+                   "POST /evaluations (graded on the server, checked here), or one upload per draw where the "
+                   "service has no /evaluations")
+    p.add_argument("--uploads", action="store_true",
+                   help="with --url: upload each draw as its own task instead of one server-side evaluation")
     p.add_argument("--api-key", help="service API key (Authorization: Bearer); default $REV88_API_KEY")
     p.add_argument(
         "--retries",

@@ -169,7 +169,9 @@
       dot.append(node("title", {}, `${p.row.name || p.row.id}: ${num(p.y, 3)} %, ${num(p.x)} ${xName === "energy" ? "mJ" : "ms"}${onFront ? " (Pareto front)" : ""}`));
       svg.append(dot);
     }
-    box.append(svg);
+    box.append(svg, el("p", { class: "hint", text: "Large red points, joined by the dashed line: the Pareto front "
+      + "(no other row of this group is both at least as accurate and at least as fast"
+      + (xName === "energy" ? ", or as frugal" : "") + ", and better in one)." }));
     return box;
   }
 
