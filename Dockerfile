@@ -59,6 +59,11 @@ assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; \
 from app.http import versions; assert not versions.untested(), versions.untested(); \
 print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel built')"
 
+# The official MNIST training split (9.9 MB): the draws of POST /evaluations are built from it on
+# the server (docs/evaluations.md); the files are checked against their known SHA-256 when read.
+COPY data/mnist/train-images.idx3-ubyte.gz data/mnist/train-labels.idx1-ubyte.gz /opt/rev88/data/mnist/
+ENV REV88_MNIST_DIR=/opt/rev88/data/mnist
+
 # The task ledger (SQLite + uploads of asynchronous tasks; unused with REV88_DATABASE_URL): a volume, writable by the service's
 # user while the root filesystem stays read-only (compose and Kubernetes mount one here).
 RUN mkdir -p /var/lib/rev88 && chown 10001:10001 /var/lib/rev88

@@ -278,7 +278,7 @@ class Probe(Open):
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     texts = {
-        400: "not a zip/npz, truncated or corrupt", 401: "missing or wrong Bearer key (REV88_API_KEY)",
+        400: "not a zip/npz (or, for a JSON body, not JSON), truncated or corrupt", 401: "missing or wrong Bearer key (REV88_API_KEY)",
         408: "the body did not arrive within the upload timeout (REV88_UPLOAD_TIMEOUT_S); the connection is closed",
         404: "no task with this id in this replica's ledger", 409: "conflict (idempotency key reused, task finished)",
         413: "body, archive or estimated memory over the limits", 415: "unsupported content type",

@@ -21,7 +21,8 @@ from .server import post_task, running_server
 
 # Which answers are right for a schema-valid request that the schema cannot fully describe:
 # any bytes are a schema-valid npz body, but only a real npz trains (400/413/415/422 name what
-# is wrong with the rest); a cursor is opaque (only one a previous page returned is accepted).
+# is wrong with the rest); a cursor is opaque (only one a previous page returned is accepted); an
+# evaluation's protocol applies only with measure, and its config must fit the task budget.
 CONFIG = """
 [[operations]]
 include-name = "POST /tasks"
@@ -55,6 +56,14 @@ checks.positive_data_acceptance.expected-statuses = [202, 404, 409, 413, 422, 50
 include-name = "GET /sweeps"
 checks.positive_data_acceptance.expected-statuses = [200, 422]
 
+[[operations]]
+include-name = "POST /evaluations"
+checks.positive_data_acceptance.expected-statuses = [202, 409, 413, 422, 503]
+
+[[operations]]
+include-name = "GET /evaluations"
+checks.positive_data_acceptance.expected-statuses = [200, 422]
+
 [parameters]
 task_id = "{task_id}"
 """
@@ -64,7 +73,17 @@ def test_schemathesis_finds_nothing(tmp_path):
     st = shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or shutil.which("schemathesis")
     if st is None:
         pytest.fail("schemathesis is not installed (it is in the test extra: pip install -e '.[test]')")
-    with running_server(tmp_path, env={"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1"}) as server:
+    # Evaluations are real: each accepted one trains its draws (10,000 x 10,000 tasks). The task
+    # budget here admits a draw of one epoch at the default depth, no more, and the queue takes
+    # the cells of the few the fuzzer gets accepted, so that the tasks it sends meanwhile are not
+    # refused for a full queue (a 503).
+    from learner.budget import estimate
+    from learner.config import Config
+
+    work = estimate(10000, 10000, Config(epochs=1)).work
+    env = {"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1", "REV88_MAX_TASK_WORK": str(work),
+           "REV88_QUEUE_SIZE": "400"}
+    with running_server(tmp_path, env=env) as server:
         with server.client() as c:  # one real task, so the {task_id} operations reach a task
             done = post_task(c, task_to_npz_bytes(small_task()), params={"epochs": 1})
             assert done.status_code == 200, done.text

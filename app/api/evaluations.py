@@ -24,7 +24,7 @@ router = APIRouter(tags=["evaluations"])
 
 @router.post("/evaluations", summary="Grade a config on the published draws (each a task on the server's own draw)",
              status_code=202, response_model=EvaluationAccepted,
-             responses=error_responses(401, 409, 413, 422, 503))
+             responses=error_responses(400, 401, 409, 413, 422, 503))
 async def post_evaluation(body: EvaluationRequest, request: Request, service: ServiceDep) -> JSONResponse:
     gate(service)
     backend = parse_options([("backend", body.backend)] if body.backend else [], service.backend).backend
@@ -49,7 +49,7 @@ async def get_evaluation(evaluation_id: str, request: Request,
 
 @router.get("/evaluations/{evaluation_id}/accuracy.svg", summary="The per-draw accuracy chart (SVG)",
             response_class=Response, responses={200: {"content": {"image/svg+xml": {"schema": {"type": "string"}}}},
-                                                **error_responses(401, 404, 409, 503)})
+                                                **error_responses(401, 404, 409, 422, 503)})
 async def get_chart(evaluation_id: str, service: ServiceDep) -> Response:
     doc = await service.evaluations.state(evaluation_id)
     t = doc["totals"]
