@@ -21,7 +21,9 @@ def test_a_cancel_that_loses_the_race_is_409(tmp_path):
     app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "data")))
     service = app.state.service
     recorded, withdrawn = threading.Event(), []
-    real_finish, real_withdraw = service.ledger.finish, service.executor.withdraw
+    # (the ledger writer records outcomes with finish_many: holding finish alone held nothing,
+    # and the test passed only while the writer's 20 ms linger outlasted the status check)
+    real_finish, real_withdraw = service.ledger.finish_many, service.executor.withdraw
 
     def held_finish(*args, **kwargs):
         assert recorded.wait(60), "the cancel never reached the executor"
@@ -34,7 +36,7 @@ def test_a_cancel_that_loses_the_race_is_409(tmp_path):
 
     task = small_task()
     with inprocess_server(app) as server, server.client() as c:
-        service.ledger.finish, service.executor.withdraw = held_finish, watched_withdraw
+        service.ledger.finish_many, service.executor.withdraw = held_finish, watched_withdraw
         accepted = post_task(c, task_to_npz_bytes(task), headers={"Prefer": "respond-async"})
         assert accepted.status_code == 202, accepted.text
         task_id = accepted.json()["id"]
