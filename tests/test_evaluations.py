@@ -121,6 +121,17 @@ def test_counts_equal_an_independent_scoring_and_rev88_evaluate_in_process(store
         for row in doc["draws"]:
             assert independent_count(c, row)[0] == row["correct"]
         assert doc["config_changes"] == config
+        again = c.post("/evaluations", json={"draws": draws, "config": config, "name": "lr 0.05"},
+                       headers={"Idempotency-Key": "same"})
+        replay = c.post("/evaluations", json={"draws": draws, "config": config, "name": "lr 0.05"},
+                        headers={"Idempotency-Key": "same"})
+        assert replay.json()["id"] == again.json()["id"] and replay.headers["idempotent-replayed"] == "true"
+        second = finished(c, again.json()["id"])
+        assert [r["predictions_sha256"] for r in second["draws"]] == [r["predictions_sha256"] for r in doc["draws"]]
+        board = c.get("/evaluations", params={"sort": "accuracy", "limit": 1}).json()
+        assert board["evaluations"][0]["correct"] == doc["totals"]["correct"] and board["next_cursor"]
+        rest = c.get("/evaluations", params={"sort": "accuracy", "cursor": board["next_cursor"]}).json()
+        assert {e["id"] for e in board["evaluations"] + rest["evaluations"]} == {doc["id"], second["id"]}
     local = evaluate_in_process(MNIST_DIR, draws, InProcessRunner(Config(**config), "cpu"), tmp_path / "local")
     keys = ("draw", "dataset_seed", "correct", "total", "accuracy", "input_hashes", "query_labels_sha256",
             "predictions_sha256")
@@ -237,6 +248,24 @@ def test_the_leaderboard_sorts_pages_and_the_client_and_cli_grade_on_the_server(
         after = client.page(limit=500).tasks
         assert len(after) == tasks_before + 1  # one draw's task, from the evaluation (no upload)
         assert len(client.leaderboard("created")["evaluations"]) == 3
+
+
+def test_rev88_evaluate_uploads_each_draw_where_the_service_has_no_evaluations():
+    """An older service (no /evaluations: a 404 to the POST) is not an error: ServerEvaluation
+    says so (None) and rev88 evaluate uploads each draw as before."""
+    import httpx
+
+    from rev88.cli.evaluate import ServerEvaluation
+
+    asked = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append((request.method, request.url.path))
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    runner = ServerEvaluation("http://old.example", Config(), None, transport=httpx.MockTransport(answer))
+    assert runner.run(MNIST_DIR, [0], Path("/nonexistent"), None) is None
+    assert asked == [("POST", "/evaluations")]
 
 
 def _config_file(tmp_path: Path, config: dict) -> str:

@@ -92,16 +92,16 @@ class _Evaluations:
         """Record an evaluation; an Idempotency-Key recorded already: (that evaluation, False)."""
 
         def run(conn):
-            if record.idempotency_key is not None:
-                row = conn.execute(self._sql(f"SELECT {COLUMNS} FROM {self.table} WHERE idempotency_key = ?"),
-                                   (record.idempotency_key,)).fetchone()
-                if row is not None:
-                    return record_of(row), False
-            conn.execute(self._sql(f"INSERT INTO {self.table} (id, created_at, name, definition, cells,"
-                                   " idempotency_key, status) VALUES (?, ?, ?, ?, ?, ?, 'running')"),
-                         (record.id, record.created_at, record.name, json.dumps(record.definition),
-                          json.dumps(record.cells), record.idempotency_key))
-            return record, True
+            inserted = conn.execute(self._sql(
+                f"INSERT INTO {self.table} (id, created_at, name, definition, cells, idempotency_key, status)"
+                " VALUES (?, ?, ?, ?, ?, ?, 'running') ON CONFLICT (idempotency_key) DO NOTHING"),
+                (record.id, record.created_at, record.name, json.dumps(record.definition), json.dumps(record.cells),
+                 record.idempotency_key)).rowcount
+            if inserted:
+                return record, True
+            row = conn.execute(self._sql(f"SELECT {COLUMNS} FROM {self.table} WHERE idempotency_key = ?"),
+                               (record.idempotency_key,)).fetchone()  # (replicas sending one key at once: one row)
+            return record_of(row), False
 
         return self._write(f"record evaluation {record.id}", run)
 
