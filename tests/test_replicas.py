@@ -26,9 +26,10 @@ import numpy as np
 import pytest
 
 from learner.config import make_config
+from learner.evaluate import dataset_seed
 from learner.hashing import array_sha256
 from learner.result import run_task
-from learner.taskio import task_to_npz_bytes
+from learner.taskio import make_task, task_to_npz_bytes
 
 from . import pg
 from .gates import FileGate
@@ -345,3 +346,40 @@ def test_an_unreachable_database_stops_rev88_serve_naming_it(tmp_path):
     assert "cannot connect to the task ledger's database" in proc.stderr and "--database-url" in proc.stderr
     assert "secret" not in proc.stderr and "rev88:***@127.0.0.1" in proc.stderr
 
+
+
+def test_one_evaluation_from_one_key_sent_to_both_its_draws_run_on_both_and_one_grade(tmp_path, pg_url, gate):
+    """An evaluation sent with one Idempotency-Key to both replicas at once is one evaluation (no
+    request refused); its draws are claimed by whichever replica is free; it is graded once (the
+    first result recorded wins) and both replicas answer the same document, its counts this
+    side's own scoring of the served predictions."""
+    request = {"draws": "0-3", "config": {"epochs": 1}, "name": "two replicas"}
+    with replica(tmp_path, pg_url, gate, "a") as a, replica(tmp_path, pg_url, gate, "b") as b:
+        answers: list[httpx.Response] = []
+        lock = threading.Lock()
+        start = threading.Barrier(4)
+
+        def send(rep):
+            with rep.client(timeout=120) as c:
+                start.wait()
+                r = c.post("/evaluations", json=request, headers={"Idempotency-Key": "graded-once"})
+                with lock:
+                    answers.append(r)
+
+        threads = [threading.Thread(target=send, args=(rep,)) for rep in (a, b, a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [r.status_code for r in answers] == [202] * 4, [r.text for r in answers]
+        (evaluation_id,) = {r.json()["id"] for r in answers}
+        with a.client() as ca, b.client() as cb:
+            doc = wait_for(lambda: (d := cb.get(f"/evaluations/{evaluation_id}").json())["status"] == "completed"
+                           and d, 120, 0.1, "the evaluation")
+            assert ca.get(f"/evaluations/{evaluation_id}").json() == doc  # one result, read by both
+            assert len(ca.get("/tasks", params={"limit": 100}).json()["tasks"]) == 4
+            assert [row["correct"] for row in doc["draws"]] == [
+                int((np.load(io.BytesIO(ca.get(f"/tasks/{row['task_id']}/predictions.npy").content))
+                     == make_task(None, dataset_seed(row["draw"]))[1]).sum()) for row in doc["draws"]]
+            (row,) = cb.get("/evaluations").json()["evaluations"]
+            assert row["correct"] == doc["totals"]["correct"] and row["status"] == "completed"

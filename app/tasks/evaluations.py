@@ -371,7 +371,13 @@ class Evaluations:
                      for t, m in wanted]
         if not accs:
             return
-        await asyncio.to_thread(runner.record_many, accs)  # one transaction
+        try:
+            await asyncio.to_thread(runner.record_many, accs)  # one transaction: all of them or none
+        except ValueError:  # (ids in the ledger already: the same Idempotency-Key's other request, at once)
+            have = await asyncio.to_thread(runner.ledger.get_many, [acc.task_id for acc in accs])
+            if len(have) == len(accs):
+                return  # recorded and queued by that request
+            raise
         for acc in accs:
             if runner.shared is not None:
                 runner.shared.offer(acc)  # claimed by whichever replica has a free worker

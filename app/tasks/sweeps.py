@@ -206,7 +206,13 @@ class Sweeps:
         accs = [Accepted(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
                          include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
                          labels=labels, sweep=sweep.id) for c in missing]
-        await asyncio.to_thread(runner.record_many, accs)  # one transaction
+        try:
+            await asyncio.to_thread(runner.record_many, accs)  # one transaction: all of them or none
+        except ValueError:  # (ids in the ledger already: the same Idempotency-Key's other request, at once)
+            have = await asyncio.to_thread(runner.ledger.get_many, [acc.task_id for acc in accs])
+            if len(have) == len(accs):
+                return  # recorded and queued by that request
+            raise
         shared = runner.shared
         for acc in accs:
             if shared is not None:
