@@ -429,3 +429,7 @@ def test_an_evaluations_report_and_the_leaderboard(server, desktop):
     fastest = min(docs, key=lambda d: d["time"]["ms_per_task"])["id"]
     page.wait_for_function(f"() => document.querySelector(\"{here} tbody tr\").dataset.id === '{fastest}'")
     screenshot(page, "leaderboard")
+    page.goto(server.url + "/")  # the task list links a draw's task to its evaluation
+    page.locator(f"#tasks-body a.evaluation-link[title='{ids[0]}']").first.click()
+    page.wait_for_selector("#evaluation-status.status-completed")
+    assert page.inner_text("#evaluation-name") == "one epoch"

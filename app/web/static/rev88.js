@@ -208,8 +208,12 @@
     const hash = task.predictions_sha256
       ? el("code", { title: task.predictions_sha256, class: "hash" }, short(task.predictions_sha256)) : dash;
     const sweep = task.options && task.options.sweep;
-    const taskCell = sweep
-      ? el("span", {}, link, " ", el("a", { href: sweepURL(sweep), class: "sweep-link", title: sweep }, "sweep"))
+    const evaluation = task.options && task.options.evaluation;
+    const taskCell = sweep || evaluation
+      ? el("span", {}, link, " ", sweep
+        ? el("a", { href: sweepURL(sweep), class: "sweep-link", title: sweep }, "sweep")
+        : el("a", { href: `${root}/ui/evaluations/${encodeURIComponent(evaluation)}`, class: "sweep-link evaluation-link",
+          title: evaluation }, "evaluation"))
       : link;
     return el("tr", { "data-task-id": task.id, "data-status": task.status },
       cell("task", taskCell),
