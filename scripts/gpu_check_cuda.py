@@ -133,6 +133,10 @@ def _run(report: dict, mnist_dir: Path, dry_run: bool, log) -> dict:
         ("wall_ms_median" if dry_run else "cuda_ms_median_of_7"): statistics.median(times),
         ("wall_ms_values" if dry_run else "cuda_ms_values"): times,
     }
+    # another seed is data, not program (issue #37): the same program replays, no capture
+    other_seed = Config(seed=Config().seed + 1)
+    r_seed = run_task(draw0, other_seed, backend)
+    cpu_seed = run_task(draw0, other_seed, "cpu")
     report["graph_reuse"] = {
         "captures_after_first_task": captures_after_first,
         "captures_after_second_task": backend.captures,
@@ -141,9 +145,13 @@ def _run(report: dict, mnist_dir: Path, dry_run: bool, log) -> dict:
         "second_task_equals_fresh_backend": r1.metadata["state_vector_sha256"] == fresh1.metadata["state_vector_sha256"]
         and r1.scores_sha256 == fresh1.scores_sha256,
         "draw1_correct": int((r1.predictions == labels1).sum()),
+        "other_seed_reused": bool(r_seed.metadata["backend_details"]["graph_reused"]),
+        "other_seed_predictions_equal_cpu": bool((r_seed.predictions == cpu_seed.predictions).all()),
+        "captures_after_other_seed": backend.captures,
     }
     reuse = report["graph_reuse"]
-    captures_ok = reuse["captures_after_second_task"] == (0 if dry_run else 1) and reuse["cached_programs"] == 1
+    captures_ok = (reuse["captures_after_second_task"] == reuse["captures_after_other_seed"] == (0 if dry_run else 1)
+                   and reuse["cached_programs"] == 1 and reuse["other_seed_reused"])
     report["passed"] = bool(all(c["passed"] for c in report["cases"])
                             and report["draw0"]["repeat_byte_identical"]
                             and report["draw0"]["parameters_within_tolerance_of_cpu"]

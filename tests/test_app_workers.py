@@ -848,3 +848,39 @@ def test_usable_cores_is_capped_by_the_cgroup_quota(monkeypatch):
     monkeypatch.setattr(devices_mod, "cgroup_cpu_limit", lambda path="/sys/fs/cgroup/cpu.max": cores + 8)
     assert usable_cores() == cores
     assert len(plan("cpu").devices) == cores
+
+
+def test_each_gpu_worker_selects_its_own_device_on_its_own_thread(fake_gpus, monkeypatch):
+    """Issue #37, 7: the CUDA runtime keeps a current device per host thread; each worker makes
+    its GPU current on its own thread before it runs anything (so cuda:1 work is not run on GPU
+    0). Through the fake-GPU harness: the service's three workers, the selection recorded."""
+    from app.runtime import executor as executor_mod
+
+    selected: list[tuple[str, str]] = []
+    monkeypatch.setattr(executor_mod, "select_cuda_device",
+                        lambda device: selected.append((device, threading.current_thread().name)))
+    fleet = FakeGpus()
+    service = gpu_service(fleet, queue_size=16)
+    try:
+        ex = service.executor
+        ran = [ex.submit(lambda: threading.current_thread().name, pin=i).future.result(60) for i in range(3)]
+        assert sorted(selected) == sorted(zip(["cuda:0", "cuda:1", "cuda:2"], ran))  # each on its worker's thread
+        assert ran == [f"rev88-worker-cuda:{i}" for i in range(3)]
+    finally:
+        stop_service(service)
+
+
+def test_select_cuda_device_sets_the_threads_device_and_leaves_cpu_workers_alone(monkeypatch):
+    import torch
+
+    from app.runtime.executor import select_cuda_device
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    select_cuda_device("cuda:1")  # no CUDA here: nothing to select (the GPU backends refuse themselves)
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("cuda:2", "cpu:0", "cpu:1", "cuda:0"):
+        select_cuda_device(device)
+    assert calls == [2, 0]

@@ -137,6 +137,20 @@ class Stats:
                 + self.refused_input)
 
 
+def select_cuda_device(device: str) -> None:
+    """Make ``cuda:N`` the calling thread's current CUDA device (the CUDA runtime keeps one per
+    host thread: without it every worker's bare ``cuda`` work, and every library that uses the
+    current device, would land on GPU 0). A CPU worker, or a machine without CUDA (where the GPU
+    backends refuse on their own): nothing to select."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(index or 0))
+
+
 class Worker:
     """One device and the thread that runs its calls."""
 
@@ -171,6 +185,10 @@ class Worker:
         name_os_thread(f"rev88-w{self.index}")
         _local.worker = self
         ex = self.executor
+        try:
+            (ex._select_device or select_cuda_device)(self.device)  # (looked up now: tests replace it)
+        except Exception as exc:  # noqa: BLE001 - said loudly; its jobs then fail on the device itself
+            log.error("worker cannot select its device", extra={"device": self.device, "error": str(exc)})
         while True:
             with ex._cond:
                 head = ex._next_for(self)
@@ -200,6 +218,7 @@ class DeviceExecutor:
         batch_wait_s: float = 0.0,
         on_launch: Callable[[int], None] | None = None,
         devices: list[str] | None = None,
+        select_device: Callable[[str], None] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -214,6 +233,7 @@ class DeviceExecutor:
         self.batch_max = batch_max
         self.batch_wait_s = batch_wait_s
         self._on_launch = on_launch
+        self._select_device = select_device  # each worker's first call on its thread (None: select_cuda_device)
         self._idle_hook = idle_hook
         self._idle_interval_s = idle_interval_s
         self._queue: collections.deque[Job] = collections.deque()

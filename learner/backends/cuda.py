@@ -9,8 +9,9 @@ never synchronize with the host:
     predict()  query scores into the static ``scores`` buffer
 
 On CUDA each step is captured once into a ``torch.cuda.CUDAGraph`` and replayed;
-programs are cached per shape and config, so a later task of the same shape
-only copies its data into the static buffers and replays (no recapture).
+programs are cached per shape and config but the seed (``program_key``), so a later
+task of the same shape -- another seed included -- only copies its data into the
+static buffers and replays (no recapture).
 Between epochs the runner copies that epoch's permutation (resident on the
 device) into ``order``.
 
@@ -158,6 +159,14 @@ class TaskProgram:
         self.replays += 1
 
 
+def program_key(task: TaskArrays, config: Config) -> tuple:
+    """What a captured program depends on: the two shapes and every config value the steps use
+    (depth, alpha, epochs, batch size, learning rate, momentum, weight decay: the optimizer's
+    scalars are baked into the captured kernels). Not the seed: it only decides the initial
+    parameters and the epochs' permutations, which ``load`` copies into the static buffers."""
+    return (task.train_count, task.test_count, tuple((k, v) for k, v in config.as_dict().items() if k != "seed"))
+
+
 class GraphBackend:
     """Runs tasks through cached ``TaskProgram``s; graphs on CUDA, eager elsewhere."""
 
@@ -197,7 +206,7 @@ class GraphBackend:
         return out
 
     def _program(self, task: TaskArrays, prepared: Prepared) -> tuple[TaskProgram, bool]:
-        key = (task.train_count, task.test_count, tuple(prepared.config.as_dict().items()))
+        key = program_key(task, prepared.config)
         program = self.programs.get(key)
         if program is not None:
             self.programs.move_to_end(key)
