@@ -115,6 +115,14 @@ class NotAccepted(Exception):
         self.error = error
 
 
+class Forbidden(ServiceError):
+    """The key is valid but lacks the scope the route needs (an admin route, a write with a
+    read-only key)."""
+
+    status = 403
+    outcome = "forbidden"
+
+
 class NotFound(ServiceError):
     status = 404
     outcome = "not_found"

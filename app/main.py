@@ -15,7 +15,7 @@ from typing import Any
 from learner import __version__
 
 from . import web
-from .api import add_routes, datasets, errors, evaluations, health, sweeps, tasks
+from .api import add_routes, datasets, errors, evaluations, health, keys, sweeps, tasks
 from .api.hot_path import ServiceApp, post_tasks, telemetry_enabled
 from .api.openapi import DESCRIPTION
 from .http import protocol, versions
@@ -61,14 +61,17 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     app = ServiceApp(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.service = service
     app.state.settings = settings
-    app.add_middleware(RequestMiddleware, api_key=settings.api_key, metrics=service.metrics)
+    who = dict(api_key=settings.api_key, metrics=service.metrics, resolve=service.keys.resolve,
+               resolve_fast=service.keys.resolve_fast)  # (app/tasks/tenants.py)
+    app.add_middleware(RequestMiddleware, **who)
     if not settings.stock_http:  # POST /tasks past FastAPI's layers (app/api/hot_path.py)
-        app.hot = RequestMiddleware(post_tasks, api_key=settings.api_key, metrics=service.metrics)
+        app.hot = RequestMiddleware(post_tasks, **who)
     errors.install(app)
     add_routes(app, tasks.router)
     add_routes(app, datasets.router)
     add_routes(app, sweeps.router)
     add_routes(app, evaluations.router)
+    add_routes(app, keys.router)
     add_routes(app, health.router)
     web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, its script and styles under /static
     return app

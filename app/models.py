@@ -257,6 +257,39 @@ class EvaluationList(BaseModel):
     next_cursor: str | None
 
 
+class KeyCreate(BaseModel):
+    """POST /keys: a tenant's key (docs/tenants.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9 ._@:-]+$",
+                      description="who it is for (letters, digits, space and ._@:-)")
+    scopes: list[Literal["read", "write", "admin"]] | None = Field(
+        None, min_length=1, description="read (GET, HEAD), write (submit, upload, cancel), admin (keys); "
+        "default read and write")
+    expires_at: float | None = Field(None, description="epoch seconds after which the key is refused")
+
+
+class KeyRotate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    grace_seconds: float | None = Field(None, ge=0, le=7 * 86400,
+                                        description="how long the old secret keeps working (default 3600)")
+
+
+class KeyView(Open):
+    id: str
+    name: str
+    scopes: list[str]
+
+
+class KeyCreated(KeyView):
+    key: str = Field(description="the secret, shown this once")
+    prefix: str
+
+
+class KeyList(BaseModel):
+    keys: list[KeyView]
+
+
 class Health(Open):
     status: str
     ready: bool
@@ -280,6 +313,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     texts = {
         400: "not a zip/npz (or, for a JSON body, not JSON), truncated or corrupt", 401: "missing or wrong Bearer key (REV88_API_KEY)",
         408: "the body did not arrive within the upload timeout (REV88_UPLOAD_TIMEOUT_S); the connection is closed",
+        403: "the key lacks the scope the request needs (read, write, admin)",
         404: "no task with this id in this replica's ledger", 409: "conflict (idempotency key reused, task finished)",
         413: "body, archive or estimated memory over the limits", 415: "unsupported content type",
         422: "invalid arrays, members, config, budget or diverged training",

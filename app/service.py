@@ -48,6 +48,7 @@ from .tasks.evaluations import Evaluations
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
 from .tasks.sweeps import Sweeps
+from .tasks.tenants import KeyRing
 from .threads import name_os_thread
 
 log = logging.getLogger("rev88." + __name__)
@@ -133,6 +134,7 @@ class Service:
         self.runner.datasets = self.datasets
         self.sweeps = Sweeps(self.runner, self.datasets, settings)
         self.evaluations = Evaluations(self.runner, self.datasets, settings)
+        self.keys = KeyRing(self.datasets.store, settings.api_key)  # tenants' keys (app/tasks/tenants.py)
         if is_shared(self.ledger):  # asynchronous tasks claimed from the shared ledger by idle workers
             from .tasks.claims import SharedQueue
 

@@ -883,6 +883,16 @@ class _Core:
         response = yield from self._expect(call, 200)
         return _json_object(response)
 
+    def _op_keys(self, method: str, path: str, what: str, body: dict[str, Any] | None, expect: int) -> Op:
+        headers = {"Accept": JSON}
+        data = None
+        if body is not None:
+            headers["Content-Type"] = JSON
+            data = _Body(json.dumps(body).encode(), None)
+        call = _Call(method, f"{self.url}/keys{path}", what, headers=headers, body=data)
+        response = yield from self._expect(call, expect)
+        return _json_object(response)
+
     def _op_health(self) -> Op:
         call = _Call("GET", self.url + "/health", "the health check", headers={"Accept": JSON}, retry=False)
         response = yield from self._expect(call, 200, 503)  # 503: not ready, and the document says why
@@ -1080,6 +1090,34 @@ class Client(_Core):
     def leaderboard(self, sort: str = "accuracy", limit: int | None = None, cursor: str | None = None) -> dict[str, Any]:
         """One page of GET /evaluations: ``{"evaluations": [...], "next_cursor": ...}``."""
         return self._drive(self._op_leaderboard(sort, limit, cursor))
+
+    def create_key(self, name: str, *, scopes: Sequence[str] | None = None,
+                   expires_at: float | None = None) -> dict[str, Any]:
+        """POST /keys (the admin key): a tenant's key; its secret (``["key"]``) is shown this once."""
+        body: dict[str, Any] = {"name": name}
+        if scopes is not None:
+            body["scopes"] = list(scopes)
+        if expires_at is not None:
+            body["expires_at"] = expires_at
+        return self._drive(self._op_keys("POST", "", f"the key {name!r}", body, 201))
+
+    def keys(self) -> list[dict[str, Any]]:
+        """GET /keys (the admin key): every key, never a secret."""
+        return self._drive(self._op_keys("GET", "", "the keys", None, 200))["keys"]
+
+    def whoami(self) -> dict[str, Any]:
+        """GET /keys/me: the key this client sends (its name, scopes; admin, open)."""
+        return self._drive(self._op_keys("GET", "/me", "this client's key", None, 200))
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return self._drive(self._op_keys("DELETE", f"/{quote(key_id, safe='')}", f"the revocation of {key_id}",
+                                         None, 200))
+
+    def rotate_key(self, key_id: str, grace_seconds: float | None = None) -> dict[str, Any]:
+        """A new secret for the key (``["key"]``); the old one keeps working ``grace_seconds``."""
+        body = {} if grace_seconds is None else {"grace_seconds": grace_seconds}
+        return self._drive(self._op_keys("POST", f"/{quote(key_id, safe='')}/rotate", f"the rotation of {key_id}",
+                                         body, 200))
 
 
 class AsyncClient(_Core):

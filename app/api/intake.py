@@ -38,6 +38,7 @@ from ..ledger import IdempotencyConflict, TaskRecord
 from ..tasks.answers import Settled, status_answer, task_npz
 from ..tasks.options import parse_options, wants_npz
 from ..tasks.runner import Accepted, new_task_id
+from .deps import tenant_of
 
 if TYPE_CHECKING:
     from ..service import Service
@@ -64,12 +65,14 @@ def wants_async(prefer: str | None) -> bool:
 
 
 def idempotency_key(request: Request) -> str | None:
+    """The request's Idempotency-Key, scoped to its tenant (two tenants' equal keys are two keys)."""
     key = request.headers.get("idempotency-key")
     if key is None:
         return None
     if not _KEY.match(key):
         raise InvalidRequest("Idempotency-Key must be 1-200 visible ASCII characters (no spaces)")
-    return key
+    owner = tenant_of(request).owner
+    return key if owner is None else f"{owner}/{key}"
 
 
 def client_gone(request: Request) -> Awaitable[None]:
@@ -170,7 +173,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=0.0 if late else parse_s,
         body_bytes=len(body), deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
-        late=late,
+        late=late, owner=tenant_of(request).owner,
     )
     return await _accepted(request, service, acc, body, body_sha256, key, asynchronous)
 
@@ -214,7 +217,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=0.0, parse_s=time.perf_counter() - t_parse,
         body_bytes=record.bytes, deferred=not (asynchronous or key is not None), dataset=options.dataset,
-        labels=labels,
+        labels=labels, owner=tenant_of(request).owner,
     )
     # (the body's SHA-256 is the dataset's: an Idempotency-Key matches the same bytes however sent)
     return await _accepted(request, service, acc, None, options.dataset.split(":", 1)[1], key, asynchronous)

@@ -13,15 +13,16 @@ from ..models import Status, TaskAnswer, TaskList, TaskStatus, error_responses
 from ..tasks.answers import answer_npz, predictions_npy, status_answer
 from ..tasks.options import NPZ_TYPE, wants_npz
 from . import intake
-from .deps import ServiceDep
+from .deps import ServiceDep, TenantDep, visible
 from .openapi import TASK_OPENAPI, TASK_RESPONSES
 
 router = APIRouter(tags=["tasks"])
 
 
-async def _record(service, task_id: str):
+async def _record(service, task_id: str, tenant=None):
     record = await service.runner.get(task_id)
-    if record is None:
+    if record is None or (tenant is not None and not visible(tenant, record.options.get("owner"))):
+        # (another tenant's task is as absent as one never made: its existence is not revealed)
         if service.runner.shared is not None:
             raise NotFound(f"no task {task_id!r} in the shared ledger")
         raise NotFound(f"no task {task_id!r} in this replica's ledger (each replica keeps its own)")
@@ -37,14 +38,14 @@ async def post_task(request: Request) -> Response:
 
 @router.get("/tasks", summary="The ledger's tasks, newest first (no predictions)", response_model=TaskList,
             responses=error_responses(401, 422, 503))
-async def list_tasks(service: ServiceDep, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+async def list_tasks(service: ServiceDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=500)] = 50,
                      cursor: Annotated[str | None, Query(pattern="^[A-Za-z0-9_-]+$", description=(
                          "next_cursor of the previous page, unchanged (opaque; anything else is 422)"))] = None,
                      status: Annotated[Status | None, Query(description="only tasks in this status")] = None,
                      ) -> JSONResponse:
     await service.runner.written()  # answered tasks' records still on their way to the ledger: in it first
     try:
-        records, next_cursor = await run_in_threadpool(service.ledger.list, limit, cursor, status)
+        records, next_cursor = await run_in_threadpool(service.ledger.list, limit, cursor, status, tenant.owner)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     return JSONResponse({"tasks": [r.summary() for r in records], "next_cursor": next_cursor})
@@ -56,8 +57,8 @@ async def list_tasks(service: ServiceDep, limit: Annotated[int, Query(ge=1, le=5
                              "description": "succeeded: the synchronous answer's JSON plus status; otherwise the "
                              "status document. Accept: application/x-npz: the predictions (and scores) as npz"},
                        **error_responses(401, 404, 422, 503)})
-async def get_task(task_id: str, request: Request, service: ServiceDep) -> Response:
-    record = await _record(service, task_id)
+async def get_task(task_id: str, request: Request, service: ServiceDep, tenant: TenantDep) -> Response:
+    record = await _record(service, task_id, tenant)
     if wants_npz(request.headers.get("accept")) and record.status == "succeeded" and record.answer:
         return Response(answer_npz(record.answer), media_type=NPZ_TYPE, headers={
             "Content-Disposition": f'attachment; filename="rev88-{task_id}.npz"',
@@ -70,8 +71,8 @@ async def get_task(task_id: str, request: Request, service: ServiceDep) -> Respo
             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
                              "description": "the predictions, as np.save writes them"},
                        **error_responses(401, 404, 409, 422, 503)})
-async def get_predictions(task_id: str, service: ServiceDep) -> Response:
-    record = await _record(service, task_id)
+async def get_predictions(task_id: str, service: ServiceDep, tenant: TenantDep) -> Response:
+    record = await _record(service, task_id, tenant)
     if record.status != "succeeded" or not record.answer or "predictions" not in record.answer:
         raise Conflict(f"task {task_id} has no predictions: it is {record.status}")
     return Response(predictions_npy(record.answer["predictions"]), media_type="application/octet-stream",
@@ -81,8 +82,8 @@ async def get_predictions(task_id: str, service: ServiceDep) -> Response:
 
 @router.post("/tasks/{task_id}/cancel", summary="Cancel a task: queued never runs, running is stopped",
              response_model=TaskStatus, responses=error_responses(401, 404, 409, 422, 503))
-async def cancel_task(task_id: str, service: ServiceDep) -> JSONResponse:
-    before = await _record(service, task_id)
+async def cancel_task(task_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
+    before = await _record(service, task_id, tenant)
     if before.finished:
         raise Conflict(f"task {task_id} has already finished ({before.status}); nothing to cancel",
                        task_status=before.status)

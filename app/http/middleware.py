@@ -5,6 +5,7 @@ A pure ASGI middleware (no body buffering), so uploads still stream to the route
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -75,15 +76,53 @@ def is_open(path: str, method: str = "GET", accept: str | None = None) -> bool:
 
 
 def authorized(headers: Headers, api_key: str) -> bool:
+    token = bearer(headers)
+    return token is not None and hmac.compare_digest(token.encode(), api_key.encode())
+
+
+def bearer(headers: Headers) -> str | None:
     scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def required_scope(method: str) -> str:
+    return "read" if method in ("GET", "HEAD", "OPTIONS") else "write"
 
 
 class RequestMiddleware:
-    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
+    """Request ids, the access log and metrics, and who a request is. With an API key set, a
+    request to anything but the open paths needs a Bearer key: ``resolve(token)`` (the service's
+    key ring, app/tasks/tenants.py) says which tenant it is, or why not (a 401); a tenant whose
+    scopes lack the request's (``read`` for GET and HEAD, ``write`` otherwise) gets a 403. The
+    tenant is left in ``scope["state"]["tenant"]`` for the routes. ``resolve_fast(token)``
+    answers without I/O when it can (the admin key, a cached key), else None; then ``resolve``
+    runs in a thread. Without them (``resolve`` None) only the API key itself is accepted."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics, resolve=None, resolve_fast=None) -> None:
         self.app, self.api_key, self.metrics = app, api_key, metrics
+        self.resolve, self.resolve_fast = resolve, resolve_fast
+
+    async def _tenant(self, headers: Headers, method: str):
+        """(tenant, None) or (None, (status, message)) for a protected path."""
+        token = bearer(headers)
+        if token is None:
+            return None, (401, "missing Authorization: Bearer <key> header")
+        if self.resolve is None:
+            return (None, None) if hmac.compare_digest(token.encode(), self.api_key.encode()) else (
+                None, (401, "invalid API key"))
+        found = self.resolve_fast(token) if self.resolve_fast is not None else None
+        if found is None:
+            try:
+                found = await asyncio.to_thread(self.resolve, token)
+            except Exception as exc:  # noqa: BLE001 - the key store unavailable: a 503, said so
+                return None, (503, f"cannot check the API key now: {exc}")
+        if isinstance(found, str):
+            return None, (401, found)
+        scope = required_scope(method)
+        if not found.can(scope):
+            return None, (403, f"key {found.name!r} lacks the {scope} scope this request needs "
+                               f"(it has: {', '.join(sorted(found.scopes))})")
+        return found, None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -107,9 +146,13 @@ class RequestMiddleware:
             await send(message)
 
         try:
-            if (self.api_key is not None and not is_open(path, scope.get("method", "GET"), headers.get("accept"))
-                    and not authorized(headers, self.api_key)):
-                await self._unauthorized(send_with_id, "authorization" in headers)
+            method = scope.get("method", "GET")
+            refusal = None
+            if self.api_key is not None and not is_open(path, method, headers.get("accept")):
+                tenant, refusal = await self._tenant(headers, method)
+                scope["state"]["tenant"] = tenant
+            if refusal is not None:
+                await self._refuse(send_with_id, *refusal)
             else:
                 await self.app(scope, receive, send_with_id)
         finally:
@@ -125,16 +168,13 @@ class RequestMiddleware:
             request_id_var.reset(token)
 
     @staticmethod
-    async def _unauthorized(send, had_header: bool) -> None:
-        message = "invalid API key" if had_header else "missing Authorization: Bearer <key> header"
-        body = json.dumps({"error": f"unauthorized: {message}"}).encode()
-        await send({
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b'Bearer realm="rev88"'),
-            ],
-        })
+    async def _refuse(send, status: int, message: str) -> None:
+        word = {401: "unauthorized", 403: "forbidden", 503: "unavailable"}[status]
+        body = json.dumps({"error": f"{word}: {message}"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="rev88"'))
+        if status == 503:
+            headers.append((b"retry-after", b"1"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -825,15 +825,18 @@ class PostgresLedger:
             f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = ANY(%s)", (list(task_ids),), binary=True).fetchall())
         return {row[0]: _record(row, True) for row in rows}
 
-    def list(self, limit: int = 50, cursor: str | None = None,
-             status: str | None = None) -> tuple[list[TaskRecord], str | None]:
-        """Newest first (created_at, then id), keyset-paged over the shared table. Returns
-        (records without their answers, the cursor of the next page or None at the end)."""
+    def list(self, limit: int = 50, cursor: str | None = None, status: str | None = None,
+             owner: str | None = None) -> tuple[list[TaskRecord], str | None]:
+        """Newest first (created_at, then id), keyset-paged over the shared table; ``owner``:
+        only that tenant's. Returns (records without their answers, the next page's cursor or None)."""
         check_page(limit, status)
         where, args = [], []
         if status is not None:
             where.append("status = %s")
             args.append(status)
+        if owner is not None:
+            where.append("(options::json ->> 'owner') = %s")
+            args.append(owner)
         if cursor is not None:
             created_at, last_id = _decode_cursor(cursor)
             where.append("(created_at, id) < (%s, %s)")

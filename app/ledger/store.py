@@ -920,15 +920,18 @@ class Ledger:
                     out[record.id] = record
         return out
 
-    def list(self, limit: int = 50, cursor: str | None = None,
-             status: str | None = None) -> tuple[list[TaskRecord], str | None]:
-        """Newest first (created_at, then id). Returns (records without their answers, the cursor
-        of the next page or None at the end)."""
+    def list(self, limit: int = 50, cursor: str | None = None, status: str | None = None,
+             owner: str | None = None) -> tuple[list[TaskRecord], str | None]:
+        """Newest first (created_at, then id); ``owner``: only that tenant's. Returns (records
+        without their answers, the cursor of the next page or None at the end)."""
         check_page(limit, status)
         where, args = [], []
         if status is not None:
             where.append("status = ?")
             args.append(status)
+        if owner is not None:
+            where.append("json_extract(options, '$.owner') = ?")
+            args.append(owner)
         if cursor is not None:
             created_at, last_id = _decode_cursor(cursor)
             where.append("(created_at < ? OR (created_at = ? AND id < ?))")

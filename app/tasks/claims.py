@@ -300,7 +300,8 @@ class SharedQueue:
                         include_scores=bool(record.options.get("include_scores")),
                         measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
                         created_at=record.created_at, dataset=dataset, labels=labels,
-                        sweep=record.options.get("sweep"), evaluation=record.options.get("evaluation"))
+                        sweep=record.options.get("sweep"), evaluation=record.options.get("evaluation"),
+                        owner=record.options.get("owner"))
 
     # ------------------------------------------------------------------ leases
 

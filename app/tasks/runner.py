@@ -130,6 +130,7 @@ class Accepted:
     labels: Any = None
     sweep: str | None = None  # the sweep it is a cell of (app/tasks/sweeps.py)
     evaluation: str | None = None  # the evaluation it is a cell of (app/tasks/evaluations.py)
+    owner: str | None = None  # the tenant whose key made it (app/tasks/tenants.py); None: admin or open
 
     @property
     def kind(self) -> str:
@@ -143,6 +144,8 @@ class Accepted:
             options["sweep"] = self.sweep
         if self.evaluation is not None:
             options["evaluation"] = self.evaluation
+        if self.owner is not None:
+            options["owner"] = self.owner
         return options
 
     def parsed(self) -> TaskArrays | None:
@@ -661,7 +664,7 @@ class TaskRunner:
             acc = Accepted(task_id=rec.id, task=task, config=config, backend=rec.backend,
                            include_scores=bool(rec.options.get("include_scores")), measure=rec.options.get("measure"),
                            mode="async", dataset=dataset, labels=labels, sweep=rec.options.get("sweep"),
-                           evaluation=rec.options.get("evaluation"))
+                           evaluation=rec.options.get("evaluation"), owner=rec.options.get("owner"))
             self.queue(acc, reserved=True)
             self.settle_in_background(acc)
             counts["requeued"] += 1

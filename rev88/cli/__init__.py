@@ -17,13 +17,14 @@ from learner.errors import TaskError
 from .common import CliError
 from .datasets import add_dataset, add_sweep
 from .evaluate import add_evaluate
+from .keys import add_keys
 from .learner import add_make_task, add_run, add_score
 from .measure import add_measure
 from .serve import add_serve
 from .tasks import add_cancel, add_submit, add_task, add_tasks
 
 COMMANDS = [add_run, add_make_task, add_score, add_evaluate, add_measure, add_serve, add_submit, add_tasks, add_task,
-            add_cancel, add_dataset, add_sweep]
+            add_cancel, add_dataset, add_sweep, add_keys]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,176 @@
+"""API keys (issue #33): one row per key beside the ledger, so that every replica knows every key.
+
+A key's secret is never stored: only its SHA-256 (``secret_sha256``) and a short ``prefix`` to
+recognise it by. A rotation keeps the old hash in ``previous_sha256`` until ``previous_until``
+(the grace period), so that clients can move to the new secret without a failed request.
+``revoked_at`` set: refused from then on, by every replica that reads the row.
+
+    SQLite      ``SqliteKeys``: table ``api_keys`` of ``<data_dir>/datasets.sqlite3``
+    PostgreSQL  ``PostgresKeys``: ``rev88_keys`` (migration 0004), on the ledger's pool
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+COLUMNS = ("id, name, prefix, secret_sha256, previous_sha256, previous_until, scopes, max_queued, max_running,"
+           " rate_per_minute, weight, expires_at, created_at, revoked_at, last_used_at")
+SQLITE_TABLE = (
+    "CREATE TABLE IF NOT EXISTS api_keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, prefix TEXT NOT NULL,"
+    " secret_sha256 TEXT NOT NULL UNIQUE, previous_sha256 TEXT, previous_until REAL, scopes TEXT NOT NULL,"
+    " max_queued INTEGER, max_running INTEGER, rate_per_minute REAL, weight REAL NOT NULL, expires_at REAL,"
+    " created_at REAL NOT NULL, revoked_at REAL, last_used_at REAL)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    name: str
+    prefix: str  # the secret's first characters, to recognise it by (not enough to guess it)
+    secret_sha256: str
+    previous_sha256: str | None
+    previous_until: float | None
+    scopes: list[str]
+    max_queued: int | None
+    max_running: int | None
+    rate_per_minute: float | None
+    weight: float
+    expires_at: float | None
+    created_at: float
+    revoked_at: float | None = None
+    last_used_at: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What an admin may see: everything but the hashes."""
+        return {"id": self.id, "name": self.name, "prefix": self.prefix, "scopes": self.scopes,
+                "expires_at": self.expires_at, "created_at": self.created_at, "revoked_at": self.revoked_at,
+                "last_used_at": self.last_used_at, "previous_secret_valid_until": self.previous_until}
+
+
+def record_of(row) -> KeyRecord:
+    (kid, name, prefix, sha, prev, prev_until, scopes, max_q, max_r, rate, weight, expires, created, revoked,
+     used) = row
+    return KeyRecord(id=kid, name=name, prefix=prefix, secret_sha256=sha, previous_sha256=prev,
+                     previous_until=prev_until, scopes=json.loads(scopes), max_queued=max_q, max_running=max_r,
+                     rate_per_minute=rate, weight=float(weight), expires_at=expires, created_at=float(created),
+                     revoked_at=revoked, last_used_at=used)
+
+
+class _Keys:
+    """The SQL of both engines (``?`` placeholders; PostgreSQL's store swaps them for ``%s``)."""
+
+    table = "api_keys"
+
+    def _write(self, doing: str, fn):  # pragma: no cover - defined by each engine
+        raise NotImplementedError
+
+    def _read(self, doing: str, fn):  # pragma: no cover - defined by each engine
+        raise NotImplementedError
+
+    def _sql(self, sql: str) -> str:
+        return sql
+
+    def _one(self, conn, where: str, args: tuple) -> KeyRecord | None:
+        row = conn.execute(self._sql(f"SELECT {COLUMNS} FROM {self.table} WHERE {where}"), args).fetchone()
+        return None if row is None else record_of(row)
+
+    def create(self, key: KeyRecord) -> KeyRecord:
+        def run(conn):
+            conn.execute(self._sql(
+                f"INSERT INTO {self.table} ({COLUMNS}) VALUES (?, ?, ?, ?, NULL, NULL, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)"),
+                (key.id, key.name, key.prefix, key.secret_sha256, json.dumps(key.scopes), key.max_queued,
+                 key.max_running, key.rate_per_minute, key.weight, key.expires_at, key.created_at))
+            return self._one(conn, "id = ?", (key.id,))
+
+        return self._write(f"record key {key.name!r}", run)
+
+    def get(self, key_id: str) -> KeyRecord | None:
+        return self._read(f"read key {key_id}", lambda conn: self._one(conn, "id = ?", (key_id,)))
+
+    def find(self, secret_sha256: str) -> KeyRecord | None:
+        """The key whose current secret, or previous one still in its grace period, hashes so."""
+        now = time.time()
+        return self._read("look up a key", lambda conn: self._one(
+            conn, "secret_sha256 = ? OR (previous_sha256 = ? AND previous_until > ?)",
+            (secret_sha256, secret_sha256, now)))
+
+    def list(self) -> list[KeyRecord]:
+        rows = self._read("list the keys", lambda conn: conn.execute(
+            self._sql(f"SELECT {COLUMNS} FROM {self.table} ORDER BY created_at, id")).fetchall())
+        return [record_of(r) for r in rows]
+
+    def revoke(self, key_id: str) -> KeyRecord | None:
+        def run(conn):
+            conn.execute(self._sql(f"UPDATE {self.table} SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?"),
+                         (time.time(), key_id))
+            return self._one(conn, "id = ?", (key_id,))
+
+        return self._write(f"revoke key {key_id}", run)
+
+    def rotate(self, key_id: str, secret_sha256: str, prefix: str, grace_until: float) -> KeyRecord | None:
+        """A new secret; the current one kept valid until ``grace_until`` (a revoked key: None)."""
+
+        def run(conn):
+            conn.execute(self._sql(
+                f"UPDATE {self.table} SET previous_sha256 = secret_sha256, previous_until = ?, secret_sha256 = ?,"
+                " prefix = ? WHERE id = ? AND revoked_at IS NULL"), (grace_until, secret_sha256, prefix, key_id))
+            return self._one(conn, "id = ?", (key_id,))
+
+        return self._write(f"rotate key {key_id}", run)
+
+    def touch(self, key_id: str, when: float) -> None:
+        self._write(f"note the use of key {key_id}", lambda conn: conn.execute(
+            self._sql(f"UPDATE {self.table} SET last_used_at = ? WHERE id = ?"), (when, key_id)))
+
+
+class SqliteKeys(_Keys):
+    """In the SQLite dataset store's database, on its connection and lock."""
+
+    def __init__(self, datasets: Any) -> None:
+        self.datasets = datasets
+        with datasets._db("create the keys table") as conn:
+            conn.execute(SQLITE_TABLE)
+
+    def _write(self, doing: str, fn):
+        with self.datasets._db(doing) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = fn(conn)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return out
+
+    def _read(self, doing: str, fn):
+        with self.datasets._db(doing) as conn:
+            return fn(conn)
+
+
+class PostgresKeys(_Keys):
+    """``rev88_keys`` in the shared database (a revocation is seen by every replica)."""
+
+    table = "rev88_keys"
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+
+    def _sql(self, sql: str) -> str:
+        return sql.replace("?", "%s")
+
+    def _write(self, doing: str, fn):
+        with self.ledger._conn(doing) as conn:
+            return fn(conn)
+
+    def _read(self, doing: str, fn):
+        return self.ledger._read(doing, fn)
+
+
+def open_keys(datasets: Any) -> _Keys:
+    """The keys beside the dataset store (the same engine, the same database)."""
+    if getattr(datasets, "engine", None) == "postgresql":
+        return PostgresKeys(datasets.ledger)
+    return SqliteKeys(datasets)

@@ -1,0 +1,182 @@
+"""Tenants (issue #33): keys made by the admin, stored only as hashes, with scopes; each tenant's
+tasks are its own (another's id is 404 on every task route, lists show one's own, the admin sees
+all); revocation, rotation with a grace period, expiry. On a real server, both stores."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from learner.taskio import task_to_npz_bytes
+
+from . import pg
+from .helpers import small_task
+from .server import inprocess_server, post_task, wait_for
+
+pg_server, pg_url = pg.pg_server, pg.pg_url  # the fixtures (tests/pg.py)
+
+ADMIN_KEY = "admin-key-for-tests"
+BODY = task_to_npz_bytes(small_task(40, 6, seed=33))
+ASYNC = {"Prefer": "respond-async"}
+
+
+def serve(**settings):
+    return inprocess_server(create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, **settings)))
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def make_key(c: httpx.Client, name: str, **body) -> dict:
+    r = c.post("/keys", json={"name": name, **body}, headers=bearer(ADMIN_KEY))
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def finished(c, task_id: str, key: str) -> dict:
+    return wait_for(lambda: (d := c.get(f"/tasks/{task_id}", headers=bearer(key)).json())["status"]
+                    in ("succeeded", "failed", "cancelled") and d, 60, what=f"task {task_id}")
+
+
+def test_each_tenant_sees_only_its_own_tasks_and_the_admin_sees_all(store):
+    with serve(**store) as server, server.client() as c:
+        a, b = make_key(c, "alice"), make_key(c, "bob")
+        assert a["key"].startswith("rev88_") and a["key"] != b["key"] and a["prefix"] == a["key"][:12]
+        assert a["scopes"] == ["read", "write"]
+        ta = post_task(c, BODY, headers={**ASYNC, **bearer(a["key"])}).json()["id"]
+        tb = post_task(c, BODY, headers={**ASYNC, **bearer(b["key"])}).json()["id"]
+        done = finished(c, ta, a["key"])
+        assert done["status"] == "succeeded"
+        finished(c, tb, b["key"])
+        for path in (f"/tasks/{ta}", f"/tasks/{ta}/predictions.npy"):
+            theirs = c.get(path, headers=bearer(b["key"]))
+            assert theirs.status_code == 404 and ta in theirs.json()["error"], path  # as if it never existed
+            assert c.get(path, headers=bearer(a["key"])).status_code == 200
+            assert c.get(path, headers=bearer(ADMIN_KEY)).status_code == 200
+        assert c.post(f"/tasks/{ta}/cancel", headers=bearer(b["key"])).status_code == 404
+        assert c.get("/tasks/no-such-task", headers=bearer(b["key"])).json()["error"] == \
+            c.get(f"/tasks/{ta}", headers=bearer(b["key"])).json()["error"].replace(ta, "no-such-task")
+        listed = {k: [t["id"] for t in c.get("/tasks", headers=bearer(key)).json()["tasks"]]
+                  for k, key in (("a", a["key"]), ("b", b["key"]), ("admin", ADMIN_KEY))}
+        assert listed["a"] == [ta] and listed["b"] == [tb] and set(listed["admin"]) == {ta, tb}
+        # one Idempotency-Key, two tenants: two tasks (a key is the tenant's own)
+        ra = post_task(c, BODY, headers={**ASYNC, **bearer(a["key"]), "Idempotency-Key": "same"}).json()["id"]
+        rb = post_task(c, BODY, headers={**ASYNC, **bearer(b["key"]), "Idempotency-Key": "same"}).json()["id"]
+        again = post_task(c, BODY, headers={**ASYNC, **bearer(a["key"]), "Idempotency-Key": "same"})
+        assert ra != rb and again.json()["id"] == ra
+        sync = post_task(c, BODY, headers=bearer(b["key"]))  # a synchronous task is recorded as its tenant's too
+        assert sync.status_code == 200
+        wait_for(lambda: sync.json()["id"] in [t["id"] for t in c.get("/tasks", headers=bearer(b["key"])).json()["tasks"]],
+                 30, what="the synchronous task listed")
+        assert sync.json()["id"] not in [t["id"] for t in c.get("/tasks", headers=bearer(a["key"])).json()["tasks"]]
+
+
+def test_scopes_revocation_rotation_and_expiry(tmp_path):
+    with serve(data_dir=str(tmp_path / "d")) as server, server.client() as c:
+        reader = make_key(c, "dashboard", scopes=["read"])
+        writer = make_key(c, "robot")
+        r = post_task(c, BODY, headers=bearer(reader["key"]))
+        assert r.status_code == 403 and "lacks the write scope" in r.json()["error"]
+        assert c.get("/tasks", headers=bearer(reader["key"])).status_code == 200
+        for method, path in (("POST", "/keys"), ("GET", "/keys"), ("DELETE", f"/keys/{reader['id']}")):
+            r = c.request(method, path, headers=bearer(writer["key"]), json={"name": "x"} if method == "POST" else None)
+            assert r.status_code == 403 and "admin scope" in r.json()["error"], (method, path, r.text)
+        me = c.get("/keys/me", headers=bearer(writer["key"])).json()
+        assert me["name"] == "robot" and me["admin"] is False and "key" not in me
+        assert c.get("/keys/me", headers=bearer(ADMIN_KEY)).json()["admin"] is True
+        listed = c.get("/keys", headers=bearer(ADMIN_KEY)).json()["keys"]
+        assert {k["name"] for k in listed} == {"dashboard", "robot"}
+        assert all("key" not in k and "secret_sha256" not in k for k in listed)
+        # rotation: the new secret works, the old one for its grace period
+        rotated = c.post(f"/keys/{writer['id']}/rotate", json={"grace_seconds": 60}, headers=bearer(ADMIN_KEY)).json()
+        assert rotated["key"] != writer["key"] and rotated["previous_secret_valid_until"] > time.time()
+        for key in (rotated["key"], writer["key"]):
+            assert c.get("/tasks", headers=bearer(key)).status_code == 200
+        now = c.post(f"/keys/{writer['id']}/rotate", json={"grace_seconds": 0}, headers=bearer(ADMIN_KEY)).json()
+        time.sleep(1.1)  # (a resolved key is trusted for up to a second)
+        assert c.get("/tasks", headers=bearer(now["key"])).status_code == 200
+        for old in (writer["key"], rotated["key"]):
+            assert c.get("/tasks", headers=bearer(old)).status_code == 401
+        # revocation: refused at once on this replica
+        assert c.delete(f"/keys/{writer['id']}", headers=bearer(ADMIN_KEY)).json()["revoked_at"]
+        r = c.get("/tasks", headers=bearer(now["key"]))
+        assert r.status_code == 401 and "revoked" in r.json()["error"] and r.headers["www-authenticate"]
+        r = c.post(f"/keys/{writer['id']}/rotate", headers=bearer(ADMIN_KEY))
+        assert r.status_code == 403 and "revoked" in r.json()["error"]
+        # expiry
+        brief = make_key(c, "brief", expires_at=time.time() + 1.5)
+        assert c.get("/tasks", headers=bearer(brief["key"])).status_code == 200
+        time.sleep(2.7)
+        r = c.get("/tasks", headers=bearer(brief["key"]))
+        assert r.status_code == 401 and "expired" in r.json()["error"]
+        # bad requests name the problem
+        for body, words in (({"name": ""}, "name"), ({"name": "x", "scopes": ["root"]}, "scopes"),
+                            ({"name": "x", "expires_at": 1.0}, "not in the future"), ({"nme": "x"}, "nme"),
+                            ({"name": "x", "scopes": []}, "scopes")):
+            r = c.post("/keys", json=body, headers=bearer(ADMIN_KEY))
+            assert r.status_code == 422 and words in r.text, (body, r.text)
+        assert c.delete("/keys/k-nope", headers=bearer(ADMIN_KEY)).status_code == 404
+        for token in ("rev88_" + "x" * 43, "nonsense", "rev88_"):
+            assert c.get("/tasks", headers=bearer(token)).status_code == 401
+
+
+def test_no_secret_in_clear_under_the_data_dir_or_in_the_database(store, tmp_path):
+    with serve(**store) as server, server.client() as c:
+        secrets_ = [make_key(c, f"tenant-{i}")["key"] for i in range(3)]
+        secrets_.append(c.post(f"/keys/{c.get('/keys', headers=bearer(ADMIN_KEY)).json()['keys'][0]['id']}/rotate",
+                               headers=bearer(ADMIN_KEY)).json()["key"])
+        for key in secrets_:
+            assert c.get("/tasks", headers=bearer(key)).status_code == 200
+        metrics = c.get("/metrics", headers=bearer(ADMIN_KEY)).text
+    for path in Path(store["data_dir"]).rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(s.encode() in data for s in secrets_), path
+    assert not any(s in metrics for s in secrets_)
+    if "database_url" in store:
+        import psycopg
+
+        with psycopg.connect(store["database_url"]) as conn:
+            dump = "\n".join(str(row) for row in conn.execute("SELECT * FROM rev88_keys").fetchall())
+        assert dump and not any(s in dump for s in secrets_)
+
+
+def test_an_open_service_takes_no_keys(tmp_path):
+    app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "d")))
+    with inprocess_server(app) as server, server.client() as c:
+        r = c.post("/keys", json={"name": "x"})
+        assert r.status_code == 409 and "REV88_API_KEY" in r.json()["error"]
+        assert c.get("/keys/me").json()["open"] is True
+        assert post_task(c, BODY).status_code == 200  # open, as before
+
+
+@pytest.mark.parametrize("scopes", [["read"], ["read", "write"]])
+def test_the_client_and_rev88_keys(tmp_path, scopes, capsys):
+    from rev88 import Client
+    from rev88.cli import main
+
+    with serve(data_dir=str(tmp_path / "d")) as server, Client(server.url, api_key=ADMIN_KEY) as admin:
+        made = admin.create_key("carol", scopes=scopes)
+        assert made["key"].startswith("rev88_") and made["scopes"] == scopes
+        assert [k["name"] for k in admin.keys()] == ["carol"]
+        with Client(server.url, api_key=made["key"]) as carol:
+            assert carol.whoami()["name"] == "carol"
+        assert main(["keys", "list", "--url", server.url, "--api-key", ADMIN_KEY]) == 0
+        out = capsys.readouterr().out
+        assert "carol" in out and made["key"] not in out and made["prefix"] in out
+        assert main(["keys", "create", "dave", "--scopes", "read", "--url", server.url, "--api-key", ADMIN_KEY]) == 0
+        dave = capsys.readouterr().out.strip().splitlines()[-1]
+        assert dave.startswith("rev88_")
+        dave_id = next(k["id"] for k in admin.keys() if k["name"] == "dave")
+        assert main(["keys", "rotate", dave_id, "--grace", "0", "--url", server.url, "--api-key", ADMIN_KEY]) == 0
+        new = capsys.readouterr().out.strip().splitlines()[-1]
+        assert new.startswith("rev88_") and new != dave
+        assert main(["keys", "revoke", dave_id, "--url", server.url, "--api-key", ADMIN_KEY]) == 0
+        assert main(["keys", "list", "--url", server.url, "--api-key", made["key"]]) == 2  # not the admin: 403
+        assert "admin scope" in capsys.readouterr().err
