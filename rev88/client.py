@@ -883,13 +883,14 @@ class _Core:
         response = yield from self._expect(call, 200)
         return _json_object(response)
 
-    def _op_keys(self, method: str, path: str, what: str, body: dict[str, Any] | None, expect: int) -> Op:
+    def _op_keys(self, method: str, path: str, what: str, body: dict[str, Any] | None, expect: int,
+                 root: str = "/keys") -> Op:
         headers = {"Accept": JSON}
         data = None
         if body is not None:
             headers["Content-Type"] = JSON
             data = _Body(json.dumps(body).encode(), None)
-        call = _Call(method, f"{self.url}/keys{path}", what, headers=headers, body=data)
+        call = _Call(method, f"{self.url}{root}{path}", what, headers=headers, body=data)
         response = yield from self._expect(call, expect)
         return _json_object(response)
 
@@ -1106,8 +1107,8 @@ class Client(_Core):
         return self._drive(self._op_keys("GET", "", "the keys", None, 200))["keys"]
 
     def whoami(self) -> dict[str, Any]:
-        """GET /keys/me: the key this client sends (its name, scopes; admin, open)."""
-        return self._drive(self._op_keys("GET", "/me", "this client's key", None, 200))
+        """GET /key: the key this client sends (its name, scopes; admin, open)."""
+        return self._drive(self._op_keys("GET", "", "this client's key", None, 200, root="/key"))
 
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return self._drive(self._op_keys("DELETE", f"/{quote(key_id, safe='')}", f"the revocation of {key_id}",

@@ -87,9 +87,9 @@ def test_scopes_revocation_rotation_and_expiry(tmp_path):
         for method, path in (("POST", "/keys"), ("GET", "/keys"), ("DELETE", f"/keys/{reader['id']}")):
             r = c.request(method, path, headers=bearer(writer["key"]), json={"name": "x"} if method == "POST" else None)
             assert r.status_code == 403 and "admin scope" in r.json()["error"], (method, path, r.text)
-        me = c.get("/keys/me", headers=bearer(writer["key"])).json()
+        me = c.get("/key", headers=bearer(writer["key"])).json()
         assert me["name"] == "robot" and me["admin"] is False and "key" not in me
-        assert c.get("/keys/me", headers=bearer(ADMIN_KEY)).json()["admin"] is True
+        assert c.get("/key", headers=bearer(ADMIN_KEY)).json()["admin"] is True
         listed = c.get("/keys", headers=bearer(ADMIN_KEY)).json()["keys"]
         assert {k["name"] for k in listed} == {"dashboard", "robot"}
         assert all("key" not in k and "secret_sha256" not in k for k in listed)
@@ -152,7 +152,7 @@ def test_an_open_service_takes_no_keys(tmp_path):
     with inprocess_server(app) as server, server.client() as c:
         r = c.post("/keys", json={"name": "x"})
         assert r.status_code == 409 and "REV88_API_KEY" in r.json()["error"]
-        assert c.get("/keys/me").json()["open"] is True
+        assert c.get("/key").json()["open"] is True
         assert post_task(c, BODY).status_code == 200  # open, as before
 
 
@@ -180,3 +180,51 @@ def test_the_client_and_rev88_keys(tmp_path, scopes, capsys):
         assert main(["keys", "revoke", dave_id, "--url", server.url, "--api-key", ADMIN_KEY]) == 0
         assert main(["keys", "list", "--url", server.url, "--api-key", made["key"]]) == 2  # not the admin: 403
         assert "admin scope" in capsys.readouterr().err
+
+
+def test_datasets_sweeps_and_evaluations_are_their_tenants_own(store):
+    """A dataset another tenant sent is 404 to HEAD and GET (no 'does this file exist' oracle):
+    sending the same bytes makes it one's own too (201, as for new bytes), and deleting drops
+    only one's own claim; a sweep or an evaluation of another tenant is 404 on every route."""
+    from .helpers import npy_bytes
+
+    digest = "sha256:" + __import__("hashlib").sha256(BODY).hexdigest()
+    npz = {"Content-Type": "application/octet-stream"}
+    with serve(**store) as server, server.client() as c:
+        a, b = (make_key(c, n)["key"] for n in ("ann", "ben"))
+        first = c.put(f"/datasets/{digest}", content=BODY, headers={**npz, **bearer(a)})
+        assert first.status_code == 201
+        for method in ("HEAD", "GET"):
+            assert c.request(method, f"/datasets/{digest}", headers=bearer(b)).status_code == 404, method
+            assert c.request(method, f"/datasets/{digest}", headers=bearer(a)).status_code == 200, method
+        assert c.get("/datasets", headers=bearer(b)).json()["datasets"] == []
+        assert [d["digest"] for d in c.get("/datasets", headers=bearer(a)).json()["datasets"]] == [digest]
+        assert c.post("/tasks", params={"dataset": digest}, headers=bearer(b)).status_code == 404
+        assert c.put(f"/datasets/{digest}/labels", content=npy_bytes(__import__("numpy").zeros(6, "int64")),
+                     headers={**npz, **bearer(b)}).status_code == 404
+        r = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1]}, headers=bearer(b))
+        assert r.status_code == 404, r.text
+        assert c.put(f"/datasets/{digest}", content=BODY, headers={**npz, **bearer(b)}).status_code == 201  # its own now
+        assert c.put(f"/datasets/{digest}", content=BODY, headers={**npz, **bearer(b)}).status_code == 200
+        sweep = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1]}, headers=bearer(a)).json()["id"]
+        wait_for(lambda: c.get(f"/sweeps/{sweep}", headers=bearer(a)).json()["status"] == "completed", 120,
+                 what="the sweep")
+        for method, path in (("GET", f"/sweeps/{sweep}"), ("POST", f"/sweeps/{sweep}/cancel")):
+            assert c.request(method, path, headers=bearer(b)).status_code == 404, path
+        assert c.get("/sweeps", headers=bearer(b)).json()["sweeps"] == []
+        assert [s["id"] for s in c.get("/sweeps", headers=bearer(ADMIN_KEY)).json()["sweeps"]] == [sweep]
+        assert c.get(f"/datasets/{digest}", headers=bearer(b)).json()["sweeps"] == []
+        assert c.get(f"/datasets/{digest}", headers=bearer(a)).json()["sweeps"] == [sweep]
+        # deleting: b's claim goes, a keeps the dataset
+        assert c.delete(f"/datasets/{digest}", headers=bearer(b)).status_code == 204
+        assert c.get(f"/datasets/{digest}", headers=bearer(b)).status_code == 404
+        assert c.get(f"/datasets/{digest}", headers=bearer(a)).status_code == 200
+        ev = c.post("/evaluations", json={"draws": "9", "config": {"epochs": 1}}, headers=bearer(a)).json()["id"]
+        doc = wait_for(lambda: (d := c.get(f"/evaluations/{ev}", headers=bearer(a)).json())["status"] == "completed"
+                       and d, 120, what="the evaluation")
+        for method, path in (("GET", f"/evaluations/{ev}"), ("GET", f"/evaluations/{ev}/accuracy.svg"),
+                             ("POST", f"/evaluations/{ev}/cancel"), ("GET", f"/tasks/{doc['draws'][0]['task_id']}")):
+            assert c.request(method, path, headers=bearer(b)).status_code == 404, path
+        assert c.get(f"/datasets/{doc['draws'][0]['dataset']}", headers=bearer(a)).status_code == 200  # its draw
+        assert c.get("/evaluations", headers=bearer(b)).json()["evaluations"] == []
+        assert [e["id"] for e in c.get("/evaluations", headers=bearer(a)).json()["evaluations"]] == [ev]

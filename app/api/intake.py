@@ -203,7 +203,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
     asynchronous, key = _admitted(request, service)
     t_parse = time.perf_counter()
     catalog = service.datasets
-    record = await asyncio.to_thread(catalog.get, options.dataset)
+    record = await asyncio.to_thread(catalog.get, options.dataset, tenant_of(request).owner)
     task = catalog.cached(options.dataset) or await asyncio.to_thread(catalog.task, options.dataset)
     labels = catalog.cached_labels(options.dataset) if record.labels_sha256 else None
     if record.labels_sha256 and labels is None:

@@ -25,7 +25,7 @@ def _admin(service, tenant: Tenant) -> None:
 
 
 @router.post("/keys", summary="A new tenant key (admin): its secret shown once", status_code=201,
-             response_model=KeyCreated, responses=error_responses(401, 403, 409, 422, 503))
+             response_model=KeyCreated, responses=error_responses(400, 401, 403, 409, 422, 503))
 async def create_key(body: KeyCreate, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     _admin(service, tenant)
     record, secret = await run_in_threadpool(service.keys.create, body.model_dump(exclude_none=True))
@@ -41,7 +41,7 @@ async def list_keys(service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     return JSONResponse({"keys": [r.describe() for r in records]})
 
 
-@router.get("/keys/me", summary="The key this request was made with", response_model=KeyView,
+@router.get("/key", summary="The key this request was made with (any key)", response_model=KeyView,
             responses=error_responses(401, 503))
 async def my_key(service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     if tenant.key is None:  # the admin key, or an open service
@@ -60,7 +60,7 @@ async def revoke_key(key_id: str, service: ServiceDep, tenant: TenantDep) -> JSO
 
 
 @router.post("/keys/{key_id}/rotate", summary="A new secret for a key (admin); the old one works for a grace period",
-             response_model=KeyCreated, responses=error_responses(401, 403, 404, 409, 422, 503))
+             response_model=KeyCreated, responses=error_responses(400, 401, 403, 404, 409, 422, 503))
 async def rotate_key(key_id: str, service: ServiceDep, tenant: TenantDep, body: KeyRotate | None = None) -> JSONResponse:
     _admin(service, tenant)
     grace = body.grace_seconds if body is not None else None

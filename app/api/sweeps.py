@@ -13,7 +13,7 @@ from ..errors import InvalidRequest
 from ..models import SweepAccepted, SweepList, SweepRequest, SweepState, error_responses
 from ..tasks.options import parse_options
 from ..tasks.sweeps import as_csv, summary
-from .deps import ServiceDep
+from .deps import ServiceDep, TenantDep
 from .intake import gate, idempotency_key
 
 router = APIRouter(tags=["sweeps"])
@@ -21,11 +21,11 @@ router = APIRouter(tags=["sweeps"])
 
 @router.post("/sweeps", summary="A sweep: the grid's product × the seeds, each cell a task on the stored dataset",
              status_code=202, response_model=SweepAccepted, responses=error_responses(400, 401, 404, 409, 413, 422, 503))
-async def post_sweep(body: SweepRequest, request: Request, service: ServiceDep) -> JSONResponse:
+async def post_sweep(body: SweepRequest, request: Request, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     gate(service)
     backend = parse_options([("backend", body.backend)] if body.backend else [], service.backend).backend
     definition = body.model_dump(exclude_none=True)
-    sweep, created = await service.sweeps.submit(definition, backend, idempotency_key(request))
+    sweep, created = await service.sweeps.submit(definition, backend, idempotency_key(request), tenant.owner)
     location = f"/sweeps/{sweep.id}"
     headers = {"Location": location} | ({} if created else {"Idempotent-Replayed": "true"})
     return JSONResponse({"id": sweep.id, "status": "accepted", "cells": len(sweep.cells), "location": location},
@@ -36,10 +36,10 @@ async def post_sweep(body: SweepRequest, request: Request, service: ServiceDep) 
             response_model=SweepState,
             responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}},
                        **error_responses(401, 404, 422, 503)})
-async def get_sweep(sweep_id: str, service: ServiceDep,
+async def get_sweep(sweep_id: str, service: ServiceDep, tenant: TenantDep,
                     format: Annotated[Literal["json", "csv"], Query(description="json (default) or csv")] = "json",
                     ) -> Response:
-    doc = await service.sweeps.state(sweep_id)
+    doc = await service.sweeps.state(sweep_id, tenant.owner)
     if format == "csv":
         return Response(as_csv(doc), media_type="text/csv",
                         headers={"Content-Disposition": f'attachment; filename="rev88-{sweep_id}.csv"'})
@@ -48,11 +48,11 @@ async def get_sweep(sweep_id: str, service: ServiceDep,
 
 @router.get("/sweeps", summary="The sweeps, newest first (no cell rows)", response_model=SweepList,
             responses=error_responses(401, 422, 503))
-async def list_sweeps(service: ServiceDep, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+async def list_sweeps(service: ServiceDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=500)] = 50,
                       cursor: Annotated[str | None, Query(pattern="^[A-Za-z0-9_-]+$", description=(
                           "next_cursor of the previous page, unchanged"))] = None) -> JSONResponse:
     try:
-        sweeps, next_cursor = await run_in_threadpool(service.datasets.store.list_sweeps, limit, cursor)
+        sweeps, next_cursor = await run_in_threadpool(service.datasets.store.list_sweeps, limit, cursor, tenant.owner)
     except ValueError as exc:
         raise InvalidRequest(str(exc), field="cursor") from None
     return JSONResponse({"sweeps": [summary(s) for s in sweeps], "next_cursor": next_cursor})
@@ -60,5 +60,5 @@ async def list_sweeps(service: ServiceDep, limit: Annotated[int, Query(ge=1, le=
 
 @router.post("/sweeps/{sweep_id}/cancel", summary="Cancel a sweep's unfinished cells (finished ones are kept)",
              response_model=SweepState, responses=error_responses(401, 404, 422, 503))
-async def cancel_sweep(sweep_id: str, service: ServiceDep) -> JSONResponse:
-    return JSONResponse(await service.sweeps.cancel(sweep_id))
+async def cancel_sweep(sweep_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
+    return JSONResponse(await service.sweeps.cancel(sweep_id, tenant.owner))

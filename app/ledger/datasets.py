@@ -79,16 +79,17 @@ class SweepRecord:
     cells: list[dict[str, Any]]
     idempotency_key: str | None = None
     cancelled_at: float | None = None
+    owner: str | None = None  # the tenant whose key made it (None: the admin, or an open service)
 
 
-_SWEEP_COLUMNS = "id, created_at, dataset, definition, cells, idempotency_key, cancelled_at"
+_SWEEP_COLUMNS = "id, created_at, dataset, definition, cells, idempotency_key, cancelled_at, owner"
 
 
 def sweep_of(row) -> SweepRecord:
-    sweep_id, created, dataset, definition, cells, key, cancelled = row
+    sweep_id, created, dataset, definition, cells, key, cancelled, owner = row
     return SweepRecord(id=sweep_id, created_at=float(created), dataset=dataset, definition=json.loads(definition),
                        cells=json.loads(cells), idempotency_key=key,
-                       cancelled_at=None if cancelled is None else float(cancelled))
+                       cancelled_at=None if cancelled is None else float(cancelled), owner=owner)
 
 
 class DatasetStore(Protocol):
@@ -112,7 +113,8 @@ class DatasetStore(Protocol):
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None: ...
 
-    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]: ...
+    def list_sweeps(self, limit: int, cursor: str | None,
+                    owner: str | None = None) -> tuple[list[SweepRecord], str | None]: ...
 
     def cancel_sweep(self, sweep_id: str) -> None: ...
 
@@ -184,6 +186,8 @@ class SqliteDatasets:
                 "CREATE TABLE IF NOT EXISTS sweeps (id TEXT PRIMARY KEY, created_at REAL NOT NULL, dataset TEXT NOT NULL,"
                 " definition TEXT NOT NULL, cells TEXT NOT NULL, idempotency_key TEXT UNIQUE, cancelled_at REAL)")
             self._conn.execute("CREATE INDEX IF NOT EXISTS sweeps_dataset ON sweeps (dataset)")
+            if "owner" not in {row[1] for row in self._conn.execute("PRAGMA table_info(sweeps)")}:
+                self._conn.execute("ALTER TABLE sweeps ADD COLUMN owner TEXT")  # (issue #33: a store made before)
             self._clean()
         except (OSError, sqlite3.Error) as exc:
             raise LedgerError(f"cannot open the dataset store {self.path}: {exc}") from exc
@@ -279,13 +283,19 @@ class SqliteDatasets:
         records = self._page("datasets", _COLUMNS, "digest", limit, cursor, record_of)
         return records, _next(records, limit, lambda r: (r.created_at, r.digest))
 
-    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make) -> list:
-        """Newest first (created_at, then ``key``), ``limit`` + 1 rows from ``cursor`` on."""
-        sql, args = f"SELECT {columns} FROM {table}", []
+    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make,
+              owner: str | None = None) -> list:
+        """Newest first (created_at, then ``key``), ``limit`` + 1 rows from ``cursor`` on (``owner``: its only)."""
+        sql, args, where = f"SELECT {columns} FROM {table}", [], []
         if cursor is not None:
             created_at, last = decode_cursor(cursor)
-            sql += f" WHERE (created_at < ? OR (created_at = ? AND {key} < ?))"
+            where.append(f"(created_at < ? OR (created_at = ? AND {key} < ?))")
             args += [created_at, created_at, last]
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
         sql += f" ORDER BY created_at DESC, {key} DESC LIMIT ?"
         args.append(limit + 1)
         with self._db(f"list {table}") as conn:
@@ -313,9 +323,9 @@ class SqliteDatasets:
                                    (sweep.idempotency_key,)).fetchone()
                 if row is not None:
                     return sweep_of(row), False
-            conn.execute(f"INSERT INTO sweeps ({_SWEEP_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL)",
+            conn.execute(f"INSERT INTO sweeps ({_SWEEP_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
                          (sweep.id, sweep.created_at, sweep.dataset, json.dumps(sweep.definition),
-                          json.dumps(sweep.cells), sweep.idempotency_key))
+                          json.dumps(sweep.cells), sweep.idempotency_key, sweep.owner))
             return sweep, True
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None:
@@ -323,8 +333,8 @@ class SqliteDatasets:
             row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM sweeps WHERE id = ?", (sweep_id,)).fetchone()
         return None if row is None else sweep_of(row)
 
-    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
-        sweeps = self._page("sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of)
+    def list_sweeps(self, limit: int, cursor: str | None, owner: str | None = None) -> tuple[list[SweepRecord], str | None]:
+        sweeps = self._page("sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of, owner)
         return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None:

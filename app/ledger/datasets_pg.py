@@ -96,12 +96,18 @@ class PostgresDatasets:
         records = self._page("rev88_datasets", _COLUMNS, "digest", limit, cursor, record_of)
         return records, _next(records, limit, lambda r: (r.created_at, r.digest))
 
-    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make) -> list:
-        sql, args = f"SELECT {columns} FROM {table}", []
+    def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make,
+              owner: str | None = None) -> list:
+        sql, args, where = f"SELECT {columns} FROM {table}", [], []
         if cursor is not None:
             created_at, last = decode_cursor(cursor)
-            sql += f" WHERE (created_at, {key}) < (%s, %s)"
+            where.append(f"(created_at, {key}) < (%s, %s)")
             args += [created_at, last]
+        if owner is not None:
+            where.append("owner = %s")
+            args.append(owner)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
         sql += f" ORDER BY created_at DESC, {key} DESC LIMIT %s"
         args.append(limit + 1)
         rows = self.ledger._read(f"list {table}", lambda conn: conn.execute(sql, args).fetchall())
@@ -119,10 +125,10 @@ class PostgresDatasets:
     def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]:
         with self.ledger._conn(f"record sweep {sweep.id}") as conn:
             row = conn.execute(
-                f"INSERT INTO rev88_sweeps ({_SWEEP_COLUMNS}) VALUES (%s, {NOW}, %s, %s, %s, %s, NULL)"
+                f"INSERT INTO rev88_sweeps ({_SWEEP_COLUMNS}) VALUES (%s, {NOW}, %s, %s, %s, %s, NULL, %s)"
                 f" ON CONFLICT (idempotency_key) DO NOTHING RETURNING {_SWEEP_COLUMNS}",
                 (sweep.id, sweep.dataset, json.dumps(sweep.definition), json.dumps(sweep.cells),
-                 sweep.idempotency_key)).fetchone()
+                 sweep.idempotency_key, sweep.owner)).fetchone()
             if row is not None:
                 return sweep_of(row), True
             row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps WHERE idempotency_key = %s",
@@ -134,8 +140,8 @@ class PostgresDatasets:
             f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps WHERE id = %s", (sweep_id,)).fetchone())
         return None if row is None else sweep_of(row)
 
-    def list_sweeps(self, limit: int, cursor: str | None) -> tuple[list[SweepRecord], str | None]:
-        sweeps = self._page("rev88_sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of)
+    def list_sweeps(self, limit: int, cursor: str | None, owner: str | None = None) -> tuple[list[SweepRecord], str | None]:
+        sweeps = self._page("rev88_sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of, owner)
         return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None:

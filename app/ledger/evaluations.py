@@ -26,11 +26,12 @@ SORTS = {
     "energy": "(mj_per_task IS NULL), mj_per_task ASC, created_at DESC, id DESC",
 }
 COLUMNS = ("id, created_at, name, definition, cells, idempotency_key, cancelled_at, finished_at, status, result,"
-           " mean_accuracy, ms_per_task, mj_per_task")
+           " mean_accuracy, ms_per_task, mj_per_task, owner")
 SQLITE_TABLE = (
     "CREATE TABLE IF NOT EXISTS evaluations (id TEXT PRIMARY KEY, created_at REAL NOT NULL, name TEXT,"
     " definition TEXT NOT NULL, cells TEXT NOT NULL, idempotency_key TEXT UNIQUE, cancelled_at REAL,"
-    " finished_at REAL, status TEXT NOT NULL, result TEXT, mean_accuracy REAL, ms_per_task REAL, mj_per_task REAL)")
+    " finished_at REAL, status TEXT NOT NULL, result TEXT, mean_accuracy REAL, ms_per_task REAL, mj_per_task REAL,"
+    " owner TEXT)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +49,17 @@ class EvaluationRecord:
     mean_accuracy: float | None = None
     ms_per_task: float | None = None
     mj_per_task: float | None = None
+    owner: str | None = None  # the tenant whose key made it (None: the admin, or an open service)
 
 
 def record_of(row) -> EvaluationRecord:
-    (eid, created, name, definition, cells, key, cancelled, finished, status, result, acc, ms, mj) = row
+    (eid, created, name, definition, cells, key, cancelled, finished, status, result, acc, ms, mj, owner) = row
     return EvaluationRecord(
         id=eid, created_at=float(created), name=name, definition=json.loads(definition), cells=json.loads(cells),
         idempotency_key=key, cancelled_at=None if cancelled is None else float(cancelled),
         finished_at=None if finished is None else float(finished), status=status,
-        result=None if result is None else json.loads(result), mean_accuracy=acc, ms_per_task=ms, mj_per_task=mj)
+        result=None if result is None else json.loads(result), mean_accuracy=acc, ms_per_task=ms, mj_per_task=mj,
+        owner=owner)
 
 
 def encode_cursor(sort: str, offset: int) -> str:
@@ -93,10 +96,10 @@ class _Evaluations:
 
         def run(conn):
             inserted = conn.execute(self._sql(
-                f"INSERT INTO {self.table} (id, created_at, name, definition, cells, idempotency_key, status)"
-                " VALUES (?, ?, ?, ?, ?, ?, 'running') ON CONFLICT (idempotency_key) DO NOTHING"),
+                f"INSERT INTO {self.table} (id, created_at, name, definition, cells, idempotency_key, status, owner)"
+                " VALUES (?, ?, ?, ?, ?, ?, 'running', ?) ON CONFLICT (idempotency_key) DO NOTHING"),
                 (record.id, record.created_at, record.name, json.dumps(record.definition), json.dumps(record.cells),
-                 record.idempotency_key)).rowcount
+                 record.idempotency_key, record.owner)).rowcount
             if inserted:
                 return record, True
             row = conn.execute(self._sql(f"SELECT {COLUMNS} FROM {self.table} WHERE idempotency_key = ?"),
@@ -140,14 +143,16 @@ class _Evaluations:
             self._sql(f"SELECT {COLUMNS} FROM {self.table} WHERE result IS NULL ORDER BY created_at")).fetchall())
         return [record_of(r) for r in rows]
 
-    def list(self, limit: int, cursor: str | None, sort: str = "created") -> tuple[list[EvaluationRecord], str | None]:
-        """One page in the order ``sort`` names (SORTS); the next page's cursor, or None."""
+    def list(self, limit: int, cursor: str | None, sort: str = "created",
+             owner: str | None = None) -> tuple[list[EvaluationRecord], str | None]:
+        """One page in the order ``sort`` names (SORTS; ``owner``: its only); the next page's cursor, or None."""
         if sort not in SORTS:
             raise ValueError(f"sort {sort!r} is not known; one of {', '.join(SORTS)}")
         offset = 0 if cursor is None else decode_cursor(cursor, sort)
+        where, args = ("WHERE owner = ? ", (owner,)) if owner is not None else ("", ())
         rows = self._read("list the evaluations", lambda conn: conn.execute(
-            self._sql(f"SELECT {COLUMNS} FROM {self.table} ORDER BY {SORTS[sort]} LIMIT ? OFFSET ?"),
-            (limit + 1, offset)).fetchall())
+            self._sql(f"SELECT {COLUMNS} FROM {self.table} {where}ORDER BY {SORTS[sort]} LIMIT ? OFFSET ?"),
+            (*args, limit + 1, offset)).fetchall())
         records = [record_of(r) for r in rows]
         more = len(records) > limit
         return records[:limit], encode_cursor(sort, offset + limit) if more else None
@@ -160,6 +165,8 @@ class SqliteEvaluations(_Evaluations):
         self.datasets = datasets
         with datasets._db("create the evaluations table") as conn:
             conn.execute(SQLITE_TABLE)
+            if "owner" not in {row[1] for row in conn.execute("PRAGMA table_info(evaluations)")}:
+                conn.execute("ALTER TABLE evaluations ADD COLUMN owner TEXT")  # (a store made before issue #33)
 
     def _write(self, doing: str, fn):
         with self.datasets._db(doing) as conn:

@@ -25,6 +25,7 @@ from learner.taskio import TaskArrays, load_task
 
 from ..errors import BodyTooLarge, Conflict, InvalidRequest, NotFound
 from ..ledger.datasets import DIGEST, DatasetRecord, DatasetsFull, DatasetStore, LabelsConflict
+from ..ledger.owners import open_owners
 
 MAX_LABELS_BYTES = 16 << 20  # a labels .npy: (M,) int64 for the largest M the task limits allow, and more
 
@@ -41,8 +42,12 @@ def digest_of(body: bytes | memoryview) -> str:
 
 
 class DatasetCatalog:
+    """The stored datasets, parsed once per process, and who may see each (``owners``: the
+    tenants that sent its bytes, app/ledger/owners.py; a ``viewer`` of None sees every one)."""
+
     def __init__(self, store: DatasetStore, cache_bytes: int) -> None:
         self.store = store
+        self.owners = open_owners(store)
         self.cache_bytes = int(cache_bytes)
         self._cache: collections.OrderedDict[str, tuple[TaskArrays, int]] = collections.OrderedDict()
         self._labels: dict[str, np.ndarray] = {}
@@ -50,10 +55,18 @@ class DatasetCatalog:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ datasets
-    def put(self, body: bytes | memoryview, claimed: str | None = None) -> tuple[DatasetRecord, bool]:
+    def put(self, body: bytes | memoryview, claimed: str | None = None,
+            owner: str | None = None) -> tuple[DatasetRecord, bool]:
         """Store ``body`` (blocking: in a thread). ``claimed``: the digest the client named (PUT):
-        a body that does not hash to it is refused. Already stored: (its record, False), nothing
-        written twice."""
+        a body that does not hash to it is refused. ``owner``: the tenant sending it, one of its
+        owners from now on. Already stored: (its record, False) -- but True for an owner that did
+        not own it yet, so that the answer says nothing of other tenants' uploads."""
+        record, created = self._put(body, claimed)
+        if owner is not None and self.owners.own(record.digest, owner):
+            created = True
+        return record, created
+
+    def _put(self, body: bytes | memoryview, claimed: str | None) -> tuple[DatasetRecord, bool]:
         digest = digest_of(body)
         if claimed is not None and check_digest(claimed) != digest:
             raise InvalidRequest(f"the body's SHA-256 digest is {digest}, which does not match the digest in the URL, "
@@ -73,11 +86,15 @@ class DatasetCatalog:
         self._keep(digest, task)
         return stored, created
 
-    def get(self, digest: str) -> DatasetRecord:
+    def get(self, digest: str, viewer: str | None = None) -> DatasetRecord:
+        """The dataset's record; absent (NotFound) when missing or, for a ``viewer`` tenant, not its own."""
         record = self.store.get(check_digest(digest))
-        if record is None:
+        if record is None or not self.visible(digest, viewer):
             raise NotFound(f"no dataset {digest} is stored here (PUT /datasets/{digest} stores it)")
         return record
+
+    def visible(self, digest: str, viewer: str | None) -> bool:
+        return viewer is None or self.owners.owns(digest, viewer)
 
     def task(self, digest: str) -> TaskArrays:
         """A stored dataset's parsed arrays (blocking when not cached: in a thread)."""
@@ -131,9 +148,9 @@ class DatasetCatalog:
             return {"datasets": len(self._cache), "bytes": self._cached, "capacity_bytes": self.cache_bytes}
 
     # ------------------------------------------------------------------ scoring labels
-    def put_labels(self, digest: str, npy: bytes | memoryview) -> tuple[DatasetRecord, bool]:
+    def put_labels(self, digest: str, npy: bytes | memoryview, viewer: str | None = None) -> tuple[DatasetRecord, bool]:
         """Attach the query labels (an .npy of shape (M,), integers 0-9, M the dataset's query count)."""
-        record = self.get(digest)
+        record = self.get(digest, viewer)
         labels = parse_labels(bytes(npy), record.test_count)
         sha = hashlib.sha256(bytes(npy)).hexdigest()
         try:

@@ -313,7 +313,8 @@ class Evaluations:
         self._grading: set[asyncio.Task] = set()
         runner.recorded_hooks.append(self._recorded)
 
-    async def submit(self, body: dict[str, Any], backend: str, key: str | None) -> tuple[EvaluationRecord, bool]:
+    async def submit(self, body: dict[str, Any], backend: str, key: str | None,
+                     tenant: Any = None) -> tuple[EvaluationRecord, bool]:
         """Check the request, build (or find) its draws, record the evaluation and its cells and
         queue them; an Idempotency-Key seen before: that evaluation (its missing cells recorded
         now), another request under it a 409."""
@@ -325,6 +326,10 @@ class Evaluations:
                 await self._record_cells(seen)  # (cells a crash kept out of the ledger)
                 return seen, False
         draws = [await asyncio.to_thread(self.draws.ensure, k) for k in definition["draws"]]
+        if tenant is not None:  # the draws' datasets are the tenant's to see, as if it had sent them
+            for d in draws:
+                await asyncio.to_thread(self.datasets.owners.own, d.digest, tenant.id)
+        owner = None if tenant is None else tenant.owner
         measured = definition.get("measure") is not None
         cells = []
         for d in draws:
@@ -335,7 +340,7 @@ class Evaluations:
                 cell["measure_task_id"] = new_task_id()
             cells.append(cell)
         record = EvaluationRecord(id="ev-" + uuid.uuid4().hex, created_at=time.time(), name=definition.get("name"),
-                                  definition=definition, cells=cells, idempotency_key=key)
+                                  definition=definition, cells=cells, idempotency_key=key, owner=owner)
         stored, created = await asyncio.to_thread(self.store.create, record)
         if not created:  # (the same key sent twice at once: the first one's)
             stored = self._replay(stored, definition)
@@ -367,7 +372,8 @@ class Evaluations:
             labels = await asyncio.to_thread(catalog.labels, digest)
             size = (await asyncio.to_thread(catalog.get, digest)).bytes
             accs += [Accepted(task_id=t, task=task, config=config, backend=ev.definition["backend"], measure=m,
-                              mode="async", body_bytes=size, dataset=digest, labels=labels, evaluation=ev.id)
+                              mode="async", body_bytes=size, dataset=digest, labels=labels, evaluation=ev.id,
+                              owner=ev.owner)
                      for t, m in wanted]
         if not accs:
             return
@@ -386,14 +392,14 @@ class Evaluations:
                 runner.settle_in_background(acc)
 
     # ------------------------------------------------------------------ reading and grading
-    async def get(self, evaluation_id: str) -> EvaluationRecord:
+    async def get(self, evaluation_id: str, viewer: str | None = None) -> EvaluationRecord:
         ev = await asyncio.to_thread(self.store.get, evaluation_id)
-        if ev is None:
+        if ev is None or (viewer is not None and ev.owner != viewer):  # (another tenant's: absent)
             raise NotFound(f"no evaluation {evaluation_id!r} here")
         return ev
 
-    async def state(self, evaluation_id: str) -> dict[str, Any]:
-        ev = await self.get(evaluation_id)
+    async def state(self, evaluation_id: str, viewer: str | None = None) -> dict[str, Any]:
+        ev = await self.get(evaluation_id, viewer)
         if ev.result is not None:
             return document(ev)
         ev, rows, status = await self._grade(ev)
@@ -439,7 +445,8 @@ class Evaluations:
         except Exception as exc:  # noqa: BLE001 - the next read grades it instead
             log.warning("evaluation not graded yet", extra={"evaluation": evaluation_id, "error": str(exc)})
 
-    async def page(self, limit: int, cursor: str | None, sort: str) -> tuple[list[dict[str, Any]], str | None]:
+    async def page(self, limit: int, cursor: str | None, sort: str,
+                   viewer: str | None = None) -> tuple[list[dict[str, Any]], str | None]:
         """One page of the leaderboard (ungraded evaluations whose cells have all finished are
         graded first, so that they sort where they belong)."""
         if sort not in SORTS:
@@ -447,14 +454,14 @@ class Evaluations:
         for ev in await asyncio.to_thread(self.store.unfinished):
             await self._grade(ev)
         try:
-            records, next_cursor = await asyncio.to_thread(self.store.list, limit, cursor, sort)
+            records, next_cursor = await asyncio.to_thread(self.store.list, limit, cursor, sort, viewer)
         except ValueError as exc:
             raise InvalidRequest(str(exc), field="cursor") from None
         return [leaderboard_row(ev) for ev in records], next_cursor
 
-    async def cancel(self, evaluation_id: str) -> dict[str, Any]:
+    async def cancel(self, evaluation_id: str, viewer: str | None = None) -> dict[str, Any]:
         """Every unfinished cell cancelled (queued ones never run, running ones stopped)."""
-        ev = await self.get(evaluation_id)
+        ev = await self.get(evaluation_id, viewer)
         if ev.result is not None:
             return document(ev)
         await asyncio.to_thread(self.store.cancel, evaluation_id)
@@ -462,4 +469,4 @@ class Evaluations:
         records = await asyncio.to_thread(self.runner.ledger.get_many, ids)
         unfinished = [t for t in ids if cell_status(records.get(t)) not in FINISHED]
         await asyncio.gather(*(self.runner.cancel(t) for t in unfinished), return_exceptions=True)
-        return await self.state(evaluation_id)
+        return await self.state(evaluation_id, viewer)

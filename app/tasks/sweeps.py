@@ -96,10 +96,10 @@ def check_limits(cells: list[Config], train_count: int, test_count: int, *, max_
 
 
 def new_sweep(dataset: str, definition: dict[str, Any], cells: list[Config], task_ids: list[str],
-              key: str | None) -> SweepRecord:
+              key: str | None, owner: str | None = None) -> SweepRecord:
     return SweepRecord(id="sw-" + uuid.uuid4().hex, created_at=time.time(), dataset=dataset, definition=definition,
                        cells=[{"task_id": t, "config": c.as_dict()} for t, c in zip(task_ids, cells)],
-                       idempotency_key=key)
+                       idempotency_key=key, owner=owner)
 
 
 def cell_row(cell: dict[str, Any], record: Any) -> dict[str, Any]:
@@ -173,19 +173,21 @@ class Sweeps:
         self._finished: dict[str, dict[str, Any]] = {}  # task id -> its finished cell's row
         runner.recorded_hooks.append(self._recorded)
 
-    async def submit(self, definition: dict[str, Any], backend: str, key: str | None) -> tuple[SweepRecord, bool]:
+    async def submit(self, definition: dict[str, Any], backend: str, key: str | None,
+                     owner: str | None = None) -> tuple[SweepRecord, bool]:
         """Check the sweep, record it and its cells (each an asynchronous task on the dataset) and
         queue them; an Idempotency-Key seen before: that sweep (its missing cells, after a crash
-        between the two records, recorded now), another definition under it a 409."""
+        between the two records, recorded now), another definition under it a 409. ``owner``: the
+        tenant making it (its dataset must be one of its own)."""
         catalog = self.datasets
-        record = await asyncio.to_thread(catalog.get, definition["dataset"])
+        record = await asyncio.to_thread(catalog.get, definition["dataset"], owner)
         cells = expand(definition)
         s = self.settings
         check_limits(cells, record.train_count, record.test_count, max_cells=s.sweep_max_cells,
                      max_work=s.sweep_max_work, max_task_work=s.max_task_work, max_task_bytes=s.max_task_bytes)
         task_ids = [new_task_id() for _ in cells]
         sweep, created = await asyncio.to_thread(catalog.store.create_sweep,
-                                                 new_sweep(record.digest, definition, cells, task_ids, key))
+                                                 new_sweep(record.digest, definition, cells, task_ids, key, owner))
         if not created and sweep.definition != definition:
             raise Conflict(f"Idempotency-Key {key!r} was already used for sweep {sweep.id} with another definition; "
                            "use a new key for a new sweep", sweep_id=sweep.id)
@@ -205,7 +207,7 @@ class Sweeps:
         include = bool(sweep.definition.get("include_scores"))
         accs = [Accepted(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
                          include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
-                         labels=labels, sweep=sweep.id) for c in missing]
+                         labels=labels, sweep=sweep.id, owner=sweep.owner) for c in missing]
         try:
             await asyncio.to_thread(runner.record_many, accs)  # one transaction: all of them or none
         except ValueError:  # (ids in the ledger already: the same Idempotency-Key's other request, at once)
@@ -221,9 +223,9 @@ class Sweeps:
                 runner.queue(acc, reserved=True)
                 runner.settle_in_background(acc)
 
-    async def state(self, sweep_id: str) -> dict[str, Any]:
+    async def state(self, sweep_id: str, viewer: str | None = None) -> dict[str, Any]:
         sweep = await asyncio.to_thread(self.datasets.store.get_sweep, sweep_id)
-        if sweep is None:
+        if sweep is None or (viewer is not None and sweep.owner != viewer):  # (another tenant's: absent)
             raise NotFound(f"no sweep {sweep_id!r} here")
         await self.runner.written()
         # a finished cell's row never changes: kept here, so that a poll reads only the rest
@@ -249,10 +251,10 @@ class Sweeps:
             self._finished.clear()  # (a bound, not a policy: the rows are read again when asked)
         self._finished[row["task_id"]] = row
 
-    async def cancel(self, sweep_id: str) -> dict[str, Any]:
+    async def cancel(self, sweep_id: str, viewer: str | None = None) -> dict[str, Any]:
         """Every unfinished cell cancelled (queued ones never run, running ones stopped); finished
         cells kept."""
-        doc = await self.state(sweep_id)
+        doc = await self.state(sweep_id, viewer)
         await asyncio.to_thread(self.datasets.store.cancel_sweep, sweep_id)
         unfinished = [row["task_id"] for row in doc["cells"] if row["status"] not in FINISHED]
         await asyncio.gather(*(self.runner.cancel(task_id) for task_id in unfinished), return_exceptions=True)

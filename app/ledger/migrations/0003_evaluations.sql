@@ -13,6 +13,7 @@ CREATE TABLE rev88_evaluations (
     result text,                          -- JSON: the graded result (GET /evaluations/<id>)
     mean_accuracy double precision,       -- copied out of the result: the leaderboard's orders
     ms_per_task double precision,
-    mj_per_task double precision
+    mj_per_task double precision,
+    owner text                            -- the tenant whose key made it (NULL: an open service)
 );
 CREATE INDEX rev88_evaluations_created ON rev88_evaluations (created_at DESC, id DESC);

@@ -18,3 +18,15 @@ CREATE TABLE rev88_keys (
     last_used_at double precision
 );
 CREATE INDEX rev88_keys_previous ON rev88_keys (previous_sha256);
+
+-- Who may see a stored dataset (app/ledger/owners.py): each tenant that sent its bytes.
+CREATE TABLE rev88_dataset_owners (
+    digest text NOT NULL,
+    owner text NOT NULL,                  -- the tenant: a key's id, or admin
+    created_at double precision NOT NULL,
+    PRIMARY KEY (digest, owner)
+);
+CREATE INDEX rev88_dataset_owners_owner ON rev88_dataset_owners (owner);
+
+-- The tenant whose key made a sweep (NULL: made on an open service)
+ALTER TABLE rev88_sweeps ADD COLUMN owner text;
