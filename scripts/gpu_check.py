@@ -45,8 +45,8 @@ budget ran out later: more time would not fix it); 2 bad input (an MNIST folder 
 four files, or no CUDA GPU without --dry-run) -- the report says which, in both modes; 3 the
 time budget ran out -- a section was interrupted (by the budget or SIGTERM), not started for
 lack of time, or skipped a step for it (``budget_cut``: fused's energy trials), and nothing
-failed on its own. scripts/gpu_device_run.sh adds 4 (killed) and 5
-(no final report); docs/gpu.md has the table.
+failed on its own. scripts/gpu_device_run.sh adds 4 (killed), 5 (no final report) and 6
+(refused to start: something the call carries is missing); docs/gpu.md has the table.
 """
 
 from __future__ import annotations
@@ -73,20 +73,25 @@ ROOT = common.ROOT
 SECTIONS = ("precheck", "cuda", "energy", "fused", "service")
 MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy": "gpu_check_energy",
            "fused": "gpu_check_fused", "service": "gpu_check_service"}
-# Estimated seconds of each section on one H200 (not measured: no GPU has run these yet). How:
-# precheck  imports + one tiny Triton compile and launcher build (~5 s) + two cc runs
+# Estimated seconds of each section on one H200 (not measured: no GPU has run these yet): the one
+# table of them. The summary's "est.GPU s" column, each section's estimated_device_seconds and the
+# fused section's reserve for the sections after it come from it, and docs/gpu.md's table and
+# total must equal it (tests/test_gpu_check.py checks). How:
+# precheck  imports + one tiny Triton compile and launcher build (~5 s) + three cc runs
 # cuda      4 captures of small programs + 1 of the 10k program (~1-2 s each), ~12 task runs of
 #           ~40 ms, one cpu-backend draw-0 run (~0.5 s), two make_task (~0.5 s each)
-# energy    the gated protocol's windows: 2 reference phases (2 s + 2 x (0.5 s settle + 1 s idle)),
-#           sham and harness (2 s + 3 s each), 2 trials (2 s + 3 s each) = 30 s, + the sampler
-#           process's start, the 4096^2 matrices and their checks, first, calibration, after and
-#           one per-request run with 1 s of idle sampling
+# energy    the gated protocol's windows, 36 s (gpu_check_common.gated_window_seconds of
+#           gpu_check_energy.GATED_DEVICE: 6 windows of 2 s, each framed by 2 x (1 s settle + 1 s
+#           idle)), + ~10 s: the sampler process's start, the 4096^2 matrices and their checks,
+#           first, calibration, after and one per-request run with 1 s of idle sampling
 # fused     two kernel compiles (draw 0's, the self-check's: ~9 s each for sm_90 measured here on the CPU),
 #           the draw-0 runs, a 132-task launch (staging ~1 GB of inputs), timing repeats, then
 #           three energy protocols of ~15-20 s each
-# service   start: imports, learner validation, fused warm-up (one more compile, ~10 s); the
-#           requests (~10 s); drain ~2 s
-DEVICE_ESTIMATE_S = {"precheck": 20, "cuda": 30, "energy": 40, "fused": 180, "service": 75}
+# service   75 s: start (imports, learner validation, fused warm-up: one more compile, ~10 s),
+#           the in-process references, the requests (~10 s), the sweep, the drain (~2 s); + 11 s:
+#           the measure step's windows (gpu_check_service.MEASURE_PARAMS; 33 s with the
+#           service's default reference and sham windows, which were not counted)
+DEVICE_ESTIMATE_S = {"precheck": 20, "cuda": 30, "energy": 46, "fused": 180, "service": 86}
 # Fewer seconds left than this and a section is not started (it is then marked "skipped" for the
 # budget): on a GPU from the estimates above; in a dry run from its own times here (2-core machine,
 # quiet: precheck 1-3 s, cuda 2-13 s, energy 4-11 s, fused 17-75 s, service 7-46 s), low enough

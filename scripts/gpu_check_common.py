@@ -268,6 +268,19 @@ class BusyEngine:
             return self.inner.run_many(tasks, prepareds)
 
 
+def gated_window_seconds(protocol: dict) -> float:
+    """The seconds the gated protocol (learner.measure.gated) spends in its windows: two reference
+    windows, the sham, the harness control (a target-length window) and the trials, each framed
+    by two settles and two idle windows (app/tasks/options.measure_timeout_s counts them the same
+    way). ``protocol`` names all six windows' arguments (learner.measure.gated.DEFAULTS has
+    them). Sampler start, the reference matmul's preparation and the task runs outside the
+    windows come on top."""
+    p = protocol
+    frame = 2 * (p["settle_seconds"] + p["idle_seconds"])
+    return (2 * (p["reference_seconds"] + frame) + (p["sham_seconds"] + frame)
+            + (p["trials"] + 1) * (p["target_seconds"] + frame))
+
+
 def out_of_time(deadline: float | None, need_s: float) -> bool:
     """True when fewer than ``need_s`` seconds are left before ``deadline`` (time.monotonic)."""
     return deadline is not None and deadline - time.monotonic() < need_s

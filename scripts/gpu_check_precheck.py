@@ -4,16 +4,18 @@ report) when the machine cannot build and launch a Triton kernel.
 Triton builds a small C launcher the first time a kernel runs: it needs a C compiler (``CC``, else
 ``gcc``, else ``clang``), ``Python.h`` of the running Python (sysconfig's include folder, or a
 folder on ``C_INCLUDE_PATH``), and, to link against the driver, ``libcuda.so.1`` found through
-``TRITON_LIBCUDA_PATH`` or ``/sbin/ldconfig -p`` (older Tritons link ``-lcuda``, which needs an
-unversioned ``libcuda.so`` in that folder: scripts/gpu_device_run.sh makes one). Checks:
+``TRITON_LIBCUDA_PATH`` or ``/sbin/ldconfig -p`` (newer Tritons link ``-l:libcuda.so.1``; older
+ones link ``-lcuda``, which needs an unversioned ``libcuda.so`` in that folder:
+scripts/gpu_device_run.sh makes one). Checks:
 
   versions            python, torch, triton, numpy, the service's packages (what ran, not the pins)
   cuda                torch sees a CUDA GPU                                (device only)
   python_h            Python.h where the compiler will look
   c_compiler          the compiler Triton will pick, and its version line
   python_extension    that compiler builds a shared object including Python.h
-  libcuda             libcuda.so.1 where Triton looks, an unversioned libcuda.so beside it,
-                      and a link with -lcuda                               (device only)
+  libcuda             libcuda.so.1 where Triton looks, 64-bit, and a link with
+                      -l:libcuda.so.1 or -lcuda (only -l:libcuda.so.1: passed, with a
+                      warning that a -lcuda Triton would need libcuda.so)  (device only)
   triton_kernel       a 16-element Triton kernel launched and its result checked (in the
                       dry run: in Triton's interpreter, on the CPU)
   service_packages    fastapi, starlette, pydantic, uvicorn, python-multipart, ... importable
@@ -137,6 +139,9 @@ def libcuda_dirs() -> tuple[list[str], str]:
     return ld, "LD_LIBRARY_PATH"
 
 
+# How Tritons link their launcher against the driver: newer ones by the soname, older ones by -lcuda.
+LINK_FLAGS = ("-l:libcuda.so.1", "-lcuda")
+
 # ELF e_machine of the architectures this can run on (the device is x86-64).
 ELF_MACHINES = {62: "x86-64", 183: "aarch64", 3: "i386", 40: "arm"}
 RUNNING_MACHINE = {"x86_64": "x86-64", "amd64": "x86-64", "aarch64": "aarch64", "arm64": "aarch64"}
@@ -185,15 +190,25 @@ def check_libcuda(workdir: Path) -> dict:
         return {**out, "passed": False, "error": "no C compiler to link with"}
     src = workdir / "link_probe.c"
     src.write_text("int cuInit(unsigned int); int probe(void) { return cuInit(0); }\n")
-    ok, log = _cc(cc, [str(src), "-shared", "-fPIC", "-o", str(workdir / "link_probe.so"),
-                       *[f"-L{d}" for d in dirs], "-lcuda"], workdir)
-    out["link_with_lcuda"] = ok
-    if not ok:
-        out["linker_output"] = log
-    out["passed"] = ok  # -l:libcuda.so.1 (newer Tritons) needs less; -lcuda (older ones) needs libcuda.so
-    if not ok:
-        out["error"] = ("linking with -lcuda failed: no unversioned libcuda.so in "
-                        f"{dirs}; point TRITON_LIBCUDA_PATH at a folder with libcuda.so -> libcuda.so.1")
+    # Newer Tritons (3.9 here: triton/backends/nvidia/driver.py's libraries) link with
+    # -l:libcuda.so.1; older ones with -lcuda, which needs an unversioned libcuda.so. Either is enough here: the triton_kernel check
+    # launches a real kernel with whichever this Triton uses.
+    links = {}
+    for flag in LINK_FLAGS:
+        ok, log = _cc(cc, [str(src), "-shared", "-fPIC", "-o", str(workdir / "link_probe.so"),
+                           *[f"-L{d}" for d in dirs], flag], workdir)
+        links[flag] = ok
+        if not ok:
+            out.setdefault("linker_output", {})[flag] = log
+    out["links"] = links
+    out["passed"] = any(links.values())
+    if not out["passed"]:
+        out["error"] = (f"linking with {' or '.join(LINK_FLAGS)} failed in {dirs} (see linker_output): point "
+                        "TRITON_LIBCUDA_PATH at the folder of the driver's libcuda.so.1")
+    elif not links["-lcuda"]:
+        out["warning"] = (f"-lcuda does not link (no unversioned libcuda.so in {dirs}); -l:libcuda.so.1 does, "
+                          "which is what newer Tritons use. A Triton that links with -lcuda would fail its launcher "
+                          "build: triton_kernel shows which")
     return out
 
 
@@ -261,7 +276,7 @@ def check_service_packages() -> dict:
            "passed": not missing and not problems}
     if not out["passed"]:
         out["error"] = ("the service cannot start here: " + "; ".join(
-            ([f"missing {', '.join(missing)} (carry them: scripts/make_device_wheels.sh)"] if missing else []) + problems))
+            ([f"missing {', '.join(missing)} (carry them: scripts/gpu_prepare.sh)"] if missing else []) + problems))
     return out
 
 
@@ -306,7 +321,8 @@ def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log
                                                 "the kernel's GPU compile and launcher build (interpreter only)"]
         for name, check in checks.items():
             flag = "ok  " if check["passed"] else ("FAIL" if name in BLOCKING else "warn")
-            log(f"  precheck {flag} {name}" + (f": {check['error']}" if not check["passed"] and "error" in check else ""))
+            why = check.get("error") if not check["passed"] else check.get("warning")
+            log(f"  precheck {flag} {name}" + (f": {why}" if why else ""))
     return report
 
 

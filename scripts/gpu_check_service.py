@@ -18,8 +18,9 @@ backend's warm-up), then:
                ``launch_gross_j``, method "batched launch ...")
   alt_backend  POST draw 0 with ?backend=cuda: it ran there, 8,887 correct, and its predictions
                equal this process's cuda run of draw 0 (same backend, same device)
-  measure      POST ?measure=energy with one short trial: an ``energy`` document with an
-               idle-adjusted mJ per task
+  measure      POST ?measure=energy with one short trial and short reference and sham windows
+               (MEASURE_PARAMS: 11 s of windows, not the 33 s of the service's defaults): an
+               ``energy`` document with an idle-adjusted mJ per task, measured with those windows
   metrics      GET /metrics: task counters, launch sizes, the GPU gauges (power, energy counter,
                summed task energy)
   sweep        draw 0 stored once (PUT /datasets), a sweep of batch_max (8) seeds on it: completed,
@@ -67,6 +68,11 @@ BATCH_SHAPE = (1024, 256)  # both multiples of 16, like draw 0: the fused kernel
 BATCH_WAIT_MS = 300
 DRAIN_TARGET_S = 1.5  # how long the task in flight at SIGTERM should run
 NPZ = {"Content-Type": "application/octet-stream"}
+# The measure step's ?measure=energy arguments: every window short (11 s of windows in all,
+# gpu_check_common.gated_window_seconds). Without reference_seconds and sham_seconds the gated
+# protocol's 10 s reference windows and 5 s sham would apply: 33 s, for a check of the plumbing.
+MEASURE_PARAMS = {"trials": 1, "target_seconds": 0.5, "settle_seconds": 0.2, "idle_seconds": 0.5,
+                  "reference_seconds": 1.0, "sham_seconds": 1.0}
 
 
 def free_port() -> int:
@@ -230,7 +236,7 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, deadli
         missing = [d for d, m in common.SERVICE_MODULES.items() if importlib.util.find_spec(m) is None]
         if missing:
             report["error"] = (f"the service's packages are missing here: {', '.join(missing)} (on the GPU "
-                               "machine they travel as wheels: scripts/make_device_wheels.sh, carry .device-wheels)")
+                               "machine they travel as wheels: scripts/gpu_prepare.sh, carry .device-wheels)")
             return report
         _run(report, out_dir, mnist_dir, dry_run, log, deadline)
     return report
@@ -432,7 +438,7 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
 
         with Step(steps, "measure", log) as s:
             # raw HTTP: rev88.Client sends tasks for answers, not ?measure= documents
-            params = {"measure": "energy", "trials": 1, "target_seconds": 0.5, "settle_seconds": 0.2, "idle_seconds": 0.5}
+            params = {"measure": "energy", **MEASURE_PARAMS}
             r = client.post("/tasks", content=small_bodies[0], headers=NPZ, params=params, timeout=left(300))
             s.check("status_200", r.status_code == 200)
             answer = r.json()
@@ -440,14 +446,19 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
             energy = m.get("energy")
             summary = (energy or {}).get("summary") or {}
             adjusted = (summary.get("idle_adjusted_mj_per_task") or {}).get("mean")
-            s.doc.update({"params": params, "repeats_per_trial": m.get("repeats_per_trial"),
-                          "calibration": (m.get("protocol") or {}).get("calibration"),
+            protocol = m.get("protocol") or {}
+            s.doc.update({"params": params, "window_seconds": common.gated_window_seconds(MEASURE_PARAMS),
+                          "protocol": protocol, "repeats_per_trial": m.get("repeats_per_trial"),
+                          "calibration": protocol.get("calibration"),
                           "idle_adjusted_mj_per_task": adjusted, "energy_reason": m.get("energy_reason"),
                           "timing": m.get("timing")})
             s.check("measurement_document", bool(m) and "timing" in m)
+            accepted = answer.get("protocol") or {}  # the arguments as the service parsed them
+            s.check("short_windows_accepted", all(accepted.get(k) == v for k, v in MEASURE_PARAMS.items()))
             if on_gpu:
                 s.check("energy_figure", energy is not None and common.finite(adjusted))
                 s.check("repeat_equal", m.get("repeat_predictions_equal") is True and m.get("repeat_state_hashes_equal") is True)
+                s.check("measured_with_short_windows", all(protocol.get(k) == v for k, v in MEASURE_PARAMS.items()))
             else:
                 s.check("energy_null_with_reason", energy is None and isinstance(m.get("energy_reason"), str))
 

@@ -2,11 +2,12 @@
 # The one-shot GPU acceptance on a lent device: one `run` call of at most 8 minutes (docs/gpu.md).
 #
 # Here, once, before the call (needs PyPI; the device has no network):
-#     bash scripts/make_device_wheels.sh          # -> .device-wheels/ (ignored by git, ~3.4 MiB)
+#     bash scripts/gpu_prepare.sh     # builds .device-wheels/ (git-ignored, ~3.4 MiB), checks what travels
 #     .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu-dry   # every section rehearsed
 # Then the call (command, carry, timeout):
 #     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)
-# Carry only .device-wheels: the repository (data/mnist included, ~12 MB) travels by itself.
+# Carry only .device-wheels: the repository (data/mnist included, ~14 MB) travels by itself.
+# Without what it carries this script refuses to start (exit status 6) before it touches the GPU.
 # 480 s plus the machine's 1-2 minute start leaves about 4-5 of the session's 15 minutes: a focused
 # rerun on the still-warm machine (it is given back 30 s after a call) fits only if it is sent at
 # once and is short, e.g. with 300 s of device time left
@@ -23,9 +24,12 @@
 # (gpu_check.py --dry-run; the cp312 wheels do not install on another Python, which it reports).
 #
 # What it does:
+#   0. scripts/gpu_carried.py: the wheels of scripts/device_wheels.txt (when the service section
+#      runs) and the four MNIST files are there; if not, it names what is missing and exits 6
 #   1. installs the carried wheels into /tmp/rev88-site and puts it and the checkout on PYTHONPATH,
-#      then says which of the service's packages are still missing (the service section then
-#      fails at once; the others run: the learner needs none of the wheels)
+#      then says which of the service's packages are still missing (wheels that do not install,
+#      e.g. on another Python: the service section then fails at once; the others run: the learner
+#      needs none of the wheels)
 #   2. makes /tmp/rev88-libcuda with libcuda.so.1 and an unversioned libcuda.so pointing at the
 #      driver's 64-bit libcuda.so.1 (scripts/gpu_find_libcuda.sh), exports TRITON_LIBCUDA_PATH
 #   3. if the running Python's Python.h is not where sysconfig says, looks for it and exports
@@ -39,7 +43,8 @@
 # (a section interrupted or not started; the inner timeout's 124 lands here when gpu_check.py
 # wrote its final report), 4 gpu_check.py was killed (the timeout's SIGKILL, 137, or another
 # signal): the files are those of the last finished section, 5 no final report (gpu_check.py did
-# not start or crashed: see run.log).
+# not start or crashed: see run.log), 6 refused to start: something the call carries is missing
+# (summary.txt and run.log name it; nothing ran on the GPU).
 set -uo pipefail
 T0=$SECONDS
 cd "$(dirname "$0")/.."
@@ -65,6 +70,20 @@ LOG=$OUT/run.log
 say() { echo "[device] $*" | tee -a "$LOG"; }
 
 say "$(date -u +%FT%TZ) on $(hostname): $($PY -V 2>&1) at $(command -v $PY)"
+
+# 0. what the call carries, before anything touches the GPU: the wheels (when the service section
+# runs) and data/mnist. Without them: refuse to start (scripts/gpu_prepare.sh makes them, here)
+carried=$($PY scripts/gpu_carried.py --wheels "$WHEELS" ${SECTIONS:+--sections "$SECTIONS"} 2>&1)
+carried_rc=$?
+echo "$carried" | tee -a "$LOG"
+if [ "$carried_rc" -ne 0 ]; then
+  refusal="gpu_device_run.sh: exit status 6 (refused to start: something the call carries is missing, see above;
+nothing ran on the GPU. Run \`bash scripts/gpu_prepare.sh\` here, then call again with carry=[\"$WHEELS\"])"
+  say "$refusal"
+  printf '%s\n%s\n' "$carried" "$refusal" >"$OUT/.summary.txt.part" && mv -f "$OUT/.summary.txt.part" "$OUT/summary.txt"
+  exit 6
+fi
+
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,power.draw --format=csv,noheader || echo "nvidia-smi failed"; } 2>&1 | tee -a "$LOG"
 
 # 1. the service's wheels
@@ -78,7 +97,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   fi
   export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
-  say "WARNING: no $WHEELS/*.whl (carry .device-wheels; make it with scripts/make_device_wheels.sh)"
+  say "no $WHEELS/*.whl carried: not needed without the service section (scripts/gpu_prepare.sh makes them)"
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # what the sections will find: said as a fact, not guessed

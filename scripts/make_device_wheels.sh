@@ -8,33 +8,31 @@
 # orjson; the npz reader uses zlib-ng's faster CRC-32 when it is there (zlib's otherwise, same
 # values: the learner needs none of these). It has no network, so they travel with the call:
 #
-#     bash scripts/make_device_wheels.sh            # once, here (needs PyPI)
+#     bash scripts/gpu_prepare.sh                   # once, here (needs PyPI): calls this, then checks
 #     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)
 #
 # scripts/gpu_device_run.sh installs them with `pip install --no-index --no-deps --target` into a
 # folder on PYTHONPATH. The versions are the ones the test suite runs with here, one of each (two
 # versions of one package stop the install there); typing-extensions is carried because pydantic
 # needs >= 4.16. Limits of a call: the working tree that travels, these wheels included, at most
-# 64 MiB (the repository is ~12 MB); `carry` takes at most 8 paths (this is one).
+# 64 MiB (the repository is ~14 MB; scripts/gpu_prepare.sh sums it); `carry` takes at most 8
+# paths (this is one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.device-wheels}
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
-PACKAGES=(
-  fastapi==0.165.0
-  starlette==1.10.0
-  pydantic==2.14.4
-  pydantic-core==2.50.5
-  annotated-types==0.8.0
-  typing-inspection==0.4.5
-  typing-extensions==4.16.0
-  uvicorn==0.54.0
-  python-multipart==0.0.34
-  opentelemetry-api==1.45.2
-  orjson==3.13.0
-  zlib-ng==1.1.0
-)
+# the pins: scripts/device_wheels.txt (also read by scripts/gpu_carried.py, which checks the folder)
+PACKAGES=()
+while read -r line || [ -n "$line" ]; do
+  line=${line%%#*}
+  line=${line//[[:space:]]/}
+  [ -n "$line" ] && PACKAGES+=("$line")
+done <scripts/device_wheels.txt
+if [ "${#PACKAGES[@]}" -eq 0 ]; then
+  echo "make_device_wheels: scripts/device_wheels.txt names no wheels" >&2
+  exit 1
+fi
 rm -rf "$DEST"
 mkdir -p "$DEST"
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: \
@@ -44,7 +42,7 @@ mkdir -p "$DEST"
   -d "$DEST" "${PACKAGES[@]}"
 count=$(ls "$DEST"/*.whl | wc -l)
 if [ "$count" -ne "${#PACKAGES[@]}" ]; then
-  echo "expected ${#PACKAGES[@]} wheels, got $count" >&2
+  echo "make_device_wheels: expected ${#PACKAGES[@]} wheels (scripts/device_wheels.txt), got $count in $DEST" >&2
   exit 1
 fi
 ls -1 "$DEST"

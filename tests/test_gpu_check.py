@@ -315,7 +315,9 @@ def test_service_helpers():
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-def test_precheck_libcuda_needs_an_unversioned_libcuda_for_lcuda(tmp_path, monkeypatch):
+def test_precheck_libcuda_links_by_the_soname_or_by_lcuda(tmp_path, monkeypatch):
+    """Newer Tritons link -l:libcuda.so.1, older ones -lcuda (which needs libcuda.so): a folder with
+    only libcuda.so.1 passes with a warning, not a stop of every section."""
     precheck = _load("gpu_check_precheck")
     lib = tmp_path / "lib"
     lib.mkdir()
@@ -329,12 +331,21 @@ def test_precheck_libcuda_needs_an_unversioned_libcuda_for_lcuda(tmp_path, monke
     work.mkdir()
     out = precheck.check_libcuda(work)
     assert out["found_by"] == "TRITON_LIBCUDA_PATH" and out["dirs_with_libcuda_so_1"] == [str(lib)]
-    assert out["passed"] is False and "libcuda.so" in out["error"]  # -lcuda needs libcuda.so
+    assert out["passed"] is True and out["links"] == {"-l:libcuda.so.1": True, "-lcuda": False}
+    assert "error" not in out and "-lcuda does not link" in out["warning"] and "libcuda.so" in out["warning"]
     (lib / "libcuda.so").symlink_to(lib / "libcuda.so.1")
     out = precheck.check_libcuda(work)
-    assert out["passed"] is True and out["link_with_lcuda"] is True
+    assert out["passed"] is True and out["links"] == {"-l:libcuda.so.1": True, "-lcuda": True} and "warning" not in out
     monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(tmp_path / "nowhere"))
     assert precheck.check_libcuda(work)["passed"] is False
+    if os.uname().machine != "x86_64":
+        return  # the fake header below is x86-64's
+    # a 64-bit ELF header that is no library: neither way links, and the error says so
+    broken = _fake_elf(tmp_path / "broken" / "libcuda.so.1", 64)
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(broken.parent))
+    out = precheck.check_libcuda(work)
+    assert out["passed"] is False and out["links"] == {"-l:libcuda.so.1": False, "-lcuda": False}
+    assert "-l:libcuda.so.1 or -lcuda failed" in out["error"] and set(out["linker_output"]) == {"-l:libcuda.so.1", "-lcuda"}
 
 
 def test_precheck_python_h_and_service_packages():
@@ -356,7 +367,7 @@ def test_device_script_numbers_fit_the_session():
     """The numbers of the one call, and that they fit: 15 minutes of device time, a 1-2 minute
     start, 10 minutes per command, and a focused rerun on the warm machine."""
     script = SCRIPTS / "gpu_device_run.sh"
-    for name in ("gpu_device_run.sh", "make_device_wheels.sh", "gpu_find_libcuda.sh"):
+    for name in ("gpu_device_run.sh", "make_device_wheels.sh", "gpu_find_libcuda.sh", "gpu_prepare.sh"):
         assert subprocess.run(["bash", "-n", str(SCRIPTS / name)]).returncode == 0, name
     text = script.read_text()
     assert 'run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)' in text
@@ -378,8 +389,56 @@ def test_device_script_numbers_fit_the_session():
     assert "/.device-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
     doc = (ROOT / "docs" / "gpu.md").read_text()
     assert "timeout_s=480" in doc and "give_back" in doc
-    for status in range(6):
+    for status in range(7):
         assert f"| {status} |" in doc, f"exit status {status} undocumented in docs/gpu.md"
+    assert doc.index("bash scripts/gpu_prepare.sh") < doc.index("scripts/gpu_check.py --dry-run")  # the first step
+
+
+def _doc_estimates(doc: str) -> dict[str, int]:
+    """docs/gpu.md's "What each section proves" table: section -> its GPU estimate (the last column)."""
+    import re
+
+    table = doc[doc.index("## What each section proves"):].split("\n\n")[1]
+    rows = {}
+    for line in table.splitlines():
+        match = re.match(r"\| `(\w+)` \|.*\| (\d+) \|$", line)
+        if match:
+            rows[match.group(1)] = int(match.group(2))
+    return rows
+
+
+def test_the_docs_estimates_are_the_scripts_table():
+    """One table of estimates: docs/gpu.md's column and its total are gpu_check.DEVICE_ESTIMATE_S."""
+    import re
+
+    doc = (ROOT / "docs" / "gpu.md").read_text()
+    assert _doc_estimates(doc) == gpu_check.DEVICE_ESTIMATE_S
+    total = re.search(r"add up to (\d+) s, inside the (\d+) s budget", doc.replace("\n", " "))
+    assert total, "docs/gpu.md states no total of the estimates"
+    assert int(total.group(1)) == sum(gpu_check.DEVICE_ESTIMATE_S.values())
+    assert int(total.group(2)) == gpu_check.DEFAULT_BUDGET_S["device"]
+
+
+def test_the_estimates_count_the_protocols_windows():
+    """The energy section's and the service's measure step's windows are inside their estimates:
+    the energy settle of 1 s (36 s of windows), the measure step's short windows (11 s, not 33 s)."""
+    from learner.measure.gated import DEFAULTS
+
+    energy = _load("gpu_check_energy")
+    service = _load("gpu_check_service")
+    windows = common.gated_window_seconds(energy.GATED_DEVICE)
+    assert windows == 36.0 and windows + 10 <= gpu_check.DEVICE_ESTIMATE_S["energy"]
+    short = common.gated_window_seconds(service.MEASURE_PARAMS)
+    default = common.gated_window_seconds({**DEFAULTS, **{k: v for k, v in service.MEASURE_PARAMS.items()
+                                                          if k not in ("reference_seconds", "sham_seconds")}})
+    assert (short, default) == (11.0, 33.0)
+    assert 75 + short <= gpu_check.DEVICE_ESTIMATE_S["service"]
+    # the service accepts them (app/tasks/options.py's ranges)
+    from app.tasks.options import MEASURE_PARAMS
+
+    for name, value in service.MEASURE_PARAMS.items():
+        kind, low, high, _ = MEASURE_PARAMS[name]
+        assert isinstance(value, kind) and low <= value <= high, name
 
 
 def test_an_interrupt_is_recorded_and_stops_the_run(tmp_path):
@@ -610,6 +669,108 @@ print("ok")
         assert zlib_ng.crc32(data, 12345) == zlib.crc32(data, 12345)
 
 
+# --------------------------------------------------------------------------- what a call carries
+
+
+carried = _load("gpu_carried")
+
+
+def _fake_wheels(folder: Path, pins: dict[str, str] | None = None, tag: str = "cp399-cp399-manylinux2014_x86_64") -> Path:
+    """A wheel of each pin, named as pip names them, holding only a METADATA: enough for
+    gpu_carried.py; tagged for a Python that does not exist, so pip refuses to install them (as
+    it refuses the cp312 wheels on another Python)."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, version in (pins or carried.read_pins()).items():
+        stem = f"{name.replace('-', '_')}-{version}"
+        with zipfile.ZipFile(folder / f"{stem}-{tag}.whl", "w") as wheel:
+            wheel.writestr(f"{stem}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return folder
+
+
+def test_carried_pins_are_the_wheels_script_s():
+    pins = carried.read_pins()
+    assert len(pins) == 12 and pins["fastapi"] == "0.165.0" and pins["pydantic-core"] == "2.50.5"
+    assert "scripts/device_wheels.txt" in (SCRIPTS / "make_device_wheels.sh").read_text()
+    assert carried.SECTIONS == gpu_check.SECTIONS
+    assert set(carried.read_pins()) >= {n for n in common.SERVICE_MODULES if n not in ("httpx", "prometheus-client")}
+
+
+def test_carried_wheels_check_names_each_problem(tmp_path):
+    pins = carried.read_pins()
+    assert "no wheels folder" in carried.wheel_problems(tmp_path / "none", pins)[0]
+    (tmp_path / "empty").mkdir()
+    problems = carried.wheel_problems(tmp_path / "empty", pins)
+    assert len(problems) == 12 and any("lacks the wheel of fastapi==0.165.0" in p for p in problems)
+    assert all("bash scripts/gpu_prepare.sh" in p for p in problems)
+    good = _fake_wheels(tmp_path / "good")
+    assert carried.wheel_problems(good, pins) == []
+    _fake_wheels(good, {"fastapi": "0.1.0"}, tag="py3-none-any")  # another version beside the pin
+    _fake_wheels(good, {"left-pad": "1.0"}, tag="py3-none-any")  # not pinned
+    _fake_wheels(good, {"orjson": pins["orjson"]}, tag="cp311-cp311-manylinux2014_x86_64")  # the pin twice
+    next(good.glob("uvicorn-*.whl")).write_text("version https://git-lfs.github.com/spec/v1\n")  # a Git LFS pointer
+    problems = carried.wheel_problems(good, pins)
+    assert any("holds fastapi 0.1.0, not only the pinned 0.165.0" in p for p in problems)
+    assert any("left_pad-1.0-py3-none-any.whl" in p and "not in scripts/device_wheels.txt" in p for p in problems)
+    assert any("2 wheels of orjson==3.13.0" in p for p in problems)
+    assert any("uvicorn" in p and "cannot be read as a wheel" in p for p in problems)
+    assert len(problems) == 4, problems
+
+
+def test_carried_mnist_check_names_each_problem(tmp_path):
+    assert carried.mnist_problems() == []  # the checkout's data/mnist
+    problems = carried.mnist_problems(tmp_path / "none")
+    assert len(problems) == 1 and "does not exist" in problems[0]
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    for name in ("train-images.idx3-ubyte.gz", "train-labels.idx1-ubyte.gz", "t10k-images.idx3-ubyte.gz"):
+        shutil.copyfile(ROOT / "data" / "mnist" / name, folder / name)
+    assert carried.mnist_problems(folder) == [f"the MNIST folder {folder} (REV88_MNIST_DIR if set, else data/mnist) "
+                                              "lacks t10k-labels.idx1-ubyte (or t10k-labels.idx1-ubyte.gz)"]
+    (folder / "t10k-labels-idx1-ubyte.gz").write_text("version https://git-lfs.github.com/spec/v1\n")
+    problems = carried.mnist_problems(folder)
+    assert len(problems) == 1 and "is not gzip data" in problems[0] and "LFS" in problems[0]
+
+
+def _carried_main(tmp_path, *args, **env) -> subprocess.CompletedProcess:
+    full = {**{k: v for k, v in os.environ.items() if k != "REV88_MNIST_DIR"}, **env}
+    return subprocess.run([sys.executable, str(SCRIPTS / "gpu_carried.py"), *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=full)
+
+
+def test_carried_script_needs_the_wheels_only_for_the_service(tmp_path):
+    missing = str(tmp_path / "no-wheels")
+    proc = _carried_main(tmp_path, "--wheels", missing)
+    assert proc.returncode == 1 and "refusing to start" in proc.stdout and f"no wheels folder {missing}" in proc.stdout
+    proc = _carried_main(tmp_path, "--wheels", missing, "--sections", "cuda,fused")
+    assert proc.returncode == 0 and "wheels: not needed" in proc.stdout, proc.stdout
+    proc = _carried_main(tmp_path, "--wheels", str(_fake_wheels(tmp_path / "w")), "--sections", "servic")
+    assert proc.returncode == 1 and "unknown section(s) servic" in proc.stdout
+    (tmp_path / "empty").mkdir()
+    proc = _carried_main(tmp_path, "--wheels", str(tmp_path / "w"), REV88_MNIST_DIR=str(tmp_path / "empty"))
+    assert proc.returncode == 1 and proc.stdout.count("lacks") == 4 and "REV88_MNIST_DIR" in proc.stdout
+    proc = _carried_main(tmp_path, "--wheels", str(tmp_path / "w"), "--here")
+    assert proc.returncode == 0 and "travels:" in proc.stdout and "of 64.0 MiB" in proc.stdout, proc.stdout
+    assert _carried_main(tmp_path, "--wheels-only", "--wheels", missing).returncode == 1
+
+
+def test_prepare_keeps_complete_wheels_checks_and_prints_the_call(tmp_path):
+    """scripts/gpu_prepare.sh with a folder that already holds every pin: no download (no PyPI
+    needed), the device's check plus the size, and the call to make; a missing MNIST folder stops it."""
+    wheels = _fake_wheels(tmp_path / "w")
+    env = {**{k: v for k, v in os.environ.items() if k != "REV88_MNIST_DIR"}, "PYTHON": sys.executable,
+           "WHEELS": str(wheels)}
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_prepare.sh")], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "already holds the wheels" in proc.stdout and "travels:" in proc.stdout
+    assert f'run(command="WHEELS={wheels} bash scripts/gpu_device_run.sh", carry=["{wheels}"], timeout_s=480)' in proc.stdout
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_prepare.sh")], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**env, "REV88_MNIST_DIR": str(tmp_path / "none")})
+    assert proc.returncode == 1 and "does not exist" in proc.stdout and "not ready" in proc.stderr
+
+
 # --------------------------------------------------------------------------- gpu_device_run.sh, dry
 
 
@@ -618,13 +779,14 @@ _BLOCKED_ON_THE_DEVICE = ("zlib_ng", "fastapi", "starlette", "pydantic", "pydant
 
 
 def _device_run(tmp_path, env: dict, block: tuple[str, ...] = (), timeout: float = 240):
-    """scripts/gpu_device_run.sh with DRY_RUN=1, OUT and WORK under tmp_path, no wheels; the
-    number of files under OUT is watched while it runs. ``block``: modules made unimportable
-    (a sitecustomize on PYTHONPATH), as on the GPU machine without the carried wheels."""
+    """scripts/gpu_device_run.sh with DRY_RUN=1, OUT and WORK under tmp_path, and wheels that pass
+    gpu_carried.py but do not install (WHEELS in ``env`` overrides them); the number of files
+    under OUT is watched while it runs. ``block``: modules made unimportable (a sitecustomize on
+    PYTHONPATH), as on the GPU machine without the carried wheels."""
     out, work = tmp_path / "OUT", tmp_path / "work"
-    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH", "REV88_MNIST_DIR")}
     full.update({"DRY_RUN": "1", "PYTHON": sys.executable, "OUT": str(out), "WORK": str(work),
-                 "WHEELS": str(tmp_path / "no-wheels"), **env})
+                 "WHEELS": str(_fake_wheels(tmp_path / "wheels")), **env})
     if block:
         site = tmp_path / "block"
         site.mkdir()
@@ -650,16 +812,38 @@ def _device_run(tmp_path, env: dict, block: tuple[str, ...] = (), timeout: float
     return proc, out, files, most[0]
 
 
-def test_device_run_without_the_wheels_still_reports(tmp_path):
-    """No .device-wheels and none of the service's packages nor zlib-ng (the GPU image): the
-    learner still imports, gpu_check.json comes back, and the script's warning is true -- the
-    service section fails at once, naming the missing packages; exit status 1."""
+def test_device_run_refuses_to_start_without_what_it_carries(tmp_path):
+    """No wheels folder (the service section runs), then no MNIST files: exit status 6 at once,
+    before nvidia-smi, the install or gpu_check.py; summary.txt and run.log name what is missing
+    and the fix. (No GPU, no triton needed: nothing is run.)"""
+    t = time.monotonic()
+    proc, out, files, most = _device_run(tmp_path, {"WHEELS": str(tmp_path / "no-wheels")})
+    assert proc.returncode == 6, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert files == ["run.log", "summary.txt"] and most <= 3
+    summary, log = (out / "summary.txt").read_text(), (out / "run.log").read_text()
+    assert f"no wheels folder {tmp_path / 'no-wheels'}" in summary and "exit status 6 (refused to start" in summary
+    assert "bash scripts/gpu_prepare.sh" in summary
+    assert "nvidia-smi" not in log and "running scripts/gpu_check.py" not in log and "installed" not in log
+    assert not (tmp_path / "work" / "gpu_check.json").exists()
+    (tmp_path / "empty").mkdir()
+    proc, out, files, _ = _device_run(tmp_path, {"REV88_MNIST_DIR": str(tmp_path / "empty")})
+    assert proc.returncode == 6 and files == ["run.log", "summary.txt"], proc.stdout[-4000:]
+    summary = (out / "summary.txt").read_text()
+    assert all(f"lacks {name}" in summary for name in ("train-images.idx3-ubyte", "t10k-labels.idx1-ubyte"))
+    assert "no wheels" not in summary and time.monotonic() - t < 30
+
+
+def test_device_run_with_wheels_that_do_not_install_still_reports(tmp_path):
+    """Wheels carried but not installable (another Python) and none of the service's packages nor
+    zlib-ng (the GPU image): the learner still imports, gpu_check.json comes back, and the script's
+    warning is true -- the service section fails at once, naming the missing packages; exit 1."""
     pytest.importorskip("triton")
     proc, out, files, most = _device_run(tmp_path, {"SECTIONS": "service"}, block=_BLOCKED_ON_THE_DEVICE)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert files == ["gpu-check-bundle.tar.gz", "gpu_check.json", "run.log", "summary.txt"] and most <= 8
     log = (out / "run.log").read_text()
-    assert "no " in log and "no-wheels/*.whl" in log
+    assert "gpu_carried: everything the call needs is here" in log
+    assert f"installing the wheels from {tmp_path / 'wheels'} failed" in log
     assert "fastapi" in log and "the service section will fail at once" in log
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["finished"] and report["exit_status"] == 1
