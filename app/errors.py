@@ -115,6 +115,23 @@ class NotAccepted(Exception):
         self.error = error
 
 
+class TooManyRequests(ServiceError):
+    """A tenant over one of its key's limits (issue #33): 429 with Retry-After and the IETF
+    draft's RateLimit-Policy and RateLimit headers for that limit."""
+
+    status = 429
+    outcome = "rate_limited"
+
+    def __init__(self, message: str, retry_after: int, policy: str, remaining: int = 0, **details: object) -> None:
+        super().__init__(message, retry_after=retry_after, **details)
+        self.policy, self.remaining = policy, remaining
+
+    def headers(self) -> dict[str, str]:
+        name = self.policy.split(";", 1)[0]
+        return {**super().headers(), "RateLimit-Policy": self.policy,
+                "RateLimit": f"{name};r={self.remaining};t={self.retry_after}"}
+
+
 class Forbidden(ServiceError):
     """The key is valid but lacks the scope the route needs (an admin route, a write with a
     read-only key)."""

@@ -62,7 +62,7 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     app.state.service = service
     app.state.settings = settings
     who = dict(api_key=settings.api_key, metrics=service.metrics, resolve=service.keys.resolve,
-               resolve_fast=service.keys.resolve_fast)  # (app/tasks/tenants.py)
+               resolve_fast=service.keys.resolve_fast, limit=service.keys.rate)  # (app/tasks/tenants.py)
     app.add_middleware(RequestMiddleware, **who)
     if not settings.stock_http:  # POST /tasks past FastAPI's layers (app/api/hot_path.py)
         app.hot = RequestMiddleware(post_tasks, **who)

@@ -267,6 +267,13 @@ class KeyCreate(BaseModel):
         None, min_length=1, description="read (GET, HEAD), write (submit, upload, cancel), admin (keys); "
         "default read and write")
     expires_at: float | None = Field(None, description="epoch seconds after which the key is refused")
+    max_queued: int | None = Field(None, ge=1, le=1_000_000,
+                                   description="unfinished tasks (sweep and evaluation cells included) at once")
+    max_running: int | None = Field(None, ge=1, le=10_000, description="tasks on the devices at once")
+    rate_per_minute: float | None = Field(None, gt=0, le=100_000,
+                                          description="write requests (submit, upload, cancel) a minute, in bursts "
+                                          "of up to as many")
+    weight: float | None = Field(None, gt=0, le=1000, description="fair share of the devices (default 1)")
 
 
 class KeyRotate(BaseModel):
@@ -314,6 +321,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         400: "not a zip/npz (or, for a JSON body, not JSON), truncated or corrupt", 401: "missing or wrong Bearer key (REV88_API_KEY)",
         408: "the body did not arrive within the upload timeout (REV88_UPLOAD_TIMEOUT_S); the connection is closed",
         403: "the key lacks the scope the request needs (read, write, admin)",
+        429: "over the key's max_queued or rate_per_minute (Retry-After, RateLimit-Policy, RateLimit)",
         404: "no task with this id in this replica's ledger", 409: "conflict (idempotency key reused, task finished)",
         413: "body, archive or estimated memory over the limits", 415: "unsupported content type",
         422: "invalid arrays, members, config, budget or diverged training",

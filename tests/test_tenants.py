@@ -228,3 +228,135 @@ def test_datasets_sweeps_and_evaluations_are_their_tenants_own(store):
         assert c.get(f"/datasets/{doc['draws'][0]['dataset']}", headers=bearer(a)).status_code == 200  # its draw
         assert c.get("/evaluations", headers=bearer(b)).json()["evaluations"] == []
         assert [e["id"] for e in c.get("/evaluations", headers=bearer(a)).json()["evaluations"]] == [ev]
+
+
+def test_quotas_answer_429_with_the_rate_limit_headers(store):
+    """rate_per_minute (write requests, a token bucket in the key's row, so across replicas) and
+    max_queued (unfinished tasks and cells): over either, 429 with Retry-After, RateLimit-Policy
+    and RateLimit, the error naming the limit and its value; 401 and 403 count against nobody."""
+    from .gates import Gate, gated_engines
+
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, **store), engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c:
+        limited = make_key(c, "limited", rate_per_minute=3)
+        assert limited["limits"]["rate_per_minute"] == 3
+        seen = []
+        for _ in range(3):
+            r = post_task(c, BODY, headers=bearer(limited["key"]))
+            assert r.status_code == 200, r.text
+            seen.append(r.headers["ratelimit"])
+        assert r.headers["ratelimit-policy"] == '"write";q=3;w=60'
+        assert [h.split(";")[1] for h in seen] == ["r=2", "r=1", "r=0"]
+        over = post_task(c, BODY, headers=bearer(limited["key"]))
+        assert over.status_code == 429 and "rate_per_minute of 3" in over.json()["error"]
+        assert int(over.headers["retry-after"]) >= 1 and over.headers["ratelimit"].startswith('"write";r=0;t=')
+        assert c.get("/tasks", headers=bearer(limited["key"])).status_code == 200  # reads are not counted
+        reader = make_key(c, "reader", scopes=["read"], rate_per_minute=1)
+        for _ in range(3):  # a 403 counts against nobody
+            assert post_task(c, BODY, headers=bearer(reader["key"])).status_code == 403
+        queued = make_key(c, "queued", max_queued=2)
+        gate.hold()
+        try:
+            ids = [post_task(c, BODY, headers={**ASYNC, **bearer(queued["key"])}).json()["id"] for _ in range(2)]
+            r = post_task(c, BODY, headers={**ASYNC, **bearer(queued["key"])})
+            assert r.status_code == 429 and "max_queued 2" in r.json()["error"], r.text
+            assert r.headers["ratelimit-policy"] == '"queued";q=2' and r.headers["retry-after"]
+            digest = c.post("/datasets", content=BODY, headers={"Content-Type": "application/octet-stream",
+                                                                **bearer(queued["key"])}).json()["digest"]
+            r = c.post("/sweeps", json={"dataset": digest, "seeds": [0]}, headers=bearer(queued["key"]))
+            assert r.status_code == 429 and "max_queued" in r.json()["error"]
+            r = c.post("/evaluations", json={"draws": "0"}, headers=bearer(queued["key"]))
+            assert r.status_code == 429 and "max_queued" in r.json()["error"]
+            other = make_key(c, "other")  # another tenant is not held back by it
+            assert post_task(c, BODY, headers={**ASYNC, **bearer(other["key"])}).status_code == 202
+        finally:
+            gate.release()
+        for task_id in ids:
+            finished(c, task_id, queued["key"])
+        assert post_task(c, BODY, headers={**ASYNC, **bearer(queued["key"])}).status_code == 202
+
+
+def test_fair_share_runs_a_small_tenant_between_a_floods_tasks():
+    """One worker, tenant A's 12 jobs queued before tenant B's 2: B waits for at most a couple of
+    A's, not all twelve (the least decayed device time per unit of weight goes next; FIFO within a
+    tenant); with one tenant the queue stays FIFO."""
+    import threading
+
+    from app.runtime.executor import DeviceExecutor
+
+    ex = DeviceExecutor(capacity=100, devices=["cpu:0"])
+    hold, order = threading.Event(), []
+
+    def job(name):
+        def run():
+            time.sleep(0.01)  # (device time to charge)
+            order.append(name)
+        return run
+
+    ex.start()
+    try:
+        first = ex.submit(lambda: hold.wait(30), tenant="a")
+        wait_for(lambda: ex.busy_workers() == 1, 10, what="the first job running")
+        jobs = [ex.submit(job(f"a{i}"), tenant="a") for i in range(12)]
+        jobs += [ex.submit(job(f"b{i}"), tenant="b") for i in range(2)]
+        hold.set()
+        for j in [first, *jobs]:
+            j.future.result(30)
+        assert [n for n in order if n.startswith("a")] == [f"a{i}" for i in range(12)]  # FIFO within a tenant
+        assert order.index("b0") <= 1 and order.index("b1") <= 3, order
+    finally:
+        assert ex.stop(30)
+
+
+def test_max_running_holds_a_tenant_to_its_share_of_the_workers():
+    import threading
+
+    from app.runtime.executor import DeviceExecutor
+
+    ex = DeviceExecutor(capacity=100, devices=["cpu:0", "cpu:1"])
+    lock, running, most = threading.Lock(), {"a": 0}, {"a": 0}
+
+    def a_job():
+        with lock:
+            running["a"] += 1
+            most["a"] = max(most["a"], running["a"])
+        time.sleep(0.02)
+        with lock:
+            running["a"] -= 1
+
+    ex.start()
+    try:
+        jobs = [ex.submit(a_job, tenant="a", max_running=1) for _ in range(6)]
+        jobs += [ex.submit(lambda: time.sleep(0.02), tenant="b") for _ in range(6)]
+        for j in jobs:
+            j.future.result(30)
+        assert most["a"] == 1
+    finally:
+        assert ex.stop(30)
+
+
+def test_fair_share_on_a_real_server(tmp_path):
+    """Through POST /tasks with two keys, one worker: B's two tasks, sent behind A's twelve, start
+    after at most two of A's."""
+    from .gates import Gate, gated_engines
+
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, queue_size=64,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c:
+        a, b = make_key(c, "flood")["key"], make_key(c, "small")["key"]
+        gate.hold()
+        try:
+            ids_a = [post_task(c, BODY, headers={**ASYNC, **bearer(a)}).json()["id"] for _ in range(12)]
+            ids_b = [post_task(c, BODY, headers={**ASYNC, **bearer(b)}).json()["id"] for _ in range(2)]
+        finally:
+            gate.release()
+        for t in ids_a:
+            finished(c, t, a)
+        for t in ids_b:
+            finished(c, t, b)
+        listed = c.get("/tasks", params={"limit": 100}, headers=bearer(ADMIN_KEY)).json()["tasks"]
+        started = {t["id"]: t["started_at"] for t in listed}
+        order = sorted(ids_a + ids_b, key=started.get)
+        assert max(order.index(t) for t in ids_b) <= 4, [("b" if t in ids_b else "a") for t in order]

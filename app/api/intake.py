@@ -132,6 +132,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         return await _handle_dataset(request, service, options, t0, request_id)
     kind = uploads.check_content_type(request.headers.get("content-type"))
     asynchronous, key = _admitted(request, service)
+    await service.runner.check_queued(tenant_of(request), 1)  # the key's max_queued (before the body)
     settings = service.settings
     reservation = service.uploads.reservation()  # the body's bytes, as they arrive, until it is parsed
     try:
@@ -201,6 +202,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
         raise InvalidRequest("POST /tasks?dataset= trains on the stored dataset and takes no body; send either "
                              "the npz as the body or dataset=<digest>, not both", field="dataset")
     asynchronous, key = _admitted(request, service)
+    await service.runner.check_queued(tenant_of(request), 1)
     t_parse = time.perf_counter()
     catalog = service.datasets
     record = await asyncio.to_thread(catalog.get, options.dataset, tenant_of(request).owner)

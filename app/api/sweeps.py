@@ -25,7 +25,8 @@ async def post_sweep(body: SweepRequest, request: Request, service: ServiceDep, 
     gate(service)
     backend = parse_options([("backend", body.backend)] if body.backend else [], service.backend).backend
     definition = body.model_dump(exclude_none=True)
-    sweep, created = await service.sweeps.submit(definition, backend, idempotency_key(request), tenant.owner)
+    sweep, created = await service.sweeps.submit(definition, backend, idempotency_key(request), tenant.owner,
+                                                 tenant)
     location = f"/sweeps/{sweep.id}"
     headers = {"Location": location} | ({} if created else {"Idempotent-Replayed": "true"})
     return JSONResponse({"id": sweep.id, "status": "accepted", "cells": len(sweep.cells), "location": location},

@@ -15,6 +15,7 @@ import uuid
 
 from starlette.datastructures import Headers
 
+from ..errors import TooManyRequests
 from ..runtime.metrics import Metrics
 from .logs import request_id_var
 
@@ -98,31 +99,42 @@ class RequestMiddleware:
     answers without I/O when it can (the admin key, a cached key), else None; then ``resolve``
     runs in a thread. Without them (``resolve`` None) only the API key itself is accepted."""
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics, resolve=None, resolve_fast=None) -> None:
+    def __init__(self, app, api_key: str | None, metrics: Metrics, resolve=None, resolve_fast=None,
+                 limit=None) -> None:
         self.app, self.api_key, self.metrics = app, api_key, metrics
-        self.resolve, self.resolve_fast = resolve, resolve_fast
+        self.resolve, self.resolve_fast, self.limit = resolve, resolve_fast, limit
 
     async def _tenant(self, headers: Headers, method: str):
-        """(tenant, None) or (None, (status, message)) for a protected path."""
+        """(tenant, None, extra headers) or (None, (status, message, headers), {}) for a protected
+        path. A write by a key with a rate limit is counted (``limit``: its RateLimit headers, or
+        a 429); refusals before it (401, 403) count against nobody."""
         token = bearer(headers)
         if token is None:
-            return None, (401, "missing Authorization: Bearer <key> header")
+            return None, (401, "missing Authorization: Bearer <key> header", {}), {}
         if self.resolve is None:
-            return (None, None) if hmac.compare_digest(token.encode(), self.api_key.encode()) else (
-                None, (401, "invalid API key"))
+            return (None, None, {}) if hmac.compare_digest(token.encode(), self.api_key.encode()) else (
+                None, (401, "invalid API key", {}), {})
         found = self.resolve_fast(token) if self.resolve_fast is not None else None
         if found is None:
             try:
                 found = await asyncio.to_thread(self.resolve, token)
             except Exception as exc:  # noqa: BLE001 - the key store unavailable: a 503, said so
-                return None, (503, f"cannot check the API key now: {exc}")
+                return None, (503, f"cannot check the API key now: {exc}", {}), {}
         if isinstance(found, str):
-            return None, (401, found)
+            return None, (401, found, {}), {}
         scope = required_scope(method)
         if not found.can(scope):
             return None, (403, f"key {found.name!r} lacks the {scope} scope this request needs "
-                               f"(it has: {', '.join(sorted(found.scopes))})")
-        return found, None
+                               f"(it has: {', '.join(sorted(found.scopes))})", {}), {}
+        key = getattr(found, "key", None)
+        if scope == "write" and self.limit is not None and getattr(key, "rate_per_minute", None):
+            try:
+                return found, None, await asyncio.to_thread(self.limit, found)
+            except TooManyRequests as exc:
+                return None, (429, exc.message, exc.headers()), {}
+            except Exception as exc:  # noqa: BLE001 - the key store unavailable: a 503, said so
+                return None, (503, f"cannot count the request against its rate limit now: {exc}", {}), {}
+        return found, None, {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -138,19 +150,23 @@ class RequestMiddleware:
         status = {"code": 500}
         path = scope.get("path", "")
 
+        extra: dict[str, str] = {}
+
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode()),
+                                      *((k.lower().encode(), v.encode()) for k, v in extra.items())]
             await send(message)
 
         try:
             method = scope.get("method", "GET")
             refusal = None
             if self.api_key is not None and not is_open(path, method, headers.get("accept")):
-                tenant, refusal = await self._tenant(headers, method)
+                tenant, refusal, counted = await self._tenant(headers, method)
                 scope["state"]["tenant"] = tenant
+                extra.update(counted)
             if refusal is not None:
                 await self._refuse(send_with_id, *refusal)
             else:
@@ -168,10 +184,11 @@ class RequestMiddleware:
             request_id_var.reset(token)
 
     @staticmethod
-    async def _refuse(send, status: int, message: str) -> None:
-        word = {401: "unauthorized", 403: "forbidden", 503: "unavailable"}[status]
+    async def _refuse(send, status: int, message: str, more: dict[str, str]) -> None:
+        word = {401: "unauthorized", 403: "forbidden", 429: "too many requests", 503: "unavailable"}[status]
         body = json.dumps({"error": f"{word}: {message}"}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   *((k.lower().encode(), v.encode()) for k, v in more.items())]
         if status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="rev88"'))
         if status == 503:

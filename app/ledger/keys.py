@@ -18,11 +18,14 @@ from typing import Any
 
 COLUMNS = ("id, name, prefix, secret_sha256, previous_sha256, previous_until, scopes, max_queued, max_running,"
            " rate_per_minute, weight, expires_at, created_at, revoked_at, last_used_at")
+# The rate limit, a token bucket kept as one number (GCRA): ``rate_tat`` is when the bucket would
+# be full again; a request is let through while rate_tat - now <= the burst, and moves it on by
+# one request's share of the minute. One atomic UPDATE per limited request, on every replica's rows.
 SQLITE_TABLE = (
     "CREATE TABLE IF NOT EXISTS api_keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, prefix TEXT NOT NULL,"
     " secret_sha256 TEXT NOT NULL UNIQUE, previous_sha256 TEXT, previous_until REAL, scopes TEXT NOT NULL,"
     " max_queued INTEGER, max_running INTEGER, rate_per_minute REAL, weight REAL NOT NULL, expires_at REAL,"
-    " created_at REAL NOT NULL, revoked_at REAL, last_used_at REAL)")
+    " created_at REAL NOT NULL, revoked_at REAL, last_used_at REAL, rate_tat REAL)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,8 @@ class KeyRecord:
     def describe(self) -> dict[str, Any]:
         """What an admin may see: everything but the hashes."""
         return {"id": self.id, "name": self.name, "prefix": self.prefix, "scopes": self.scopes,
+                "limits": {"max_queued": self.max_queued, "max_running": self.max_running,
+                           "rate_per_minute": self.rate_per_minute, "weight": self.weight},
                 "expires_at": self.expires_at, "created_at": self.created_at, "revoked_at": self.revoked_at,
                 "last_used_at": self.last_used_at, "previous_secret_valid_until": self.previous_until}
 
@@ -121,6 +126,27 @@ class _Keys:
 
         return self._write(f"rotate key {key_id}", run)
 
+    greatest = "MAX"
+
+    def take(self, key_id: str, per_minute: float, now: float) -> tuple[bool, float]:
+        """One request against the key's rate (``per_minute``, bursts of up to that many): (let
+        through, the bucket's rate_tat afterwards)."""
+        interval = 60.0 / per_minute
+        burst = 60.0 - interval
+        g = self.greatest
+
+        def run(conn):
+            row = conn.execute(self._sql(
+                f"UPDATE {self.table} SET rate_tat = {g}(COALESCE(rate_tat, ?), ?) + ? WHERE id = ?"
+                f" AND {g}(COALESCE(rate_tat, ?), ?) - ? <= ? RETURNING rate_tat"),
+                (now, now, interval, key_id, now, now, now, burst)).fetchone()
+            if row is not None:
+                return True, float(row[0])
+            row = conn.execute(self._sql(f"SELECT rate_tat FROM {self.table} WHERE id = ?"), (key_id,)).fetchone()
+            return False, float(row[0]) if row and row[0] is not None else now
+
+        return self._write(f"count a request of key {key_id}", run)
+
     def touch(self, key_id: str, when: float) -> None:
         self._write(f"note the use of key {key_id}", lambda conn: conn.execute(
             self._sql(f"UPDATE {self.table} SET last_used_at = ? WHERE id = ?"), (when, key_id)))
@@ -133,6 +159,8 @@ class SqliteKeys(_Keys):
         self.datasets = datasets
         with datasets._db("create the keys table") as conn:
             conn.execute(SQLITE_TABLE)
+            if "rate_tat" not in {row[1] for row in conn.execute("PRAGMA table_info(api_keys)")}:
+                conn.execute("ALTER TABLE api_keys ADD COLUMN rate_tat REAL")
 
     def _write(self, doing: str, fn):
         with self.datasets._db(doing) as conn:
@@ -154,6 +182,7 @@ class PostgresKeys(_Keys):
     """``rev88_keys`` in the shared database (a revocation is seen by every replica)."""
 
     table = "rev88_keys"
+    greatest = "GREATEST"
 
     def __init__(self, ledger: Any) -> None:
         self.ledger = ledger

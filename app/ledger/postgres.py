@@ -854,6 +854,12 @@ class PostgresLedger:
             next_cursor = _encode_cursor(last.created_at, last.id)
         return records, next_cursor
 
+    def count_unfinished(self, owner: str) -> int:
+        """How many of the tenant's tasks are queued or running, on every replica."""
+        return int(self._read("count a tenant's unfinished tasks", lambda conn: conn.execute(
+            "SELECT count(*) FROM rev88_tasks WHERE status IN ('queued', 'running')"
+            " AND (options::json ->> 'owner') = %s", (owner,)).fetchone()[0]))
+
     def unfinished(self) -> list[TaskRecord]:
         """Queued and running tasks, oldest first (every replica's)."""
         rows = self._read("list unfinished tasks", lambda conn: conn.execute(

@@ -950,6 +950,12 @@ class Ledger:
             next_cursor = _encode_cursor(last.created_at, last.id)
         return records, next_cursor
 
+    def count_unfinished(self, owner: str) -> int:
+        """How many of the tenant's tasks are queued or running (its max_queued counts them)."""
+        with self._read("count a tenant's unfinished tasks") as conn:
+            return int(conn.execute("SELECT count(*) FROM tasks WHERE status IN ('queued', 'running')"
+                                    " AND json_extract(options, '$.owner') = ?", (owner,)).fetchone()[0])
+
     def unfinished(self) -> list[TaskRecord]:
         """Queued and running tasks, oldest first: what a restart re-queues."""
         with self._read("list unfinished tasks") as conn:

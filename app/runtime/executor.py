@@ -56,6 +56,8 @@ from ..threads import name_os_thread
 
 log = logging.getLogger("rev88." + __name__)
 
+FAIR_HALF_LIFE_S = 60.0  # fair share: how fast a tenant's past device time is forgotten (issue #33)
+
 QUEUED, RUNNING, DONE, EXPIRED, ABANDONED, CANCELLED, DROPPED = (
     "queued", "running", "done", "expired", "abandoned", "cancelled", "dropped",
 )
@@ -103,6 +105,10 @@ class Job:
     worker: str | None = None  # the device of the worker that ran it
     stop: tuple[str, str] | None = None  # (why, message) once it was told to stop while running
     on_start: Callable[[Job], None] | None = None  # called on the worker when the job starts
+    # fair share (issue #33): whose job it is, that tenant's weight and its running limit
+    tenant: str = ""
+    weight: float = 1.0
+    max_running: int | None = None
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -245,6 +251,9 @@ class DeviceExecutor:
         self._gathering: dict[Hashable, int] = {}  # batch key -> the worker gathering a launch of it
         self.stats = Stats()
         self.workers = [Worker(self, i, device) for i, device in enumerate(devices)]
+        self.fair_half_life_s = FAIR_HALF_LIFE_S
+        self._usage: dict[str, tuple[float, float]] = {}  # tenant -> (decayed device seconds, as of monotonic)
+        self._running: collections.Counter[str] = collections.Counter()  # tenant -> jobs running
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -276,14 +285,16 @@ class DeviceExecutor:
     # ------------------------------------------------------------------ submitting
     def submit(self, fn: Callable[[], Any], kind: str = "task", label: str = "", reserved: bool = False,
                batch: Batch | None = None, pin: int | None = None, cancel: CancelToken | None = None,
-               on_start: Callable[[Job], None] | None = None) -> Job:
+               on_start: Callable[[Job], None] | None = None, tenant: str = "", weight: float = 1.0,
+               max_running: int | None = None) -> Job:
         """Queue ``fn`` for a device. ``reserved`` jobs (the warm-up) skip the capacity check;
         ``pin`` names the one worker that may run it; ``cancel`` is the token the job's run
         checks (a new one by default). With ``batch``, the job may instead run in one call
         with queued jobs of the same key."""
         if pin is not None and not 0 <= pin < len(self.workers):
             raise ValueError(f"pin must name a worker 0..{len(self.workers) - 1}, got {pin}")
-        job = Job(fn, kind, label, batch, pin, cancel or CancelToken(), on_start=on_start)
+        job = Job(fn, kind, label, batch, pin, cancel or CancelToken(), on_start=on_start, tenant=tenant,
+                  weight=weight, max_running=max_running)
         with self._cond:
             if self._closed is not None:
                 self.stats.refused_closed += 1
@@ -511,15 +522,40 @@ class DeviceExecutor:
 
     # ------------------------------------------------------------------ the workers' side
     def _next_for(self, worker: Worker) -> Job | None:
-        """(Lock held.) The oldest queued job this worker may run, leaving to another worker the
-        jobs of a batch key it is gathering (so this one runs other work meanwhile)."""
+        """(Lock held.) The job this worker runs next: of each tenant's oldest job it may run (not
+        pinned elsewhere, not of a batch key another worker is gathering, its tenant below its
+        running limit), the one whose tenant has used the least device time per unit of weight,
+        decayed with a half-life of ``fair_half_life_s`` (ties: the oldest job). FIFO within a
+        tenant; with one tenant, FIFO as before."""
+        heads: dict[str, Job] = {}
         for job in self._queue:
+            if job.tenant in heads:
+                continue
             if job.pin is not None and job.pin != worker.index:
                 continue
             if job.batch is not None and self._gathering.get(job.batch.key, worker.index) != worker.index:
                 continue
-            return job
-        return None
+            if job.max_running is not None and self._running[job.tenant] >= job.max_running:
+                continue
+            heads[job.tenant] = job
+        if len(heads) <= 1:
+            return next(iter(heads.values()), None)
+        now = time.monotonic()
+        return min(heads.values(), key=lambda j: (self._used(j.tenant, now) / max(j.weight, 1e-9), j.submitted))
+
+    def _used(self, tenant: str, now: float) -> float:
+        value, when = self._usage.get(tenant, (0.0, now))
+        return value * 0.5 ** ((now - when) / self.fair_half_life_s)
+
+    def _charge(self, tenant: str, seconds: float, now: float) -> None:
+        """(Lock held.) ``seconds`` of device time added to the tenant's decayed usage."""
+        self._usage[tenant] = (self._used(tenant, now) + seconds, now)
+
+    def usage_snapshot(self) -> dict[str, float]:
+        """Each tenant's decayed device seconds now (what the next pick compares)."""
+        with self._cond:
+            now = time.monotonic()
+            return {t: round(self._used(t, now), 6) for t in self._usage}
 
     def _batch_ready(self, batch: Batch) -> bool:
         try:
@@ -560,6 +596,7 @@ class DeviceExecutor:
             job.started = now
             job.launch_size = len(group)
             job.worker = worker.device
+            self._running[job.tenant] += 1
         worker.running = group
         if group:
             self.stats.launches += 1
@@ -617,6 +654,8 @@ class DeviceExecutor:
             self._mean_run_s = 0.7 * self._mean_run_s + 0.3 * (now - started) / len(group)
             for job, (value, error) in zip(group, outcomes):
                 job.finished = now
+                self._running[job.tenant] -= 1
+                self._charge(job.tenant, (now - started) / len(group), now)
                 was_stopped = isinstance(error, TaskCancelled)
                 if was_stopped:
                     self.stats.stopped += 1

@@ -325,6 +325,9 @@ class Evaluations:
                 self._replay(seen, definition)
                 await self._record_cells(seen)  # (cells a crash kept out of the ledger)
                 return seen, False
+        measured = definition.get("measure") is not None
+        if tenant is not None:  # its cells are its tasks: max_queued counts them
+            await self.runner.check_queued(tenant, len(definition["draws"]) * (2 if measured else 1))
         draws = [await asyncio.to_thread(self.draws.ensure, k) for k in definition["draws"]]
         if tenant is not None:  # the draws' datasets are the tenant's to see, as if it had sent them
             for d in draws:

@@ -234,6 +234,9 @@ class TaskRunner:
         # called with (acc, Outcome) once a task's outcome is in the ledger, on the event loop
         # (app/tasks/sweeps.py keeps its cells' rows from them)
         self.recorded_hooks: list[Callable[[Accepted, Outcome], None]] = []
+        # a tenant's (weight, max_running) for the executor's fair share (the service's key ring)
+        self.shares: Callable[[str], tuple[float, int | None]] = lambda owner: (1.0, None)
+        self.keys: Any = None  # the service's key ring (app/tasks/tenants.py): the quotas' messages
         self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
         # With a ledger the replicas share (PostgreSQL): the SharedQueue (app/tasks/claims.py) that
         # claims asynchronous tasks for this replica's workers; None with SQLite.
@@ -264,6 +267,21 @@ class TaskRunner:
         if created and self.shared is not None and acc.mode == "sync":  # held here from its creation
             acc.epoch = self.ledger.held_epoch(acc.task_id)
         return record, created
+
+    def unfinished_of(self, owner: str) -> int:
+        """(blocking) The tenant's queued and running tasks: the ledger's, and this process's
+        synchronous ones that are recorded only once they finish."""
+        unrecorded = sum(1 for a in list(self.pending.values())
+                         if a.deferred and a.owner == owner and a.finished is None)
+        return self.ledger.count_unfinished(owner) + unrecorded
+
+    async def check_queued(self, tenant: Any, adding: int) -> None:
+        """TooManyRequests when ``adding`` more tasks would pass the tenant's max_queued."""
+        key = getattr(tenant, "key", None)
+        if key is None or key.max_queued is None:
+            return
+        count = await asyncio.to_thread(self.unfinished_of, tenant.id)
+        self.keys.check_queued(tenant, adding, count)
 
     def record_many(self, accs: list[Accepted]) -> None:
         """Write many asynchronous tasks on stored datasets (a sweep's or an evaluation's cells)
@@ -298,11 +316,13 @@ class TaskRunner:
             else:
                 self.writer.started(acc.task_id, job.worker, time.time(), acc.epoch)
 
+        weight, max_running = self.shares(acc.owner) if acc.owner is not None else (1.0, None)
+        share = dict(tenant=acc.owner or "", weight=weight, max_running=max_running)  # fair share (executor)
         if acc.measure is not None:
             arguments = acc.measure
             job = self.executor.submit(
                 lambda: measure_on_device(acc.task, acc.config, acc.backend, arguments, self.energy, self.engines),
-                kind="measure", label=acc.task_id, reserved=reserved, cancel=acc.cancel, on_start=started,
+                kind="measure", label=acc.task_id, reserved=reserved, cancel=acc.cancel, on_start=started, **share,
             )
         else:
             def run() -> DeviceOutcome | Answered:
@@ -321,7 +341,7 @@ class TaskRunner:
             job = self.executor.submit(
                 run,
                 kind="task", label=acc.task_id, batch=self.task_batch(acc.task, acc.config, acc.backend, acc.cancel),
-                reserved=reserved, cancel=acc.cancel, on_start=started,
+                reserved=reserved, cancel=acc.cancel, on_start=started, **share,
             )
         acc.job = job
         if self.shared is not None:  # a worker frees up when it ends: claim more

@@ -174,7 +174,7 @@ class Sweeps:
         runner.recorded_hooks.append(self._recorded)
 
     async def submit(self, definition: dict[str, Any], backend: str, key: str | None,
-                     owner: str | None = None) -> tuple[SweepRecord, bool]:
+                     owner: str | None = None, tenant: Any = None) -> tuple[SweepRecord, bool]:
         """Check the sweep, record it and its cells (each an asynchronous task on the dataset) and
         queue them; an Idempotency-Key seen before: that sweep (its missing cells, after a crash
         between the two records, recorded now), another definition under it a 409. ``owner``: the
@@ -185,6 +185,8 @@ class Sweeps:
         s = self.settings
         check_limits(cells, record.train_count, record.test_count, max_cells=s.sweep_max_cells,
                      max_work=s.sweep_max_work, max_task_work=s.max_task_work, max_task_bytes=s.max_task_bytes)
+        if tenant is not None:  # its cells are its tasks: max_queued counts them
+            await self.runner.check_queued(tenant, len(cells))
         task_ids = [new_task_id() for _ in cells]
         sweep, created = await asyncio.to_thread(catalog.store.create_sweep,
                                                  new_sweep(record.digest, definition, cells, task_ids, key, owner))

@@ -17,17 +17,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import math
 import secrets
 import threading
 import time
 import uuid
 from typing import Any
 
-from ..errors import Forbidden, InvalidRequest, NotFound
+from ..errors import Forbidden, InvalidRequest, NotFound, TooManyRequests
 from ..ledger.keys import KeyRecord, open_keys
 
 SCOPES = ("read", "write", "admin")
 DEFAULT_SCOPES = ("read", "write")
+SHARE_CACHE_S = 5.0  # a tenant's weight and running limit, re-read this often
 CACHE_S = 1.0  # how long a resolved key is trusted before it is read again (revocation delay elsewhere)
 TOUCH_S = 60.0  # last_used_at is written at most once a minute per key
 GRACE_DEFAULT_S = 3600.0  # a rotated-out secret keeps working this long unless asked otherwise
@@ -80,6 +82,7 @@ class KeyRing:
         self.store = open_keys(datasets_store)
         self.admin_key = admin_key
         self._cache: dict[str, tuple[float, Tenant | str]] = {}  # hash -> (until, tenant or refusal)
+        self._shares: dict[str, tuple[float, tuple[float, int | None]]] = {}  # owner -> (until, share)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ who is asking
@@ -127,6 +130,47 @@ class KeyRing:
     def forget(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._shares.clear()
+
+    # ------------------------------------------------------------------ limits
+    def share(self, owner: str) -> tuple[float, int | None]:
+        """(blocking on a cache miss) The tenant's fair-share weight and running limit."""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._shares.get(owner)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        record = self.store.get(owner)
+        share = (1.0, None) if record is None else (record.weight, record.max_running)
+        with self._lock:
+            self._shares[owner] = (now + SHARE_CACHE_S, share)
+        return share
+
+    def rate(self, tenant: Tenant) -> dict[str, str]:
+        """(blocking) One write request against the tenant's rate_per_minute: the RateLimit
+        headers to send with it, or TooManyRequests. Every replica counts in the same row."""
+        per_minute = tenant.key.rate_per_minute
+        now = time.time()
+        allowed, tat = self.store.take(tenant.id, per_minute, now)
+        interval = 60.0 / per_minute
+        policy = f'"write";q={per_minute:g};w=60'
+        if not allowed:
+            wait = max(1, math.ceil(tat - (60.0 - interval) - now))
+            raise TooManyRequests(f"key {tenant.name!r} is over its rate_per_minute of {per_minute:g} write requests "
+                                  f"a minute; retry in {wait} s", retry_after=wait, policy=policy,
+                                  limit="rate_per_minute", value=per_minute)
+        remaining = max(0, math.floor((now + 60.0 - interval - tat) / interval) + 1)
+        return {"RateLimit-Policy": policy, "RateLimit": f'"write";r={remaining};t={max(0, math.ceil(tat - now))}'}
+
+    def check_queued(self, tenant: Tenant, adding: int, count: int) -> None:
+        """``adding`` more tasks (a sweep's or an evaluation's cells, or one task) on top of the
+        ``count`` unfinished ones: TooManyRequests when that passes the tenant's max_queued."""
+        limit = tenant.key.max_queued if tenant.key is not None else None
+        if limit is None or count + adding <= limit:
+            return
+        raise TooManyRequests(f"key {tenant.name!r} has {count} unfinished task(s) and max_queued {limit}: "
+                              f"{adding} more would pass it; retry once some have finished", retry_after=5,
+                              policy=f'"queued";q={limit}', limit="max_queued", value=limit, unfinished=count)
 
     # ------------------------------------------------------------------ the admin's part
     def create(self, body: dict[str, Any]) -> tuple[KeyRecord, str]:
@@ -139,10 +183,10 @@ class KeyRing:
         if expires is not None and expires <= time.time():
             raise InvalidRequest(f"expires_at {expires} is not in the future", field="expires_at")
         secret, prefix = new_secret()
-        # (the limits' columns wait for the quotas: not taken until they are enforced)
         record = KeyRecord(id="k-" + uuid.uuid4().hex[:16], name=body["name"], prefix=prefix,
                            secret_sha256=digest(secret), previous_sha256=None, previous_until=None, scopes=scopes,
-                           max_queued=None, max_running=None, rate_per_minute=None, weight=1.0,
+                           max_queued=body.get("max_queued"), max_running=body.get("max_running"),
+                           rate_per_minute=body.get("rate_per_minute"), weight=float(body.get("weight") or 1.0),
                            expires_at=expires, created_at=time.time())
         return self.store.create(record), secret
 

@@ -15,7 +15,8 @@ CREATE TABLE rev88_keys (
     expires_at double precision,
     created_at double precision NOT NULL,
     revoked_at double precision,
-    last_used_at double precision
+    last_used_at double precision,
+    rate_tat double precision             -- the rate limit's bucket (app/ledger/keys.py: GCRA)
 );
 CREATE INDEX rev88_keys_previous ON rev88_keys (previous_sha256);
 
