@@ -297,6 +297,22 @@ class KeyList(BaseModel):
     keys: list[KeyView]
 
 
+class UsageRow(Open):
+    tenant: str
+    name: str
+    day: str
+    tasks: int
+    succeeded: int
+    device_seconds: float
+    joules: float | None = None
+
+
+class UsageReport(Open):
+    since: float
+    days: int
+    usage: list[UsageRow]
+
+
 class Health(Open):
     status: str
     ready: bool

@@ -136,6 +136,7 @@ class Service:
         self.evaluations = Evaluations(self.runner, self.datasets, settings)
         self.keys = KeyRing(self.datasets.store, settings.api_key)  # tenants' keys (app/tasks/tenants.py)
         self.runner.shares, self.runner.keys = self.keys.share, self.keys
+        self.runner.finished_hooks.append(self._count_for_tenant)
         if is_shared(self.ledger):  # asynchronous tasks claimed from the shared ledger by idle workers
             from .tasks.claims import SharedQueue
 
@@ -191,6 +192,12 @@ class Service:
             "warmup": self.warmup,
             "failure": self.failure,
         }
+
+    def _count_for_tenant(self, acc, status: str, answer: dict | None) -> None:
+        """A finished task in its tenant's /metrics series (named by its key's name)."""
+        name = "admin" if acc.owner is None else self.keys.name_of(acc.owner)
+        run_ms = ((answer or {}).get("timing") or {}).get("run_ms")
+        self.metrics.tenant_finished(name, status, None if run_ms is None else run_ms / 1000.0)
 
     def versions(self) -> dict[str, Any]:
         return versions()

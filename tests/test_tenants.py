@@ -360,3 +360,24 @@ def test_fair_share_on_a_real_server(tmp_path):
         started = {t["id"]: t["started_at"] for t in listed}
         order = sorted(ids_a + ids_b, key=started.get)
         assert max(order.index(t) for t in ids_b) <= 4, [("b" if t in ids_b else "a") for t in order]
+
+
+def test_usage_per_tenant_and_day_and_the_metrics_series(store):
+    with serve(**store) as server, server.client() as c:
+        a, b = make_key(c, "usage-a")["key"], make_key(c, "usage-b")["key"]
+        for key, count in ((a, 3), (b, 1)):
+            for _ in range(count):
+                assert post_task(c, BODY, headers=bearer(key)).status_code == 200
+        post_task(c, BODY, headers=bearer(ADMIN_KEY))
+        mine = wait_for(lambda: (u := c.get("/usage", headers=bearer(a)).json()["usage"]) and u[0]["tasks"] == 3 and u,
+                        30, what="a's usage")
+        (row,) = mine
+        assert row["name"] == "usage-a" and row["succeeded"] == 3 and row["device_seconds"] > 0
+        assert row["day"] == time.strftime("%Y-%m-%d", time.gmtime())
+        every = c.get("/usage", headers=bearer(ADMIN_KEY)).json()["usage"]
+        assert {(r["name"], r["tasks"]) for r in every} == {("usage-a", 3), ("usage-b", 1), ("admin", 1)}
+        assert [r["name"] for r in c.get("/usage", headers=bearer(b)).json()["usage"]] == ["usage-b"]
+        metrics = c.get("/metrics", headers=bearer(ADMIN_KEY)).text
+        assert 'rev88_tenant_tasks_total{status="succeeded",tenant="usage-a"} 3.0' in metrics
+        assert 'rev88_tenant_device_seconds_total{tenant="usage-b"}' in metrics
+        assert c.get("/usage", params={"days": 0}, headers=bearer(a)).status_code == 422

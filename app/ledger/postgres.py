@@ -854,6 +854,20 @@ class PostgresLedger:
             next_cursor = _encode_cursor(last.created_at, last.id)
         return records, next_cursor
 
+    def usage(self, owner: str | None, since: float) -> list[tuple]:
+        """(owner, UTC day, tasks finished, succeeded, run seconds, joules) per tenant and day (as SQLite's)."""
+        sql = ("SELECT (options::json ->> 'owner') AS o,"
+               " to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS day, count(*),"
+               " sum(CASE WHEN status = 'succeeded' THEN 1 ELSE 0 END), COALESCE(sum(run_ms), 0) / 1000.0,"
+               " sum(energy_j) FROM rev88_tasks WHERE finished_at IS NOT NULL AND finished_at >= %s")
+        args: list = [since]
+        if owner is not None:
+            sql += " AND (options::json ->> 'owner') = %s"
+            args.append(owner)
+        sql += " GROUP BY o, day ORDER BY day, o"
+        rows = self._read("sum the tenants' usage", lambda conn: conn.execute(sql, args).fetchall())
+        return [tuple(r) for r in rows]
+
     def count_unfinished(self, owner: str) -> int:
         """How many of the tenant's tasks are queued or running, on every replica."""
         return int(self._read("count a tenant's unfinished tasks", lambda conn: conn.execute(

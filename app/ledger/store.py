@@ -950,6 +950,21 @@ class Ledger:
             next_cursor = _encode_cursor(last.created_at, last.id)
         return records, next_cursor
 
+    def usage(self, owner: str | None, since: float) -> list[tuple]:
+        """(owner, UTC day, tasks finished, succeeded, run seconds, joules) per tenant and day,
+        for tasks finished since ``since`` (``owner``: that tenant's only; None: every tenant's,
+        the admin's and an open service's as owner None)."""
+        sql = ("SELECT json_extract(options, '$.owner') AS o, date(finished_at, 'unixepoch') AS day, count(*),"
+               " sum(status = 'succeeded'), COALESCE(sum(run_ms), 0) / 1000.0, sum(energy_j) FROM tasks"
+               " WHERE finished_at IS NOT NULL AND finished_at >= ?")
+        args: list = [since]
+        if owner is not None:
+            sql += " AND json_extract(options, '$.owner') = ?"
+            args.append(owner)
+        sql += " GROUP BY o, day ORDER BY day, o"
+        with self._read("sum the tenants' usage") as conn:
+            return [tuple(r) for r in conn.execute(sql, args).fetchall()]
+
     def count_unfinished(self, owner: str) -> int:
         """How many of the tenant's tasks are queued or running (its max_queued counts them)."""
         with self._read("count a tenant's unfinished tasks") as conn:

@@ -155,6 +155,9 @@ class LedgerCollector:
             yield events
 
 
+TENANT_SERIES = 50  # how many tenants' names get their own /metrics series (the rest: "other")
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -185,6 +188,12 @@ class Metrics:
         self.device_busy = Gauge("rev88_device_busy", "Workers whose device runs a job now", registry=r)
         self.ready = Gauge("rev88_ready", "1 when the service is ready for tasks", registry=r)
         self.task_energy: Counter | None = None
+        # per tenant (issue #33): a key's name as the label, for the first TENANT_SERIES names; the rest "other"
+        self.tenant_tasks = Counter("rev88_tenant_tasks", "Finished tasks by tenant (key name) and status",
+                                    ["tenant", "status"], registry=r)
+        self.tenant_device_seconds = Counter("rev88_tenant_device_seconds", "Learner run seconds by tenant (key name)",
+                                             ["tenant"], registry=r)
+        self._tenant_names: set[str] = set()
 
     def bind(self, depth: Callable[[], float], in_flight: Callable[[], float], busy: Callable[[], float],
              ready: Callable[[], float]) -> None:
@@ -206,6 +215,17 @@ class Metrics:
             "rev88_task_energy_joules", "Summed gross joules of metered task runs (NVML counter deltas)",
             registry=self.registry,
         )
+
+    def tenant_finished(self, name: str, status: str, run_seconds: float | None) -> None:
+        """A finished task of the tenant ``name`` (its key's name; "admin" or "open" otherwise)."""
+        if name not in self._tenant_names:
+            if len(self._tenant_names) >= TENANT_SERIES:
+                name = "other"
+            else:
+                self._tenant_names.add(name)
+        self.tenant_tasks.labels(name, status).inc()
+        if run_seconds:
+            self.tenant_device_seconds.labels(name).inc(run_seconds)
 
     def outcome(self, outcome: str) -> None:
         self.tasks.labels(outcome if outcome in OUTCOMES else "error").inc()

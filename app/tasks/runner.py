@@ -234,6 +234,8 @@ class TaskRunner:
         # called with (acc, Outcome) once a task's outcome is in the ledger, on the event loop
         # (app/tasks/sweeps.py keeps its cells' rows from them)
         self.recorded_hooks: list[Callable[[Accepted, Outcome], None]] = []
+        # (acc, status, answer) of every finished task, recorded now or deferred (per-tenant metrics)
+        self.finished_hooks: list[Callable[[Accepted, str, dict | None], None]] = []
         # a tenant's (weight, max_running) for the executor's fair share (the service's key ring)
         self.shares: Callable[[str], tuple[float, int | None]] = lambda owner: (1.0, None)
         self.keys: Any = None  # the service's key ring (app/tasks/tenants.py): the quotas' messages
@@ -436,6 +438,7 @@ class TaskRunner:
             acc.finished_at = time.time()
             acc.finished = self.finished_task(acc, "succeeded", answer=settled.body, answer_json=content)
             self._commit_later(acc, self.writer.finished(acc.finished))
+            self._finished(acc, "succeeded", settled.body)
         except Exception as exc:  # noqa: BLE001 - the answer stands, whatever the ledger says
             if _unrecorded(acc, exc):
                 settled.headers["X-Ledger-Error"] = str(exc)[:200]
@@ -451,7 +454,15 @@ class TaskRunner:
         status = "cancelled" if isinstance(exc, TaskStopped) else "failed"
         error = {"status": settled.status, **settled.body}
         error.pop("request_id", None)
+        self._finished(acc, status, None)
         return self.writer.finished(self.finished_task(acc, status, error=error), linger=False)
+
+    def _finished(self, acc: Accepted, status: str, answer: dict | None) -> None:
+        for hook in self.finished_hooks:
+            try:
+                hook(acc, status, answer)
+            except Exception:  # noqa: BLE001 - a metric must not lose the task
+                log.exception("finished hook failed", extra={"task_id": acc.task_id})
 
     def _commit_later(self, acc: Accepted, write) -> None:
         write.add_done_callback(lambda future: self._committed(acc, future))
@@ -565,6 +576,8 @@ class TaskRunner:
                 record = await asyncio.wrap_future(self.writer.finish(outcome, linger=acc.mode == "async"))
                 for hook in self.recorded_hooks:
                     hook(acc, outcome)
+                if outcome.status in ("succeeded", "failed", "cancelled"):
+                    self._finished(acc, outcome.status, outcome.answer)
                 return record
             except LedgerUnavailable as exc:
                 if time.monotonic() + delay > deadline:

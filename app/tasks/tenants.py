@@ -132,6 +132,14 @@ class KeyRing:
             self._cache.clear()
             self._shares.clear()
 
+    def name_of(self, owner: str) -> str:
+        """A tenant's key name (for its /metrics series), from the keys resolved here."""
+        with self._lock:
+            for _, answer in self._cache.values():
+                if isinstance(answer, Tenant) and answer.id == owner:
+                    return answer.name
+        return owner
+
     # ------------------------------------------------------------------ limits
     def share(self, owner: str) -> tuple[float, int | None]:
         """(blocking on a cache miss) The tenant's fair-share weight and running limit."""
