@@ -433,3 +433,27 @@ def test_an_evaluations_report_and_the_leaderboard(server, desktop):
     page.locator(f"#tasks-body a.evaluation-link[title='{ids[0]}']").first.click()
     page.wait_for_selector("#evaluation-status.status-completed")
     assert page.inner_text("#evaluation-name") == "one epoch"
+
+
+def test_the_key_box_says_which_key_is_in_use_and_its_usage(server, desktop, task_npz):
+    """A tenant's key typed into the page: the page names it, its scopes and today's usage, and
+    the task list shows only that tenant's tasks."""
+    _, npz = task_npz
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        made = c.post("/keys", json={"name": "web-tenant"}, headers=AUTH).json()
+        tenant = {"Authorization": f"Bearer {made['key']}"}
+        done = post_task(c, npz.read_bytes(), headers=tenant)
+        assert done.status_code == 200, done.text
+    page = desktop
+    page.goto(server.url + "/")
+    page.fill("#api-key", made["key"])
+    page.click("#key-save")
+    page.wait_for_selector("#key-state[data-key-name='web-tenant']")
+    text = page.inner_text("#key-state")
+    assert "key web-tenant (read, write)" in text and "today 1 task" in text, text
+    page.wait_for_selector(f"#tasks-body tr[data-task-id='{done.json()['id']}']")
+    assert page.locator("#tasks-body tr").count() == 1  # its own task only
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#key-state[data-key-name='admin']")
+    assert "admin" in page.inner_text("#key-state")

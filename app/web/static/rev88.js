@@ -135,6 +135,8 @@
     const show = () => {
       const saved = storedKey();
       state.textContent = saved ? "saved in this browser" : (body.dataset.auth === "required" ? "needed" : "");
+      state.removeAttribute("data-key-name");
+      if (saved && body.dataset.auth === "required") whoAmI(state);
     };
     input.value = storedKey();
     show();
@@ -144,6 +146,23 @@
       else show();
       onChange();
     });
+  }
+
+  // Which key the page sends (GET /key) and what it used today (GET /usage?days=1).
+  async function whoAmI(state) {
+    try {
+      const me = await api("/key", { headers: { Accept: "application/json" } });
+      const { data } = await readJSON(me);
+      if (!me.ok || !data) { state.textContent = `key refused: ${problem(me, data)}`; return; }
+      const usage = await api("/usage?days=1", { headers: { Accept: "application/json" } });
+      const { data: used } = await readJSON(usage);
+      const rows = (usage.ok && used && used.usage) || [];
+      const mine = rows.filter((r) => data.admin || r.tenant === data.id);
+      const tasks = mine.reduce((a, r) => a + r.tasks, 0), secs = mine.reduce((a, r) => a + r.device_seconds, 0);
+      state.dataset.keyName = data.name;
+      state.textContent = `key ${data.name} (${data.scopes.join(", ")})${data.admin ? ", admin" : ""} · today `
+        + `${tasks} task${tasks === 1 ? "" : "s"}, ${num(secs)} device s${data.admin ? " (all tenants)" : ""}`;
+    } catch (e) { console.warn(e); }
   }
 
   // ------------------------------------------------------------------ downloads (with the key)
