@@ -383,3 +383,54 @@ def test_one_evaluation_from_one_key_sent_to_both_its_draws_run_on_both_and_one_
                      == make_task(None, dataset_seed(row["draw"]))[1]).sum()) for row in doc["draws"]]
             (row,) = cb.get("/evaluations").json()["evaluations"]
             assert row["correct"] == doc["totals"]["correct"] and row["status"] == "completed"
+
+
+def test_keys_hold_on_every_replica_revocation_and_the_rate_limit(tmp_path, pg_url, gate):
+    """A key made through one replica works on the other; its rate limit is one bucket for both;
+    revoked through one, the other refuses it within a second (its cache of resolved keys)."""
+    admin = {"Authorization": "Bearer replica-admin"}
+    env = {"REV88_API_KEY": "replica-admin"}
+    body = task_to_npz_bytes(small_task(30, 4, seed=5))
+    with replica(tmp_path, pg_url, gate, "a", **env) as a, replica(tmp_path, pg_url, gate, "b", **env) as b, \
+            a.client() as ca, b.client() as cb:
+        made = ca.post("/keys", json={"name": "shared", "rate_per_minute": 2}, headers=admin)
+        assert made.status_code == 201, made.text
+        key = {"Authorization": f"Bearer {made.json()['key']}"}
+        assert post_task(ca, body, headers=key).status_code == 200
+        assert post_task(cb, body, headers=key).status_code == 200
+        third = post_task(ca, body, headers=key)
+        assert third.status_code == 429 and third.headers["ratelimit-policy"] == '"write";q=2;w=60'  # one bucket
+        assert cb.get("/tasks", headers=key).status_code == 200
+        assert ca.delete(f"/keys/{made.json()['id']}", headers=admin).status_code == 200
+        assert ca.get("/tasks", headers=key).status_code == 401  # at once where it was revoked
+        wait_for(lambda: cb.get("/tasks", headers=key).status_code == 401, 3, 0.1, "replica b refusing it")
+        r = cb.get("/tasks", headers=key)
+        assert "revoked" in r.json()["error"]
+
+
+def test_fair_share_across_replicas_through_the_claim_query(tmp_path, pg_url, gate):
+    """Two replicas of one worker each: tenant B's 2 tasks, sent behind tenant A's 12 (through the
+    other replica), are claimed after at most a few of A's -- the claim orders tenants by their
+    decayed device time, on every replica."""
+    admin = {"Authorization": "Bearer replica-admin"}
+    env = {"REV88_API_KEY": "replica-admin"}
+    body = task_to_npz_bytes(small_task(300, 40, seed=6))
+    with replica(tmp_path, pg_url, gate, "a", **env) as a, replica(tmp_path, pg_url, gate, "b", **env) as b, \
+            a.client(headers=admin) as ca, b.client(headers=admin) as cb:
+        ka = {"Authorization": f"Bearer {ca.post('/keys', json={'name': 'flood'}, headers=admin).json()['key']}"}
+        kb = {"Authorization": f"Bearer {ca.post('/keys', json={'name': 'small'}, headers=admin).json()['key']}"}
+        gate.hold()
+        try:
+            ids_a = [post_task(ca, body, headers={**ASYNC, **ka}).json()["id"] for _ in range(12)]
+            wait_for(lambda: a.running() is not None and b.running() is not None, 30, 0.05, "both replicas busy")
+            ids_b = [post_task(cb, body, headers={**ASYNC, **kb}).json()["id"] for _ in range(2)]
+        finally:
+            gate.release()
+        for t in ids_a:
+            finished(ca, t)
+        for t in ids_b:
+            finished(cb, t)
+        listed = ca.get("/tasks", params={"limit": 100}, headers=admin).json()["tasks"]
+        started = {t["id"]: t["started_at"] for t in listed}
+        order = sorted(ids_a + ids_b, key=started.get)
+        assert max(order.index(t) for t in ids_b) <= 5, ["b" if t in ids_b else "a" for t in order]

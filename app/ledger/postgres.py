@@ -106,6 +106,7 @@ from .store import (
 log = logging.getLogger("rev88." + __name__)
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+FAIR_HALF_LIFE_S = 60.0  # the claims' fair share: as the executor's (app/runtime/executor.py)
 _MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 # pg_advisory_lock keys (64-bit): the schema migration, and retention (one replica at a time)
 MIGRATION_LOCK = 0x7265_7638_0001
@@ -964,19 +965,40 @@ class PostgresLedger:
     # ------------------------------------------------------------------ claims and leases
 
     def claim(self, limit: int) -> list[Claim]:
-        """Up to ``limit`` queued asynchronous tasks, oldest first, leased to this replica
-        (``FOR UPDATE SKIP LOCKED``: replicas claiming at once never take the same task)."""
+        """Up to ``limit`` queued asynchronous tasks leased to this replica (``FOR UPDATE SKIP
+        LOCKED``: replicas claiming at once never take the same task), in fair-share order across
+        replicas (issue #33): first the tenants with the least device time per unit of weight --
+        their finished tasks' run time decayed with the half-life FAIR_HALF_LIFE_S, plus the time
+        their running tasks have run so far -- oldest first within a tenant (with one tenant:
+        oldest first, as before); a tenant whose key's max_running is reached by its claimed and
+        running tasks, on every replica, waits."""
         if limit < 1:
             return []
         with self._conn(f"claim up to {limit} queued task(s)", transaction=False) as conn:
             rows = conn.execute(
                 f"UPDATE rev88_tasks t SET lease_owner = %(owner)s, lease_expires_at = {NOW} + %(lease)s,"
                 " claims = t.claims + 1"
-                " FROM (SELECT id FROM rev88_tasks WHERE status = 'queued' AND mode = 'async'"
-                "       AND lease_owner IS NULL AND cancel_requested_at IS NULL"
-                "       ORDER BY created_at, id LIMIT %(n)s FOR UPDATE SKIP LOCKED) c"
+                " FROM (SELECT q.id FROM rev88_tasks q"
+                "       LEFT JOIN (SELECT options::json ->> 'owner' AS o,"
+                "                         sum(CASE WHEN status = 'running' AND started_at IS NOT NULL"
+                f"                                  THEN {NOW} - started_at"
+                "                                  ELSE COALESCE(run_ms, 0) / 1000.0"
+                f"                                       * power(0.5, ({NOW} - finished_at) / %(half)s) END) AS used,"
+                "                         sum(CASE WHEN status = 'running' OR lease_owner IS NOT NULL THEN 1 ELSE 0"
+                "                             END) AS busy"
+                "                  FROM rev88_tasks"
+                f"                  WHERE status = 'running' OR lease_owner IS NOT NULL"
+                f"                     OR finished_at > {NOW} - 10 * %(half)s"
+                "                  GROUP BY 1) u ON u.o IS NOT DISTINCT FROM (q.options::json ->> 'owner')"
+                "       LEFT JOIN rev88_keys k ON k.id = (q.options::json ->> 'owner')"
+                "       WHERE q.status = 'queued' AND q.mode = 'async'"
+                "       AND q.lease_owner IS NULL AND q.cancel_requested_at IS NULL"
+                "       AND (k.max_running IS NULL OR COALESCE(u.busy, 0) < k.max_running)"
+                "       ORDER BY COALESCE(u.used, 0) / COALESCE(k.weight, 1), q.created_at, q.id"
+                "       LIMIT %(n)s FOR UPDATE OF q SKIP LOCKED) c"
                 f" WHERE t.id = c.id RETURNING {T_SUMMARY_COLUMNS}, t.claims",
-                {"owner": self.owner, "lease": self.lease_s, "n": int(limit)}, binary=True).fetchall()
+                {"owner": self.owner, "lease": self.lease_s, "n": int(limit), "half": FAIR_HALF_LIFE_S},
+                binary=True).fetchall()
         claims = sorted((Claim(_record(row, False), row[23]) for row in rows),
                         key=lambda c: (c.record.created_at, c.record.id))
         for c in claims:
