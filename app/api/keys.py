@@ -34,7 +34,7 @@ async def create_key(body: KeyCreate, service: ServiceDep, tenant: TenantDep) ->
 
 
 @router.get("/keys", summary="Every key (admin): never a secret", response_model=KeyList,
-            responses=error_responses(401, 403, 409, 503))
+            responses=error_responses(401, 403, 409, 422, 503))
 async def list_keys(service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     _admin(service, tenant)
     records = await run_in_threadpool(service.keys.store.list)
@@ -42,7 +42,7 @@ async def list_keys(service: ServiceDep, tenant: TenantDep) -> JSONResponse:
 
 
 @router.get("/key", summary="The key this request was made with (any key)", response_model=KeyView,
-            responses=error_responses(401, 503))
+            responses=error_responses(401, 422, 503))
 async def my_key(service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     if tenant.key is None:  # the admin key, or an open service
         return JSONResponse({"id": tenant.id, "name": tenant.name, "scopes": sorted(tenant.scopes),
@@ -52,7 +52,7 @@ async def my_key(service: ServiceDep, tenant: TenantDep) -> JSONResponse:
 
 
 @router.delete("/keys/{key_id}", summary="Revoke a key (admin): refused from then on, on every replica",
-               response_model=KeyView, responses=error_responses(401, 403, 404, 409, 503))
+               response_model=KeyView, responses=error_responses(401, 403, 404, 409, 422, 503))
 async def revoke_key(key_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     _admin(service, tenant)
     record = await run_in_threadpool(service.keys.revoke, key_id)
