@@ -15,7 +15,7 @@ from typing import Any
 from learner import __version__
 
 from . import web
-from .api import add_routes, datasets, errors, evaluations, health, keys, sweeps, tasks, usage
+from .api import add_routes, datasets, errors, evaluations, health, keys, sweeps, tasks, usage, webhooks
 from .api.hot_path import ServiceApp, post_tasks, telemetry_enabled
 from .api.openapi import DESCRIPTION
 from .http import protocol, versions
@@ -73,6 +73,7 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     add_routes(app, evaluations.router)
     add_routes(app, keys.router)
     add_routes(app, usage.router)
+    add_routes(app, webhooks.router)
     add_routes(app, health.router)
     web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, its script and styles under /static
     return app

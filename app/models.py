@@ -131,6 +131,9 @@ class SweepRequest(BaseModel):
     backend: str | None = None
     include_scores: bool = False
     name: str | None = Field(None, max_length=200)
+    webhook: str | None = Field(None, max_length=2048, description="an http(s) URL for sweep.completed "
+                                "(docs/webhooks.md)")
+    webhook_events: str | list[str] | None = Field(None, description="completed (the default and the one event)")
 
 
 class SweepCell(Open):
@@ -189,6 +192,9 @@ class EvaluationRequest(BaseModel):
     measure: Literal["energy"] | None = Field(None, description="energy: each draw also measured (docs/energy.md)")
     protocol: dict[str, int | float] | None = Field(
         None, description="the measurement's arguments (trials, target_seconds, ...; measure=energy only)")
+    webhook: str | None = Field(None, max_length=2048, description="an http(s) URL for evaluation.completed "
+                                "(docs/webhooks.md)")
+    webhook_events: str | list[str] | None = Field(None, description="completed (the default and the one event)")
 
 
 class EvaluationAccepted(Open):
@@ -330,6 +336,55 @@ class Health(Open):
 class Probe(Open):
     status: str
     error: str | None = None
+
+
+class WebhookSecret(Open):
+    key: str = Field(description="whsec_...: the tenant's Standard Webhooks signing secret")
+    previous_valid_until: float | None = Field(
+        None, description="after a rotation: the old secret also signs until then (epoch seconds)")
+
+
+class DeliveryAttempt(Open):
+    n: int
+    at: float
+    url: str
+    address: str | None = Field(None, description="the checked address the request went to")
+    status_code: int | None = None
+    duration_ms: float | None = None
+    error: str | None = None
+    outcome: Literal["delivered", "retry", "failed", "stopped"]
+    next_at: float | None = Field(None, description="outcome retry: when the next attempt is due")
+    replica: str | None = None
+
+
+class DeliveryMessage(Open):
+    id: str = Field(description="the webhook-id of every attempt")
+    event: Literal["started", "completed"]
+    type: str | None = Field(None, description="task.succeeded, ...; None until the event has happened")
+    url: str
+    state: Literal["waiting", "pending", "delivered", "failed", "stopped", "skipped"]
+    created_at: float
+    ready_at: float | None = None
+    next_attempt_at: float | None = None
+    finished_at: float | None = None
+    last_error: str | None = None
+    next: str = Field(description="what happens next, in words")
+    attempt_count: int
+    attempts: list[DeliveryAttempt]
+
+
+class DeliveryLog(Open):
+    kind: Literal["task", "sweep", "evaluation"]
+    id: str
+    messages: list[DeliveryMessage]
+
+
+class Redelivered(Open):
+    redelivered: list[str] = Field(description="the message ids sent again (their ids and bodies unchanged)")
+
+
+class StoppedWebhooks(Open):
+    stopped: list[dict[str, Any]] = Field(description="URLs that answered 410 Gone: url, stopped_at, message_id")
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:

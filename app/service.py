@@ -33,6 +33,7 @@ from learner.result import run_task, versions
 from learner.taskio import validate_task
 from learner.validate import cached_validation
 
+from .errors import NotFound
 from .http import uploads
 from .http.logs import flush_logs
 from .ledger import LedgerWriter, is_shared, open_ledger
@@ -50,6 +51,7 @@ from .tasks.runner import TaskRunner
 from .tasks.sweeps import Sweeps
 from .tasks.tenants import KeyRing
 from .threads import name_os_thread
+from .webhooks.delivery import Webhooks
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -145,6 +147,10 @@ class Service:
                 queue_size=self.queue_size, lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
                 shared_queue_size=settings.shared_queue_size, ready=lambda: self.state == "ready")
         self.metrics.watch_ledger(self.ledger_stats)
+        # Signed webhooks from the ledger's outbox (app/webhooks/): any replica delivers any message
+        self.webhooks = Webhooks(self.ledger, settings, self.metrics,
+                                 readers={"sweep": self._sweep_document, "evaluation": self._evaluation_document})
+        self.runner.recorded_hooks.append(self._webhook_hint)
         # The bytes of the bodies being received or parsed (app/http/uploads.py): by default what
         # queue_size + 1 uploads of the largest size hold.
         # (the body protocol reserves in it too: app/main.py hands it over, app/http/protocol.py)
@@ -199,6 +205,27 @@ class Service:
         run_ms = ((answer or {}).get("timing") or {}).get("run_ms")
         self.metrics.tenant_finished(name, status, None if run_ms is None else run_ms / 1000.0)
 
+    def _webhook_hint(self, acc, outcome) -> None:
+        """A task's outcome is in the ledger here: its webhook, its sweep's or its evaluation's
+        may be due now (the outbox's poll finds the others')."""
+        for subject in (acc.sweep, acc.evaluation):
+            if subject is not None:
+                self.webhooks.wake(subject)
+        if acc.webhook is not None:
+            self.webhooks.wake()
+
+    async def _sweep_document(self, sweep_id: str) -> dict[str, Any] | None:
+        try:
+            return await self.sweeps.state(sweep_id)
+        except NotFound:
+            return None
+
+    async def _evaluation_document(self, evaluation_id: str) -> dict[str, Any] | None:
+        try:
+            return await self.evaluations.state(evaluation_id)
+        except NotFound:
+            return None
+
     def versions(self) -> dict[str, Any]:
         return versions()
 
@@ -238,6 +265,7 @@ class Service:
                                        reserved=True, pin=i)
             job.future.add_done_callback(self._warmed_up)
         self.recovered = await self.runner.recover()  # accepted asynchronous tasks a stop left unfinished
+        await self.webhooks.start()
         self._hook_signals()
         log.info(
             "service starting",
@@ -357,6 +385,7 @@ class Service:
         if self.runner.shared is not None:  # stop claiming; leases of unfinished tasks given back
             await self.runner.shared.stop()
         self._unhook_signals()
+        await self.webhooks.stop()  # attempts in flight finish (5 s at most); pending ones stay in the outbox
         if not await asyncio.to_thread(self.ledger_writer.close, 10.0):
             log.error("the ledger writer did not finish its writes within 10 s")
         self.datasets.store.close()

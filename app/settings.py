@@ -43,12 +43,23 @@
     REV88_SWEEP_MAX_CELLS   cells of one sweep                     1000
     REV88_SWEEP_MAX_WORK    a sweep's estimated work in all        200 x the task default
 
+    REV88_WEBHOOK_RETRY_SCHEDULE  delay before each attempt, seconds   0,5,300,1800,7200,18000,36000,36000
+                            (the first from the event; ±10 % jitter)
+    REV88_WEBHOOK_TIMEOUT_S one attempt, connect to last byte      15
+    REV88_WEBHOOK_ALLOW_CIDRS  ranges allowed beside public ones   (none)
+                            (comma list, e.g. 10.1.0.0/16)
+    REV88_WEBHOOK_SECRET_OVERLAP_S  a rotated-out secret signs     86400
+    REV88_WEBHOOK_CONCURRENCY  attempts at once, per replica       8
+    REV88_WEBHOOK_POLL_S    outbox poll period                     1
+    REV88_WEBHOOK_RETAIN_S  settled messages kept                  604800 (7 days)
+
 A bad value stops the service at startup with a message naming the variable.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -58,6 +69,8 @@ from learner.budget import BYTES_ENV, DEFAULT_MAX_TASK_BYTES, DEFAULT_MAX_TASK_W
 
 BACKENDS = NAMES  # learner.backends.NAMES: the registry is the one list
 MAX_BATCH_WAIT_MS = 1000.0
+MAX_WEBHOOK_ATTEMPTS = 32
+MAX_WEBHOOK_DELAY_S = 7 * 86_400.0
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -125,6 +138,17 @@ class Settings:
     # Sweeps (app/tasks/sweeps.py): at most sweep_max_cells cells, sweep_max_work estimated work in all
     sweep_max_cells: int = 1000
     sweep_max_work: int = 200 * DEFAULT_MAX_TASK_WORK
+    # Webhooks (app/webhooks/, docs/webhooks.md): the delay before each attempt (the first one's
+    # from the event), the whole attempt's timeout, extra target ranges for the SSRF guard, how
+    # long a rotated-out secret still signs, attempts at once, the poll period, and how long a
+    # settled message and its attempts are kept.
+    webhook_retry_schedule: tuple[float, ...] = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0)
+    webhook_timeout_s: float = 15.0
+    webhook_allow_cidrs: str = ""
+    webhook_secret_overlap_s: float = 86_400.0
+    webhook_concurrency: int = 8
+    webhook_poll_s: float = 1.0
+    webhook_retain_s: float = 7 * 86_400.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -193,6 +217,29 @@ class Settings:
             raise SettingsError(
                 f"REV88_BATCH_WAIT_MS must be a number of milliseconds in [0, {MAX_BATCH_WAIT_MS:g}], got {self.batch_wait_ms}"
             )
+        schedule = self.webhook_retry_schedule
+        if not schedule or len(schedule) > MAX_WEBHOOK_ATTEMPTS or not all(
+                math.isfinite(d) and 0 <= d <= MAX_WEBHOOK_DELAY_S for d in schedule):
+            raise SettingsError(f"REV88_WEBHOOK_RETRY_SCHEDULE must be 1 to {MAX_WEBHOOK_ATTEMPTS} comma-separated "
+                                f"delays in seconds, each in [0, {MAX_WEBHOOK_DELAY_S:g}], got "
+                                f"{','.join(f'{d:g}' for d in schedule)!r}")
+        for name, value in (("REV88_WEBHOOK_TIMEOUT_S", self.webhook_timeout_s),
+                            ("REV88_WEBHOOK_POLL_S", self.webhook_poll_s)):
+            if not (math.isfinite(value) and 0 < value <= 3600):
+                raise SettingsError(f"{name} must be in (0, 3600] seconds, got {value}")
+        for name, value in (("REV88_WEBHOOK_SECRET_OVERLAP_S", self.webhook_secret_overlap_s),
+                            ("REV88_WEBHOOK_RETAIN_S", self.webhook_retain_s)):
+            if not (math.isfinite(value) and 0 <= value <= 365 * 86_400):
+                raise SettingsError(f"{name} must be in [0, 31536000] seconds, got {value}")
+        if self.webhook_concurrency < 1:
+            raise SettingsError(f"REV88_WEBHOOK_CONCURRENCY must be >= 1, got {self.webhook_concurrency}")
+        for part in self.webhook_allow_cidrs.split(","):
+            try:
+                if part.strip():
+                    ipaddress.ip_network(part.strip(), strict=False)
+            except ValueError:
+                raise SettingsError(f"REV88_WEBHOOK_ALLOW_CIDRS: {part.strip()!r} is not an address range like "
+                                    "203.0.113.0/24") from None
 
     @property
     def ledger_dir(self) -> str:
@@ -238,6 +285,16 @@ class Settings:
                 return False
             raise SettingsError(f"{name} must be 1 or 0 (on or off), got {raw!r}")
 
+        def schedule(name: str, default: tuple[float, ...]) -> tuple[float, ...]:
+            raw = text(name, None)
+            if raw is None:
+                return default
+            try:
+                return tuple(float(part) for part in raw.split(","))
+            except ValueError:
+                raise SettingsError(f"{name} must be comma-separated delays in seconds (like 0,5,300), "
+                                    f"got {raw!r}") from None
+
         defaults = cls()
         api_key = env.get("REV88_API_KEY") or None  # empty means unset (compose files often pass "")
         return cls(
@@ -278,4 +335,11 @@ class Settings:
             dataset_cache_bytes=integer("REV88_DATASET_CACHE_BYTES", defaults.dataset_cache_bytes),
             sweep_max_cells=integer("REV88_SWEEP_MAX_CELLS", defaults.sweep_max_cells),
             sweep_max_work=integer("REV88_SWEEP_MAX_WORK", defaults.sweep_max_work),
+            webhook_retry_schedule=schedule("REV88_WEBHOOK_RETRY_SCHEDULE", defaults.webhook_retry_schedule),
+            webhook_timeout_s=number("REV88_WEBHOOK_TIMEOUT_S", defaults.webhook_timeout_s),
+            webhook_allow_cidrs=text("REV88_WEBHOOK_ALLOW_CIDRS", defaults.webhook_allow_cidrs) or "",
+            webhook_secret_overlap_s=number("REV88_WEBHOOK_SECRET_OVERLAP_S", defaults.webhook_secret_overlap_s),
+            webhook_concurrency=integer("REV88_WEBHOOK_CONCURRENCY", defaults.webhook_concurrency),
+            webhook_poll_s=number("REV88_WEBHOOK_POLL_S", defaults.webhook_poll_s),
+            webhook_retain_s=number("REV88_WEBHOOK_RETAIN_S", defaults.webhook_retain_s),
         )

@@ -17,7 +17,7 @@ from ..http.middleware import prefers_html
 from ..models import EvaluationAccepted, EvaluationList, EvaluationRequest, EvaluationState, error_responses
 from ..tasks.options import parse_options
 from .deps import ServiceDep, TenantDep
-from .intake import gate, idempotency_key
+from .intake import gate, idempotency_key, webhook_of
 
 router = APIRouter(tags=["evaluations"])
 
@@ -29,8 +29,12 @@ async def post_evaluation(body: EvaluationRequest, request: Request, service: Se
                           tenant: TenantDep) -> JSONResponse:
     gate(service)
     backend = parse_options([("backend", body.backend)] if body.backend else [], service.backend).backend
-    ev, created = await service.evaluations.submit(body.model_dump(exclude_none=True), backend,
-                                                   idempotency_key(request), tenant)
+    request_body = body.model_dump(exclude_none=True)
+    webhook = await webhook_of(service, request_body.pop("webhook", None), request_body.pop("webhook_events", None),
+                               ("completed",))
+    if webhook is not None:
+        request_body["webhook"] = webhook
+    ev, created = await service.evaluations.submit(request_body, backend, idempotency_key(request), tenant)
     location = f"/evaluations/{ev.id}"
     headers = {"Location": location} | ({} if created else {"Idempotent-Replayed": "true"})
     return JSONResponse({"id": ev.id, "status": "accepted", "draws": ev.definition["draws"], "location": location,

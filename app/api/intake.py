@@ -38,6 +38,7 @@ from ..ledger import IdempotencyConflict, TaskRecord
 from ..tasks.answers import Settled, status_answer, task_npz
 from ..tasks.options import parse_options, wants_npz
 from ..tasks.runner import Accepted, new_task_id
+from ..webhooks.delivery import SubscriptionError
 from .deps import tenant_of
 
 if TYPE_CHECKING:
@@ -128,8 +129,9 @@ async def handle(request: Request, service: Service) -> Response:
 async def _handle(request: Request, service: Service, t0: float, request_id: str | None) -> Response:
     gate(service)
     options = parse_options(list(request.query_params.multi_items()), service.backend)
+    webhook = await webhook_of(service, options.webhook, options.webhook_events, ("started", "completed"))
     if options.dataset is not None:  # POST /tasks?dataset=: the stored dataset, no body
-        return await _handle_dataset(request, service, options, t0, request_id)
+        return await _handle_dataset(request, service, options, t0, request_id, webhook)
     kind = uploads.check_content_type(request.headers.get("content-type"))
     asynchronous, key = _admitted(request, service)
     await service.runner.check_queued(tenant_of(request), 1)  # the key's max_queued (before the body)
@@ -144,7 +146,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         if kind == uploads.MULTIPART:
             body, form_config = await uploads.split_multipart(request.headers, bytes(body))
         config = options.config(form_config)
-        hash_body = asynchronous or key is not None
+        hash_body = asynchronous or key is not None or webhook is not None  # (recorded before it runs)
         late = None
         if not hash_body and options.measure is None and service.runner.batch_max <= 1:
             # A synchronous task, recorded only once it has finished, on a backend that does not
@@ -174,9 +176,20 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=0.0 if late else parse_s,
         body_bytes=len(body), deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
-        late=late, owner=tenant_of(request).owner,
+        late=late, owner=tenant_of(request).owner, webhook=webhook,
     )
     return await _accepted(request, service, acc, body, body_sha256, key, asynchronous)
+
+
+async def webhook_of(service: Service, url: str | None, events, allowed: tuple[str, ...]) -> dict | None:
+    """A request's webhook, checked now (its URL, and every address the host resolves to): a
+    422 naming ``webhook`` or ``webhook_events`` when refused."""
+    if url is None and events is None:
+        return None
+    try:
+        return await service.webhooks.subscription(url, events, allowed)
+    except SubscriptionError as exc:
+        raise InvalidRequest(str(exc), field=exc.field) from None
 
 
 def _admitted(request: Request, service: Service) -> tuple[bool, str | None]:
@@ -193,7 +206,7 @@ def _admitted(request: Request, service: Service) -> tuple[bool, str | None]:
 
 
 async def _handle_dataset(request: Request, service: Service, options, t0: float,
-                          request_id: str | None) -> Response:
+                          request_id: str | None, webhook: dict | None) -> Response:
     """A task on a stored dataset (issue #31): no body; the dataset's parsed arrays (parsed once
     per process); from there the same path as an uploaded task's, so the same answer, plus the
     dataset's digest and, with its labels, the count of correct predictions."""
@@ -218,8 +231,8 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
         task_id=new_task_id(), task=task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=0.0, parse_s=time.perf_counter() - t_parse,
-        body_bytes=record.bytes, deferred=not (asynchronous or key is not None), dataset=options.dataset,
-        labels=labels, owner=tenant_of(request).owner,
+        body_bytes=record.bytes, deferred=not (asynchronous or key is not None or webhook is not None),
+        dataset=options.dataset, labels=labels, owner=tenant_of(request).owner, webhook=webhook,
     )
     # (the body's SHA-256 is the dataset's: an Idempotency-Key matches the same bytes however sent)
     return await _accepted(request, service, acc, None, options.dataset.split(":", 1)[1], key, asynchronous)

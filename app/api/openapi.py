@@ -41,6 +41,13 @@ def task_params() -> list[dict[str, Any]]:
          "description": "include=scores adds the (M, 10) float32 scores to the JSON answer"},
         {"name": "measure", "in": "query", "required": False, "schema": {"type": "string", "enum": ["energy"]},
          "description": "measure=energy runs the energy protocol (learner.measure) instead; see docs/energy.md"},
+        {"name": "webhook", "in": "query", "required": False,
+         "schema": {"type": "string", "format": "uri", "maxLength": 2048},
+         "description": "an http(s) URL to POST a signed Standard Webhooks message to (docs/webhooks.md); "
+                        "a private or unresolvable target is 422"},
+        {"name": "webhook_events", "in": "query", "required": False,
+         "schema": {"type": "string", "pattern": "^(started|completed)(,(started|completed))*$"},
+         "description": "comma list of started, completed (default: completed)"},
     ]
     for name, (kind, low, high, default) in MEASURE_PARAMS.items():
         params.append({"name": name, "in": "query", "required": False,

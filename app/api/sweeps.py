@@ -14,7 +14,7 @@ from ..models import SweepAccepted, SweepList, SweepRequest, SweepState, error_r
 from ..tasks.options import parse_options
 from ..tasks.sweeps import as_csv, summary
 from .deps import ServiceDep, TenantDep
-from .intake import gate, idempotency_key
+from .intake import gate, idempotency_key, webhook_of
 
 router = APIRouter(tags=["sweeps"])
 
@@ -25,6 +25,10 @@ async def post_sweep(body: SweepRequest, request: Request, service: ServiceDep, 
     gate(service)
     backend = parse_options([("backend", body.backend)] if body.backend else [], service.backend).backend
     definition = body.model_dump(exclude_none=True)
+    webhook = await webhook_of(service, definition.pop("webhook", None), definition.pop("webhook_events", None),
+                               ("completed",))
+    if webhook is not None:
+        definition["webhook"] = webhook  # (part of the definition: a replay must carry the same)
     sweep, created = await service.sweeps.submit(definition, backend, idempotency_key(request), tenant.owner,
                                                  tenant)
     location = f"/sweeps/{sweep.id}"

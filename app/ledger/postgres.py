@@ -78,6 +78,7 @@ import psycopg.errors
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from .base import Claim, LeaseLost, Renewal
+from .outbox import PostgresOutbox, task_rows
 from .store import (
     ANSWER_CODEC,
     FINISHED,
@@ -529,6 +530,7 @@ class PostgresLedger:
                     if body is not None:
                         conn.execute("INSERT INTO rev88_task_inputs (task_id, bytes, body) VALUES (%s, %s, %b)",
                                      (task_id, len(body), body))
+                    PostgresOutbox.insert(conn, task_rows(task_id, options))  # its webhook's messages (issue #34)
                     if mode == "async":
                         conn.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
                     record = _record(row, True)
@@ -545,9 +547,10 @@ class PostgresLedger:
             self._hold(task_id, 1)
         return record, True
 
-    def create_many(self, tasks: list[dict]) -> None:
+    def create_many(self, tasks: list[dict], messages: list[tuple] | None = None) -> None:
         """Record many new asynchronous tasks without a body or an Idempotency-Key (a sweep's
-        cells) as queued, claimable by any replica, in one transaction (one wake-up)."""
+        cells) as queued, claimable by any replica, in one transaction (one wake-up), with
+        ``messages`` (webhook outbox rows: a sweep's, an evaluation's)."""
         rows = []
         for t in tasks:
             check_new_task(t["kind"], t["mode"], None, t["body_bytes"], t["body_sha256"], None)
@@ -562,6 +565,8 @@ class PostgresLedger:
                     "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
                     f" test_count, input_hashes, body_sha256, body_bytes, has_input, claims) VALUES (%s, 'queued', %s,"
                     f" %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, false, 0)", rows)
+                PostgresOutbox.insert(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"])]
+                                      + list(messages or []))
                 if any(t["mode"] == "async" for t in tasks):
                     cur.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
         except psycopg.IntegrityError as exc:
@@ -761,6 +766,7 @@ class PostgresLedger:
                     " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
                     f" run_ms, energy_j) VALUES (%s, %s, %s, %s, %s, %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
                     " %s, %b, %s, %s, %s, %s, %s, %s, %s)", rows)
+                PostgresOutbox.insert(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)])
         except psycopg.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({_first_line(exc)})") from exc
         if self._totals is not None:

@@ -51,6 +51,9 @@ from typing import Any
 
 import orjson
 
+from .outbox import SQLITE_SCHEMA as OUTBOX_SCHEMA
+from .outbox import SqliteOutbox, task_rows
+
 log = logging.getLogger("rev88." + __name__)
 
 DB_NAME = "ledger.sqlite3"
@@ -118,6 +121,8 @@ MIGRATIONS: list[tuple[int, str]] = [
         DROP TABLE tasks;
         ALTER TABLE tasks_v2 RENAME TO tasks;
         """ + _TASK_INDEXES),
+    # Version 3 (issue #34): the webhook outbox beside the tasks, written in their transactions
+    (3, OUTBOX_SCHEMA),
 ]
 SCHEMA_VERSION: int = MIGRATIONS[-1][0]
 assert [v for v, _ in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1)), "migrations must be numbered 1..N"
@@ -680,6 +685,7 @@ class Ledger:
                      int(test_count), texts[2], body_sha256, int(body_bytes), int(upload is not None),
                      idempotency_key),
                 )
+                SqliteOutbox.insert(conn, task_rows(task_id, options))  # its webhook's messages (issue #34)
                 record = self._get(conn, task_id)
             committed = True
         except sqlite3.IntegrityError as exc:
@@ -690,10 +696,11 @@ class Ledger:
                     upload.unlink()
         return record, True
 
-    def create_many(self, tasks: list[dict]) -> None:
+    def create_many(self, tasks: list[dict], messages: list[tuple] | None = None) -> None:
         """Record many new tasks without a body or an Idempotency-Key (a sweep's cells: their
         dataset is stored apart) as queued, in one transaction: all of them, or none (ValueError
-        for an id already in the ledger). ``tasks``: ``create``'s keyword arguments."""
+        for an id already in the ledger). ``tasks``: ``create``'s keyword arguments. ``messages``:
+        webhook outbox rows written in the same transaction (a sweep's, an evaluation's)."""
         rows = []
         now = time.time()
         for t in tasks:
@@ -709,6 +716,8 @@ class Ledger:
                     "INSERT INTO tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
                     " test_count, input_hashes, body_sha256, body_bytes, has_upload, idempotency_key)"
                     " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL)", rows)
+                SqliteOutbox.insert(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"], now)]
+                                    + list(messages or []))
         except sqlite3.IntegrityError as exc:
             raise ValueError(f"a task id is already in the ledger ({exc})") from exc
 
@@ -872,6 +881,7 @@ class Ledger:
                     " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
                     " run_ms, energy_j, has_upload) VALUES"
                     " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)", rows)
+                SqliteOutbox.insert(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)])
         except sqlite3.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({exc})") from exc
         if self._totals is not None:

@@ -19,6 +19,8 @@
     rev88_shared_tasks_running            PostgreSQL: asynchronous tasks running on any replica
     rev88_leases_held                     PostgreSQL: leases this replica holds
     rev88_ledger_events_total{event}      PostgreSQL: claimed, leases_lost, reaped_*, released, ...
+    rev88_webhook_deliveries_total{outcome}  webhook attempts: delivered, retry, failed, stopped, lease_lost
+    rev88_webhook_oldest_pending_seconds  age of the oldest message not yet delivered (the outbox's, all replicas)
 
 Where NVML exists (never on the development machine, so unverified there):
 
@@ -194,6 +196,13 @@ class Metrics:
         self.tenant_device_seconds = Counter("rev88_tenant_device_seconds", "Learner run seconds by tenant (key name)",
                                              ["tenant"], registry=r)
         self._tenant_names: set[str] = set()
+        self.webhook_deliveries = Counter(
+            "rev88_webhook_deliveries", "Webhook attempts by outcome: delivered, retry, failed, stopped, lease_lost",
+            ["outcome"], registry=r)
+        self.webhook_oldest_pending = Gauge(
+            "rev88_webhook_oldest_pending_seconds",
+            "Age of the oldest webhook message waiting to be delivered (0: none; every replica's, as last counted)",
+            registry=r)
 
     def bind(self, depth: Callable[[], float], in_flight: Callable[[], float], busy: Callable[[], float],
              ready: Callable[[], float]) -> None:
@@ -208,6 +217,12 @@ class Metrics:
 
     def watch_ledger(self, stats: Callable[[], dict]) -> None:
         self.registry.register(LedgerCollector(stats))
+
+    def watch_webhooks(self, oldest_pending_s: Callable[[], float]) -> None:
+        self.webhook_oldest_pending.set_function(oldest_pending_s)
+
+    def webhook_delivery(self, outcome: str) -> None:
+        self.webhook_deliveries.labels(outcome).inc()
 
     def enable_gpu(self, telemetry: Callable[[], tuple[dict | None, str | None]]) -> None:
         self.registry.register(GpuCollector(telemetry))

@@ -37,6 +37,7 @@ from learner.evaluate import DRAW_SEED_BASE, dataset_seed, parse_draws, totals
 
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..ledger.evaluations import SORTS, EvaluationRecord, open_evaluations
+from ..ledger.outbox import message_rows
 from .options import MEASURE_PARAMS, measure_arguments
 from .runner import Accepted, new_task_id
 
@@ -78,6 +79,8 @@ def check_definition(body: dict[str, Any], backend: str, settings: Any) -> dict[
                                   "name": body.get("name"), "measure": measure}
     if measure is not None:
         definition["protocol"] = measure_arguments({k: str(v) for k, v in (protocol or {}).items()})
+    if body.get("webhook") is not None:  # checked by the route (app/webhooks): {"url", "events"}
+        definition["webhook"] = body["webhook"]
     check_budget(estimate(10000, 10000, config), settings.max_task_work, settings.max_task_bytes)  # each draw's
     return definition
 
@@ -380,8 +383,10 @@ class Evaluations:
                      for t, m in wanted]
         if not accs:
             return
+        # its webhook's message, in the cells' transaction (the first time they are recorded)
+        messages = message_rows("evaluation", ev.id, ev.definition.get("webhook"), ev.owner) if not have else []
         try:
-            await asyncio.to_thread(runner.record_many, accs)  # one transaction: all of them or none
+            await asyncio.to_thread(runner.record_many, accs, messages)  # one transaction: all of them or none
         except ValueError:  # (ids in the ledger already: the same Idempotency-Key's other request, at once)
             have = await asyncio.to_thread(runner.ledger.get_many, [acc.task_id for acc in accs])
             if len(have) == len(accs):

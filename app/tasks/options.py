@@ -17,7 +17,7 @@ from learner.config import Config, coerce_config_strings, make_config
 from ..errors import InvalidRequest
 from ..ledger.datasets import DIGEST
 
-SERVICE_PARAMS = ("backend", "include", "measure", "dataset")
+SERVICE_PARAMS = ("backend", "include", "measure", "dataset", "webhook", "webhook_events")
 MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
     "trials": (int, 1, 10, 3),
     "target_seconds": (float, 0.1, 60.0, 5.0),
@@ -43,6 +43,8 @@ class TaskOptions:
     include_scores: bool = False
     measure: dict[str, Any] | None = None  # protocol arguments for ?measure=energy
     dataset: str | None = None  # ?dataset=sha256:...: the stored dataset to train on (no body)
+    webhook: str | None = None  # ?webhook=<url>: checked by the webhooks' guard (app/webhooks/targets.py)
+    webhook_events: str | None = None  # ?webhook_events=started,completed (default completed)
 
     def config(self, form_config: dict[str, Any] | None = None) -> Config:
         """Query overrides merged with a multipart ``config`` field; a key in both is an error."""
@@ -70,6 +72,7 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
     if dataset is not None and not DIGEST.match(dataset):
         raise InvalidRequest(f"dataset must be a stored dataset's digest, sha256:<64 lowercase hex digits>, "
                              f"got {dataset!r}", field="dataset")
+    webhook, webhook_events = query.pop("webhook", None), query.pop("webhook_events", None)
     measure = query.pop("measure", None)
     protocol = {name: query.pop(name) for name in list(query) if name in MEASURE_PARAMS}
     if measure is None and protocol:
@@ -84,6 +87,8 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
         include_scores="scores" in include,
         measure=None if measure is None else measure_arguments(protocol),
         dataset=dataset,
+        webhook=webhook,
+        webhook_events=webhook_events,
     )
 
 

@@ -131,6 +131,7 @@ class Accepted:
     sweep: str | None = None  # the sweep it is a cell of (app/tasks/sweeps.py)
     evaluation: str | None = None  # the evaluation it is a cell of (app/tasks/evaluations.py)
     owner: str | None = None  # the tenant whose key made it (app/tasks/tenants.py); None: admin or open
+    webhook: dict | None = None  # {"url", "events"}: its webhook (app/webhooks/; the ledger writes its messages)
 
     @property
     def kind(self) -> str:
@@ -146,6 +147,8 @@ class Accepted:
             options["evaluation"] = self.evaluation
         if self.owner is not None:
             options["owner"] = self.owner
+        if self.webhook is not None:
+            options["webhook"] = self.webhook
         return options
 
     def parsed(self) -> TaskArrays | None:
@@ -285,14 +288,15 @@ class TaskRunner:
         count = await asyncio.to_thread(self.unfinished_of, tenant.id)
         self.keys.check_queued(tenant, adding, count)
 
-    def record_many(self, accs: list[Accepted]) -> None:
+    def record_many(self, accs: list[Accepted], messages: list[tuple] | None = None) -> None:
         """Write many asynchronous tasks on stored datasets (a sweep's or an evaluation's cells)
-        in one transaction (blocking: call it in a thread)."""
+        in one transaction, with ``messages`` (the sweep's or evaluation's webhook outbox rows;
+        blocking: call it in a thread)."""
         self.ledger.create_many([dict(
             task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
             options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
             body_sha256=acc.dataset.split(":", 1)[1], body_bytes=acc.body_bytes, input_hashes=input_hashes(acc.task))
-            for acc in accs])
+            for acc in accs], messages)
 
     def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
         """How a task job may share a launch with queued tasks of its launch key
@@ -697,7 +701,8 @@ class TaskRunner:
             acc = Accepted(task_id=rec.id, task=task, config=config, backend=rec.backend,
                            include_scores=bool(rec.options.get("include_scores")), measure=rec.options.get("measure"),
                            mode="async", dataset=dataset, labels=labels, sweep=rec.options.get("sweep"),
-                           evaluation=rec.options.get("evaluation"), owner=rec.options.get("owner"))
+                           evaluation=rec.options.get("evaluation"), owner=rec.options.get("owner"),
+                           webhook=rec.options.get("webhook"))
             self.queue(acc, reserved=True)
             self.settle_in_background(acc)
             counts["requeued"] += 1

@@ -28,6 +28,7 @@ from learner.errors import ConfigError
 
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..ledger.datasets import SweepRecord
+from ..ledger.outbox import message_rows
 from .runner import Accepted, new_task_id
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -210,8 +211,11 @@ class Sweeps:
         accs = [Accepted(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
                          include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
                          labels=labels, sweep=sweep.id, owner=sweep.owner) for c in missing]
+        # its webhook's message, in the cells' transaction (the first time they are recorded)
+        messages = (message_rows("sweep", sweep.id, sweep.definition.get("webhook"), sweep.owner)
+                    if len(missing) == len(sweep.cells) else [])
         try:
-            await asyncio.to_thread(runner.record_many, accs)  # one transaction: all of them or none
+            await asyncio.to_thread(runner.record_many, accs, messages)  # one transaction: all of them or none
         except ValueError:  # (ids in the ledger already: the same Idempotency-Key's other request, at once)
             have = await asyncio.to_thread(runner.ledger.get_many, [acc.task_id for acc in accs])
             if len(have) == len(accs):
