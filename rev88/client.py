@@ -501,8 +501,32 @@ def _task_params(backend: str | None, include_scores: bool, config: Mapping[str,
     params = [("backend", str(backend))] if backend else []
     if include_scores:
         params.append(("include", "scores"))
+    config, hook = _webhook_options(config)
+    params += [(k, v if isinstance(v, str) else ",".join(v)) for k, v in hook.items()]
     params += [(str(k), _param(str(k), v)) for k, v in config.items()]
     return params
+
+
+WEBHOOK_OPTIONS = ("webhook", "webhook_events")
+
+
+def _webhook_options(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config overrides, webhook options): ``webhook=<url>`` and ``webhook_events=["started",
+    "completed"]`` (or a comma string) are a request's webhook (docs/webhooks.md), not config."""
+    rest = {k: v for k, v in config.items() if k not in WEBHOOK_OPTIONS}
+    hook = {}
+    for name in WEBHOOK_OPTIONS:
+        value = config.get(name)
+        if value is None:
+            continue
+        if name == "webhook" and not isinstance(value, str):
+            raise BadInput(f"webhook must be a URL string, got {value!r}")
+        if name == "webhook_events":
+            value = [value] if isinstance(value, str) else list(value)
+            if not all(isinstance(v, str) for v in value):
+                raise BadInput(f"webhook_events must be event names (started, completed), got {value!r}")
+        hook[name] = value
+    return rest, hook
 
 
 def error_message(response: httpx.Response) -> str:
@@ -775,8 +799,9 @@ class _Core:
                   include_scores: bool, name: str | None, idempotency_key: str | None,
                   config: Mapping[str, Any]) -> Op:
         digest = dataset.digest if isinstance(dataset, Dataset) else Dataset(dataset).digest
+        config, hook = _webhook_options(config)
         definition: dict[str, Any] = {"dataset": digest, "config": dict(config), "grid": {k: list(v) for k, v in
-                                                                                         (grid or {}).items()}}
+                                                                                         (grid or {}).items()}, **hook}
         if seeds is not None:
             definition["seeds"] = list(seeds) if not isinstance(seeds, Mapping) else dict(seeds)
         if backend is not None:
@@ -829,7 +854,9 @@ class _Core:
     def _op_evaluate(self, draws: Any, backend: str | None, name: str | None, measure: str | None,
                      protocol: Mapping[str, Any] | None, idempotency_key: str | None,
                      config: Mapping[str, Any]) -> Op:
-        request: dict[str, Any] = {"draws": draws if isinstance(draws, str) else list(draws), "config": dict(config)}
+        config, hook = _webhook_options(config)
+        request: dict[str, Any] = {"draws": draws if isinstance(draws, str) else list(draws), "config": dict(config),
+                                   **hook}
         for key, value in (("backend", backend), ("name", name), ("measure", measure), ("protocol", protocol)):
             if value is not None:
                 request[key] = dict(value) if isinstance(value, Mapping) else value
@@ -1119,6 +1146,35 @@ class Client(_Core):
         body = {} if grace_seconds is None else {"grace_seconds": grace_seconds}
         return self._drive(self._op_keys("POST", f"/{quote(key_id, safe='')}/rotate", f"the rotation of {key_id}",
                                          body, 200))
+
+
+    def webhook_secret(self) -> dict[str, Any]:
+        """GET /webhooks/secret: ``{"key": "whsec_...", "previous_valid_until": ...}``, the secret
+        the service signs this tenant's webhooks with (``rev88.webhooks.verify`` checks them)."""
+        return self._drive(self._op_keys("GET", "/secret", "the webhook secret", None, 200, root="/webhooks"))
+
+    def rotate_webhook_secret(self) -> dict[str, Any]:
+        """POST /webhooks/secret/rotate: a new secret; the old one also signs for a while."""
+        return self._drive(self._op_keys("POST", "/secret/rotate", "the webhook secret's rotation", {}, 200,
+                                         root="/webhooks"))
+
+    def deliveries(self, subject_id: str, kind: str = "task") -> dict[str, Any]:
+        """GET /{tasks|sweeps|evaluations}/<id>/deliveries: its webhook messages and every attempt."""
+        return self._drive(self._op_keys("GET", f"/{quote(subject_id, safe='')}/deliveries",
+                                         f"the deliveries of {kind} {subject_id}", None, 200, root=_collection(kind)))
+
+    def redeliver(self, subject_id: str, kind: str = "task") -> list[str]:
+        """POST .../deliveries/redeliver: its messages sent again (same ids); returns their ids."""
+        return self._drive(self._op_keys("POST", f"/{quote(subject_id, safe='')}/deliveries/redeliver",
+                                         f"the redelivery of {kind} {subject_id}", {}, 202,
+                                         root=_collection(kind)))["redelivered"]
+
+
+def _collection(kind: str) -> str:
+    roots = {"task": "/tasks", "sweep": "/sweeps", "evaluation": "/evaluations"}
+    if kind not in roots:
+        raise BadInput(f"kind must be one of {', '.join(roots)}, got {kind!r}")
+    return roots[kind]
 
 
 class AsyncClient(_Core):
