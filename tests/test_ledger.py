@@ -650,11 +650,13 @@ def test_a_version_1_ledger_is_migrated_with_its_rows(tmp_path, monkeypatch):
             conn.execute("UPDATE tasks SET body_sha256 = NULL WHERE id = ?", (done.id,))
     old.close()
     monkeypatch.undo()
-    new = Ledger(data)  # version 2: the table rebuilt, every row and index kept
+    new = Ledger(data)  # version 2: the table rebuilt, every row and index kept; 3: the webhook outbox
     with sqlite3.connect(data / "ledger.sqlite3") as raw:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
         indexes = {row[0] for row in raw.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
         assert {"tasks_newest", "tasks_status_newest", "tasks_finished"} <= indexes
+        tables = {row[0] for row in raw.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert {"webhook_messages", "webhook_attempts", "webhook_secrets", "webhook_stopped"} <= tables
     assert new.get(done.id).answer == answer_for(done.id)
     assert new.get(queued.id).body_sha256 == hashlib.sha256(b"an upload").hexdigest()
     assert [r.id for r in new.unfinished()] == [queued.id]

@@ -67,7 +67,7 @@ async def _subject(service, kind: str, subject_id: str, tenant) -> None:
 
 def _routes(kind: str, collection: str) -> None:
     @router.get(f"/{collection}/{{subject_id}}/deliveries", summary=f"A {kind}'s webhook messages and attempts",
-                response_model=DeliveryLog, responses=error_responses(401, 404, 503),
+                response_model=DeliveryLog, responses=error_responses(401, 404, 422, 503),
                 name=f"{kind}_deliveries")
     async def deliveries(subject_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
         await _subject(service, kind, subject_id, tenant)
@@ -75,7 +75,7 @@ def _routes(kind: str, collection: str) -> None:
 
     @router.post(f"/{collection}/{{subject_id}}/deliveries/redeliver", status_code=202,
                  summary=f"Send a {kind}'s webhook messages again (same ids, same bodies, the schedule anew)",
-                 response_model=Redelivered, responses=error_responses(401, 404, 409, 503),
+                 response_model=Redelivered, responses=error_responses(401, 404, 409, 422, 503),
                  name=f"{kind}_redeliver")
     async def redeliver(subject_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
         await _subject(service, kind, subject_id, tenant)
