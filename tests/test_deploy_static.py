@@ -285,7 +285,10 @@ def test_serve_flags_cover_every_settings_variable():
                "REV88_UPLOAD_TIMEOUT_S": "30", "REV88_UPLOAD_MIN_RATE": "1000", "REV88_UPLOAD_BUFFER_BYTES": str(1 << 30),
                "REV88_HEADER_TIMEOUT_S": "3", "REV88_KEEPALIVE_S": "9", "REV88_MAX_CONNECTIONS": "100",
                "REV88_STOCK_HTTP": "1", "REV88_DATASET_BYTES": "1000", "REV88_DATASET_CACHE_BYTES": "5",
-               "REV88_SWEEP_MAX_CELLS": "7", "REV88_SWEEP_MAX_WORK": "99"}
+               "REV88_SWEEP_MAX_CELLS": "7", "REV88_SWEEP_MAX_WORK": "99", "REV88_WEBHOOK_RETRY_SCHEDULE": "0,1",
+               "REV88_WEBHOOK_TIMEOUT_S": "3", "REV88_WEBHOOK_ALLOW_CIDRS": "10.0.0.0/8",
+               "REV88_WEBHOOK_SECRET_OVERLAP_S": "60", "REV88_WEBHOOK_CONCURRENCY": "2", "REV88_WEBHOOK_POLL_S": "0.5",
+               "REV88_WEBHOOK_RETAIN_S": "3600"}
     assert set(samples) == ENV_NAMES
     for name, value in samples.items():
         assert Settings.from_env({name: value}) != DEFAULTS, f"{name} is not read by app.settings"

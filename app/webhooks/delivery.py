@@ -283,23 +283,20 @@ class Webhooks:
             await self._record(m, attempt, "stopped")
             return
         retry_after = None
+        secrets_ = await asyncio.to_thread(self.signing_secrets, m.owner)
         t0 = time.perf_counter()
         try:
-            target = await asyncio.to_thread(targets.resolve, targets.parse(m.url), self.allow)
+            async with asyncio.timeout(self.timeout_s):  # the whole attempt: lookup, connect, send, read
+                target = await asyncio.to_thread(targets.resolve, targets.parse(m.url), self.allow)
+                attempt.address, attempt.status_code, retry_header = await self._post(target, m, secrets_)
+            retry_after = parse_retry_after(retry_header, time.time()) if attempt.status_code in (429, 503) else None
         except targets.TargetRefused as exc:
             attempt.error = f"not sent: {exc}"
-        else:
-            secrets_ = await asyncio.to_thread(self.signing_secrets, m.owner)
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    attempt.address, attempt.status_code, retry_header = await self._post(target, m, secrets_)
-                retry_after = (parse_retry_after(retry_header, time.time())
-                               if attempt.status_code in (429, 503) else None)
-            except TimeoutError:
-                attempt.error = f"timed out after {self.timeout_s:g} s (REV88_WEBHOOK_TIMEOUT_S)"
-            except httpx.HTTPError as exc:
-                attempt.error = f"{type(exc).__name__}: {exc}"[:500] or type(exc).__name__
-            attempt.duration_ms = round((time.perf_counter() - t0) * 1000, 3)
+        except TimeoutError:
+            attempt.error = f"timed out after {self.timeout_s:g} s (REV88_WEBHOOK_TIMEOUT_S)"
+        except Exception as exc:  # noqa: BLE001 - connection errors, TLS, a malformed answer: logged, retried
+            attempt.error = f"{type(exc).__name__}: {exc}"[:500]
+        attempt.duration_ms = round((time.perf_counter() - t0) * 1000, 3)
         code = attempt.status_code
         if code is not None and 200 <= code < 300:
             attempt.outcome, state = "delivered", "delivered"

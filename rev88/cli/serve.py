@@ -57,6 +57,13 @@ SERVE_ENV = {
     "dataset_cache_bytes": "REV88_DATASET_CACHE_BYTES",
     "sweep_max_cells": "REV88_SWEEP_MAX_CELLS",
     "sweep_max_work": "REV88_SWEEP_MAX_WORK",
+    "webhook_retry_schedule": "REV88_WEBHOOK_RETRY_SCHEDULE",
+    "webhook_timeout": "REV88_WEBHOOK_TIMEOUT_S",
+    "webhook_allow_cidrs": "REV88_WEBHOOK_ALLOW_CIDRS",
+    "webhook_secret_overlap": "REV88_WEBHOOK_SECRET_OVERLAP_S",
+    "webhook_concurrency": "REV88_WEBHOOK_CONCURRENCY",
+    "webhook_poll": "REV88_WEBHOOK_POLL_S",
+    "webhook_retain": "REV88_WEBHOOK_RETAIN_S",
 }
 
 
@@ -274,4 +281,18 @@ def add_serve(sub) -> None:
     p.add_argument("--sweep-max-cells", type=int, help="cells one sweep may have [REV88_SWEEP_MAX_CELLS, default 1000]")
     p.add_argument("--sweep-max-work", type=int, help="estimated work of one sweep's cells together "
                    "[REV88_SWEEP_MAX_WORK, default 10,000,000,000]")
+    p.add_argument("--webhook-retry-schedule", help="the delay in seconds before each webhook attempt, comma-separated "
+                   "(the first from the event) [REV88_WEBHOOK_RETRY_SCHEDULE, default 0,5,300,1800,7200,18000,36000,36000]")
+    p.add_argument("--webhook-timeout", type=float, help="seconds one webhook attempt may take in all "
+                   "[REV88_WEBHOOK_TIMEOUT_S, default 15]")
+    p.add_argument("--webhook-allow-cidrs", help="address ranges webhooks may target beside public ones, "
+                   "comma-separated [REV88_WEBHOOK_ALLOW_CIDRS, default none]")
+    p.add_argument("--webhook-secret-overlap", type=float, help="seconds a rotated-out webhook secret still signs "
+                   "[REV88_WEBHOOK_SECRET_OVERLAP_S, default 86400]")
+    p.add_argument("--webhook-concurrency", type=int, help="webhook attempts at once per replica "
+                   "[REV88_WEBHOOK_CONCURRENCY, default 8]")
+    p.add_argument("--webhook-poll", type=float, help="how often the webhook outbox is looked at, seconds "
+                   "[REV88_WEBHOOK_POLL_S, default 1]")
+    p.add_argument("--webhook-retain", type=float, help="seconds a delivered or failed webhook message is kept "
+                   "[REV88_WEBHOOK_RETAIN_S, default 604800]")
     p.set_defaults(func=cmd_serve)
