@@ -411,3 +411,29 @@ def test_kill_9_after_completion_another_replica_delivers_the_same_message(tmp_p
             time.sleep(1.0)
             assert len(r.requests) == 2  # delivered once; nothing more
             print(f"delivered by the other replica {waited:.1f} s after the kill (lease: timeout 2 s + 10 s)")
+
+
+def test_the_client_and_rev88_submit_ask_for_webhooks(tmp_path, capsys):
+    from rev88 import Client
+    from rev88.cli import main as rev88
+
+    task_file = tmp_path / "task.npz"
+    task_file.write_bytes(BODY)
+    with Receiver() as r, serve() as server, Client(server.url) as client:
+        secret = client.webhook_secret()["key"]
+        task_id = client.submit(BODY, webhook=r.url, webhook_events=["started", "completed"])
+        client.wait(task_id)
+        types = sorted(verify(q.headers, q.body, secret)["type"] for q in r.wait_for(2))
+        assert types == ["task.started", "task.succeeded"]
+        log = wait_for(lambda: (d := client.deliveries(task_id)) and all(
+            m["state"] == "delivered" for m in d["messages"]) and d, 30, 0.05, "delivered")
+        assert len(log["messages"]) == 2 and sorted(client.redeliver(task_id)) == sorted(m["id"] for m in log["messages"])
+        assert rev88(["submit", str(task_file), "--url", server.url, "--async", "--webhook", r.url]) == 0
+        cli_id = capsys.readouterr().out.strip().splitlines()[-1]
+        wait_for(lambda: any(verify(q.headers, q.body, secret)["data"]["id"] == cli_id for q in r.requests),
+                 30, 0.05, "the CLI task's webhook")
+        assert rev88(["submit", str(task_file), "--url", server.url, "--async", "--webhook",
+                      "http://127.0.0.3/hook"]) == 2
+        assert "only public addresses" in capsys.readouterr().err
+        rotated = client.rotate_webhook_secret()
+        assert rotated["key"] != secret and rotated["previous_valid_until"] is not None

@@ -188,6 +188,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.asynchronous and not args.output:
         raise CliError("--output is required (where to write the JSON answer) unless --async")
     config = config_overrides(args.config) if args.config else {}
+    if args.webhook:  # (the client sends these as the request's webhook, not as config)
+        config["webhook"] = args.webhook
+        if args.webhook_events:
+            config["webhook_events"] = args.webhook_events
+    elif args.webhook_events:
+        raise CliError("--webhook-events needs --webhook URL")
     waiting = ("waiting for the server to accept it..." if args.asynchronous
                else "waiting for the result (queue + training)...")
     with open_client(args, args.timeout) as client:
@@ -257,6 +263,9 @@ def add_submit(sub) -> None:
     p.add_argument("--backend", help="ask for a backend (e.g. cpu); default: the server's")
     p.add_argument("--config", help="JSON object of config overrides, e.g. {\"batch_size\": 64}")
     p.add_argument("--include-scores", action="store_true", help="ask for the (M, 10) scores too")
+    p.add_argument("--webhook", metavar="URL", help="POST a signed message there when the task finishes "
+                   "(docs/webhooks.md)")
+    p.add_argument("--webhook-events", metavar="EVENTS", help="comma list of started, completed (default completed)")
     p.add_argument("--output", help="where to write the JSON answer (required without --async; with it, "
                    "the 202's task summary)")
     p.add_argument("--no-progress", action="store_true", help="no upload progress on stderr")
