@@ -4,7 +4,8 @@
 tests, 127.0.0.3 for a refused one), records every request (headers, body, time) and answers
 each from a script: ``plan`` is a list of replies used in order (the last one repeats), each an
 int status, ``(status, headers)``, ``"hang"`` (hold the request until ``release()``), or
-``"drop"`` (close the connection without answering).
+``"drop"`` (close the connection without answering), or ``"endless"`` (200 and a body that
+never ends).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Receiver:
         self.host = host
         self.plan = list(plan or [204])
         self.requests: list[Received] = []
+        self.endless_sent: list[int] = []  # bytes an "endless" reply got out before the sender hung up
         self.arrived = threading.Condition()
         self._release = threading.Event()
         receiver = self
@@ -58,6 +60,21 @@ class Receiver:
                 if reply == "hang":
                     receiver._release.wait(120)
                     reply = 200
+                if reply == "endless":  # 200, then a body that never ends (until the sender hangs up)
+                    self.send_response(200)
+                    self.send_header("transfer-encoding", "chunked")
+                    self.end_headers()
+                    chunk = b"x" * 65536
+                    sent, deadline = 0, time.monotonic() + 30
+                    try:
+                        while time.monotonic() < deadline:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                            sent += len(chunk)
+                    except OSError:
+                        pass
+                    receiver.endless_sent.append(sent)
+                    self.close_connection = True
+                    return
                 if reply == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)

@@ -192,6 +192,19 @@ def test_an_attempt_that_hangs_times_out_and_is_retried():
         assert "timed out after 0.5 s" in m["attempts"][0]["error"] and m["state"] == "delivered"
 
 
+def test_at_most_64_kib_of_an_answer_is_read():
+    """A receiver that answers 200 and then streams without end: the attempt reads 64 KiB,
+    hangs up and is delivered, well within its timeout (not timed out)."""
+    with Receiver(plan=["endless"]) as r, serve(webhook_timeout_s=10) as server, server.client() as c:
+        task_id = submit(c, r.url)
+        [m] = settled(c, f"/tasks/{task_id}/deliveries")
+        [attempt] = m["attempts"]
+        assert m["state"] == "delivered" and attempt["status_code"] == 200 and attempt["error"] is None
+        assert attempt["duration_ms"] < 5000
+        wait_for(lambda: r.endless_sent, 30, 0.05, "the receiver to notice the hang-up")
+        print(f"the receiver got {r.endless_sent[0] / 1024:.0f} KiB out (socket buffers included) before the hang-up")
+
+
 def test_410_stops_deliveries_to_that_url_for_that_tenant(store):
     with Receiver(plan=[410, 204]) as r, serve(**store) as server, server.client() as c:
         first = submit(c, r.url)
