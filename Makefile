@@ -61,17 +61,28 @@ clean:
 #   make image-check        build the Dockerfile (podman or docker) and run the image for real:
 #                           read-only, ready time, draw-0 hash vs the host, non-root, SIGTERM drain
 #                           (deploy/image_check.py; IMAGE_CHECK_ARGS="--no-cache" for a cold build)
-#   make compose-cpu-check  compose.yaml + compose.cpu.yaml up, one task, stop (needs podman-compose
-#                           or docker compose; deploy/compose_cpu_check.py)
+#   make compose-check      PostgreSQL + two rev88 replicas (compose.yaml + compose.cpu.yaml +
+#                           compose.replicas.yaml) from a clean state, with a replica killed and
+#                           PostgreSQL restarted under load, then down -v (deploy/compose_check.py;
+#                           needs podman-compose, installed into the venv when missing, or docker compose)
+#   make compose-cpu-check  the same (the CPU variant is the one compose-check runs)
+#   make postgres-image     rev88-postgres:15 from deploy/postgres/Containerfile (Debian's package),
+#                           for hosts that cannot pull postgres:15-bookworm
 IMAGE_CHECK_ARGS ?=
 COMPOSE_CHECK_ARGS ?=
-.PHONY: image-check compose-cpu-check
+ENGINE ?= podman
+.PHONY: image-check compose-check compose-cpu-check postgres-image
 image-check:
 	@test -x $(BIN)/rev88 || $(MAKE) install
 	$(BIN)/python deploy/image_check.py $(IMAGE_CHECK_ARGS)
 
-compose-cpu-check:
+compose-check compose-cpu-check:
 	@test -x $(BIN)/rev88 || $(MAKE) install
 	@command -v podman-compose >/dev/null || test -x $(BIN)/podman-compose || docker compose version >/dev/null 2>&1 \
 	  || $(BIN)/pip install -q podman-compose
-	$(BIN)/python deploy/compose_cpu_check.py $(COMPOSE_CHECK_ARGS)
+	$(BIN)/python deploy/compose_check.py $(COMPOSE_CHECK_ARGS)
+
+postgres-image:
+	ENGINE=$(ENGINE) deploy/bootstrap_base_image.sh
+	CONTAINERS_CONF=$${CONTAINERS_CONF:-deploy/podman/containers.conf} $(ENGINE) build --pull=never \
+	  $$([ "$(ENGINE)" = podman ] && echo --format docker) -f deploy/postgres/Containerfile -t rev88-postgres:15 .

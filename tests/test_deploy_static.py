@@ -361,15 +361,34 @@ def test_compose_cpu_override_drops_only_the_gpu_reservation():
 
 def test_image_checks_are_make_targets_outside_make_test():
     makefile = (ROOT / "Makefile").read_text()
-    for target, script in (("image-check", "deploy/image_check.py"),
-                           ("compose-cpu-check", "deploy/compose_cpu_check.py")):
-        rule = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M)
+    for target, script in (("image-check", "deploy/image_check.py"), ("compose-check", "deploy/compose_check.py"),
+                           ("compose-cpu-check", "deploy/compose_check.py"),
+                           ("postgres-image", "deploy/postgres/Containerfile")):
+        rule = re.search(rf"^(?:[\w-]+ )*{target}(?: [\w-]+)*:.*\n((?:\t.*\n)+)", makefile, re.M)
         assert rule and script in rule[1], target
-        compile((ROOT / script).read_text(), script, "exec")
+        if script.endswith(".py"):
+            compile((ROOT / script).read_text(), script, "exec")
     # never part of `make test` (the build downloads several GB)
     test_rule = re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M)[1]
     assert "image" not in test_rule and "compose" not in test_rule
     assert (DEPLOY / "bootstrap_base_image.sh").stat().st_mode & 0o111, "bootstrap_base_image.sh is executable"
+    assert (DEPLOY / "postgres" / "entrypoint.sh").stat().st_mode & 0o111, "the postgres entrypoint is executable"
+
+
+def test_the_second_replica_is_the_first_but_for_its_port_and_volume():
+    """compose.replicas.yaml's rev88-b: compose.yaml's rev88 (with compose.cpu.yaml's backend)
+    written out, on the same database, its own port and data volume."""
+    base = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    second = yaml.safe_load((DEPLOY / "compose.replicas.yaml").read_text())["services"]["rev88-b"]
+    first = base["services"]["rev88"]
+    assert second["image"] == first["image"] and "build" not in second
+    assert second["ports"] == ["127.0.0.1:8001:8000"] and first["ports"] == ["127.0.0.1:8000:8000"]
+    for field in ("healthcheck", "stop_grace_period", "read_only", "tmpfs", "security_opt", "restart", "depends_on"):
+        assert second[field] == first[field], field
+    same = {k: v for k, v in first["environment"].items() if k != "REV88_BACKEND"}
+    assert {k: v for k, v in second["environment"].items() if k != "REV88_BACKEND"} == same
+    assert second["volumes"] == ["rev88-data-b:/var/lib/rev88"]
+    assert base["services"]["postgres"]["image"] == "${REV88_POSTGRES_IMAGE:-postgres:15-bookworm}"
 
 
 # --------------------------------------------------------------------------- Kubernetes
