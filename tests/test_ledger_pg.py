@@ -164,8 +164,11 @@ def test_concurrent_claims_take_each_task_exactly_once(pg_url):
     replicas = [open_ledger(pg_url, f"replica-{i}") for i in range(4)]
     taken: list[tuple[str, str]] = []
     lock = threading.Lock()
+    start = threading.Barrier(8)  # every worker's first claim at once (else, on a loaded machine, the
+    # first thread started may take all 60 before the others have begun: a test of the scheduler)
 
     def worker(led):
+        start.wait(30)
         while True:
             got = led.claim(3)
             if not got:
