@@ -66,12 +66,16 @@ clean:
 #                           PostgreSQL restarted under load, then down -v (deploy/compose_check.py;
 #                           needs podman-compose, installed into the venv when missing, or docker compose)
 #   make compose-cpu-check  the same (the CPU variant is the one compose-check runs)
+#   make kube-check         the Kubernetes manifests under podman kube play: the PostgreSQL StatefulSet's
+#                           pod and two rev88 pods ready through their own probes, tasks through both
+#                           (deploy/kube_check.py; what podman cannot play is said there)
 #   make postgres-image     rev88-postgres:15 from deploy/postgres/Containerfile (Debian's package),
 #                           for hosts that cannot pull postgres:15-bookworm
 IMAGE_CHECK_ARGS ?=
 COMPOSE_CHECK_ARGS ?=
+KUBE_CHECK_ARGS ?=
 ENGINE ?= podman
-.PHONY: image-check compose-check compose-cpu-check postgres-image
+.PHONY: image-check compose-check compose-cpu-check kube-check postgres-image
 image-check:
 	@test -x $(BIN)/rev88 || $(MAKE) install
 	$(BIN)/python deploy/image_check.py $(IMAGE_CHECK_ARGS)
@@ -81,6 +85,10 @@ compose-check compose-cpu-check:
 	@command -v podman-compose >/dev/null || test -x $(BIN)/podman-compose || docker compose version >/dev/null 2>&1 \
 	  || $(BIN)/pip install -q podman-compose
 	$(BIN)/python deploy/compose_check.py $(COMPOSE_CHECK_ARGS)
+
+kube-check:
+	@test -x $(BIN)/rev88 || $(MAKE) install
+	$(BIN)/python deploy/kube_check.py $(KUBE_CHECK_ARGS)
 
 postgres-image:
 	ENGINE=$(ENGINE) deploy/bootstrap_base_image.sh

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def passed(what: str) -> None:
         figures["checked"].append(what)
-        ic.log(f"ok: {what}")
+        ic.log(f"checked: {what}")
 
     up = False
     try:

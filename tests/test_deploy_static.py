@@ -605,3 +605,35 @@ def test_the_shared_queue_hpa_scales_on_a_metric_the_app_exports_counted_once():
     (values,) = load_yaml(K8S / "prometheus-adapter-values.yaml")
     (rule,) = [r for r in values["rules"]["external"] if r["name"]["as"] == name]
     assert name in rule["seriesQuery"] and rule["metricsQuery"].startswith("max("), "each queued task counted once"
+
+
+def test_what_kube_check_plays_is_the_manifests_own():
+    """deploy/kube_check.py's stand-ins keep the manifests' pod specs: the StatefulSet's template
+    (its claim as a PVC), the Deployment's template without the GPU request, the Secrets' values."""
+    import base64
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kube_check", DEPLOY / "kube_check.py")
+    kc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kc)
+    database = kc.docs(K8S / "postgres" / "postgres.yaml")
+    [sts] = kc.by_kind(database, "StatefulSet")
+    pvc, pod = kc.statefulset_pod(sts, "rev88-postgres:15")
+    assert pvc["kind"] == "PersistentVolumeClaim" and pvc["metadata"]["name"] == "data-rev88-postgres-0"
+    assert pod["metadata"]["name"] == "rev88-postgres-0" and pod["spec"]["containers"][0]["image"] == "rev88-postgres:15"
+    template = sts["spec"]["template"]["spec"]
+    assert pod["spec"]["containers"][0]["readinessProbe"] == template["containers"][0]["readinessProbe"]
+    assert pod["spec"]["securityContext"] == template["securityContext"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "data-rev88-postgres-0"}} in pod["spec"]["volumes"]
+    deployment = kc.by_kind(kc.docs(K8S / "deployment.yaml"), "Deployment")[0]
+    rev = kc.deployment_pod(deployment, "rev88-0", "10.0.0.9")
+    c = rev["spec"]["containers"][0]
+    original = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in str(c["resources"]) and "nvidia.com/gpu" in str(original["resources"])
+    assert {e["name"]: e.get("value") for e in c["env"]}["REV88_BACKEND"] == "cpu-fast"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe] == original[probe], probe
+    assert rev["spec"]["hostAliases"] == [{"ip": "10.0.0.9", "hostnames": ["rev88-postgres"]}]
+    secret = next(s for s in kc.by_kind(database, "Secret") if s["metadata"]["name"] == "rev88-database")
+    values = json.loads(kc.secret_payload(secret))
+    assert base64.b64decode(values["url"]).decode() == secret["stringData"]["url"]
