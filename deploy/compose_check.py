@@ -13,8 +13,9 @@ project and its volumes are never touched). Steps, each printed as it passes:
     report the ledger in PostgreSQL;
  3. draw 0 through each replica: predictions_sha256 equal to ``rev88 run --backend cpu`` here;
  4. an asynchronous task submitted on one replica is read, listed and cancelled through the other;
- 5. a burst of asynchronous tasks; one replica killed (SIGKILL) while it holds leases on some of
-    them: the other finishes every one, each with the host's hash; the killed one started again;
+ 5. draw 0 with eight seeds, asynchronous, on the torch cpu backend, sent to one replica; it is
+    killed (SIGKILL) while it holds leases: the other finishes every task, each with the host's
+    hash, those the killed one had started run again (attempts >= 2); the killed one restarted;
  6. PostgreSQL restarted under load (tasks sent to both replicas meanwhile): 503s while it is
     down, then 202s again; every task that was accepted finishes with the host's hash;
  7. ``down -v``: no container, volume or network of the project left.
@@ -49,6 +50,8 @@ REV88_IMAGE = "rev88:0.1.0"
 OFFICIAL_POSTGRES = "docker.io/library/postgres:15-bookworm"
 LOCAL_POSTGRES = "rev88-postgres:15"
 FINISHED = ("succeeded", "failed", "cancelled")
+EPOCHS = 3  # the synthetic tasks' config (a second or so each on cpu-fast): sent as ?epochs=
+TASKS = f"/tasks?epochs={EPOCHS}"
 
 
 def compose_command() -> list[str]:
@@ -168,8 +171,18 @@ def small_tasks(count: int, seed0: int, n: int = 2000, m: int = 500) -> list[tup
         rng = np.random.default_rng(seed0 + i)
         task = validate_task(rng.random((n, 1, 9, 9), dtype=np.float32), rng.integers(0, 10, n).astype(np.int64),
                              rng.random((m, 1, 9, 9), dtype=np.float32))
-        out.append((task_to_npz_bytes(task), run_task(task, make_config({"epochs": 3}), "cpu").predictions_sha256))
+        out.append((task_to_npz_bytes(task), run_task(task, make_config({"epochs": EPOCHS}), "cpu").predictions_sha256))
     return out
+
+
+def draw0_seeds(draw0: bytes, seeds) -> list[tuple[int, str]]:
+    """(seed, the host's predictions_sha256 on cpu) of draw 0 trained with each seed."""
+    from learner.config import make_config
+    from learner.result import run_task
+    from learner.taskio import load_task
+
+    task = load_task(draw0)
+    return [(seed, run_task(task, make_config({"seed": seed}), "cpu").predictions_sha256) for seed in seeds]
 
 
 def metric(service: str, name: str) -> float | None:
@@ -182,8 +195,8 @@ def metric(service: str, name: str) -> float | None:
 
 def ensure_images(engine: str, args, figures: dict, work: Path) -> str:
     """The three images; returns the PostgreSQL image compose is to use."""
-    base = ic.ensure_base(engine, "pull")
-    figures["base_image"] = base
+    figures["base_image"] = ic.ensure_base(engine, "auto")  # present, pulled, or bootstrapped offline
+    base = ic.base_image()
     if args.build or not ic.image_present(engine, REV88_IMAGE):
         figures["rev88_build_s"] = round(ic.build(engine, REV88_IMAGE, [], False, ROOT), 1)
     postgres = args.postgres_image
@@ -247,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
         task, host_sha, _ = ic.host_reference(args.rev88, work)
         draw0 = task.read_bytes()
-        burst = small_tasks(8, 100)
+        burst = small_tasks(4, 100)
+        seeded = draw0_seeds(draw0, range(8))
         load = small_tasks(6, 200, n=300, m=60)
 
         # 2. clean state, up, ready
@@ -278,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # 4. submitted on one, read, listed and cancelled through the other
         a, b = "rev88", "rev88-b"
-        status, accepted = post(base_url(a) + "/tasks", burst[0][0], ASYNC)
+        status, accepted = post(base_url(a) + TASKS, burst[0][0], ASYNC)
         ic.check(status == 202, f"asynchronous task on {a}: {status}")
         first = accepted["id"]
         doc = finished(b, first)
@@ -288,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         ic.check(first in [t["id"] for t in listed["tasks"]], f"{b} lists the task {a} accepted")
         cancelled = None
         for _ in range(5):  # a task still queued or running when the cancel arrives
-            ids = [post(base_url(a) + "/tasks", body, ASYNC)[1]["id"] for body, _ in burst[1:4]]
+            ids = [post(base_url(a) + TASKS, body, ASYNC)[1]["id"] for body, _ in burst[1:4]]
             status, doc = post(f"{base_url(b)}/tasks/{ids[-1]}/cancel", None, {})
             for i in ids:
                 finished(a, i)
@@ -299,26 +313,32 @@ def main(argv: list[str] | None = None) -> int:
         ic.check(finished(a, cancelled)["status"] == "cancelled", f"task {cancelled}: cancelled, as {a} reads it")
         passed(f"async on {a}: read, listed and cancelled through {b}")
 
-        # 5. kill -9 of a replica holding leases
-        ids = {post(base_url(a) + "/tasks", body, ASYNC)[1]["id"]: sha for body, sha in burst}
+        # 5. kill -9 of a replica holding leases: draw 0 with 8 seeds on the torch cpu backend
+        # (about a second each), all sent to a
+        ids = {post(f"{base_url(a)}/tasks?backend=cpu&seed={seed}", draw0, ASYNC)[1]["id"]: sha
+               for seed, sha in seeded}
         deadline = time.monotonic() + 60
         held = 0.0
-        while time.monotonic() < deadline and not held:
+        while time.monotonic() < deadline and held < 2:
             held = metric(a, "rev88_leases_held") or 0.0
-            time.sleep(0.05)
+            time.sleep(0.02)
         ic.check(held > 0, f"{a} holds leases before the kill ({held:g})")
         victim = stack.one(a)
         t_kill = time.monotonic()
         ic.sh(engine, "kill", "--signal", "KILL", victim)
         docs = {i: finished(b, i, 240) for i in ids}
+        _, page = get_json(base_url(b) + "/tasks?limit=100")  # (summaries carry attempts; answers do not)
+        attempts = {t["id"]: t.get("attempts", 0) for t in page["tasks"]}
+        rerun = sum(1 for i in ids if attempts.get(i, 0) >= 2)
         figures["kill"] = {"leases_held_at_kill": held, "all_finished_after_s": round(time.monotonic() - t_kill, 2),
-                           "tasks": len(ids)}
+                           "tasks": len(ids), "run_again_after_the_kill": rerun}
         ic.check(all(d["status"] == "succeeded" and d["predictions_sha256"] == ids[i] for i, d in docs.items()),
                  f"every one of the {len(ids)} tasks finished on {b} with the host's hash")
+        ic.check(rerun >= 1, f"{rerun} task(s) the killed replica had started ran again on {b} (attempts >= 2)")
         ic.sh(engine, "start", victim, check_rc=False)
         wait_ready(a, args.ready_timeout)
-        passed(f"kill -9 of {a} holding {held:g} lease(s): {b} finished all {len(ids)} tasks "
-               f"({figures['kill']['all_finished_after_s']} s), {a} started again")
+        passed(f"kill -9 of {a} holding {held:g} lease(s): {b} finished all {len(ids)} tasks, {rerun} of them run "
+               f"again once their leases expired ({figures['kill']['all_finished_after_s']} s), {a} started again")
 
         # 6. PostgreSQL restarted under load
         outcomes: list[tuple[float, str, int, str | None, str]] = []
@@ -330,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 service = (a, b)[k % 2]
                 body, sha = load[k % len(load)]
                 try:
-                    status, doc = post(base_url(service) + "/tasks", body, ASYNC, timeout=30)
+                    status, doc = post(base_url(service) + TASKS, body, ASYNC, timeout=30)
                 except OSError as exc:
                     status, doc = -1, {"error": str(exc)}
                 outcomes.append((time.monotonic(), service, status, doc.get("id") if status == 202 else None, sha))
