@@ -16,6 +16,10 @@ and what it does not do is done by this script from the manifests' own text, eac
                  container's own startupProbe and readinessProbe (httpGet on the pod's address,
                  exec in the container) at their periods and thresholds, and a pod is ready when
                  they pass
+  emptyDir       podman makes each a named volume of the volume's name, shared by every pod that
+                 names it: each rev88 pod's are renamed <pod>-<name>
+  containerPort  podman publishes one without a hostPort on the host's same port (two pods on 8000
+                 collide): each gets a loopback hostPort (15432, 18000, 18001)
   Service        not played (no kube-proxy): the rev88 pods reach PostgreSQL through a hostAlias
                  rev88-postgres -> the database pod's address, as the Service's name would
   HPA, service.yaml, hpa-shared-queue.yaml   schema-validated only (tests/test_deploy_manifests.py)
@@ -32,6 +36,7 @@ import base64
 import copy
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -83,22 +88,40 @@ def statefulset_pod(sts: dict, image: str) -> list[dict]:
             {"name": claim["metadata"]["name"], "persistentVolumeClaim": {"claimName": claim_name}})
     for c in template["spec"]["containers"]:
         c["image"] = image
+    pin_host_ports(template["spec"], 15432)
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": template["metadata"]["labels"]},
            "spec": template["spec"]}
     return [*claims, pod]
+
+
+def pin_host_ports(spec: dict, first: int) -> None:
+    """podman 4.3 publishes a containerPort without a hostPort on the host's same port (two pods
+    on 8000 collide): each gets a hostPort of its own, on loopback only."""
+    for c in spec["containers"]:
+        for i, port in enumerate(c.get("ports", [])):
+            port.setdefault("hostPort", first + i)
+            port.setdefault("hostIP", "127.0.0.1")
 
 
 def deployment_pod(dep: dict, name: str, postgres_ip: str) -> dict:
     template = copy.deepcopy(dep["spec"]["template"])
     spec = template["spec"]
     spec["hostAliases"] = [{"ip": postgres_ip, "hostnames": ["rev88-postgres"]}]  # (the Service's name)
+    # podman 4.3 makes an emptyDir a named volume of the volume's name, the same for every pod:
+    # each pod's get its own (<pod>-<name>), so two pods do not share a data folder
+    renamed = {v["name"]: f"{name}-{v['name']}" for v in spec.get("volumes", []) if "emptyDir" in v}
+    for v in spec.get("volumes", []):
+        v["name"] = renamed.get(v["name"], v["name"])
     for c in spec["containers"]:
+        for m in c.get("volumeMounts", []):
+            m["name"] = renamed.get(m["name"], m["name"])
         c["image"] = REV88_IMAGE
         for part in ("requests", "limits"):
             (c.get("resources") or {}).get(part, {}).pop("nvidia.com/gpu", None)
         for env in c.get("env", []):
             if env["name"] == "REV88_BACKEND":
                 env["value"] = "cpu-fast"
+    pin_host_ports(spec, 18000 + REPLICAS.index(name) if name in REPLICAS else 18000)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": template["metadata"]["labels"],
                                                            "annotations": template["metadata"].get("annotations", {})},
             "spec": spec}
@@ -143,6 +166,10 @@ def wait_probes(pod: dict, limit_s: float) -> float:
             failures = 0
             while not run_probe(kind, probe, name, ip, ports):
                 failures += 1
+                state = podman("inspect", name, "--format", "{{.State.Status}} {{.State.ExitCode}}",
+                               check_rc=False).stdout.strip()
+                if state.startswith(("exited", "stopped")) and failures > 3:
+                    raise ic.CheckFailed(f"{name} {state} during its {kind}:\n" + ic.logs("podman", name))
                 if allowed is not None and failures >= allowed:
                     raise ic.CheckFailed(f"{name}: {kind} failed {failures} times (its failureThreshold)")
                 if time.monotonic() - started > limit_s:
@@ -158,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "out" / "kube-check.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("CONTAINERS_CONF", str(ic.DEPLOY / "podman" / "containers.conf"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a stop still tears everything down)
     figures: dict = {"podman": podman("version", "--format", "{{.Client.Version}}", check_rc=False).stdout.strip(),
                      "checked": [], "played": [], "not_played": []}
     t_all = time.monotonic()
@@ -265,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             podman("kube", "down", path, check_rc=False)
         for name in made["volumes"]:
             podman("volume", "rm", "-f", name, check_rc=False)
+        podman("volume", "prune", "-f", check_rc=False)  # the emptyDirs and the image's anonymous volume
         for name in made["secrets"]:
             podman("secret", "rm", name, check_rc=False)
         podman("network", "rm", "-f", NETWORK, check_rc=False)

@@ -634,6 +634,8 @@ def test_what_kube_check_plays_is_the_manifests_own():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe] == original[probe], probe
     assert rev["spec"]["hostAliases"] == [{"ip": "10.0.0.9", "hostnames": ["rev88-postgres"]}]
+    assert {v["name"] for v in rev["spec"]["volumes"]} == {"rev88-0-data", "rev88-0-tmp"}
+    assert {m["name"] for m in c["volumeMounts"]} == {"rev88-0-data", "rev88-0-tmp"}
     secret = next(s for s in kc.by_kind(database, "Secret") if s["metadata"]["name"] == "rev88-database")
     values = json.loads(kc.secret_payload(secret))
     assert base64.b64decode(values["url"]).decode() == secret["stringData"]["url"]

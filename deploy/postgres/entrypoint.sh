@@ -31,4 +31,9 @@ SQL
   fi
   echo "rev88-postgres: initialised $PGDATA (role $user, database $db)"
 fi
-exec postgres -c listen_addresses='*' "$@"
+socket_dir=/var/run/postgresql
+if [ ! -w "$socket_dir" ]; then  # (a volume there that this user cannot write: podman's emptyDir, say)
+  socket_dir=$(mktemp -d)
+  echo "rev88-postgres: /var/run/postgresql is not writable by uid $(id -u); the socket goes to $socket_dir"
+fi
+exec postgres -c listen_addresses='*' -c unix_socket_directories="$socket_dir" "$@"
