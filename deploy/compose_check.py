@@ -15,7 +15,8 @@ project and its volumes are never touched). Steps, each printed as it passes:
  4. an asynchronous task submitted on one replica is read, listed and cancelled through the other;
  5. draw 0 with eight seeds, asynchronous, on the torch cpu backend, sent to one replica; it is
     killed (SIGKILL) while it holds leases: the other finishes every task, each with the host's
-    hash, those the killed one had started run again (attempts >= 2); the killed one restarted;
+    hash, those the killed one had started run again (attempts >= 2); the killed one restarted
+    (the other is paused while the tasks are sent, so that the first one claims them);
  6. PostgreSQL restarted under load (tasks sent to both replicas meanwhile): 503s while it is
     down, then 202s again; every task that was accepted finishes with the host's hash;
  7. ``down -v``: no container, volume or network of the project left.
@@ -314,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         passed(f"async on {a}: read, listed and cancelled through {b}")
 
         # 5. kill -9 of a replica holding leases: draw 0 with 8 seeds on the torch cpu backend
-        # (about a second each), all sent to a
+        # (about a second each), all sent to a while b is paused (else b may claim every one first)
+        other = stack.one(b)
+        paused = ic.sh(engine, "pause", other, check_rc=False).returncode == 0
+        if not paused:  # (no cgroup freezer: stopped instead, and started again below)
+            ic.sh(engine, "stop", other)
         ids = {post(f"{base_url(a)}/tasks?backend=cpu&seed={seed}", draw0, ASYNC)[1]["id"]: sha
                for seed, sha in seeded}
         deadline = time.monotonic() + 60
@@ -326,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         victim = stack.one(a)
         t_kill = time.monotonic()
         ic.sh(engine, "kill", "--signal", "KILL", victim)
+        ic.sh(engine, "unpause" if paused else "start", other)
+        if not paused:
+            wait_ready(b, args.ready_timeout)
         docs = {i: finished(b, i, 240) for i in ids}
         _, page = get_json(base_url(b) + "/tasks?limit=100")  # (summaries carry attempts; answers do not)
         attempts = {t["id"]: t.get("attempts", 0) for t in page["tasks"]}
