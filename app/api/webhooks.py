@@ -48,7 +48,7 @@ async def list_stopped(service: ServiceDep, tenant: TenantDep) -> JSONResponse:
                status_code=204, responses=error_responses(401, 404, 422, 503))
 async def resume_stopped(service: ServiceDep, tenant: TenantDep,
                          url: Annotated[str, Query(max_length=2048, description="the stopped URL, exactly")]):
-    if not await run_in_threadpool(service.webhooks.outbox.resume, tenant.owner or "", url):
+    if not await run_in_threadpool(service.webhooks.resume, tenant.owner, url):
         raise NotFound(f"webhook URL {url[:200]!r} is not stopped for this tenant")
     return Response(status_code=204)
 

@@ -182,7 +182,7 @@ class _Outbox:
     tasks_table = "tasks"
     skip_locked = ""
 
-    def _write(self, doing: str, fn):  # pragma: no cover - defined by each engine
+    def _write(self, doing: str, fn, durable: bool = True):  # pragma: no cover - defined by each engine
         raise NotImplementedError
 
     def _read(self, doing: str, fn):  # pragma: no cover - defined by each engine
@@ -228,12 +228,12 @@ class _Outbox:
                            " ORDER BY checked_at IS NOT NULL, checked_at LIMIT ?")
         mark = self._sql("UPDATE {p}webhook_messages SET checked_at = ? WHERE id = ?")
 
-        def run(conn):
-            rows = list(conn.execute(select, (checked_before, limit)))
-            conn.cursor().executemany(mark, [(now, r[0]) for r in rows])
-            return [tuple(r) for r in rows]
-
-        return self._write("read waiting webhook messages", run)
+        rows = self._read("read waiting webhook messages",
+                          lambda conn: [tuple(r) for r in conn.execute(select, (checked_before, limit))])
+        if rows:  # (no write transaction when there is nothing to look at: the common case)
+            self._write("mark waiting webhook messages",
+                        lambda conn: conn.cursor().executemany(mark, [(now, r[0]) for r in rows]), durable=False)
+        return rows
 
     def waiting_of(self, subject_id: str) -> list[str]:
         sql = self._sql("SELECT id FROM {p}webhook_messages WHERE subject_id = ? AND state = 'waiting'")
@@ -247,13 +247,25 @@ class _Outbox:
         sql = self._sql("UPDATE {p}webhook_messages SET state = 'pending', type = ?, body = ?, ready_at = ?,"
                         " next_at = ? WHERE id = ? AND state = 'waiting'")
         return self._write(f"promote webhook message {message_id}", lambda conn: conn.execute(
-            sql, (type_, body, now, now + delay_s, message_id)).rowcount == 1)
+            sql, (type_, body, now, now + delay_s, message_id)).rowcount == 1, durable=False)
+
+    def promote_many(self, events: list[tuple[str, str, bytes, float]], delay_s: float = 0.0) -> int:
+        """``promote`` for many (message id, type, body, when) in one transaction; returns how
+        many this call promoted."""
+        now = time.time()
+        sql = self._sql("UPDATE {p}webhook_messages SET state = 'pending', type = ?, body = ?, ready_at = ?,"
+                        " next_at = ? WHERE id = ? AND state = 'waiting'")
+
+        def run(conn):
+            return sum(conn.execute(sql, (t, b, now, now + delay_s, m)).rowcount for m, t, b, _ in events)
+
+        return self._write(f"promote {len(events)} webhook message(s)", run, durable=False) if events else 0
 
     def skip(self, message_id: str, reason: str) -> None:
         sql = self._sql("UPDATE {p}webhook_messages SET state = 'skipped', last_error = ?, finished_at = ?"
                         " WHERE id = ? AND state = 'waiting'")
         self._write(f"skip webhook message {message_id}",
-                    lambda conn: conn.execute(sql, (reason, time.time(), message_id)))
+                    lambda conn: conn.execute(sql, (reason, time.time(), message_id)), durable=False)
 
     # ------------------------------------------------------------------ sending
     def claim(self, replica: str, limit: int, lease_s: float) -> list[Message]:
@@ -265,7 +277,7 @@ class _Outbox:
             " AND (lease_owner IS NULL OR lease_expires_at < ?) ORDER BY next_at LIMIT ?" + self.skip_locked + ")"
             " RETURNING " + _MESSAGE)
         return self._write("claim webhook messages", lambda conn: [
-            _message(r) for r in conn.execute(sql, (replica, now + lease_s, now, now, limit))])
+            _message(r) for r in conn.execute(sql, (replica, now + lease_s, now, now, limit))], durable=False)
 
     def record(self, message: Message, replica: str, attempt: Attempt, state: str) -> bool:
         """One attempt's outcome, under the lease (False: the lease was lost, nothing written).
@@ -290,7 +302,7 @@ class _Outbox:
                                   attempt.next_at, attempt.replica))
             return True
 
-        return self._write(f"record webhook attempt of {message.id}", run)
+        return self._write(f"record webhook attempt of {message.id}", run, durable=False)
 
     def release(self, replica: str, message_ids: list[str]) -> None:
         """Leases given back unattempted (a stop)."""
@@ -298,7 +310,8 @@ class _Outbox:
                         " WHERE id = ? AND lease_owner = ?")
         if message_ids:
             self._write("release webhook leases",
-                        lambda conn: conn.cursor().executemany(sql, [(m, replica) for m in message_ids]))
+                        lambda conn: conn.cursor().executemany(sql, [(m, replica) for m in message_ids]),
+                        durable=False)
 
     # ------------------------------------------------------------------ reading, redelivering
     def messages_of(self, subject_id: str) -> list[tuple[Message, list[Attempt]]]:
@@ -390,13 +403,18 @@ class _Outbox:
 
 
 class SqliteOutbox(_Outbox):
-    """The outbox in the SQLite task ledger (its lock, its connection)."""
+    """The outbox in the SQLite task ledger (its lock, its connection). Its own writes (promote,
+    claim, attempts) commit without waiting for the disk (``durable=False``: they survive a crash of
+    the process, not of the machine): one lost with the machine is a message promoted again from
+    the same committed task, a lease taken again, or an attempt made again (at-least-once, as a
+    receiver must expect anyway). The messages themselves are written in the tasks' synced
+    transactions, and secrets and stopped URLs durably."""
 
     def __init__(self, ledger: Any) -> None:
         self.ledger = ledger
 
-    def _write(self, doing: str, fn):
-        with self.ledger._write(doing) as conn:
+    def _write(self, doing: str, fn, durable: bool = True):
+        with self.ledger._write(doing, synced=durable) as conn:
             return fn(conn)
 
     def _read(self, doing: str, fn):
@@ -418,7 +436,7 @@ class PostgresOutbox(_Outbox):
     def _sql(self, sql: str) -> str:
         return super()._sql(sql).replace("?", "%s")
 
-    def _write(self, doing: str, fn):
+    def _write(self, doing: str, fn, durable: bool = True):
         with self.ledger._conn(doing) as conn:
             return fn(conn)
 

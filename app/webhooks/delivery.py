@@ -47,6 +47,8 @@ MAX_RETRY_AFTER_S = 86_400.0
 OTHERS_EVERY_S = 2.0  # a waiting sweep's or evaluation's state is read at most this often (unless hinted)
 PRUNE_EVERY_S = 600.0
 STATS_EVERY_S = 5.0
+CACHE_S = 1.0  # a tenant's secrets and stopped URLs are read again at most this often (another replica's
+# rotation or 410 is seen within it; this replica's at once)
 JITTER = 0.1
 DEFAULT_SCHEDULE = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0)  # Standard Webhooks'
 
@@ -112,6 +114,8 @@ class Webhooks:
         self._last_prune = 0.0
         self._last_stats = 0.0
         self.stats: dict[str, Any] = {"states": {}, "oldest_pending_at": None}
+        self._secrets: dict[str, tuple[float, tuple]] = {}  # owner -> (read at, its secrets)
+        self._stopped: dict[str, tuple[float, dict[str, float]]] = {}  # owner -> (read at, url -> 410 time)
         self.database_error: str | None = None
         metrics.watch_webhooks(self._oldest_pending_s)
 
@@ -141,11 +145,29 @@ class Webhooks:
     def rotate(self, owner: str | None) -> dict[str, Any]:
         self.outbox.rotate(owner or "", signing.new_secret(), self.settings.webhook_secret_overlap_s,
                            signing.new_secret)
+        self._secrets.pop(owner or "", None)
         return self.secret(owner)
 
+    def resume(self, owner: str | None, url: str) -> bool:
+        self._stopped.pop(owner or "", None)
+        return self.outbox.resume(owner or "", url)
+
     def signing_secrets(self, owner: str) -> list[str]:
-        secret, previous, until = self.outbox.secrets(owner, signing.new_secret)
+        """The secrets that sign the tenant's messages now (read at most every CACHE_S)."""
+        now = time.monotonic()
+        cached = self._secrets.get(owner)
+        if cached is None or now - cached[0] > CACHE_S:
+            cached = self._secrets[owner] = (now, self.outbox.secrets(owner, signing.new_secret))
+        secret, previous, until = cached[1]
         return [secret] + ([previous] if previous and until and until > time.time() else [])
+
+    def stopped_at(self, owner: str, url: str) -> float | None:
+        """When the tenant's URL answered 410 (None: not stopped); the list read at most every CACHE_S."""
+        now = time.monotonic()
+        cached = self._stopped.get(owner)
+        if cached is None or now - cached[0] > CACHE_S:
+            cached = self._stopped[owner] = (now, {r["url"]: r["stopped_at"] for r in self.outbox.stopped(owner)})
+        return cached[1].get(url)
 
     # ------------------------------------------------------------------ the delivery log
     def log_of(self, kind: str, subject_id: str) -> dict[str, Any]:
@@ -210,12 +232,15 @@ class Webhooks:
 
     async def _promote(self) -> None:
         first = self.schedule[0]
+        due = []
         for row in await asyncio.to_thread(self.outbox.due_tasks, 200):
             event = messages.task_event(row)
             if isinstance(event, str):
                 await asyncio.to_thread(self.outbox.skip, row[0], event)
             else:
-                await asyncio.to_thread(self.outbox.promote, row[0], event[0], event[1], event[2], first)
+                due.append((row[0], *event))
+        if due:  # one transaction for every task event this round
+            await asyncio.to_thread(self.outbox.promote_many, due, first)
         hinted, self._hinted = self._hinted, set()
         others = [] if not self.readers else await asyncio.to_thread(
             self.outbox.waiting_others, 50, time.time() - OTHERS_EVERY_S)
@@ -275,9 +300,9 @@ class Webhooks:
         now = time.time()
         attempt = Attempt(n=0, at=now, url=m.url, address=None, status_code=None, duration_ms=None, error=None,
                           outcome="", next_at=None, replica=self.replica)
-        stopped = await asyncio.to_thread(self.outbox.stopped, m.owner, m.url)
-        if stopped:
-            attempt.error = (f"not sent: this URL answered 410 Gone at {messages.iso(stopped[0]['stopped_at'])}; "
+        stopped = await asyncio.to_thread(self.stopped_at, m.owner, m.url)
+        if stopped is not None:
+            attempt.error = (f"not sent: this URL answered 410 Gone at {messages.iso(stopped)}; "
                              "deliveries to it are stopped for this tenant (DELETE /webhooks/stopped?url=... resumes)")
             attempt.outcome = "stopped"
             await self._record(m, attempt, "stopped")
@@ -318,6 +343,7 @@ class Webhooks:
         await self._record(m, attempt, state)
         if state == "stopped" and code == 410:
             await asyncio.to_thread(self.outbox.stop, m.owner, m.url, m.id)
+            self._stopped.pop(m.owner, None)
 
     async def _record(self, m: Message, attempt: Attempt, state: str) -> None:
         recorded = await asyncio.to_thread(self.outbox.record, m, self.replica, attempt, state)
