@@ -1319,3 +1319,21 @@ class AsyncClient(_Core):
     async def leaderboard(self, sort: str = "accuracy", limit: int | None = None,
                           cursor: str | None = None) -> dict[str, Any]:
         return await self._drive(self._op_leaderboard(sort, limit, cursor))
+
+    async def webhook_secret(self) -> dict[str, Any]:
+        return await self._drive(self._op_keys("GET", "/secret", "the webhook secret", None, 200, root="/webhooks"))
+
+    async def rotate_webhook_secret(self) -> dict[str, Any]:
+        return await self._drive(self._op_keys("POST", "/secret/rotate", "the webhook secret's rotation", {}, 200,
+                                               root="/webhooks"))
+
+    async def deliveries(self, subject_id: str, kind: str = "task") -> dict[str, Any]:
+        return await self._drive(self._op_keys("GET", f"/{quote(subject_id, safe='')}/deliveries",
+                                               f"the deliveries of {kind} {subject_id}", None, 200,
+                                               root=_collection(kind)))
+
+    async def redeliver(self, subject_id: str, kind: str = "task") -> list[str]:
+        doc = await self._drive(self._op_keys("POST", f"/{quote(subject_id, safe='')}/deliveries/redeliver",
+                                              f"the redelivery of {kind} {subject_id}", {}, 202,
+                                              root=_collection(kind)))
+        return doc["redelivered"]

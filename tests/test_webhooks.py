@@ -450,3 +450,27 @@ def test_the_client_and_rev88_submit_ask_for_webhooks(tmp_path, capsys):
         assert "only public addresses" in capsys.readouterr().err
         rotated = client.rotate_webhook_secret()
         assert rotated["key"] != secret and rotated["previous_valid_until"] is not None
+
+
+def test_the_async_client_reads_the_secret_and_the_log():
+    import asyncio
+
+    from rev88 import AsyncClient
+
+    with Receiver() as r, serve() as server:
+        async def go():
+            async with AsyncClient(server.url) as client:
+                secret = (await client.webhook_secret())["key"]
+                task_id = await client.submit(BODY, webhook=r.url)
+                await client.wait(task_id)
+                verify(r.wait_for(1)[0].headers, r.requests[0].body, secret)
+                for _ in range(200):
+                    log = await client.deliveries(task_id)
+                    if log["messages"][0]["state"] == "delivered":
+                        break
+                    await asyncio.sleep(0.05)
+                assert log["messages"][0]["state"] == "delivered"
+                assert await client.redeliver(task_id) == [log["messages"][0]["id"]]
+                assert (await client.rotate_webhook_secret())["key"] != secret
+
+        asyncio.run(go())
