@@ -56,7 +56,8 @@ def server(tmp_path_factory):
     while ``server.gate`` is held (tests.gates.FileGate; released by default)."""
     tmp = tmp_path_factory.mktemp("web-server")
     gate = tmp / "gate"
-    env = {"REV88_BACKEND": "cpu-fast", "REV88_API_KEY": KEY, "REV88_WORKERS": "1"}
+    env = {"REV88_BACKEND": "cpu-fast", "REV88_API_KEY": KEY, "REV88_WORKERS": "1",
+           "REV88_WEBHOOK_ALLOW_CIDRS": "127.0.0.2/32", "REV88_WEBHOOK_POLL_S": "0.2"}  # (receivers: 127.0.0.2)
     with running_server(tmp, env=env, gate=gate) as srv:
         srv.gate = FileGate(gate)
         yield srv
@@ -337,6 +338,32 @@ def test_task_page_follows_a_queued_task_and_cancels(server, desktop, task_npz):
         server.gate.release()
     page.wait_for_selector("#task-status.status-succeeded", timeout=60_000)  # no reload: the page polled
     assert page.locator("#download-npy").is_visible()
+
+
+def test_the_task_page_shows_its_webhook_messages(server, desktop, task_npz):
+    """A task sent with a webhook: its page lists the message, delivered, with its attempts; a
+    task without one shows no webhook section."""
+    from tests.receivers import Receiver
+
+    _, npz = task_npz
+    page = desktop
+    with Receiver("127.0.0.2", plan=[500, 204]) as receiver, server.client(headers=AUTH) as client:
+        hooked = post_task(client, npz.read_bytes(), params={"webhook": receiver.url, "seed": "11"},
+                           headers={"Prefer": "respond-async"}).json()["id"]
+        plain = post_task(client, npz.read_bytes(), params={"seed": "12"}, headers={"Prefer": "respond-async"}).json()["id"]
+        page.goto(server.url + "/")
+        page.fill("#api-key", KEY)
+        page.click("#key-save")
+        page.goto(f"{server.url}/ui/tasks/{hooked}")
+        page.wait_for_selector("#task-status.status-succeeded", timeout=60_000)
+        row = page.wait_for_selector("#webhooks-body tr[data-state=delivered]", timeout=60_000)  # (the page polls)
+        text = row.inner_text()
+        assert "task.succeeded" in text and receiver.url in text and "2 (last: 204)" in text, text
+        assert len(receiver.requests) == 2
+        screenshot(page, "task-webhooks-desktop")
+        page.goto(f"{server.url}/ui/tasks/{plain}")
+        page.wait_for_selector("#task-status.status-succeeded", timeout=60_000)
+        assert not page.locator("#webhooks").is_visible()
 
 
 def test_the_sweep_page_shows_its_cells_and_chart_and_the_task_list_links_to_it(server, desktop, tmp_path):

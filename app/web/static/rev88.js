@@ -8,6 +8,7 @@
   const root = body.dataset.root || "";
   const KEY = "rev88.apiKey";
   const ACTIVE = new Set(["queued", "running"]);
+  const ACTIVE_MESSAGE = new Set(["waiting", "pending"]);  // a webhook message not yet settled
   const $ = (selector) => document.querySelector(selector);
 
   // ------------------------------------------------------------------ helpers
@@ -472,6 +473,31 @@
     $("#prediction-list").textContent = predictions.length > 120 ? `${shown} … (${predictions.length - 120} more)` : shown;
   }
 
+  // A task's webhook messages (GET /tasks/<id>/deliveries): one row each, its last attempt's
+  // status or error beside its state. Hidden for a task without a webhook.
+  async function webhookBlock(id) {
+    const section = $("#webhooks"), rows = $("#webhooks-body");
+    let log;
+    try {
+      const response = await api(`/tasks/${encodeURIComponent(id)}/deliveries`);
+      if (!response.ok) return;
+      log = await response.json();
+    } catch (error) {
+      return;  // (the page's own load says what is wrong with the server)
+    }
+    section.hidden = !log.messages.length;
+    rows.replaceChildren(...log.messages.map((m) => {
+      const last = m.attempts.length ? m.attempts[m.attempts.length - 1] : null;
+      const result = last ? (last.status_code != null ? `${last.status_code}` : last.error || "") : "";
+      const state = el("span", { class: "pill" });
+      pill(state, m.state);
+      return el("tr", { "data-state": m.state, "data-message-id": m.id },
+        el("td", { text: m.event }), el("td", { text: m.type || dash }), el("td", { class: "mono", text: m.url }),
+        el("td", {}, state),
+        el("td", { text: `${m.attempt_count}${result ? ` (last: ${result})` : ""}` }), el("td", { text: m.next }));
+    }));
+  }
+
   function initTask() {
     const id = body.dataset.taskId;
     const status = $("#task-status"), message = $("#task-message"), list = $("#task-facts");
@@ -506,7 +532,10 @@
         hashBlock(data);
         configBlock(data);
         predictionBlock(data);
-        return null;
+        await webhookBlock(id);
+        const waiting = [...document.querySelectorAll("#webhooks-body tr")].some(
+          (row) => ACTIVE_MESSAGE.has(row.dataset.state));
+        return waiting ? 2000 : null;  // (a message still to be delivered: look again)
       }
       const error = data.error && data.error.error;
       say(active ? `${data.status}… this page refreshes by itself` : (error || data.status), !active && data.status !== "succeeded");
@@ -520,6 +549,7 @@
                                     : `${bytes(data.body_bytes)} · body not hashed (its input hashes name the arrays)`],
         ["config", Object.entries(data.config || {}).map(([k, v]) => `${k}=${v}`).join(" ")],
       ]);
+      await webhookBlock(id);
       return active ? 1000 : null;
     });
 
