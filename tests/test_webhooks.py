@@ -474,3 +474,26 @@ def test_the_async_client_reads_the_secret_and_the_log():
                 assert (await client.rotate_webhook_secret())["key"] != secret
 
         asyncio.run(go())
+
+
+def test_the_outbox_keeps_one_schema_and_filters_by_tenant_in_the_store(tmp_path):
+    """The PostgreSQL migration is the outbox's own table text (no drift between the engines'
+    copies); a tenant's read or redelivery of a subject's messages is filtered in the SQL."""
+    from app.ledger.outbox import POSTGRES_SCHEMA, SqliteOutbox
+    from app.ledger.postgres import MIGRATIONS_DIR
+    from app.ledger.store import Ledger
+
+    migration = (MIGRATIONS_DIR / "0005_webhooks.sql").read_text()
+    assert migration.split("\n", 1)[1] == POSTGRES_SCHEMA.lstrip()
+    ledger = Ledger(tmp_path / "data")
+    outbox = SqliteOutbox(ledger)
+    hook = {"url": "http://127.0.0.2:9/hook", "events": ["completed"]}
+    record, _ = ledger.create(task_id="t1", kind="task", mode="async", backend="cpu", config={},
+                              options={"owner": "alice", "webhook": hook}, train_count=1, test_count=1,
+                              body_sha256="0" * 64, body_bytes=1, body=b"x")
+    [(message, _)] = outbox.messages_of("t1", "alice")
+    assert message.owner == "alice" and message.state == "waiting"
+    assert outbox.messages_of("t1", "bob") == [] and len(outbox.messages_of("t1")) == 1
+    assert outbox.promote_many([(message.id, "task.succeeded", b"{}", 0.0)]) == 1
+    assert outbox.redeliver("t1", "bob") == [] and outbox.redeliver("t1", "alice") == [message.id]
+    ledger.close()

@@ -71,7 +71,7 @@ def _routes(kind: str, collection: str) -> None:
                 name=f"{kind}_deliveries")
     async def deliveries(subject_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
         await _subject(service, kind, subject_id, tenant)
-        return JSONResponse(await run_in_threadpool(service.webhooks.log_of, kind, subject_id))
+        return JSONResponse(await run_in_threadpool(service.webhooks.log_of, kind, subject_id, tenant.owner))
 
     @router.post(f"/{collection}/{{subject_id}}/deliveries/redeliver", status_code=202,
                  summary=f"Send a {kind}'s webhook messages again (same ids, same bodies, the schedule anew)",
@@ -79,9 +79,9 @@ def _routes(kind: str, collection: str) -> None:
                  name=f"{kind}_redeliver")
     async def redeliver(subject_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
         await _subject(service, kind, subject_id, tenant)
-        ids = await run_in_threadpool(service.webhooks.redeliver, subject_id)
+        ids = await run_in_threadpool(service.webhooks.redeliver, subject_id, tenant.owner)
         if not ids:
-            log = await run_in_threadpool(service.webhooks.log_of, kind, subject_id)
+            log = await run_in_threadpool(service.webhooks.log_of, kind, subject_id, tenant.owner)
             why = ("it was submitted without a webhook" if not log["messages"]
                    else "its event has not happened yet (its messages are waiting)")
             raise Conflict(f"nothing to redeliver for {kind} {subject_id}: {why}", field="webhook")

@@ -201,10 +201,6 @@ class _Outbox:
                 sql = sql.replace("?", "%s")
             conn.cursor().executemany(sql, rows)
 
-    def add(self, rows: list[tuple]) -> None:
-        """Rows written on their own (a record whose store is another database)."""
-        self._write("record webhook messages", lambda conn: self.insert(conn, rows))
-
     # ------------------------------------------------------------------ events
     def due_tasks(self, limit: int) -> list[tuple]:
         """Waiting task messages whose event has happened (or whose task is gone), with the
@@ -304,39 +300,38 @@ class _Outbox:
 
         return self._write(f"record webhook attempt of {message.id}", run, durable=False)
 
-    def release(self, replica: str, message_ids: list[str]) -> None:
-        """Leases given back unattempted (a stop)."""
-        sql = self._sql("UPDATE {p}webhook_messages SET lease_owner = NULL, lease_expires_at = NULL"
-                        " WHERE id = ? AND lease_owner = ?")
-        if message_ids:
-            self._write("release webhook leases",
-                        lambda conn: conn.cursor().executemany(sql, [(m, replica) for m in message_ids]),
-                        durable=False)
-
     # ------------------------------------------------------------------ reading, redelivering
-    def messages_of(self, subject_id: str) -> list[tuple[Message, list[Attempt]]]:
-        messages = self._sql(f"SELECT {_MESSAGE} FROM {{p}}webhook_messages WHERE subject_id = ? ORDER BY created_at, id")
+    def messages_of(self, subject_id: str, owner: str | None = None) -> list[tuple[Message, list[Attempt]]]:
+        """The subject's messages with their attempts; ``owner`` given: only that tenant's (None:
+        every tenant's, the admin's view)."""
+        mine = "" if owner is None else " AND owner = ?"
+        args = (subject_id,) if owner is None else (subject_id, owner)
+        messages = self._sql(f"SELECT {_MESSAGE} FROM {{p}}webhook_messages WHERE subject_id = ?{mine}"
+                             " ORDER BY created_at, id")
         attempts = self._sql("SELECT n, at, url, address, status_code, duration_ms, error, outcome, next_at, replica"
                              " FROM {p}webhook_attempts WHERE message_id = ? ORDER BY n")
 
         def run(conn):
             out = []
-            for row in list(conn.execute(messages, (subject_id,))):
+            for row in list(conn.execute(messages, args)):
                 m = _message(row)
                 out.append((m, [Attempt(*a) for a in conn.execute(attempts, (m.id,))]))
             return out
 
         return self._read(f"read the webhook messages of {subject_id}", run)
 
-    def redeliver(self, subject_id: str) -> list[str]:
-        """Every message of the subject whose event has happened: pending again now, its
-        schedule from the start, its id and body unchanged. Returns their ids."""
+    def redeliver(self, subject_id: str, owner: str | None = None) -> list[str]:
+        """Every message of the subject whose event has happened (``owner`` given: that tenant's
+        only): pending again now, its schedule from the start, its id and body unchanged. Returns
+        their ids."""
         now = time.time()
+        mine = "" if owner is None else " AND owner = ?"
+        args = (now, subject_id) if owner is None else (now, subject_id, owner)
         sql = self._sql("UPDATE {p}webhook_messages SET state = 'pending', next_at = ?, round_start = attempts,"
                         " finished_at = NULL, lease_owner = NULL, lease_expires_at = NULL"
-                        " WHERE subject_id = ? AND body IS NOT NULL AND state <> 'skipped' RETURNING id")
+                        f" WHERE subject_id = ? AND body IS NOT NULL AND state <> 'skipped'{mine} RETURNING id")
         return self._write(f"redeliver the webhook messages of {subject_id}",
-                           lambda conn: [r[0] for r in conn.execute(sql, (now, subject_id))])
+                           lambda conn: [r[0] for r in conn.execute(sql, args)])
 
     def stats(self) -> dict[str, Any]:
         """Messages by state, and the ready time of the oldest pending one (None: none pending)."""

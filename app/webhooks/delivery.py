@@ -170,9 +170,10 @@ class Webhooks:
         return cached[1].get(url)
 
     # ------------------------------------------------------------------ the delivery log
-    def log_of(self, kind: str, subject_id: str) -> dict[str, Any]:
+    def log_of(self, kind: str, subject_id: str, owner: str | None = None) -> dict[str, Any]:
+        """The subject's delivery log; ``owner`` (a tenant): its own messages only (None: all)."""
         out = []
-        for m, attempts in self.outbox.messages_of(subject_id):
+        for m, attempts in self.outbox.messages_of(subject_id, owner):
             out.append({"id": m.id, "event": m.event, "type": m.type, "url": m.url, "state": m.state,
                         "created_at": m.created_at, "ready_at": m.ready_at,
                         "next_attempt_at": m.next_at if m.state == "pending" else None,
@@ -180,8 +181,8 @@ class Webhooks:
                         "attempt_count": m.attempts, "attempts": [a.document() for a in attempts]})
         return {"kind": kind, "id": subject_id, "messages": out}
 
-    def redeliver(self, subject_id: str) -> list[str]:
-        ids = self.outbox.redeliver(subject_id)
+    def redeliver(self, subject_id: str, owner: str | None = None) -> list[str]:
+        ids = self.outbox.redeliver(subject_id, owner)
         if ids:
             self.wake()
         return ids
