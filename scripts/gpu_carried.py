@@ -11,6 +11,12 @@ either in the working tree (the scripts, learner/, app/, rev88/, data/mnist) or 
           scripts/gpu_check.py follows too): present, not empty, gzip or IDX (a Git LFS pointer or
           a truncated copy is caught here; gpu_check.py verifies their checksums later)
   sections  every name in --sections is one of scripts/gpu_check.py's
+  packages  every distribution the service imports (gpu_check_common.SERVICE_MODULES, measured by
+          tests/test_device_packages.py) is on the GPU image (scripts/gpu_image_packages.txt) or
+          pinned in scripts/device_wheels.txt; every pin lies in pyproject.toml's range for it and
+          in app/http/versions.TESTED's releases; with the wheels folder, every carried wheel's own
+          requirements (Requires-Dist, with the extras pyproject asks for) are met by the pins or
+          the image, at a version that satisfies them where the version is known
 
 With ``--here`` (scripts/gpu_prepare.sh) it also sums what the call will carry: the files git
 would send (tracked, and untracked but not ignored) plus the carried folder, at most 64 MiB.
@@ -26,16 +32,20 @@ before the wheels are installed.
 from __future__ import annotations
 
 import argparse
+import email.parser
 import importlib.util
 import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 PINS_FILE = SCRIPTS / "device_wheels.txt"
+IMAGE_FILE = SCRIPTS / "gpu_image_packages.txt"
+PYPROJECT = ROOT / "pyproject.toml"
 DEFAULT_WHEELS = ".device-wheels"
 TRAVEL_LIMIT_BYTES = 64 * 2**20  # the device tool's limit on the working tree plus what is carried
 PREPARE = "bash scripts/gpu_prepare.sh"
@@ -105,6 +115,185 @@ def wheel_problems(folder: Path, pins: dict[str, str]) -> list[str]:
                         problems.append(f"{path} has no .dist-info/METADATA: not a wheel; {fix}")
             except (zipfile.BadZipFile, OSError) as exc:
                 problems.append(f"{path} cannot be read as a wheel ({exc}); {fix}")
+    return problems
+
+
+def read_image(path: Path = IMAGE_FILE) -> dict[str, str | None]:
+    """scripts/gpu_image_packages.txt -> {normalized name: version, or None where not read}."""
+    image: dict[str, str | None] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            image[normalized(name.strip())] = version.strip() or None
+    return image
+
+
+def _load_by_path(name: str, path: Path):
+    """A module of the checkout loaded by its path (no package import: numpy, torch stay out)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def service_distributions() -> list[str]:
+    """The distributions the service imports: gpu_check_common.SERVICE_MODULES (measured by a test)."""
+    common = _load_by_path("rev88_gpu_check_common", SCRIPTS / "gpu_check_common.py")
+    return [normalized(name) for name in common.SERVICE_MODULES]
+
+
+# -- versions and specifiers: packaging's where it is importable (the GPU image has it), else the
+# -- small subset below (PEP 440 release numbers; ==, !=, ~=, <, <=, >, >=, ==X.*)
+
+def _release_of(version: str) -> tuple[int, ...]:
+    out = []
+    for part in re.split(r"[.+]", version):
+        digits = re.match(r"\d+", part)
+        if not digits:
+            break
+        out.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(out)
+
+
+def _padded(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    n = max(len(a), len(b))
+    return a + (0,) * (n - len(a)), b + (0,) * (n - len(b))
+
+
+def _simple_contains(spec: str, version: str) -> bool:
+    have = _release_of(version)
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op, want = re.match(r"(===|==|!=|~=|<=|>=|<|>)\s*(.+)", clause).groups()
+        if want.endswith(".*"):
+            prefix = _release_of(want[:-2])
+            same = have[:len(prefix)] == prefix
+            if (op == "==") != same:
+                return False
+            continue
+        a, b = _padded(have, _release_of(want))
+        if op == "~=":
+            upper = _release_of(want)[:-1]
+            ok = a >= b and have[:len(upper)] == upper
+        else:
+            ok = {"==": a == b, "===": version == want, "!=": a != b, "<": a < b, "<=": a <= b,
+                  ">": a > b, ">=": a >= b}[op]
+        if not ok:
+            return False
+    return True
+
+
+def spec_contains(spec: str, version: str) -> bool:
+    """Whether ``version`` satisfies the specifier set ``spec`` ('' admits every version)."""
+    if not spec.strip():
+        return True
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:
+        return _simple_contains(spec, version)
+    return SpecifierSet(spec).contains(version, prereleases=True)
+
+
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(\(?[^;()]*\)?)\s*(?:;(.*))?$")
+
+
+def parse_requirement(text: str) -> tuple[str, set[str], str, str]:
+    """'uvicorn[standard]>=0.55,<0.56 ; python_version>"3"' -> (name, extras, specifier, marker)."""
+    match = _REQUIREMENT.match(text)
+    if not match:
+        raise ValueError(f"cannot read the requirement {text!r}")
+    name, extras, spec, marker = match.groups()
+    extras = {normalized(e.strip()) for e in (extras or "[]")[1:-1].split(",") if e.strip()}
+    return normalized(name), extras, spec.strip().strip("()").strip(), (marker or "").strip()
+
+
+def marker_holds(marker: str, extras: set[str]) -> bool | None:
+    """Whether a requirement's marker holds on the GPU machine (CPython 3.12, Linux x86_64) when
+    ``extras`` are asked for; None when it cannot be told without packaging."""
+    if not marker:
+        return True
+    try:
+        from packaging.markers import Marker
+    except ImportError:
+        only_extra = re.fullmatch(r"""extra\s*==\s*["']([^"']+)["']""", marker.strip())
+        return normalized(only_extra.group(1)) in extras if only_extra else None
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+           "platform_machine": "x86_64", "os_name": "posix"}
+    return any(Marker(marker).evaluate({**env, "extra": extra}) for extra in (extras or {""}))
+
+
+def project_requirements(path: Path = PYPROJECT) -> dict[str, tuple[set[str], str]]:
+    """pyproject.toml's runtime dependencies: {name: (extras asked for, specifier)}."""
+    project = tomllib.loads(path.read_text())["project"]
+    out = {}
+    for text in project["dependencies"]:
+        name, extras, spec, _ = parse_requirement(text)
+        out[name] = (extras, spec)
+    return out
+
+
+def tested_releases() -> dict[str, tuple[tuple[int, ...], ...]]:
+    """app/http/versions.TESTED: {name: the (major, minor) releases the tests ran on}."""
+    versions = _load_by_path("rev88_http_versions", ROOT / "app" / "http" / "versions.py")
+    return {normalized(name): releases for name, (releases, _) in versions.TESTED.items()}
+
+
+def pin_problems(pins: dict[str, str], image: dict[str, str | None] | None = None) -> list[str]:
+    """Why the pins and the image do not make the service's packages ([] when they do): a
+    distribution the service imports that is neither on the image nor pinned, a pin outside
+    pyproject.toml's range, a pin at a release app/http/versions.py was not tested on."""
+    image = read_image() if image is None else image
+    problems = []
+    for name in service_distributions():
+        if name not in image and name not in pins:
+            problems.append(f"the service imports {name}, which is neither on the GPU image "
+                            f"(scripts/gpu_image_packages.txt) nor in scripts/device_wheels.txt: pin it there")
+    wanted = project_requirements()
+    for name, version in pins.items():
+        if name in wanted and not spec_contains(wanted[name][1], version):
+            problems.append(f"scripts/device_wheels.txt pins {name}=={version}, outside pyproject.toml's "
+                            f"{name}{wanted[name][1]}: pin a release in that range")
+    for name, releases in tested_releases().items():
+        if name in pins and _release_of(pins[name])[:2] not in releases:
+            tested = ", ".join(".".join(map(str, r)) + ".x" for r in releases)
+            problems.append(f"scripts/device_wheels.txt pins {name}=={pins[name]}, but app/http/versions.py "
+                            f"was tested on {tested} only (rev88 serve would refuse to start)")
+    return problems
+
+
+def _wheel_metadata(path: Path):
+    with zipfile.ZipFile(path) as wheel:
+        name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(wheel.read(name).decode("utf-8", "replace"))
+
+
+def requirement_problems(folder: Path, pins: dict[str, str], image: dict[str, str | None] | None = None) -> list[str]:
+    """Each carried wheel's own requirements (with the extras pyproject asks for) met by a pin or
+    the image, at a satisfying version where the version is known ([] when they are)."""
+    image = read_image() if image is None else image
+    asked = {name: extras for name, (extras, _) in project_requirements().items()}
+    problems = []
+    for path in sorted(folder.glob("*.whl")):
+        try:
+            meta = _wheel_metadata(path)
+        except (StopIteration, zipfile.BadZipFile, OSError):
+            continue  # wheel_problems names it
+        owner = normalized(meta.get("Name", path.name.split("-")[0]))
+        for text in meta.get_all("Requires-Dist") or []:
+            name, _, spec, marker = parse_requirement(text)
+            holds = marker_holds(marker, asked.get(owner, set()))
+            if not holds:
+                continue
+            have = pins.get(name, image.get(name))
+            if name not in pins and name not in image:
+                problems.append(f"{path.name} needs {text.strip()}, which is neither carried nor on the GPU image: "
+                                f"pin it in scripts/device_wheels.txt")
+            elif have is not None and not spec_contains(spec, have):
+                where = "scripts/device_wheels.txt pins" if name in pins else "the GPU image has"
+                problems.append(f"{path.name} needs {text.strip()}, but {where} {name}=={have}")
     return problems
 
 
@@ -180,15 +369,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pins = read_pins()
     if args.wheels_only:
-        return 1 if wheel_problems(args.wheels, pins) else 0
+        return 1 if wheel_problems(args.wheels, pins) or pin_problems(pins) else 0
     sections = [s.strip() for s in args.sections.split(",") if s.strip()] or list(SECTIONS)
     needs_wheels = any(s in NEEDS_WHEELS for s in sections)
     problems = section_problems(sections) + mnist_problems(args.mnist_dir)
     if needs_wheels:
-        problems += wheel_problems(args.wheels, pins)
+        problems += pin_problems(pins) + wheel_problems(args.wheels, pins)
+        if args.wheels.is_dir():
+            problems += requirement_problems(args.wheels, pins)
     facts = ["MNIST: the four files"]
     if needs_wheels:
-        facts.append(f"wheels: {len(pins)} in {args.wheels}")
+        facts.append(f"wheels: {len(pins)} in {args.wheels}, with the image's {len(read_image())} packages "
+                     f"every one the service imports")
     else:
         facts.append(f"wheels: not needed (no service section in {', '.join(sections)})")
     if args.here:

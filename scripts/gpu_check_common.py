@@ -30,13 +30,23 @@ PINNED = {"torch": "2.13.0", "python": "3.11"}
 DISTRIBUTIONS = (
     "torch", "triton", "numpy", "nvidia-ml-py", "httpx", "prometheus-client", "anyio", "h11", "click",
     "fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn", "python-multipart", "annotated-types",
-    "typing-inspection", "typing-extensions", "opentelemetry-api", "annotated-doc",
+    "typing-inspection", "typing-extensions", "opentelemetry-api", "annotated-doc", "httptools", "orjson", "zlib-ng",
+    "jinja2",
 )
-# The service's packages that the GPU machine lacks (scripts/make_device_wheels.sh): import names.
+# Every distribution outside the standard library that the service imports when it starts
+# (`rev88 serve`: app, rev88.cli.serve, rev88.client, learner), as dist name -> import name.
+# tests/test_device_packages.py measures the set in a child process and fails when this differs;
+# scripts/gpu_carried.py checks that each is on the GPU image (scripts/gpu_image_packages.txt) or
+# carried (scripts/device_wheels.txt); the pre-check and gpu_device_run.sh check each is importable.
 SERVICE_MODULES = {
+    "numpy": "numpy", "torch": "torch", "triton": "triton", "nvidia-ml-py": "pynvml",
     "fastapi": "fastapi", "starlette": "starlette", "pydantic": "pydantic", "pydantic-core": "pydantic_core",
-    "uvicorn": "uvicorn", "python-multipart": "python_multipart", "httpx": "httpx",
-    "prometheus-client": "prometheus_client", "opentelemetry-api": "opentelemetry", "orjson": "orjson",
+    "annotated-types": "annotated_types", "typing-inspection": "typing_inspection",
+    "typing-extensions": "typing_extensions", "annotated-doc": "annotated_doc",
+    "opentelemetry-api": "opentelemetry", "uvicorn": "uvicorn", "httptools": "httptools", "anyio": "anyio",
+    "idna": "idna", "click": "click", "python-multipart": "python_multipart", "httpx": "httpx",
+    "prometheus-client": "prometheus_client", "jinja2": "jinja2", "markupsafe": "markupsafe",
+    "orjson": "orjson", "zlib-ng": "zlib_ng",
 }
 # After an interrupt, how long a child process (the service's server) gets between SIGTERM and
 # SIGKILL: well inside the 10 s that scripts/gpu_device_run.sh's `timeout -k 10` leaves Python.

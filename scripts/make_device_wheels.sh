@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the GPU machine lacks for the HTTP service into .device-wheels/
-# (ignored by git; 12 wheels, 3.4 MiB measured). The lent nvidia-h200 machine runs CPython 3.12
-# and has torch, triton, numpy, nvidia-ml-py, httpx, anyio, h11, click, prometheus-client and
-# annotated-doc, but not fastapi, starlette, pydantic, pydantic-core, uvicorn, python-multipart,
-# nor annotated-types and typing-inspection (pydantic needs them) or opentelemetry-api (fastapi
-# imports it), nor orjson and zlib-ng (not in H200.md's package list): the service imports
-# orjson; the npz reader uses zlib-ng's faster CRC-32 when it is there (zlib's otherwise, same
-# values: the learner needs none of these). It has no network, so they travel with the call:
+# (ignored by git; 13 wheels, 4.0 MiB measured). The lent nvidia-h200 machine runs CPython 3.12
+# with the packages of scripts/gpu_image_packages.txt (torch, triton, numpy, nvidia-ml-py, httpx,
+# anyio, h11, click, prometheus-client, jinja2, uvloop, annotated-doc, ...), but not fastapi,
+# starlette, pydantic, pydantic-core, uvicorn, httptools (the body protocol's parser),
+# python-multipart, nor annotated-types and typing-inspection (pydantic needs them) or
+# opentelemetry-api (fastapi imports it), nor orjson and zlib-ng: the service imports orjson; the
+# npz reader uses zlib-ng's faster CRC-32 when it is there (zlib's otherwise, same values).
+# tests/test_device_packages.py measures what the service imports and fails when the image plus
+# scripts/device_wheels.txt lack one. It has no network, so they travel with the call:
 #
 #     bash scripts/gpu_prepare.sh                   # once, here (needs PyPI): calls this, then checks
 #     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)
@@ -14,7 +16,7 @@
 # scripts/gpu_device_run.sh installs them with `pip install --no-index --no-deps --target` into a
 # folder on PYTHONPATH. The versions are the ones the test suite runs with here, one of each (two
 # versions of one package stop the install there); typing-extensions is carried because pydantic
-# needs >= 4.16. Limits of a call: the working tree that travels, these wheels included, at most
+# needs >= 4.16 (the image's may be older). Limits of a call: the working tree that travels, these wheels included, at most
 # 64 MiB (the repository is ~14 MB; scripts/gpu_prepare.sh sums it); `carry` takes at most 8
 # paths (this is one).
 set -euo pipefail

@@ -74,7 +74,7 @@ class Running:
         self.thread = threading.Thread(target=lambda: self._run(loop), daemon=True)
 
     def _run(self, loop: str) -> None:
-        if loop == "uvloop":  # what rev88 serve runs on (uvicorn's loop="auto" with uvicorn[standard])
+        if loop == "uvloop":  # what rev88 serve runs on (uvicorn's loop="auto" with uvloop installed)
             import uvloop
 
             runner = uvloop.new_event_loop()

@@ -84,7 +84,7 @@ def serving(app):
         thread.join(60)
 
 
-@pytest.mark.skipif(protocol.protocol_class() is None, reason="rev88 serve's protocol needs uvicorn[standard]")
+@pytest.mark.skipif(protocol.protocol_class() is None, reason="rev88 serve's protocol needs httptools")
 def test_finished_tasks_leave_no_reference_cycles(tmp_path):
     gate = Gate()
     settings = Settings(backend="cpu-fast", workers=1, queue_size=4, task_timeout_s=60.0,

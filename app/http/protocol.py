@@ -82,9 +82,9 @@ DEFAULT_HEADER_TIMEOUT_S = Policy.header_timeout_s  # for an app that gives no p
 _PROBLEM = None
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError as exc:  # uvicorn without httptools (not uvicorn[standard])
+except ImportError as exc:  # uvicorn without httptools (pyproject.toml asks for both)
     HttpToolsProtocol = None
-    _PROBLEM = f"uvicorn's httptools protocol does not import ({exc}); install uvicorn[standard]"
+    _PROBLEM = f"uvicorn's httptools protocol does not import ({exc}); install httptools (pyproject.toml's range)"
 else:
     if versions.untested(("uvicorn",)):
         HttpToolsProtocol = None
