@@ -112,7 +112,9 @@ def _child(cases: str, out_dir: Path) -> None:
 
 
 def _run_child(cases: str, out_dir: Path, timeout: float) -> Path:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    from tests.helpers import child_pythonpath
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": child_pythonpath(ROOT)}
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), cases, str(out_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
