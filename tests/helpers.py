@@ -62,3 +62,13 @@ def unavailable(kind: str, reason: str):
     if required(kind):
         pytest.fail(f"{REQUIRE_ENV} requires the {kind} tests, but {reason}", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+def child_pythonpath(*first: str | Path) -> str:
+    """PYTHONPATH for a child Python: ``first`` (the checkout, say), then the parent's own
+    PYTHONPATH, so that a child finds what the parent found (on the GPU machine the service's
+    packages come from a folder on PYTHONPATH, not from site-packages)."""
+    import os
+
+    parts = [str(p) for p in first] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(parts))

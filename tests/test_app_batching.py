@@ -431,7 +431,9 @@ def test_fused_run_many_through_the_service_equals_single_launches():
     from .server import ROOT
 
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    from .helpers import child_pythonpath
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": child_pythonpath(ROOT)}
     proc = subprocess.run([sys.executable, "-c", FUSED_CHILD], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,7 +11,10 @@ when a pin leaves pyproject.toml's range or app/http/versions.TESTED's releases.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -175,3 +178,32 @@ def test_the_standard_library_specifier_matches_packaging(spec, version, ok):
 
     assert carried._simple_contains(spec, version) is ok
     assert SpecifierSet(spec).contains(version, prereleases=True) is ok
+
+
+def test_a_child_python_keeps_the_parent_s_import_path(tmp_path, monkeypatch):
+    """On the GPU machine the service's packages come from a folder on PYTHONPATH (the carried
+    wheels): a test's child process that set PYTHONPATH to the checkout alone lost them (the first
+    GPU run: 'No module named orjson' in tests/test_app_batching.py's child)."""
+    from .helpers import child_pythonpath
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "rev88_carried_probe.py").write_text("VALUE = 43\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    code = "import rev88_carried_probe, learner; print(rev88_carried_probe.VALUE)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "43", proc.stderr
+    assert child_pythonpath(ROOT).split(os.pathsep) == [str(ROOT), str(site)]
+
+
+def test_no_child_python_drops_the_parent_s_import_path():
+    """Every place in tests/, bench/ and scripts/ that hands a child Python a PYTHONPATH keeps the
+    parent's (tests.helpers.child_pythonpath, or the parent's PYTHONPATH joined on)."""
+    offenders = []
+    for folder in ("tests", "bench", "scripts"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"""["']PYTHONPATH["']\s*[:\]]\s*=?\s*str\(""", line) and "on purpose" not in line:
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "a child's PYTHONPATH without the parent's:\n" + "\n".join(offenders)

@@ -793,7 +793,7 @@ def _device_run(tmp_path, env: dict, block: tuple[str, ...] = (), timeout: float
         site = tmp_path / "block"
         site.mkdir()
         (site / "sitecustomize.py").write_text(f"import sys\nfor name in {block!r}:\n    sys.modules[name] = None\n")
-        full["PYTHONPATH"] = str(site)
+        full["PYTHONPATH"] = str(site)  # its own import path, on purpose
     most, stop = [0], threading.Event()
 
     def watch():

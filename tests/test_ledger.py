@@ -33,6 +33,7 @@ from app.ledger.store import (
     LedgerUnavailable,
 )
 
+from .helpers import child_pythonpath
 from .pg import pg_server  # noqa: F401 - the fixture the postgres store runs on
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -492,7 +493,7 @@ def test_sigkill_right_after_create_loses_nothing(store):
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, store.location(), task_id], cwd=ROOT, stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": child_pythonpath(ROOT)},
     )
     try:
         line = child.stdout.readline()
