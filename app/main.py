@@ -58,7 +58,8 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
             await service.stop()
             gc.unfreeze()  # collectable again at exit (native extensions report what is never freed)
 
-    app = ServiceApp(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = ServiceApp(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                     docs_url=None, redoc_url=None)  # (/docs and /redoc without a CDN: app/web/api_docs.py)
     app.state.service = service
     app.state.settings = settings
     who = dict(api_key=settings.api_key, metrics=service.metrics, resolve=service.keys.resolve,
@@ -75,5 +76,5 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     add_routes(app, usage.router)
     add_routes(app, webhooks.router)
     add_routes(app, health.router)
-    web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, its script and styles under /static
+    web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, /docs and /redoc, scripts and styles under /static
     return app

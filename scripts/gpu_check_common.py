@@ -46,7 +46,7 @@ SERVICE_MODULES = {
     "opentelemetry-api": "opentelemetry", "uvicorn": "uvicorn", "httptools": "httptools", "anyio": "anyio",
     "idna": "idna", "click": "click", "python-multipart": "python_multipart", "httpx": "httpx",
     "prometheus-client": "prometheus_client", "jinja2": "jinja2", "markupsafe": "markupsafe",
-    "orjson": "orjson", "zlib-ng": "zlib_ng",
+    "orjson": "orjson", "zlib-ng": "zlib_ng", "fastapi-offline": "fastapi_offline",
 }
 # After an interrupt, how long a child process (the service's server) gets between SIGTERM and
 # SIGKILL: well inside the 10 s that scripts/gpu_device_run.sh's `timeout -k 10` leaves Python.

@@ -156,8 +156,8 @@ def screenshot(page, name: str) -> None:
 class Page:
     """A browser page with its JavaScript errors collected (a failing test names them)."""
 
-    def __init__(self, browser, viewport):
-        self.context = browser.new_context(viewport=viewport, accept_downloads=True)
+    def __init__(self, browser, viewport, **options):
+        self.context = browser.new_context(viewport=viewport, accept_downloads=True, **options)
         self.context.set_default_timeout(30_000)
         self.page = self.context.new_page()
         self.errors: list[str] = []
@@ -284,6 +284,68 @@ def test_upload_through_the_form_and_download_the_predictions(server, browser, d
     answer = json.loads(saved_json.read_text())
     assert answer["id"] == queued and answer["status"] == "succeeded"
     assert answer["predictions_sha256"] == want and answer["predictions"] == predictions.tolist()
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def block_the_network(context) -> list[str]:
+    """Every request of ``context`` to a host other than this machine aborted (as on an offline
+    GPU node); returns the list the aborted URLs are appended to."""
+    from urllib.parse import urlsplit
+
+    blocked: list[str] = []
+
+    def route(r):
+        if urlsplit(r.request.url).hostname in LOOPBACK:
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+
+    context.route("**/*", route)
+    return blocked
+
+
+def test_the_api_docs_render_with_the_network_blocked(server, browser):
+    """/docs (Swagger UI) and /redoc (ReDoc) come whole from this server: with every request
+    elsewhere aborted, Swagger UI lists every operation of /openapi.json and ReDoc renders them;
+    neither page asked for anything off this machine."""
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
+        spec = client.get("/openapi.json").json()
+        for path in ("/docs", "/redoc"):
+            html = client.get(path)
+            assert html.status_code == 200 and "connect-src 'self'" in html.headers["content-security-policy"]
+            assert "http://" not in html.text and "https://" not in html.text, html.text  # (no CDN, no fonts)
+        for name in ("swagger-ui-bundle.js", "swagger-ui.css", "redoc.standalone.js", "favicon.png"):
+            assert httpx.get(f"{server.url}/static/api-docs/{name}").status_code == 200, name  # (open, as /static is)
+    operations = [(method.upper(), path, op["summary"]) for path, item in spec["paths"].items()
+                  for method, op in item.items() if method in ("get", "post", "put", "delete", "head", "patch")]
+    assert len(operations) > 20
+    docs = Page(browser, DESKTOP, extra_http_headers=AUTH)
+    blocked = block_the_network(docs.context)
+    page = docs.page
+    try:
+        page.goto(server.url + "/docs")
+        page.wait_for_selector(".swagger-ui .opblock", timeout=60_000)
+        shown = page.eval_on_selector_all(".swagger-ui .opblock", """bs => bs.map(b => [
+            b.querySelector('.opblock-summary-method').textContent.trim(),
+            b.querySelector('.opblock-summary-path').dataset.path])""")
+        assert sorted(map(tuple, shown)) == sorted((m, p) for m, p, _ in operations)
+        assert page.inner_text(".swagger-ui .info .title").startswith("rev88 service")
+        screenshot(page, "api-docs")
+        page.goto(server.url + "/redoc")
+        page.wait_for_selector("[data-section-id^='tag/sweeps']", timeout=60_000)
+        text = page.inner_text("body")
+        for method, path, summary in operations:
+            assert summary in text, (method, path, summary)
+        assert blocked == [], blocked
+        # The one off-site link in ReDoc's bundle, its menu's "Redocly" logo image, is refused by
+        # the page's Content-Security-Policy before any request is made (ReDoc then hides it).
+        refused = [e for e in docs.errors if "cdn.redoc.ly/redoc/logo-mini.svg" in e and "Content Security Policy" in e]
+        docs.errors = [e for e in docs.errors if e not in refused]
+    finally:
+        docs.close()
 
 
 def test_phone_sized_window(server, browser, task_npz):

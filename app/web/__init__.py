@@ -8,8 +8,9 @@ build step). The HTML carries no task data: the script fetches the JSON API (``/
 localStorage) as ``Authorization: Bearer``. So these pages and the static files are open
 without the key (app/http/middleware.py), while every API route stays protected.
 
-app/main.py calls ``install(app)``: the routes of ``router`` on the app itself, and the static
-files mounted at ``STATIC_PATH``.
+app/main.py calls ``install(app)``: the routes of ``router`` on the app itself, the interactive
+API docs (``/docs``, ``/redoc``: api_docs.py, served without a CDN) and the static files mounted
+at ``STATIC_PATH``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from fastapi.templating import Jinja2Templates
 from learner import __version__
 from learner.backends import NAMES
 from learner.config import FIELDS, INT_FIELDS, Config, bound_text
+
+from . import api_docs
 
 HERE = Path(__file__).resolve().parent
 STATIC_PATH = "/static"
@@ -57,6 +60,7 @@ def install(app: FastAPI) -> None:
     for route in router.routes:
         app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name,
                           summary=route.summary, response_class=HTMLResponse, include_in_schema=False)
+    api_docs.install(app)  # (its files' mount, under STATIC_PATH, before the page's own)
     app.mount(STATIC_PATH, static_files(), name="static")
 
 
