@@ -51,7 +51,7 @@ TRAVEL_LIMIT_BYTES = 64 * 2**20  # the device tool's limit on the working tree p
 PREPARE = "bash scripts/gpu_prepare.sh"
 # The sections of scripts/gpu_check.py (kept equal to gpu_check.SECTIONS by a test; not imported,
 # so that this script stays independent of the check it guards).
-SECTIONS = ("precheck", "cuda", "energy", "fused", "service")
+SECTIONS = ("precheck", "cuda", "energy", "fused", "service", "tests")
 NEEDS_WHEELS = ("service",)
 
 

@@ -20,6 +20,7 @@ the pre-check, which stops the run early when it fails):
   service   scripts/gpu_check_service.py: ``rev88 serve`` on the fused backend in a child process,
             over HTTP: draw 0, 8 concurrent tasks sharing launches, ?backend=cuda,
             ?measure=energy, /health's gpu object, /metrics' GPU gauges, SIGTERM drain
+  tests     scripts/gpu_check_tests.py: pytest on every test file that needs a GPU, under a cap
 
 ``--dry-run`` rehearses every section on the CPU (the cuda program eagerly, fused in Triton's
 interpreter on small slices, energy with a simulated meter, the service on cpu-fast) and writes
@@ -70,11 +71,13 @@ sys.path.insert(0, str(SCRIPTS))
 import gpu_check_common as common  # noqa: E402
 
 ROOT = common.ROOT
-SECTIONS = ("precheck", "cuda", "energy", "fused", "service")
+SECTIONS = ("precheck", "cuda", "energy", "fused", "service", "tests")
 MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy": "gpu_check_energy",
-           "fused": "gpu_check_fused", "service": "gpu_check_service"}
-# Estimated seconds of each section on one H200 (not measured: no GPU has run these yet): the one
-# table of them. The summary's "est.GPU s" column, each section's estimated_device_seconds and the
+           "fused": "gpu_check_fused", "service": "gpu_check_service", "tests": "gpu_check_tests"}
+# Estimated seconds of each section on one H200: the one table of them. The first GPU run
+# (2026-12-04, an H200; ../shared/notes/gpu-h200.md) measured precheck 9.4, cuda 10.9, energy 40.4,
+# fused 57.1, service 35.9 s (154 s of the 400); the figures below keep room over those for what
+# the sections gained since. The summary's "est.GPU s" column, each section's estimated_device_seconds and the
 # fused section's reserve for the sections after it come from it, and docs/gpu.md's table and
 # total must equal it (tests/test_gpu_check.py checks). How:
 # precheck  imports + one tiny Triton compile and launcher build (~5 s) + three cc runs
@@ -91,14 +94,15 @@ MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy":
 #           the in-process references, the requests (~10 s), the sweep, the drain (~2 s); + 11 s:
 #           the measure step's windows (gpu_check_service.MEASURE_PARAMS; 33 s with the
 #           service's default reference and sham windows, which were not counted)
-DEVICE_ESTIMATE_S = {"precheck": 20, "cuda": 30, "energy": 46, "fused": 180, "service": 86}
+# tests     gpu_check_tests.DEVICE_CAP_S caps it; the five files were run by hand in the first run
+DEVICE_ESTIMATE_S = {"precheck": 15, "cuda": 20, "energy": 46, "fused": 120, "service": 86, "tests": 90}
 # Fewer seconds left than this and a section is not started (it is then marked "skipped" for the
 # budget): on a GPU from the estimates above; in a dry run from its own times here (2-core machine,
 # quiet: precheck 1-3 s, cuda 2-13 s, energy 4-11 s, fused 17-75 s, service 7-46 s), low enough
 # that a short budget (--budget-s 20) starts a section and interrupts it.
 MIN_START_S = {
-    "device": {"precheck": 0, "cuda": 20, "energy": 20, "fused": 90, "service": 45},
-    "dry-run": {"precheck": 0, "cuda": 3, "energy": 3, "fused": 5, "service": 5},
+    "device": {"precheck": 0, "cuda": 15, "energy": 20, "fused": 60, "service": 45, "tests": 30},
+    "dry-run": {"precheck": 0, "cuda": 3, "energy": 3, "fused": 5, "service": 5, "tests": 5},
 }
 DEFAULT_BUDGET_S = {"device": 400, "dry-run": 300}
 EXIT_STATUS = {
@@ -236,6 +240,14 @@ def headline(name: str, r: dict) -> str:
                     f"speed-up {f(ra.get('speedup_fused_vs_cuda'), '.1f')}x / {f(ra.get('speedup_fused_T_vs_cuda'), '.1f')}x; "
                     f"draw0 {r.get('draw0', {}).get('fused_correct')} correct, "
                     f"{r.get('draw0', {}).get('prediction_mismatches_vs_cuda')} differ from cuda")
+        if name == "tests":
+            p = r.get("pytest") or {}
+            c = p.get("counts") or {}
+            bad = sorted(p.get("not_passed") or {})
+            return (f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('error', 0)} errors, "
+                    f"{c.get('skipped', 0)} skipped in {p.get('seconds', 0):.0f} s"
+                    + (" (cap reached)" if p.get("timed_out") else "")
+                    + (f"; not passed: {', '.join(n.split('::', 1)[1] for n in bad[:4])}" if bad else ""))
         if name == "service":
             steps = r.get("steps", {})
             failed = [k for k, v in steps.items() if not v.get("passed")] + list(r.get("missing_steps") or [])
