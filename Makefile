@@ -17,7 +17,7 @@ HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
 # Extra flags for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --queue-size 16"
 SERVE_ARGS ?=
 
-.PHONY: venv install install-test serve test lint clean
+.PHONY: venv install install-test test-tools serve test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -42,10 +42,16 @@ serve: install
 	$(BIN)/rev88 serve $(SERVE_ARGS)
 
 # The PostgreSQL and browser tests fail, not skip, when their parts are missing (Debian's
-# postgresql server binaries, chromium): `make test TEST_REQUIRE=` lets them skip instead.
+# postgresql server binaries, chromium; `make test` installs them first where it may):
+# `make test TEST_REQUIRE=` lets them skip instead.
 TEST_REQUIRE ?= postgres,browser
 
-test: install-test
+# Debian's chromium and postgresql when the tests require them and they are missing: installed
+# when this may (root, or sudo -n), else it stops before the suite with the command to run
+test-tools:
+	REV88_TEST_REQUIRE=$(TEST_REQUIRE) bash scripts/test_tools.sh
+
+test: install-test test-tools
 	REV88_TEST_REQUIRE=$(TEST_REQUIRE) $(BIN)/python -m pytest -q
 
 # ruff, and the dependency rules of pyproject.toml's [tool.importlinter] (rev88 -> app -> learner;
