@@ -147,9 +147,13 @@ class SweepCell(Open):
     accuracy: float | None = None
 
 
+SweepStatus = Literal["queued", "running", "completed", "cancelled"]
+EvaluationStatus = Literal["queued", "running", "completed", "failed", "cancelled"]
+
+
 class SweepState(Open):
     id: str
-    status: Literal["queued", "running", "completed", "cancelled"]
+    status: SweepStatus
     dataset: str
     created_at: float
     cancelled_at: float | None = None
@@ -160,18 +164,20 @@ class SweepState(Open):
 
 class SweepAccepted(Open):
     id: str
-    status: str
+    status: Literal["accepted"]
     cells: int
     location: str
 
 
 class SweepSummary(Open):
     id: str
+    status: SweepStatus
     dataset: str
     created_at: float
     cancelled_at: float | None = None
     definition: dict[str, Any]
     cells: int
+    counts: dict[str, int] = Field(description="cells by task status: queued, running, succeeded, failed, cancelled")
     location: str
 
 
@@ -199,7 +205,7 @@ class EvaluationRequest(BaseModel):
 
 class EvaluationAccepted(Open):
     id: str
-    status: str
+    status: Literal["accepted"]
     draws: list[int]
     location: str
     report: str
@@ -222,7 +228,7 @@ class EvaluationDraw(Open):
 class EvaluationState(Open):
     id: str
     name: str | None = None
-    status: Literal["queued", "running", "completed", "failed", "cancelled"]
+    status: EvaluationStatus
     created_at: float
     finished_at: float | None = None
     cancelled_at: float | None = None
@@ -243,7 +249,8 @@ class EvaluationState(Open):
 class EvaluationRow(Open):
     id: str
     name: str | None = None
-    status: str
+    status: EvaluationStatus
+    counts: dict[str, int] = Field(description="draws by task status: queued, running, succeeded, failed, cancelled")
     created_at: float
     draws: list[int]
     config_changes: dict[str, Any]

@@ -296,6 +296,41 @@ def test_an_energy_evaluation_measures_each_draw_and_says_why_it_is_not_valid_he
         assert doc["definition"]["protocol"]["trials"] == 1
 
 
+def test_the_list_carries_each_evaluations_status_and_counts_read_without_answers(store):
+    """GET /evaluations while draws wait: a row's status (queued, running) and counts equal its
+    document's, on both ledgers; the list reads its ungraded rows' tasks in one status-only
+    query (no answers) and grades an evaluation only once all its draws have finished."""
+    gate = Gate()
+    app = create_app(Settings(backend="cpu-fast", workers=1, **store), engines=gated_engines(gate))
+    ledger = app.state.service.ledger
+    asked: list[str] = []
+    for name in ("statuses", "get_many"):
+        real = getattr(ledger, name)
+        setattr(ledger, name, lambda ids, real=real, name=name: (asked.append(name), real(ids))[1])
+    with inprocess_server(app) as server, server.client() as c:
+        gate.hold()
+        try:
+            first = c.post("/evaluations", json={"draws": "0-1", "config": {"epochs": 1}}).json()["id"]
+            wait_for(lambda: c.get(f"/evaluations/{first}").json()["counts"]["running"] == 1, 60, what="a running draw")
+            second = c.post("/evaluations", json={"draws": "2", "config": {"epochs": 1}}).json()["id"]
+            asked.clear()
+            rows = {r["id"]: r for r in c.get("/evaluations").json()["evaluations"]}
+            assert asked == ["statuses"]  # one query for every ungraded row, no answer read
+            assert rows[first]["status"] == "running" and rows[second]["status"] == "queued"
+            assert rows[first]["counts"] == {"queued": 1, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 0}
+            for evaluation_id in (first, second):
+                doc = c.get(f"/evaluations/{evaluation_id}").json()
+                assert (rows[evaluation_id]["status"], rows[evaluation_id]["counts"]) == (doc["status"], doc["counts"])
+        finally:
+            gate.release()
+        docs = [finished(c, i) for i in (first, second)]
+        rows = {r["id"]: r for r in c.get("/evaluations").json()["evaluations"]}
+        for doc in docs:
+            assert doc["status"] == "completed"
+            assert (rows[doc["id"]]["status"], rows[doc["id"]]["counts"]) == ("completed", doc["counts"])
+        assert rows[first]["counts"]["succeeded"] == 2
+
+
 def test_an_evaluation_is_graded_after_a_restart(tmp_path):
     """Its draws are asynchronous tasks in the ledger: a restart runs them again and grades."""
     gate = Gate()

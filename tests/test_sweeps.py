@@ -125,6 +125,56 @@ def test_an_idempotency_key_gives_the_same_sweep_and_cancel_stops_the_rest(tmp_p
         assert len(c.get("/tasks").json()["tasks"]) == 4  # the replay made no second set of cells
 
 
+def test_the_list_carries_each_sweeps_status_and_counts_read_without_answers(store):
+    """GET /sweeps: every row's status and counts equal its document's (queued, running,
+    cancelled, completed), on both ledgers; the page's cells are read in one status-only query
+    (no answer read back), and a finished sweep's counts are not read again."""
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, **store), engines=gated_engines(gate))
+    ledger = app.state.service.ledger
+    asked: list[tuple[str, int]] = []
+    for name in ("statuses", "get_many"):
+        real = getattr(ledger, name)
+        setattr(ledger, name, lambda ids, real=real, name=name: (asked.append((name, len(ids))), real(ids))[1])
+
+    def listed() -> dict[str, dict]:
+        asked.clear()
+        rows = {s["id"]: s for s in c.get("/sweeps").json()["sweeps"]}
+        assert [name for name, _ in asked] in ([], ["statuses"]), asked  # one query a page, no answers
+        return rows
+
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        sweep = lambda body: c.post("/sweeps", json={"dataset": DIGEST, **body}).json()["id"]  # noqa: E731
+        done = sweep({"seeds": [0, 1]})
+        completed(c, done)
+        gate.hold()
+        try:
+            held = sweep({"grid": {"epochs": [1, 2]}, "seeds": [0]})
+            wait_for(lambda: c.get(f"/sweeps/{held}").json()["counts"]["running"] == 1, 30, what="a running cell")
+            behind = sweep({"seeds": [5, 6]})
+            stopped = sweep({"seeds": [7]})
+            assert c.post(f"/sweeps/{stopped}/cancel").status_code == 200
+            wait_for(lambda: c.get(f"/sweeps/{stopped}").json()["status"] == "cancelled", 30, what="the cancel")
+            rows = listed()
+            want = {done: "completed", held: "running", behind: "queued", stopped: "cancelled"}
+            assert {i: rows[i]["status"] for i in want} == want
+            for sweep_id in want:
+                doc = c.get(f"/sweeps/{sweep_id}").json()
+                assert (rows[sweep_id]["status"], rows[sweep_id]["counts"]) == (doc["status"], doc["counts"])
+                assert rows[sweep_id]["cells"] == sum(doc["counts"].values()) == len(doc["cells"])
+            assert rows[held]["counts"] == {"queued": 1, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 0}
+        finally:
+            gate.release()
+        for sweep_id in (held, behind):
+            completed(c, sweep_id)
+        rows = listed()
+        assert {rows[i]["status"] for i in (done, held, behind)} == {"completed"}
+        assert rows[behind]["counts"]["succeeded"] == 2 and rows[stopped]["counts"]["cancelled"] == 1
+        app.state.service.sweeps._finished.clear()  # (as on a replica that ran none of them)
+        assert listed() == rows and asked == []  # finished sweeps' counts are kept: nothing read
+
+
 def test_the_client_and_rev88_sweep(tmp_path):
     import subprocess
     import sys

@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from ..errors import InvalidRequest
 from ..models import SweepAccepted, SweepList, SweepRequest, SweepState, error_responses
 from ..tasks.options import parse_options
-from ..tasks.sweeps import as_csv, summary
+from ..tasks.sweeps import as_csv
 from .deps import ServiceDep, TenantDep
 from .intake import gate, idempotency_key, webhook_of
 
@@ -51,16 +50,17 @@ async def get_sweep(sweep_id: str, service: ServiceDep, tenant: TenantDep,
     return JSONResponse(doc)
 
 
-@router.get("/sweeps", summary="The sweeps, newest first (no cell rows)", response_model=SweepList,
+@router.get("/sweeps", summary="The sweeps, newest first, each with its status and counts (no cell rows)",
+            response_model=SweepList,
             responses=error_responses(401, 422, 503))
 async def list_sweeps(service: ServiceDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=500)] = 50,
                       cursor: Annotated[str | None, Query(pattern="^[A-Za-z0-9_-]+$", description=(
                           "next_cursor of the previous page, unchanged"))] = None) -> JSONResponse:
     try:
-        sweeps, next_cursor = await run_in_threadpool(service.datasets.store.list_sweeps, limit, cursor, tenant.owner)
+        rows, next_cursor = await service.sweeps.page(limit, cursor, tenant.owner)
     except ValueError as exc:
         raise InvalidRequest(str(exc), field="cursor") from None
-    return JSONResponse({"sweeps": [summary(s) for s in sweeps], "next_cursor": next_cursor})
+    return JSONResponse({"sweeps": rows, "next_cursor": next_cursor})
 
 
 @router.post("/sweeps/{sweep_id}/cancel", summary="Cancel a sweep's unfinished cells (finished ones are kept)",

@@ -832,6 +832,14 @@ class PostgresLedger:
             f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = ANY(%s)", (list(task_ids),), binary=True).fetchall())
         return {row[0]: _record(row, True) for row in rows}
 
+    def statuses(self, task_ids: list[str]) -> dict[str, str]:
+        """The status of those of ``task_ids`` the ledger has, by id (the status column alone; one query)."""
+        if not task_ids:
+            return {}
+        rows = self._read(f"read the status of {len(task_ids)} task(s)", lambda conn: conn.execute(
+            "SELECT id, status FROM rev88_tasks WHERE id = ANY(%s)", (list(task_ids),)).fetchall())
+        return dict(rows)
+
     def list(self, limit: int = 50, cursor: str | None = None, status: str | None = None,
              owner: str | None = None) -> tuple[list[TaskRecord], str | None]:
         """Newest first (created_at, then id), keyset-paged over the shared table; ``owner``:

@@ -930,6 +930,17 @@ class Ledger:
                     out[record.id] = record
         return out
 
+    def statuses(self, task_ids: list[str]) -> dict[str, str]:
+        """The status of those of ``task_ids`` the ledger has, by id: the status column alone (the
+        lists of sweeps and evaluations count their cells with it; one query a few hundred ids)."""
+        out: dict[str, str] = {}
+        with self._read(f"read the status of {len(task_ids)} task(s)") as conn:
+            for i in range(0, len(task_ids), 500):
+                part = task_ids[i : i + 500]
+                marks = ", ".join("?" * len(part))
+                out.update(conn.execute(f"SELECT id, status FROM tasks WHERE id IN ({marks})", part).fetchall())
+        return out
+
     def list(self, limit: int = 50, cursor: str | None = None, status: str | None = None,
              owner: str | None = None) -> tuple[list[TaskRecord], str | None]:
         """Newest first (created_at, then id); ``owner``: only that tenant's. Returns (records

@@ -287,12 +287,31 @@ def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def leaderboard_row(ev: EvaluationRecord) -> dict[str, Any]:
-    """An evaluation in GET /evaluations: what the leaderboard shows (no draw rows)."""
+def cell_ids(ev: EvaluationRecord) -> list[str]:
+    """Every task of an evaluation: each draw's, then each measurement's."""
+    return [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
+
+
+def progress(ev: EvaluationRecord, statuses: dict[str, str]) -> tuple[str, dict[str, int]]:
+    """An ungraded evaluation's status and its draws' counts, from its tasks' statuses alone
+    (``statuses``: task id -> status; a task not recorded yet is queued). The status is
+    ``status_of``'s while a task is unfinished; "graded" when every one has finished (its
+    grade, ``_grade``, then decides completed, failed or cancelled)."""
+    of = [statuses.get(t, "queued") for t in cell_ids(ev)]
+    draws = counts([{"status": statuses.get(c["task_id"], "queued")} for c in ev.cells])
+    if all(s in FINISHED for s in of):
+        return "graded", draws
+    return ("queued" if all(s == "queued" for s in of) else "running"), draws
+
+
+def leaderboard_row(ev: EvaluationRecord, live: tuple[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """An evaluation in GET /evaluations: what the leaderboard shows (no draw rows); ``live``: an
+    ungraded one's (status, counts) from ``progress``."""
     result = ev.result or {}
     t = result.get("totals") or {}
     energy = result.get("energy") or {}
-    return {"id": ev.id, "name": ev.name, "status": ev.status, "created_at": ev.created_at,
+    status, draw_counts = live if live is not None and ev.result is None else (ev.status, counts(result.get("draws", [])))
+    return {"id": ev.id, "name": ev.name, "status": status, "counts": draw_counts, "created_at": ev.created_at,
             "finished_at": ev.finished_at, "draws": ev.definition["draws"],
             "config_changes": config_changes(ev.definition["config"]), "backend": ev.definition["backend"],
             "device": result.get("device"), "comparison": result.get("comparison"),
@@ -459,13 +478,30 @@ class Evaluations:
         graded first, so that they sort where they belong)."""
         if sort not in SORTS:
             raise InvalidRequest(f"sort must be one of {', '.join(SORTS)}, got {sort!r}", field="sort")
-        for ev in await asyncio.to_thread(self.store.unfinished):
-            await self._grade(ev)
+        await self.runner.written()
+        unfinished = await asyncio.to_thread(self.store.unfinished)
+        statuses = await self._statuses([t for ev in unfinished for t in cell_ids(ev)])
+        for ev in unfinished:  # (each read once, answers included, when its last task has finished)
+            if progress(ev, statuses)[0] == "graded":
+                await self._grade(ev)
         try:
             records, next_cursor = await asyncio.to_thread(self.store.list, limit, cursor, sort, viewer)
         except ValueError as exc:
             raise InvalidRequest(str(exc), field="cursor") from None
-        return [leaderboard_row(ev) for ev in records], next_cursor
+        missing = [t for ev in records if ev.result is None for t in cell_ids(ev) if t not in statuses]
+        statuses.update(await self._statuses(missing))  # (made since the first read)
+        rows = []
+        for ev in records:
+            live = None
+            if ev.result is None:
+                status, draw_counts = progress(ev, statuses)
+                live = ("running" if status == "graded" else status), draw_counts  # (graded by the next read)
+            rows.append(leaderboard_row(ev, live))
+        return rows, next_cursor
+
+    async def _statuses(self, task_ids: list[str]) -> dict[str, str]:
+        """The tasks' statuses in one status-only query (no answers read)."""
+        return await asyncio.to_thread(self.runner.ledger.statuses, task_ids) if task_ids else {}
 
     async def cancel(self, evaluation_id: str, viewer: str | None = None) -> dict[str, Any]:
         """Every unfinished cell cancelled (queued ones never run, running ones stopped)."""

@@ -32,6 +32,7 @@ from ..ledger.outbox import message_rows
 from .runner import Accepted, new_task_id
 
 FINISHED = ("succeeded", "failed", "cancelled")
+CELL_STATUSES = ("queued", "running", *FINISHED)
 FINISHED_ROWS = 200_000  # finished cells' rows kept in memory (GET /sweeps/<id> reads only the others)
 
 
@@ -127,28 +128,38 @@ def outcome_row(task_id: str, config: dict[str, Any], status: str, answer: dict[
     return row
 
 
-def state(sweep: SweepRecord, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """A sweep's document: its definition, status, counts by status, and its cells' rows."""
-    counts = dict.fromkeys(("queued", "running", "succeeded", "failed", "cancelled"), 0)
-    for row in rows:
-        counts[row["status"]] += 1
+def count(statuses: list[str]) -> dict[str, int]:
+    """Cells by task status (every status, zeros included)."""
+    counts = dict.fromkeys(CELL_STATUSES, 0)
+    for status in statuses:
+        counts[status] += 1
+    return counts
+
+
+def sweep_status(sweep: SweepRecord, counts: dict[str, int]) -> str:
+    """queued (no cell started), running, completed (every cell finished) or cancelled (finished
+    after a cancel): the document's and the list's status, from the cells' counts."""
     unfinished = counts["queued"] + counts["running"]
     if sweep.cancelled_at is not None and not unfinished:
-        status = "cancelled"
-    elif not unfinished:
-        status = "completed"
-    else:
-        status = "queued" if counts["queued"] == len(rows) else "running"
-    return {"id": sweep.id, "status": status, "dataset": sweep.dataset, "created_at": sweep.created_at,
-            "cancelled_at": sweep.cancelled_at, "definition": sweep.definition, "counts": counts,
-            "cells": rows}
+        return "cancelled"
+    if not unfinished:
+        return "completed"
+    return "queued" if counts["queued"] == sum(counts.values()) else "running"
 
 
-def summary(sweep: SweepRecord) -> dict[str, Any]:
-    """A sweep in a list: no cell rows (GET /sweeps/<id> has them)."""
-    return {"id": sweep.id, "dataset": sweep.dataset, "created_at": sweep.created_at,
-            "cancelled_at": sweep.cancelled_at, "definition": sweep.definition, "cells": len(sweep.cells),
-            "location": f"/sweeps/{sweep.id}"}
+def state(sweep: SweepRecord, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sweep's document: its definition, status, counts by status, and its cells' rows."""
+    counts = count([row["status"] for row in rows])
+    return {"id": sweep.id, "status": sweep_status(sweep, counts), "dataset": sweep.dataset,
+            "created_at": sweep.created_at, "cancelled_at": sweep.cancelled_at, "definition": sweep.definition,
+            "counts": counts, "cells": rows}
+
+
+def summary(sweep: SweepRecord, counts: dict[str, int]) -> dict[str, Any]:
+    """A sweep in a list: its status and counts, no cell rows (GET /sweeps/<id> has them)."""
+    return {"id": sweep.id, "status": sweep_status(sweep, counts), "dataset": sweep.dataset,
+            "created_at": sweep.created_at, "cancelled_at": sweep.cancelled_at, "definition": sweep.definition,
+            "cells": len(sweep.cells), "counts": counts, "location": f"/sweeps/{sweep.id}"}
 
 
 def as_csv(doc: dict[str, Any]) -> str:
@@ -172,6 +183,7 @@ class Sweeps:
     def __init__(self, runner: Any, datasets: Any, settings: Any) -> None:
         self.runner, self.datasets, self.settings = runner, datasets, settings
         self._finished: dict[str, dict[str, Any]] = {}  # task id -> its finished cell's row
+        self._settled: dict[str, dict[str, int]] = {}  # sweep id -> its counts, once every cell has finished
         runner.recorded_hooks.append(self._recorded)
 
     async def submit(self, definition: dict[str, Any], backend: str, key: str | None,
@@ -244,6 +256,30 @@ class Sweeps:
                 if row["status"] in FINISHED:
                     self._keep(row)
         return state(sweep, [rows[c["task_id"]] for c in sweep.cells])
+
+    async def page(self, limit: int, cursor: str | None,
+                   viewer: str | None = None) -> tuple[list[dict[str, Any]], str | None]:
+        """One page of GET /sweeps, each sweep with its status and counts: the cells this process
+        has not seen finish are read in one status-only query for the whole page (a finished
+        sweep's counts are kept: they never change)."""
+        sweeps, next_cursor = await asyncio.to_thread(self.datasets.store.list_sweeps, limit, cursor, viewer)
+        await self.runner.written()
+        known = {s.id: self._settled.get(s.id) for s in sweeps}
+        ask = [c["task_id"] for s in sweeps if known[s.id] is None for c in s.cells
+               if c["task_id"] not in self._finished]
+        statuses = await asyncio.to_thread(self.runner.ledger.statuses, ask) if ask else {}
+        rows = []
+        for s in sweeps:
+            counts = known[s.id]
+            if counts is None:
+                counts = count([(self._finished.get(c["task_id"]) or {}).get("status")
+                                or statuses.get(c["task_id"], "queued") for c in s.cells])  # (not recorded yet: queued)
+                if not counts["queued"] and not counts["running"]:
+                    if len(self._settled) >= FINISHED_ROWS:
+                        self._settled.clear()
+                    self._settled[s.id] = counts
+            rows.append(summary(s, counts))
+        return rows, next_cursor
 
     def _recorded(self, acc: Any, outcome: Any) -> None:
         """A cell of this process has its outcome in the ledger: its row kept from the answer in
