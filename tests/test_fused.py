@@ -266,6 +266,46 @@ def test_launch_checks_shape_and_config():
         check_launch([a], [prepare(a, deep)])
 
 
+def _jit_functions():
+    """(module name, function node) of every ``@triton.jit`` function in learner/kernels/."""
+    import ast
+
+    for path in sorted((ROOT / "learner" / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d).startswith(("triton.jit", "jit")) for d in node.decorator_list
+            ):
+                yield path.name, node
+
+
+def test_kernel_loops_over_run_time_lengths_are_while_loops():
+    """Issue #43, 5: on the GPU image (triton 3.6, numpy 2.5) the interpreter failed in the step
+    loop: Triton 3.6's interpreter makes a ``range`` bound an int with ``int(tensor)`` on a
+    one-element array, an error since numpy 2.5. A bound must therefore be a literal or a
+    constexpr; a loop whose length is a run-time value is a ``while`` loop (its condition needs
+    only ``bool``). The interpreter tests above ran green on triton 3.6 + numpy 2.5 (CPython 3.12)
+    as well; this test keeps any later loop from bringing the error back where only triton 3.9 runs."""
+    import ast
+
+    found = 0
+    for module, fn in _jit_functions():
+        constexpr = {a.arg for a in fn.args.args if a.annotation is not None and "constexpr" in ast.unparse(a.annotation)}
+        constexpr |= {n.target.id for n in ast.walk(fn) if isinstance(n, ast.AnnAssign)
+                      and "constexpr" in ast.unparse(n.annotation) and isinstance(n.target, ast.Name)}
+        for loop in (n for n in ast.walk(fn) if isinstance(n, ast.For)):
+            call = loop.iter
+            assert isinstance(call, ast.Call) and ast.unparse(call.func) in ("range", "tl.range", "tl.static_range"), (
+                f"{module}:{fn.name}: a for loop over {ast.unparse(call)}")
+            found += 1
+            for arg in call.args:
+                names = {n.id for n in ast.walk(arg) if isinstance(n, ast.Name)}
+                assert names <= constexpr, (
+                    f"{module}:{fn.name} line {loop.lineno}: range bound {ast.unparse(arg)!r} uses run-time "
+                    f"value(s) {sorted(names - constexpr)}: write the loop as a while loop")
+    assert found >= 5  # the reset, update, block and product loops were inspected
+
+
 def test_default_chunk():
     from learner.backends.fused import default_chunk
 
