@@ -146,12 +146,19 @@ def test_idle_baseline_is_a_bounded_median():
         IdleBaseline(capacity=0)
 
 
-def test_request_energy_long_window():
-    m = SimulatedMeter(idle_w=60.0, start_mj=7_000_000)
+def _idle_sampled(m: SimulatedMeter, watts: float = 60.0, n: int = 5) -> IdleBaseline:
     idle = IdleBaseline()
-    for _ in range(5):
+    for _ in range(n):
+        m.idle_w = watts
         m.sleep(1.0)
         idle.sample(m)
+    return idle
+
+
+def test_request_energy_long_window_is_the_counters_and_measured():
+    m = SimulatedMeter(idle_w=60.0, start_mj=7_000_000)  # a counter that follows every advance
+    idle = _idle_sampled(m)
+    idle.record_cold(m)
 
     def run():
         m.advance(0.5, power_w=200.0)
@@ -159,28 +166,145 @@ def test_request_energy_long_window():
 
     result, figures = request_energy(m, run, idle)
     assert result == "done"
-    assert figures["gross_j"] == 100.0
+    assert figures["gross_j"] == 100.0 and figures["gross_source"] == "counter" and figures["gross_reason"] is None
     assert figures["idle_baseline_w"] == 60.0
-    assert figures["idle_adjusted_j"] == 100.0 - 60.0 * 0.5
+    assert figures["idle_adjusted_j"] == 100.0 - 60.0 * 0.5 and figures["idle_adjusted_reason"] is None
     assert figures["duration_s"] == 0.5
     assert figures["counter_start_mj"] == 7_000_000 + 300_000
-    assert figures["counter_end_mj"] == figures["counter_start_mj"] + 100_000
+    assert figures["counter_end_mj"] == figures["counter_start_mj"] + 100_000 == 7_400_000
     assert figures["estimate"] is False
-    assert figures["method"] and "tens of ms" in figures["note"]
+    assert figures["method"].startswith("nvml-total-energy-counter-delta; idle baseline: median of the last 5 ")
+    assert "cold idle 60.0 W before any work recorded beside" in figures["method"]
+    assert figures["cold_idle_w"] == 60.0 and figures["cold_idle"]["error"] is None
+    assert figures["counter_update_s"] == 0.0 and figures["gated"] is False
 
 
-def test_request_energy_short_window_is_an_estimate():
+# The simulated counter below updates every 62.5 ms (exact in binary, so window edges fall on ticks).
+PERIOD = 0.0625
+
+
+def _ticking(start_s: float = 1.0) -> SimulatedMeter:
+    return SimulatedMeter(idle_w=60.0, start_mj=0, start_s=start_s, update_period_s=PERIOD)
+
+
+def test_a_window_shorter_than_one_update_that_read_nothing_is_answered_from_power():
+    """The H200's figure: 0.000 J gross, -7.857 J idle-adjusted over 65.7 ms, because the counter had
+    not advanced and the idle baseline was subtracted anyway. Now: never 0 J, never negative."""
+    m = _ticking()
+    idle = _idle_sampled(m, watts=119.6)  # the warm idle after work on the H200
+    m.idle_w = 60.0
+    m.sleep(0.001)  # just past a tick: the next one is 61.5 ms away
+    _, f = request_energy(m, lambda: m.advance(0.040, power_w=300.0), idle)
+    assert f["counter_delta_mj"] == 0  # the counter did not move: 0 J is not a reading
+    assert f["gross_source"] == "power" and f["gross_j"] == pytest.approx(300.0 * 0.040)
+    assert "did not advance" in f["gross_reason"]
+    assert f["method"].startswith("power-at-window-end-x-duration (as Zeus's approx_instant_energy")
+    assert f["idle_adjusted_j"] == pytest.approx((300.0 - 119.6) * 0.040) and f["idle_adjusted_j"] > 0
+    assert f["estimate"] is True and f["note"].startswith("estimate: a 40.0 ms window, answered from power.")
+    # the same window with power at the baseline: no figure rather than a negative one
+    _, f = request_energy(m, lambda: m.advance(0.040, power_w=100.0), idle)
+    assert f["gross_j"] == pytest.approx(4.0) and f["idle_adjusted_j"] is None
+    assert "not above the idle baseline" in f["idle_adjusted_reason"]
+
+
+def test_a_window_shorter_than_one_update_that_crossed_a_tick_is_still_not_the_counters():
+    m = _ticking()
+    idle = _idle_sampled(m)
+    m.sleep(0.050)  # 12.5 ms before the next tick
+    _, f = request_energy(m, lambda: m.advance(0.040, power_w=300.0), idle)
+    # the counter moved by one update: 12.5 ms at idle and 27.5 ms at 300 W inside it, the rest
+    # of the 62.5 ms update from before the window -- not the window's energy
+    assert f["counter_delta_mj"] > 0
+    assert f["gross_source"] == "power" and f["gross_j"] == pytest.approx(12.0)
+    assert "shorter than one counter update (62.5 ms)" in f["gross_reason"]
+
+
+def test_a_window_of_exactly_one_update_is_the_counters_but_an_estimate():
+    m = _ticking()
+    idle = _idle_sampled(m)  # ends on a tick (t = 6.0 s)
+    _, f = request_energy(m, lambda: m.advance(PERIOD, power_w=300.0), idle)
+    assert f["duration_s"] == PERIOD and f["counter_delta_mj"] == round(300.0 * PERIOD * 1000)
+    assert f["gross_source"] == "counter" and f["gross_j"] == 300.0 * PERIOD
+    assert f["idle_adjusted_j"] == pytest.approx((300.0 - 60.0) * PERIOD)
+    assert f["estimate"] is True and "under 10 counter updates of 62.5 ms" in f["note"]
+
+
+def test_a_long_window_on_a_ticking_counter_is_measured():
+    m = _ticking()
+    idle = _idle_sampled(m)
+    _, f = request_energy(m, lambda: m.advance(10 * PERIOD, power_w=300.0), idle)
+    assert f["gross_source"] == "counter" and f["gross_j"] == pytest.approx(300.0 * 10 * PERIOD)
+    assert f["estimate"] is False and not f["note"].startswith("estimate")
+    assert f["counter_update_s"] == PERIOD and f["counter_update_source"] == "declared by the simulated meter"
+
+
+def test_no_negative_energy_from_the_counter_either():
+    m = _ticking()
+    idle = _idle_sampled(m, watts=119.6)
+    _, f = request_energy(m, lambda: m.advance(1.0, power_w=80.0), idle)  # below the warm baseline
+    assert f["gross_source"] == "counter" and f["gross_j"] == pytest.approx(80.0)
+    assert f["idle_adjusted_j"] is None and "not above the idle baseline (119.6 W" in f["idle_adjusted_reason"]
+
+
+def test_no_baseline_no_power_or_a_restarted_counter():
+    m = _ticking()
+    m.sleep(0.001)
+    _, f = request_energy(m, lambda: m.advance(0.004, power_w=300.0), IdleBaseline())  # nothing sampled yet
+    assert f["gross_source"] == "power" and f["idle_adjusted_j"] is None and f["idle_baseline_w"] is None
+    assert f["idle_adjusted_reason"] == "no idle power sampled yet"
+    assert f["method"].endswith("idle baseline: none (no idle power sampled yet)")
+
+    class Blind(SimulatedMeter):
+        def power_w(self):
+            raise RuntimeError("sensor gone")
+
+    b = Blind(idle_w=60.0, start_mj=0, start_s=1.001, update_period_s=PERIOD)
+    _, f = request_energy(b, lambda: b.advance(0.004, power_w=300.0), _idle_sampled(m))
+    assert f["gross_j"] is None and f["gross_source"] is None and f["idle_adjusted_j"] is None
+    assert "sensor gone" in f["gross_reason"] and f["method"].startswith("none;")
+
+    class Restarted(SimulatedMeter):
+        def energy_mj(self):
+            return 0 if self._t > 2.0 else 5_000_000
+
+    r = Restarted(idle_w=60.0, start_s=1.5)
+    _, f = request_energy(r, lambda: r.advance(1.0, power_w=200.0), IdleBaseline())
+    assert f["counter_delta_mj"] < 0 and f["gross_source"] == "power" and f["gross_j"] == pytest.approx(200.0)
+    assert "went backwards" in f["gross_reason"]
+
+
+def test_the_counters_period_is_watched_declared_or_assumed():
     m = SimulatedMeter(idle_w=60.0, start_mj=0, start_s=0.0, update_period_s=0.05)
-    m.sleep(0.06)
-    idle = IdleBaseline()  # nothing sampled: no adjusted figure
+    found = energy.measure_update_period(m, m.sleep)
+    assert found["period_s"] == pytest.approx(0.05, abs=0.0011) and found["changes"] == 5
+    assert found["step_mj"] == 3000 and found["reason"] is None  # 60 W x 50 ms
 
-    _, figures = request_energy(m, lambda: m.advance(0.004, power_w=300.0), idle)
-    assert figures["estimate"] is True
-    assert figures["note"].startswith("estimate: the 4.0 ms window")
-    assert "no idle power sampled" in figures["note"]
-    assert figures["idle_adjusted_j"] is None and figures["idle_baseline_w"] is None
-    # 4 ms inside one counter period: the counter did not move, the true energy was 1.2 J
-    assert figures["gross_j"] == 0.0
+    class Stuck(SimulatedMeter):
+        counter_update_s = None  # a meter that does not know its period (NvmlMeter before watching)
+
+        def energy_mj(self):
+            return 42
+
+    s = Stuck(start_s=0.0)
+    found = energy.measure_update_period(s, s.sleep, cap_s=0.2)
+    assert found["period_s"] is None and found["changes"] == 0 and "could not be timed" in found["reason"]
+    assert found["watched_s"] == pytest.approx(0.2, abs=0.002)
+    period, how = energy.counter_resolution(s)
+    assert period == energy.ASSUMED_UPDATE_S and how.startswith("assumed")
+    assert energy.counter_resolution(m) == (0.05, "declared by the simulated meter")
+
+
+def test_the_cold_idle_is_recorded_and_never_raises():
+    m = SimulatedMeter(idle_w=76.0)
+    idle = IdleBaseline()
+    cold = idle.record_cold(m)
+    assert cold["power_w"] == 76.0 and cold["error"] is None and idle.cold is cold
+
+    class Broken(SimulatedMeter):
+        def power_w(self):
+            raise RuntimeError("NVML hiccup")
+
+    assert "NVML hiccup" in IdleBaseline().record_cold(Broken())["error"]
 
 
 # --------------------------------------------------------------------------- NVML access degrades here

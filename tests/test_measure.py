@@ -63,12 +63,16 @@ def test_protocol_with_simulated_meter(run_record):
     assert e["repeats_per_trial"] == 8
     # before run + calibration + 2 x 8 + after run
     assert backend.runs == 1 + 1 + 16 + 1
-    assert sleeps == [0.5, 1.0, 0.5, 1.0] * 2
+    # the cold idle window (1 s, before any work), then per trial: settle, idle, settle, idle; each
+    # settle polls the power every 0.1 s up to its 0.5 s cap (shorter than the slope test's fit)
+    assert sleeps == pytest.approx([1.0] + ([0.1] * 5 + [1.0]) * 4)
     for i, t in enumerate(e["trials"]):
         assert t["trial"] == i and t["invocations"] == 8
         for name in ("idle_before", "idle_after"):
-            assert t[name]["duration_s"] == 1.0 and t[name]["settle_seconds"] == 0.5
+            assert t[name]["duration_s"] == 1.0 and t[name]["settle_seconds"] == pytest.approx(0.5)
+            assert t[name]["settle"]["ended_by"] == "cap" and len(t[name]["settle"]["readings"]) == 6
             assert t[name]["average_power_w"] == IDLE_W
+        assert t["idle_adjusted_reason"] is None
         assert t["active"]["duration_s"] == 2.0
         assert t["active"]["energy_j"] == ACTIVE_W * 2.0
         assert t["paired_idle_w"] == IDLE_W
@@ -79,7 +83,14 @@ def test_protocol_with_simulated_meter(run_record):
         assert t["telemetry_before"]["power_w"] == IDLE_W and t["telemetry_after"]["power_w"] == ACTIVE_W
     # trial 1 starts where trial 0 ended: the windows follow each other in time
     t0, t1 = e["trials"]
-    assert t1["idle_before"]["start"]["time_s"] == t0["idle_after"]["end"]["time_s"] + 0.5
+    assert t1["idle_before"]["start"]["time_s"] == pytest.approx(t0["idle_after"]["end"]["time_s"] + 0.5)
+    # the cold idle beside the paired idle (this meter has no clocks), and the baseline named
+    cold = e["cold_idle"]
+    assert cold["counter_w"] == IDLE_W and cold["window"]["duration_s"] == 1.0
+    assert cold["paired_idle_minus_cold_w"] == [0.0, 0.0]
+    assert cold["window"]["end"]["time_s"] == 5.0 + 1.0  # before any work
+    assert "baseline: paired idle" in e["method"] and "cold idle (before any work) recorded beside" in e["method"]
+    assert e["settle"]["fit_s"] == 1.0
     assert t0["active"]["start"]["energy_mj"] == t0["idle_before"]["end"]["energy_mj"]
     s = e["summary"]
     assert s["idle_adjusted_mj_per_task"] == {"mean": 24000.0, "sample_sd": 0.0, "values": [24000.0, 24000.0]}
@@ -94,9 +105,10 @@ def test_protocol_with_simulated_meter(run_record):
     assert set(e["software"]) == set(run_record["energy"]["software"])
     rec = run_record["energy"]
     assert set(rec) <= set(e)
-    assert set(rec["trials"][0]) == set(t0)
+    # the record's fields, plus why an idle-adjusted figure is missing and what each settle saw
+    assert set(t0) - set(rec["trials"][0]) == {"idle_adjusted_reason"}
     for name in ("idle_before", "idle_after", "active"):
-        assert set(rec["trials"][0][name]) == set(t0[name])
+        assert set(t0[name]) - set(rec["trials"][0][name]) == ({"settle"} if name != "active" else set())
         assert set(rec["trials"][0][name]["start"]) == set(t0[name]["start"])
     assert set(rec["summary"]) == set(s)
     # every field of the record's hardware object, plus how the NVML handle was chosen

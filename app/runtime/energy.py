@@ -1,5 +1,13 @@
 """The service's GPU energy meters (learner.energy): one per worker's GPU, or why there are none,
-and the idle power baseline of each."""
+and the idle power baseline of each.
+
+Per GPU: the cold idle (power and clocks read when its meter opens, before the service gives it
+any work: ``IdleBaseline.record_cold``), the idle samples taken between tasks (their median is
+the baseline a per-request figure subtracts) and, on its worker's first idle moment, its energy
+counter's update period, watched for at most learner.energy.counter.CAP_S (0.6 s) by a meter
+that can (``measure_counter_update``: NVML); until then a request's window is judged by an
+assumed period, and its figure says so (``counter_update_source``).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ class Energy:
     def __init__(self) -> None:
         self.meters: dict[str, Any] = {}  # "cuda:0" -> meter
         self.idles: dict[str, Any] = {}
+        self.counters: dict[str, dict] = {}  # "cuda:0" -> its counter's watched update period
         self.reason: str | None = "the energy meter has not been opened yet"
         self.request_energy: Any = None
         self.gpu_telemetry: Any = None
@@ -55,6 +64,7 @@ class Energy:
                 continue
             self.meters[device] = meter
             self.idles[device] = energy.IdleBaseline()
+            self.idles[device].record_cold(meter)  # before any work on this GPU
         self.reason = "; ".join(reasons) or None
 
     def _device(self, engine) -> str:
@@ -82,9 +92,16 @@ class Energy:
         return self.gpu_telemetry()
 
     def sample_idle(self) -> None:
-        """On a worker: sample the idle power of that worker's GPU."""
+        """On a worker: sample the idle power of that worker's GPU; the first time, watch its energy
+        counter's update period first (the GPU is idle now)."""
         worker = current_worker()
         device = worker.device if worker is not None else next(iter(self.meters), None)
         meter = self.meters.get(device)
-        if meter is not None:
-            self.idles[device].sample(meter)
+        if meter is None:
+            return
+        if device not in self.counters and callable(getattr(meter, "measure_counter_update", None)):
+            try:
+                self.counters[device] = meter.measure_counter_update()
+            except Exception as exc:  # noqa: BLE001 - a telemetry hiccup: judged by the assumed period
+                self.counters[device] = {"period_s": None, "reason": f"{type(exc).__name__}: {exc}"}
+        self.idles[device].sample(meter)

@@ -214,18 +214,43 @@ def _select(pynvml: Any, cuda_index: int | None) -> tuple[_Device | None, str | 
 
 
 class NvmlMeter:
-    """A real GPU through NVML. Construct with ``open_meter``."""
+    """A real GPU through NVML. Construct with ``open_meter``.
+
+    ``power_w`` uses ``power_reader``'s choice (the instantaneous field where the driver answers
+    it, else nvmlDeviceGetPowerUsage), chosen at the first read; ``power_query`` says which.
+    ``counter_update_s`` is None until ``measure_counter_update`` has watched the counter
+    (counter.py); then the measured period, which ``request.request_energy`` judges windows by."""
 
     def __init__(self, pynvml: Any, device: _Device) -> None:
         self._nv = pynvml
         self._device = device
         self._hardware: dict | None = None
+        self._power: Callable[[], float] | None = None
+        self.power_query: str | None = None
+        self.counter_update_s: float | None = None
+        self.counter_update_source: str | None = None
+        self.counter_update: dict | None = None
 
     def energy_mj(self) -> int:
         return int(self._nv.nvmlDeviceGetTotalEnergyConsumption(self._device.handle))
 
     def power_w(self) -> float:
-        return self._nv.nvmlDeviceGetPowerUsage(self._device.handle) / 1000.0
+        if self._power is None:
+            self._power, self.power_query = power_reader(self._nv, self._device.handle)
+        return self._power()
+
+    def measure_counter_update(self, cap_s: float | None = None) -> dict:
+        """Watch the energy counter (the device idle) and keep its update period; the result of
+        ``counter.measure_update_period``. Blocks for at most ``cap_s`` (default counter.CAP_S)."""
+        from .counter import CAP_S, measure_update_period
+
+        found = measure_update_period(self, time.sleep, CAP_S if cap_s is None else cap_s)
+        self.counter_update = found
+        if found["period_s"] is not None:
+            self.counter_update_s = found["period_s"]
+            self.counter_update_source = (f"measured: median of {len(found['intervals_s'])} interval(s) between the "
+                                          f"counter's changes over {found['watched_s']:.3f} s at idle")
+        return found
 
     def telemetry(self) -> dict:
         nv, h = self._nv, self._device.handle

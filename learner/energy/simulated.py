@@ -81,10 +81,18 @@ class SimulatedMeter:
     def sleep(self, seconds: float) -> None:
         self.advance(seconds)
 
+    @property
+    def counter_update_s(self) -> float:
+        """The counter's update period as the meter declares it (0: it follows every advance)."""
+        return self.update_period_s
+
+    counter_update_source = "declared by the simulated meter"
+
     def energy_mj(self) -> int:
         energy = self._energy_j
         if self.update_period_s > 0:  # the value at the last update tick at or before now
-            tick = (self._t // self.update_period_s) * self.update_period_s
+            # (the 1e-9 keeps a time that is a whole number of periods on its tick despite float division)
+            tick = math.floor(self._t / self.update_period_s + 1e-9) * self.update_period_s
             energy = self._energy_at(tick)
         return int(round(energy * 1000.0))
 
@@ -130,6 +138,13 @@ class BoardModel:
     matmul_extra_w: float = 160.0
     matmul_computed_n: int = 64  # the product actually computed (on the CPU) and checked per call
     graphics_clock_mhz: int = 1410
+    # After work the clocks stay up: the board then draws up to post_work_w above idle (never more
+    # than the work itself drew above idle), decaying with time constant post_work_tau_s, its
+    # graphics clock coming down from graphics_clock_mhz to idle_graphics_clock_mhz with it.
+    # Off (0 W) in the default model; tests and the warm-clocks scenario turn it on.
+    post_work_w: float = 0.0
+    post_work_tau_s: float = 1.0
+    idle_graphics_clock_mhz: int = 210
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +157,7 @@ class Faults:
     sampler_stall: tuple[str, float, float] | None = None  # (phase, after s, for s): sensor reads block
     intruder: tuple[str, int, float] | None = None  # (phase, pid, extra W): another compute process
     throttle: tuple[str, float, float] | None = None  # (phase, speed factor, power-above-idle factor)
+    post_work: tuple[float, float] | None = None  # (W, tau s): replaces the model's post-work curve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +182,9 @@ SCENARIOS: dict[str, Scenario] = {
                            "idle power wanders by +-25 W every 0.25 s, so the baseline is uncertain", "sham_residual"),
     "throttle": Scenario(Faults(throttle=("reference_after", 0.6, 0.75)),
                          "the board's clocks drop to 60 % for the second reference window", "reference"),
+    "warm-clocks": Scenario(Faults(post_work=(40.0, 1.5)),
+                            "after work the clocks stay up: up to 40 W above idle, decaying with a 1.5 s time "
+                            "constant, so an idle window that starts too soon reads warm", "sham_residual"),
 }
 
 
@@ -257,6 +276,12 @@ class SimulatedBoard:
         self._noise_amplitude = self.model.idle_noise_w if self.faults.idle_noise_w is None else self.faults.idle_noise_w
         self._noise_w = self._draw_noise(self._noise_step)
         self._extra_w = 0.0
+        tail = self.faults.post_work or (self.model.post_work_w, self.model.post_work_tau_s)
+        self._tail_w, self._tail_tau_s = float(tail[0]), float(tail[1])
+        if self._tail_w > 0 and not self._tail_tau_s > 0:
+            raise ValueError(f"the post-work time constant must be > 0 s, got {self._tail_tau_s!r}")
+        self._warm_w = 0.0  # the post-work power above idle when the last work ended (0: cold)
+        self._warm_since = self._t
         self.speed = 1.0  # matmul speed factor (throttle)
         self.matmul_power = 1.0  # matmul power-above-idle factor (throttle)
         self._intruder: tuple[int, float] | None = None
@@ -272,13 +297,30 @@ class SimulatedBoard:
             return 0.0
         return random.Random(self.seed * 1_000_003 + step).uniform(-self._noise_amplitude, self._noise_amplitude)
 
+    def _warm_at(self, t: float) -> float:
+        """The post-work power above idle at ``t`` (while idle; during work the work's own draw counts)."""
+        if self._warm_w == 0.0 or self._extra_w > 0:
+            return 0.0
+        return self._warm_w * math.exp(-(t - self._warm_since) / self._tail_tau_s)
+
+    def _warm_j(self, t0: float, t1: float) -> float:
+        """The post-work curve's joules over [t0, t1] while idle (its exact integral)."""
+        if self._warm_w == 0.0 or self._extra_w > 0:
+            return 0.0
+        tau = self._tail_tau_s
+        return self._warm_w * tau * (math.exp(-(t0 - self._warm_since) / tau) - math.exp(-(t1 - self._warm_since) / tau))
+
     def true_power_w(self) -> float:
         intruder = self._intruder[1] if self._intruder else 0.0
-        return self.model.idle_w + self._noise_w + self._extra_w + intruder
+        return self.model.idle_w + self._noise_w + self._extra_w + intruder + self._warm_at(self._t)
 
     def _advance(self, seconds: float, extra_w: float) -> None:
         if seconds < 0 or not math.isfinite(seconds):
             raise ValueError(f"time cannot go backwards or jump to infinity ({seconds!r} s)")
+        if extra_w > 0 and self._tail_w > 0:  # work: the clocks go up; the curve restarts when it ends
+            warm_now = 0.0 if self._extra_w > 0 else self._warm_at(self._t)
+            self._extra_w = extra_w
+            self._warm_w = max(warm_now, min(self._tail_w, extra_w))
         self._extra_w = extra_w
         end = self._t + seconds
         period, step = self.model.counter_period_s, self.model.idle_noise_step_s
@@ -291,8 +333,8 @@ class SimulatedBoard:
                 break
             wake = sampler.wake if sampler is not None else math.inf
             until = min(end, wake, self._tick * period, (self._noise_step + 1) * step)
-            rate = self.true_power_w() * self.faults.sensor_scale + self.faults.counter_drift_w
-            self._counter_j += rate * (until - self._t)
+            rate = (self.true_power_w() - self._warm_at(self._t)) * self.faults.sensor_scale + self.faults.counter_drift_w
+            self._counter_j += rate * (until - self._t) + self._warm_j(self._t, until) * self.faults.sensor_scale
             self._t = until
             while self._t >= self._tick * period:
                 self._counter_shown_j = self._counter_j
@@ -300,6 +342,8 @@ class SimulatedBoard:
             while self._t >= (self._noise_step + 1) * step:
                 self._noise_step += 1
                 self._noise_w = self._draw_noise(self._noise_step)
+        if extra_w > 0 and self._tail_w > 0:
+            self._warm_since = self._t  # the work ended now: the post-work curve starts here
 
     def work(self, seconds: float, extra_w: float) -> None:
         """``seconds`` of work drawing ``extra_w`` above idle."""
@@ -325,8 +369,12 @@ class SimulatedBoard:
         return self.true_power_w() * self.faults.sensor_scale
 
     def telemetry(self) -> dict:
+        clock = self.model.graphics_clock_mhz
+        if self._extra_w == 0 and self._tail_w > 0:  # idle: the clock comes down with the post-work curve
+            low = self.model.idle_graphics_clock_mhz
+            clock = low + (clock - low) * (self._warm_at(self._t) / self._tail_w)
         return {"temperature_c": None, "power_w": self.power_w(),
-                "graphics_clock_mhz": round(self.model.graphics_clock_mhz * self.speed), "memory_clock_mhz": None}
+                "graphics_clock_mhz": round(clock * self.speed), "memory_clock_mhz": None}
 
     def hardware(self) -> dict:
         return {

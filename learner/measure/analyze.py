@@ -3,7 +3,8 @@
 ``analyze(record)`` recomputes every figure and gate and compares them, value by value, with
 what the record says:
 
-- a gated record (``record_format`` rev88-gated-energy/1): ``figures.derive`` on the record's
+- a gated record (``record_format`` rev88-gated-energy/2; a /1 record, written before the cold
+  idle and the slope-tested settles, is refused with that reason): ``figures.derive`` on the record's
   ``raw``, ``plan`` and ``thresholds`` -- the function that wrote the record -- so every value
   must match exactly (compared as JSON text, so 1 and 1.0 differ); ``plan_sha256`` and
   ``raw_sha256`` are recomputed too, and the recorded thresholds are compared with the ones this
@@ -77,6 +78,10 @@ def analyze(record: dict) -> dict:
         raise AnalyzeError("a record is a JSON object")
     if record.get("record_format") == RECORD_FORMAT:
         return _gated(record)
+    if str(record.get("record_format", "")).startswith("rev88-gated-energy/"):
+        raise AnalyzeError(f"a {record['record_format']} record: this code writes and re-analyzes {RECORD_FORMAT} "
+                           "(/2 added the cold idle and the slope-tested settles); re-analyze it with the code that "
+                           "wrote it (its git history)")
     trials = _get(record, ("energy", "trials"))
     if isinstance(trials, list) and trials and isinstance(trials[0], dict) and "active" in trials[0]:
         return _paired_idle(record)

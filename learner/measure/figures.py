@@ -16,11 +16,17 @@ window duration. Then:
 
 - task trial: idle-adjusted mJ per task = net / invocations (``paired.trial_figures``);
   net mJ per task (the headline) = idle-adjusted - the harness control's net mJ per call.
+  A per-task figure that would not be above zero is ``None`` (``net_reason``, ``idle_adjusted_reason``):
+  never a negative energy; and no idle is subtracted from a window whose counter read no energy.
 - harness control: net mJ per call = net / calls.
 - sham: nominal calls = sham duration / mean task seconds per call of the trials; net mJ per
   nominal call = net / nominal calls.
 - reference: TFLOP = calls x FLOP per call / 1e12; TFLOP/s = TFLOP / duration;
   J per 10^12 FLOP = net / TFLOP, on each meter.
+
+The controls (sham, harness, reference) keep their sign: a residual below zero is a reading.
+``idle``: the cold idle window (power on both meters, clocks) beside every phase's paired idle,
+and every settle (seconds, whether the power stopped falling or the cap ended it).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ..energy.reference import output_relative_error, tf32_settings_off
 from . import gates as gates_mod
 from . import paired as measure
 
-RECORD_FORMAT = "rev88-gated-energy/1"
+RECORD_FORMAT = "rev88-gated-energy/2"
 
 
 def canonical_sha256(value) -> str:
@@ -89,8 +95,10 @@ def _mean2(a: float | None, b: float | None) -> float | None:
 def _block(phase: dict, times: list[float], watts: list[float]) -> dict:
     ib, w, ia = _windows(phase)
     paired = _mean2(ib["average_power_w"], ia["average_power_w"])
+    # never an idle subtracted from a window whose counter read no energy (window: no average power)
     counter = {"window_w": w["average_power_w"], "paired_idle_w": paired,
-               "net_j": None if paired is None else w["energy_j"] - paired * w["duration_s"]}
+               "net_j": None if paired is None or w["average_power_w"] is None
+               else w["energy_j"] - paired * w["duration_s"]}
     span = {name: (x["start"]["time_s"], x["end"]["time_s"]) for name, x in (("idle_before", ib), ("window", w),
                                                                              ("idle_after", ia))}
     power = {name: sampled_power_w(times, watts, *ab) for name, ab in span.items()}
@@ -106,6 +114,11 @@ def _per(value: float | None, count: float | None, scale: float = 1000.0) -> flo
     return None if value is None or not count else value * scale / count
 
 
+def _energy(value: float | None) -> float | None:
+    """A per-task energy figure: never a negative or zero one (below what the readings resolve)."""
+    return value if value is not None and value > 0 else None
+
+
 def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
@@ -116,13 +129,48 @@ def _relative_difference(counter_w: float | None, samples_w: float | None) -> fl
     return abs(counter_w - samples_w) / counter_w
 
 
+# --------------------------------------------------------------------------- the idle baseline
+
+
+def _idle_figures(raw: dict, blocks: list, times: list[float], watts: list[float]) -> dict:
+    """The cold idle (power on both meters, clocks) beside each phase's paired idle, and every
+    settle: how long it waited and whether the power had stopped falling or the cap ended it."""
+    cold_raw = raw.get("cold_idle")
+    cold = None
+    if cold_raw is not None:
+        w = measure.window(cold_raw["start"], cold_raw["end"])
+        before, after = cold_raw.get("telemetry_before") or {}, cold_raw.get("telemetry_after") or {}
+        cold = {"duration_s": w["duration_s"], "counter_w": w["average_power_w"],
+                "samples_w": sampled_power_w(times, watts, w["start"]["time_s"], w["end"]["time_s"]),
+                "graphics_clock_mhz": [before.get("graphics_clock_mhz"), after.get("graphics_clock_mhz")],
+                "memory_clock_mhz": [before.get("memory_clock_mhz"), after.get("memory_clock_mhz")],
+                "telemetry_power_w": [before.get("power_w"), after.get("power_w")]}
+    paired, settles = {}, []
+    for p, b in blocks:
+        c, smp = b["counter"]["paired_idle_w"], b["samples"]["paired_idle_w"]
+        paired[p["name"]] = {"counter_w": c, "samples_w": smp,
+                             "counter_minus_cold_w": None if cold is None or c is None or cold["counter_w"] is None
+                             else c - cold["counter_w"]}
+        for which in ("idle_before", "idle_after"):
+            st = p[which].get("settle")
+            if st is not None:
+                settles.append({"phase": p["name"], "before": which, "cap_s": st["cap_s"], "seconds": st["seconds"],
+                                "ended_by": st["ended_by"], "slope_w_per_s": st["slope_w_per_s"],
+                                "flat_limit_w_per_s": st["flat_limit_w_per_s"], "readings": len(st["readings"])})
+    return {"baseline": "paired", "cold": cold, "paired": paired, "settles": settles,
+            "settles_ended_by_cap": sum(1 for x in settles if x["ended_by"] == "cap")}
+
+
 # --------------------------------------------------------------------------- telemetry and processes
 
 
 def _telemetry(raw: dict, phases: list[dict]) -> dict:
     sampler = raw["sampler"]
     times = [s[0] for s in sampler["samples"]]
-    start = min(p["idle_before"]["start"]["time_s"] for p in phases) if phases else None
+    edges = [p["idle_before"]["start"]["time_s"] for p in phases]
+    if phases and raw.get("cold_idle") is not None:  # the cold idle window is watched too
+        edges.append(raw["cold_idle"]["start"]["time_s"])
+    start = min(edges) if phases else None
     end = max(p["idle_after"]["end"]["time_s"] for p in phases) if phases else None
     max_gap = at = None
     if start is not None:
@@ -210,7 +258,8 @@ def derive(raw: dict, plan: dict, thresholds: dict) -> dict:
         walls.extend(p["wall_ms"])
         if p["cuda_ms"] is not None:
             cudas.extend(p["cuda_ms"])
-        s_adjusted = _per(b["samples"]["net_j"], p["invocations"])
+        s_adjusted = _energy(_per(b["samples"]["net_j"], p["invocations"]))
+        net = _energy(_minus(legacy["idle_adjusted_mj_per_task"], h_counter))
         trials.append({
             "trial": p["trial"],
             "invocations": p["invocations"],
@@ -219,9 +268,14 @@ def derive(raw: dict, plan: dict, thresholds: dict) -> dict:
                         "idle_adjusted_mj_per_task": legacy["idle_adjusted_mj_per_task"]},
             "samples": {"active_w": b["samples"]["window_w"], "paired_idle_w": b["samples"]["paired_idle_w"],
                         "idle_adjusted_mj_per_task": s_adjusted,
-                        "net_mj_per_task": _minus(s_adjusted, h_samples)},
+                        "net_mj_per_task": _energy(_minus(s_adjusted, h_samples))},
             "meters_relative_difference": _relative_difference(b["counter"]["window_w"], b["samples"]["window_w"]),
-            "net_mj_per_task": _minus(legacy["idle_adjusted_mj_per_task"], h_counter),
+            "net_mj_per_task": net,
+            "net_reason": None if net is not None else (
+                legacy["idle_adjusted_reason"] or ("no harness control figure" if h_counter is None else
+                                                   f"idle-adjusted {legacy['idle_adjusted_mj_per_task']:.4g} mJ minus "
+                                                   f"the harness control's {h_counter:.4g} mJ per call is not above "
+                                                   "zero: no figure rather than a negative one")),
         })
 
     per_call_s = [t["active_s"] / t["invocations"] for t in trials if t["invocations"]]
@@ -260,9 +314,13 @@ def derive(raw: dict, plan: dict, thresholds: dict) -> dict:
         "headline": {
             "net_mj_per_task": measure.summarize(nets),
             "meter": "counter",
+            "baseline": "paired idle (figures.idle: each after a settle until the power stopped falling; the cold "
+                        "idle beside it, not subtracted)",
             "definition": "per trial: (active J - paired idle W x active s) / invocations - the harness control's "
-                          "net mJ per call; mean and sample SD over the trials",
+                          "net mJ per call; mean and sample SD over the trials; a trial whose figure would not be "
+                          "above zero has none (net_reason)",
         },
+        "idle": _idle_figures(raw, blocks, times, watts),
         "repeats_per_trial": measure.repeats_for(raw["calibration_ms"], plan["options"]["target_seconds"]),
         "trials": trials,
         "harness": harness,

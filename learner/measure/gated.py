@@ -2,18 +2,21 @@
 
 On a board (a real GPU through NVML: ``NvmlBoard``; or ``learner.energy.simulated.SimulatedBoard``):
 
-1. The task once (prepare + first run: the "before" hashes, the memory peak on CUDA), one
+1. The power sampler process starts (learner/energy/sampler.py): power every 50 ms on the
+   shared clock. The cold idle: one idle window before any work, telemetry (power, clocks)
+   before and after it (learner/measure/idle.py; recorded beside the paired idle, not subtracted).
+2. The task once (prepare + first run: the "before" hashes, the memory peak on CUDA), one
    more run to calibrate: repeats = clamp(ceil(target / calibration), 1, 1000)
    (``paired.repeats_for``). The reference matmul is prepared and timed (3 calls):
    reference calls = ceil(reference seconds / seconds per call).
-2. The power sampler process starts (learner/energy/sampler.py): power every 50 ms on the shared clock.
 3. Phases, each "settle, idle window, window, settle, idle window", with a check of the
    device's compute processes at its start and at its end, and telemetry around its window:
    ``reference_before`` (the matmul for ``reference_seconds``), ``sham`` (nothing, for
    ``sham_seconds``), ``harness`` (the per-call harness -- clock reads, the call, the device
    synchronization -- with a backend that does nothing, for ``target_seconds``), ``trial 0`` ..
    (``repeats`` complete fresh tasks each), ``reference_after``. The reference product is
-   checked after each reference phase.
+   checked after each reference phase. A settle ends when the power stops falling (a slope
+   test, ``idle.settle``), at most ``settle_seconds``; what it saw is kept.
 4. The sampler stops; the task runs once more ("after"): its hashes must equal "before".
 5. Every reading is kept in ``raw``; ``figures.derive`` computes every figure and gate from
    ``raw``, the ``plan`` and the ``thresholds`` (both recorded and hashed together:
@@ -29,6 +32,7 @@ the CUDA reference matmul, the NVML sampler process, the process check on a real
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -43,6 +47,7 @@ from ..energy.reference import TorchMatmulReference
 from ..energy.sampler import SAMPLE_PERIOD_S, SamplerProcess
 from ..result import TaskResult, run_task
 from ..taskio import TaskArrays
+from . import idle as idle_mod
 from . import paired as measure
 from .figures import RECORD_FORMAT, derive
 from .gates import GATE_NAMES, thresholds_for
@@ -189,10 +194,12 @@ def _processes(board: Board, phase: str, at: str) -> dict:
 
 
 def _idle(board: Board, settle: float, idle: float) -> dict:
-    board.sleep(settle)
+    """A settle (until the power stops falling, at most ``settle`` s: idle.settle), then an idle window."""
+    waited = idle_mod.settle(board.meter, settle, board.sleep)
     start = read(board.meter)
     board.sleep(idle)
-    return {"start": start.as_dict(), "end": read(board.meter).as_dict(), "settle_seconds": settle}
+    return {"start": start.as_dict(), "end": read(board.meter).as_dict(), "settle_seconds": waited["seconds"],
+            "settle": waited}
 
 
 def _phase(board: Board, name: str, kind: str, settle: float, idle: float, body, after=None) -> dict:
@@ -223,9 +230,12 @@ def plan_for(options: dict, trials: int, flops_per_call: int, kernel: dict) -> d
     return {
         "protocol": RECORD_FORMAT,
         "options": {**options, "sample_period_s": SAMPLE_PERIOD_S},
+        "cold_idle": "one idle window of idle_seconds before any work (the sampler running), telemetry before and "
+                     "after it: recorded beside the paired idle, not subtracted",
         "phases": ["reference_before", "sham", "harness", *[f"trial {i}" for i in range(trials)], "reference_after"],
         "phase_structure": "settle, idle window, window, settle, idle window; compute processes checked at the "
                            "start and at the end; telemetry before and after the window",
+        "idle": idle_mod.SETTLE_PLAN,
         "windows": {"reference": "the reference matmul for reference_seconds (calls calibrated once, before the "
                                  "sampler starts)",
                     "sham": "nothing, for sham_seconds", "harness": "harness calls without the learner for "
@@ -244,6 +254,77 @@ def plan_for(options: dict, trials: int, flops_per_call: int, kernel: dict) -> d
 # --------------------------------------------------------------------------- the protocol
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the phases need, made before them: the "before" run, the calibrations, the runners
+    and the reference kernel."""
+
+    before: TaskResult
+    memory: dict | None
+    memory_reason: str | None
+    calibration_ms: float
+    calibration_wall_ms: float
+    calibration_cuda_ms: float | None
+    repeats: int
+    runner: Any
+    harness_runner: Any
+    kernel: Any
+    reference_seconds_per_call: float
+    reference_calls: int
+
+
+def _prepare(task: TaskArrays, config: Config, engine: Any, run_engine: Any, board: Board, target_seconds: float,
+             reference_seconds: float) -> _Run:
+    clock = board.meter.now
+    before, memory, memory_reason = measure._first_run(task, config, run_engine)
+    runner = measure._Runner(task, config, run_engine, clock)
+    calibration_wall_ms, calibration_cuda_ms = runner.once()
+    calibration_ms = calibration_cuda_ms if calibration_cuda_ms is not None else calibration_wall_ms
+    harness_runner = measure._Runner(task, config, board.harness_engine(engine), clock)
+    kernel = board.reference_kernel()
+    kernel.prepare()
+    t0 = clock()
+    kernel.run(REFERENCE_CALIBRATION_CALLS)
+    per_call_s = (clock() - t0) / REFERENCE_CALIBRATION_CALLS
+    reference_calls = max(1, math.ceil(reference_seconds / per_call_s)) if per_call_s > 0 else 1
+    return _Run(before, memory, memory_reason, calibration_ms, calibration_wall_ms, calibration_cuda_ms,
+                measure.repeats_for(calibration_ms, target_seconds), runner, harness_runner, kernel, per_call_s,
+                reference_calls)
+
+
+def _phases(board: Board, run: _Run, options: dict) -> tuple[list[dict], list[float]]:
+    """The phases in order (see the module docstring); and every task's wall ms."""
+    settle, idle, clock, kernel = options["settle_seconds"], options["idle_seconds"], board.meter.now, run.kernel
+
+    def reference(name: str) -> dict:
+        return _phase(board, name, "reference", settle, idle,
+                      lambda: kernel.run(run.reference_calls) or {"calls": run.reference_calls,
+                                                                 "flops_per_call": kernel.flops_per_call},
+                      lambda: {"check": kernel.check()})
+
+    def harness() -> dict:
+        calls = 0
+        deadline = clock() + options["target_seconds"]
+        while clock() < deadline:
+            run.harness_runner.once()
+            calls += 1
+        return {"calls": calls}
+
+    phases, walls_all = [reference("reference_before")], []
+    phases.append(_phase(board, "sham", "sham", settle, idle,
+                         lambda: board.sleep(options["sham_seconds"]) or {"nominal_seconds": options["sham_seconds"]}))
+    phases.append(_phase(board, "harness", "harness", settle, idle, harness))
+    for i in range(options["trials"]):
+        def trial(i=i) -> dict:
+            walls, cudas = run.runner.repeat(run.repeats)
+            return {"trial": i, "invocations": run.repeats, "wall_ms": walls, "cuda_ms": cudas}
+
+        phases.append(_phase(board, f"trial {i}", "task", settle, idle, trial))
+        walls_all.extend(phases[-1]["wall_ms"])
+    phases.append(reference("reference_after"))
+    return phases, walls_all
+
+
 def measure_gated(task: TaskArrays, config: Config | None, backend: str | Backend, board: Board, *,
                   trials: int = 3, target_seconds: float = 5.0, settle_seconds: float = 3.0,
                   idle_seconds: float = 3.0, reference_seconds: float = 10.0, sham_seconds: float = 5.0) -> dict:
@@ -255,66 +336,28 @@ def measure_gated(task: TaskArrays, config: Config | None, backend: str | Backen
     engine = get_backend(backend) if isinstance(backend, str) else backend
     run_engine = board.task_engine(engine)
     meter = board.meter
-    clock = meter.now
 
-    before, memory, memory_reason = measure._first_run(task, config, run_engine)
-    runner = measure._Runner(task, config, run_engine, clock)
-    calibration_wall_ms, calibration_cuda_ms = runner.once()
-    calibration_ms = calibration_cuda_ms if calibration_cuda_ms is not None else calibration_wall_ms
-    repeats = measure.repeats_for(calibration_ms, target_seconds)
-    harness_runner = measure._Runner(task, config, board.harness_engine(engine), clock)
-
-    kernel = board.reference_kernel()
-    kernel.prepare()
-    t0 = clock()
-    kernel.run(REFERENCE_CALIBRATION_CALLS)
-    per_call_s = (clock() - t0) / REFERENCE_CALIBRATION_CALLS
-    reference_calls = max(1, math.ceil(reference_seconds / per_call_s)) if per_call_s > 0 else 1
-
-    def reference(name: str) -> dict:
-        return _phase(board, name, "reference", settle_seconds, idle_seconds,
-                      lambda: kernel.run(reference_calls) or {"calls": reference_calls,
-                                                             "flops_per_call": kernel.flops_per_call},
-                      lambda: {"check": kernel.check()})
-
-    def harness() -> dict:
-        calls = 0
-        deadline = clock() + target_seconds
-        while clock() < deadline:
-            harness_runner.once()
-            calls += 1
-        return {"calls": calls}
-
-    walls_all: list[float] = []
-    phases: list[dict] = []
     sampler = board.start_sampler(SAMPLE_PERIOD_S)
     try:
         board.sleep(SAMPLER_MARGIN_S)
-        phases.append(reference("reference_before"))
-        phases.append(_phase(board, "sham", "sham", settle_seconds, idle_seconds,
-                             lambda: board.sleep(sham_seconds) or {"nominal_seconds": sham_seconds}))
-        phases.append(_phase(board, "harness", "harness", settle_seconds, idle_seconds, harness))
-        for i in range(trials):
-            def trial(i=i) -> dict:
-                walls, cudas = runner.repeat(repeats)
-                return {"trial": i, "invocations": repeats, "wall_ms": walls, "cuda_ms": cudas}
-
-            phases.append(_phase(board, f"trial {i}", "task", settle_seconds, idle_seconds, trial))
-            walls_all.extend(phases[-1]["wall_ms"])
-        phases.append(reference("reference_after"))
+        cold = idle_mod.cold_idle(meter, idle_seconds, board.sleep)  # before any work of this protocol
+        run = _prepare(task, config, engine, run_engine, board, target_seconds, reference_seconds)
+        phases, walls_all = _phases(board, run, options)
         board.sleep(SAMPLER_MARGIN_S)
     finally:
         sampler_record = board.stop_sampler(sampler)
 
+    before, repeats, kernel, calibration_ms = run.before, run.repeats, run.kernel, run.calibration_ms
     after = run_task(task, config, run_engine)
     checks = measure.compare_runs(before, after)
     hardware = meter.hardware()
     soft = measure.software()
     raw = {
         "calibration_ms": calibration_ms,
-        "calibration": {"wall_ms": calibration_wall_ms, "cuda_ms": calibration_cuda_ms},
-        "reference_calibration": {"calls": REFERENCE_CALIBRATION_CALLS, "seconds_per_call": per_call_s,
-                                  "calls_per_window": reference_calls},
+        "calibration": {"wall_ms": run.calibration_wall_ms, "cuda_ms": run.calibration_cuda_ms},
+        "reference_calibration": {"calls": REFERENCE_CALIBRATION_CALLS, "seconds_per_call": run.reference_seconds_per_call,
+                                  "calls_per_window": run.reference_calls},
+        "cold_idle": cold,
         "phases": phases,
         "sampler": sampler_record,
         "task": {"before": _hashes(before), "after": _hashes(after),
@@ -335,8 +378,10 @@ def measure_gated(task: TaskArrays, config: Config | None, backend: str | Backen
         "software": soft,
         **checks,
         "scope": measure.SCOPE,
-        "method": "nvml-total-energy-counter; paired idle windows before and after each active window; gated: "
-                  f"{RECORD_FORMAT} (figures.headline is the gated figure)",
+        "method": "nvml-total-energy-counter; baseline: paired idle (the idle windows before and after each active "
+                  "window, each after a settle that ends when the power stops falling, at most "
+                  f"{options['settle_seconds']} s); cold idle recorded beside it (figures.idle), not subtracted; "
+                  f"gated: {RECORD_FORMAT} (figures.headline is the gated figure)",
         "counter_note": measure._energy_note(legacy_trials, idle_seconds),
         "before_metadata": before.metadata,
         "after_metadata": after.metadata,
@@ -355,17 +400,17 @@ def measure_gated(task: TaskArrays, config: Config | None, backend: str | Backen
         "device": run_engine.device,
         "protocol": {**options, "sample_period_s": SAMPLE_PERIOD_S,
                      "repeat_limits": [measure.MIN_REPEATS, measure.MAX_REPEATS],
-                     "calibration": "CUDA events" if calibration_cuda_ms is not None else "wall clock"},
+                     "calibration": "CUDA events" if run.calibration_cuda_ms is not None else "wall clock"},
         "calibration_ms": calibration_ms,
         "repeats_per_trial": repeats,
         "energy": energy,
         "timing": {"wall_ms_per_task": derived["timing_wall_ms_per_task"],
                    "cuda_ms_per_task": derived["timing_cuda_ms_per_task"],
                    "scope": "each invocation timed on its own; " + measure.SCOPE},
-        "memory": memory,
+        "memory": run.memory,
     }
-    if memory is None:
-        record["memory_reason"] = memory_reason
+    if run.memory is None:
+        record["memory_reason"] = run.memory_reason
     record.update({
         "predictions_sha256": before.predictions_sha256,
         "scores_sha256": before.scores_sha256,

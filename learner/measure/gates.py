@@ -4,11 +4,13 @@ per gate from the record's figures to ``{status, passed, threshold, measured, re
 A record is valid only when every gate's status is ``pass``. ``unchecked`` (a board without a
 known reference band) does not pass. The thresholds are the issue's table (issue 23); the one
 number added here is the reference output check's relative error (1e-4, see
-learner/energy/reference.py).
+learner/energy/reference.py). Reference bands are known for the A100-SXM4-40GB (issue 23's
+hosts) and the H200 (one run, widened by the A100 band's relative width: ``band_from_run``).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 
 GATE_NAMES = ("reference", "meters_agree", "sham_residual", "round_spread", "telemetry", "exclusive_gpu",
@@ -17,13 +19,55 @@ REFERENCE_WINDOWS = ("reference_before", "reference_after")
 METERS = ("counter", "samples")
 
 A100_SXM4_40GB = "NVIDIA A100-SXM4-40GB"
+H200 = "NVIDIA H200"  # nvmlDeviceGetName of the H200 SXM (141 GB) of the first GPU run
 # Healthy-board bands of the 4096 x 4096 fp32 matmul (TF32 off): net joules per 10^12 FLOP above
-# the paired idle power, and TFLOP/s. Known for one board only.
+# the paired idle power, and TFLOP/s. Each band keeps the measurement it rests on beside it.
+A100_BAND = {
+    "j_per_tflop": [6.0, 11.0],
+    "tflop_per_s": [15.0, 23.0],
+    "source": "healthy A100-SXM4-40GB hosts of the public MNIST energy challenge (issue 23's table)",
+}
+# How wide a band is around a board's healthy figure: the A100 band's own width around its
+# middle (6-11 J around 8.5: x0.706-1.294; 15-23 TFLOP/s around 19: x0.789-1.211). That band
+# spans many hosts; a band from one run borrows that spread rather than the run's own (the
+# H200's four J/TFLOP readings spread only 2.7 %, too little to stand for other hosts).
+BAND_WIDTH = {name: [A100_BAND[name][0] / ((A100_BAND[name][0] + A100_BAND[name][1]) / 2),
+                     A100_BAND[name][1] / ((A100_BAND[name][0] + A100_BAND[name][1]) / 2)]
+              for name in ("j_per_tflop", "tflop_per_s")}
+BAND_ROUNDING = {"j_per_tflop": 0.1, "tflop_per_s": 1.0}  # bands are rounded outwards to these steps
+# The measurement the H200 band rests on: the first GPU run's gated record (main at 3004785,
+# 2026-12-04, driver 580.159.04, torch 2.11.0+cu130; ../shared/notes/gpu-h200.md), its
+# reference windows before and after the task windows (2 s each, 1 s settle, 1 s idle).
+H200_MEASURED = {
+    "tflop_per_s": [51.07],
+    "j_per_tflop": {"counter": [9.40, 9.52], "samples": [9.66, 9.46]},
+    "run": "the first GPU run (main at 3004785, 2026-12-04): scripts/gpu_check_energy.py's gated record, "
+           "reference windows before and after the task windows; driver 580.159.04, torch 2.11.0+cu130",
+}
+
+
+def band_from_run(tflop_per_s: list[float], j_per_tflop: list[float]) -> dict:
+    """A band around one board's measured reference figures: their mean times ``BAND_WIDTH``,
+    rounded outwards to ``BAND_ROUNDING``. How the H200's band was made, and what the GPU check
+    prints for a board without one (so that the next board's band comes from a run)."""
+    if not tflop_per_s or not j_per_tflop:
+        raise ValueError("a band needs at least one TFLOP/s and one J per 10^12 FLOP figure")
+    out = {}
+    for name, values in (("j_per_tflop", j_per_tflop), ("tflop_per_s", tflop_per_s)):
+        mean, step = sum(values) / len(values), BAND_ROUNDING[name]
+        low, high = mean * BAND_WIDTH[name][0], mean * BAND_WIDTH[name][1]
+        out[name] = [round(math.floor(low / step + 1e-9) * step, 6), round(math.ceil(high / step - 1e-9) * step, 6)]
+    return out
+
+
 REFERENCE_BANDS: dict[str, dict] = {
-    A100_SXM4_40GB: {
-        "j_per_tflop": [6.0, 11.0],
-        "tflop_per_s": [15.0, 23.0],
-        "source": "healthy A100-SXM4-40GB hosts of the public MNIST energy challenge (issue 23's table)",
+    A100_SXM4_40GB: A100_BAND,
+    H200: {
+        **band_from_run(H200_MEASURED["tflop_per_s"],
+                        H200_MEASURED["j_per_tflop"]["counter"] + H200_MEASURED["j_per_tflop"]["samples"]),
+        "source": "one H200 run (measured beside: H200_MEASURED), widened by the A100 band's own relative width "
+                  "(BAND_WIDTH); to be replaced by a band over several healthy H200 hosts when there are runs",
+        "measured": H200_MEASURED,
     },
 }
 # The simulated board's own band: its model (simulated.BoardModel) runs the matmul at 19 TFLOP/s

@@ -2,15 +2,21 @@
 
 The paired-idle protocol (the record's ``energy`` object, same field names):
 
+0. With a meter: the cold idle -- one idle window before any work, its telemetry (power,
+   clocks) before and after (``energy.cold_idle``; recorded beside the paired idle, never
+   subtracted: learner/measure/idle.py).
 1. Run the task once (prepare + first run; on CUDA this captures the graphs and
    is where the ``memory`` peak is taken), keeping its hashes as "before".
 2. Calibrate: time one more complete fresh task (CUDA events on GPU, the clock
    elsewhere). repeats = clamp(ceil(target / calibration), 1, 1000).
 3. Per trial: settle, idle window, telemetry, active window of ``repeats``
-   complete fresh tasks, telemetry, settle, idle window.
+   complete fresh tasks, telemetry, settle, idle window. A settle ends when the power
+   stops falling (idle.settle: a slope test), at most ``settle_seconds``.
    paired idle W  = mean of the two idle windows' average power
    idle-adjusted  = (active J - paired idle W x active s) / repeats, in mJ per task
-   unadjusted     = active J / repeats, in mJ per task
+                    (None, with ``idle_adjusted_reason``, where that is not above zero or the
+                    active window's counter did not advance)
+   unadjusted     = active J / repeats, in mJ per task (None where the counter did not advance)
    wall ms/task   = active s / repeats; cuda ms/task = summed CUDA-event time / repeats
 4. Run the task again ("after"): predictions and state hashes must be identical.
 
@@ -53,6 +59,7 @@ from ..errors import TaskError
 from ..result import TaskResult, run_task
 from ..taskio import TaskArrays
 from ..train import prepare
+from . import idle as idle_mod
 
 MIN_REPEATS, MAX_REPEATS = 1, 1000
 STATE_HASH_KEYS = (
@@ -117,7 +124,9 @@ def _reading(r: energy_mod.Reading | dict) -> dict:
 
 
 def window(start: energy_mod.Reading | dict, end: energy_mod.Reading | dict, settle_seconds: float | None = None) -> dict:
-    """Duration, joules and average power between two counter readings."""
+    """Duration, joules and average power between two counter readings. A window whose counter
+    did not advance (or went backwards) has no average power: 0 J there is below the counter's
+    resolution, not a reading."""
     s, e = _reading(start), _reading(end)
     duration = e["time_s"] - s["time_s"]
     energy_j = (e["energy_mj"] - s["energy_mj"]) / 1000
@@ -126,7 +135,7 @@ def window(start: energy_mod.Reading | dict, end: energy_mod.Reading | dict, set
         "end": e,
         "duration_s": duration,
         "energy_j": energy_j,
-        "average_power_w": energy_j / duration if duration > 0 else None,
+        "average_power_w": energy_j / duration if duration > 0 and energy_j > 0 else None,
     }
     if settle_seconds is not None:
         out["settle_seconds"] = settle_seconds
@@ -134,14 +143,33 @@ def window(start: energy_mod.Reading | dict, end: energy_mod.Reading | dict, set
 
 
 def trial_figures(idle_before: dict, active: dict, idle_after: dict, invocations: int, cuda_ms_total: float | None) -> dict:
-    """Per-task figures of one trial from its three windows (as ``window`` returns them)."""
+    """Per-task figures of one trial from its three windows (as ``window`` returns them).
+
+    Never a negative or a zero-by-quantization energy: an active window whose counter did not
+    advance has no figure (and no idle is subtracted from it), and an idle-adjusted figure that
+    would not be above zero is ``None``; ``idle_adjusted_reason`` says why."""
     p0, p1 = idle_before["average_power_w"], idle_after["average_power_w"]
     paired = None if p0 is None or p1 is None else (p0 + p1) / 2
     active_j, active_s = active["energy_j"], active["duration_s"]
+    unadjusted = active_j * 1000 / invocations if active_j > 0 else None
+    adjusted, reason = None, None
+    if unadjusted is None:
+        reason = (f"the active window's counter read {active_j} J: below its resolution (or the counter went back), "
+                  "so no figure and no idle subtracted from it")
+    elif paired is None:
+        reason = "no paired idle power: an idle window's counter did not advance"
+    else:
+        above = (active_j - paired * active_s) * 1000 / invocations
+        if above > 0:
+            adjusted = above
+        else:
+            reason = (f"the active window's {active_j / active_s:.2f} W is not above the paired idle {paired:.2f} W: "
+                      "the energy above idle is below what the windows resolve; no figure rather than a negative one")
     return {
         "paired_idle_w": paired,
-        "idle_adjusted_mj_per_task": None if paired is None else (active_j - paired * active_s) * 1000 / invocations,
-        "unadjusted_mj_per_task": active_j * 1000 / invocations,
+        "idle_adjusted_mj_per_task": adjusted,
+        "idle_adjusted_reason": reason,
+        "unadjusted_mj_per_task": unadjusted,
         "cuda_ms_per_task": None if cuda_ms_total is None else cuda_ms_total / invocations,
         "wall_ms_per_task": active_s * 1000 / invocations,
     }
@@ -177,6 +205,26 @@ SUMMARY_KEYS = ("idle_adjusted_mj_per_task", "unadjusted_mj_per_task", "cuda_ms_
 
 def summary(trials: list[dict]) -> dict:
     return {key: summarize([t[key] for t in trials]) for key in SUMMARY_KEYS}
+
+
+def cold_idle_figures(cold: dict | None, trials: list[dict]) -> dict | None:
+    """The cold idle window's power and clocks, and each trial's paired idle against it."""
+    if cold is None:
+        return None
+    w = window(cold["start"], cold["end"])
+    before, after = cold.get("telemetry_before") or {}, cold.get("telemetry_after") or {}
+    cold_w = w["average_power_w"]
+    return {
+        "window": w,
+        "counter_w": cold_w,
+        "telemetry_before": before,
+        "telemetry_after": after,
+        "graphics_clock_mhz": [before.get("graphics_clock_mhz"), after.get("graphics_clock_mhz")],
+        "paired_idle_minus_cold_w": [None if cold_w is None or t.get("paired_idle_w") is None
+                                     else t["paired_idle_w"] - cold_w for t in trials],
+        "note": "power and clocks in one idle window before the protocol's first work: cold only if nothing ran "
+                "on the device just before (its clocks show it); recorded beside the paired idle, not subtracted",
+    }
 
 
 # --------------------------------------------------------------------------- facts
@@ -268,22 +316,26 @@ class _Runner:
         return walls, (None if any(c is None for c in cudas) else cudas)
 
 
+def _idle_window(meter: energy_mod.Meter, settle: float, idle: float, sleep: Callable[[float], None]) -> dict:
+    """A settle (until the power stops falling, at most ``settle`` s: idle.settle), then an idle window."""
+    waited = idle_mod.settle(meter, settle, sleep)
+    s = energy_mod.read(meter)
+    sleep(idle)
+    out = window(s, energy_mod.read(meter), waited["seconds"])
+    out["settle"] = waited
+    return out
+
+
 def _energy_trial(i: int, runner: _Runner, meter: energy_mod.Meter, repeats: int, settle: float, idle: float,
                   sleep: Callable[[float], None]) -> tuple[dict, list[float], list[float] | None]:
     read = energy_mod.read
-    sleep(settle)
-    s = read(meter)
-    sleep(idle)
-    idle_before = window(s, read(meter), settle)
+    idle_before = _idle_window(meter, settle, idle, sleep)
     telemetry_before = meter.telemetry()
     a0 = read(meter)
     walls, cudas = runner.repeat(repeats)
     active = window(a0, read(meter))
     telemetry_after = meter.telemetry()
-    sleep(settle)
-    s = read(meter)
-    sleep(idle)
-    idle_after = window(s, read(meter), settle)
+    idle_after = _idle_window(meter, settle, idle, sleep)
     trial = {
         "trial": i,
         "invocations": repeats,
@@ -297,8 +349,14 @@ def _energy_trial(i: int, runner: _Runner, meter: energy_mod.Meter, repeats: int
     return trial, walls, cudas
 
 
+PAIRED_COUNTER_NOTE = (
+    "NVML's total-energy counter (mJ) moves only at its updates (on the H200 less often than every 65.7 ms), so a "
+    "window's edges err by up to one update's energy each; a window whose counter did not advance has no figure."
+)
+
+
 def _energy_note(trials: list[dict], idle_seconds: float) -> str:
-    note = energy_mod.COUNTER_NOTE.split(" Use ")[0]
+    note = PAIRED_COUNTER_NOTE
     shortest = min(t["active"]["duration_s"] for t in trials)
     if shortest < 1.0 or idle_seconds < 1.0:
         note += (
@@ -334,6 +392,7 @@ def measure_run(
             )
     clock = meter.now if meter is not None else time.perf_counter
 
+    cold = idle_mod.cold_idle(meter, idle_seconds, sleep) if meter is not None else None
     before, memory, memory_reason = _first_run(task, config, engine)
     runner = _Runner(task, config, engine, clock)
     calibration_wall_ms, calibration_cuda_ms = runner.once()
@@ -380,7 +439,11 @@ def measure_run(
             "software": soft,
             **checks,
             "scope": SCOPE,
-            "method": "nvml-total-energy-counter; paired idle windows before and after each active window",
+            "method": "nvml-total-energy-counter; baseline: paired idle (the mean of the idle windows before and "
+                      "after each active window, each after a settle that ends when the power stops falling, at most "
+                      f"{settle_seconds} s); cold idle (before any work) recorded beside it (cold_idle), not subtracted",
+            "cold_idle": cold_idle_figures(cold, trial_docs),
+            "settle": idle_mod.SETTLE_PLAN,
             "counter_note": _energy_note(trial_docs, idle_seconds),
             "before_metadata": before.metadata,
             "after_metadata": after.metadata,
