@@ -243,7 +243,8 @@ class EvaluationState(Open):
     energy: dict[str, Any] | None = None
     device: Any = None
     versions: dict[str, Any] | None = None
-    comparison: str | None = Field(None, description="device and versions: rows ranked together share it")
+    comparison: str | None = Field(None, description="device, versions and draws: rows ranked together share it")
+    draw_set: str | None = Field(None, description="the draws as ranges (\"0-10\")")
 
 
 class EvaluationRow(Open):
@@ -253,10 +254,11 @@ class EvaluationRow(Open):
     counts: dict[str, int] = Field(description="draws by task status: queued, running, succeeded, failed, cancelled")
     created_at: float
     draws: list[int]
+    draw_set: str | None = Field(None, description="the draws as ranges (\"0-10\")")
     config_changes: dict[str, Any]
     backend: str
     device: Any = None
-    comparison: str | None = None
+    comparison: str | None = Field(None, description="device, versions and draws: rows ranked together share it")
     correct: int | None = None
     total: int | None = None
     mean_accuracy: float | None = None

@@ -18,7 +18,7 @@ import pytest
 from app.http.middleware import is_open, prefers_html
 from app.main import create_app
 from app.settings import Settings
-from app.tasks.evaluations import comparison_label
+from app.tasks.evaluations import comparison_label, draw_set
 from learner.config import Config
 from learner.evaluate import InProcessRunner, dataset_seed, totals, wilson_interval
 from learner.evaluate import evaluate as evaluate_in_process
@@ -331,6 +331,27 @@ def test_the_list_carries_each_evaluations_status_and_counts_read_without_answer
         assert rows[first]["counts"]["succeeded"] == 2
 
 
+def test_evaluations_over_other_draws_are_compared_apart(tmp_path):
+    """Three evaluations over two draw sets, one device: the two over draws 0-1 share a
+    comparison label, the one over draw 2 has its own (the leaderboard ranks within a label);
+    a result recorded before the draws were part of the label reads with them."""
+    with serve(data_dir=str(tmp_path / "d")) as server, server.client() as c:
+        bodies = [{"draws": "0-1", "config": {"epochs": 1}}, {"draws": [0, 1], "config": {"epochs": 1, "depth": 1}},
+                  {"draws": "2", "config": {"epochs": 1}}]
+        ids = [c.post("/evaluations", json={**body, "backend": "cpu-fast"}).json()["id"] for body in bodies]
+        docs = [finished(c, i) for i in ids]
+        assert [d["status"] for d in docs] == ["completed"] * 3
+        rows = {r["id"]: r for r in c.get("/evaluations", params={"sort": "accuracy"}).json()["evaluations"]}
+        labels = [rows[i]["comparison"] for i in ids]
+        assert labels == [d["comparison"] for d in docs]
+        assert labels[0] == labels[1] != labels[2]
+        assert labels[0].endswith(" · draws 0-1") and labels[2].endswith(" · draws 2") and labels[0].startswith("cpu · ")
+        assert [rows[i]["draw_set"] for i in ids] == ["0-1", "0-1", "2"]
+        other = insert_graded(tmp_path / "d", "ev-h200", 9990, 0.5)
+        (row,) = [r for r in c.get("/evaluations").json()["evaluations"] if r["id"] == "ev-h200"]
+        assert row["comparison"] == other == "NVIDIA H200 · rev88 0.1.0 · torch 2.13.0 · CUDA 13.0 · draws 0"
+
+
 def test_an_evaluation_is_graded_after_a_restart(tmp_path):
     """Its draws are asynchronous tasks in the ledger: a restart runs them again and grades."""
     gate = Gate()
@@ -363,23 +384,35 @@ def test_the_report_and_leaderboard_urls_are_pages_without_data(tmp_path):
         assert c.get("/evaluations/ev-1").status_code == 401 and c.get("/evaluations").status_code == 401
 
 
-def test_rows_of_other_devices_or_versions_are_labelled_apart():
-    cpu = comparison_label("cpu", {"rev88": "0.1.0", "torch": "2.13.0+cpu", "cuda": None})
-    gpu = comparison_label("cuda:0", {"rev88": "0.1.0", "torch": "2.13.0", "cuda": "13.0", "gpu_name": "NVIDIA H200"})
-    newer = comparison_label("cpu", {"rev88": "0.2.0", "torch": "2.13.0+cpu", "cuda": None})
-    assert len({cpu, gpu, newer}) == 3 and "NVIDIA H200" in gpu and "CUDA 13.0" in gpu and "0.2.0" in newer
+def test_rows_of_other_devices_versions_or_draws_are_labelled_apart():
+    eleven = list(range(11))
+    cpu = comparison_label("cpu", {"rev88": "0.1.0", "torch": "2.13.0+cpu", "cuda": None}, eleven)
+    gpu = comparison_label("cuda:0", {"rev88": "0.1.0", "torch": "2.13.0", "cuda": "13.0", "gpu_name": "NVIDIA H200"},
+                           eleven)
+    newer = comparison_label("cpu", {"rev88": "0.2.0", "torch": "2.13.0+cpu", "cuda": None}, eleven)
+    three = comparison_label("cpu", {"rev88": "0.1.0", "torch": "2.13.0+cpu", "cuda": None}, [0, 1, 2])
+    assert len({cpu, gpu, newer, three}) == 4 and "NVIDIA H200" in gpu and "CUDA 13.0" in gpu and "0.2.0" in newer
+    assert cpu.endswith("draws 0-10") and three.endswith("draws 0-2")
+    assert [draw_set(d) for d in (eleven, [4], [0, 3, 4, 5], [7, 2, 3])] == ["0-10", "4", "0,3-5", "2-3,7"]
     lo, hi = wilson_interval(98208, 110000)
     assert lo < 98208 / 110000 < hi and 0.8909 < lo and hi < 0.8947
 
 
-def insert_graded(data_dir: Path, evaluation_id: str, comparison: str, correct: int, ms: float) -> None:
-    """A graded evaluation from another device, written into the server's own store (the
-    leaderboard's grouping is what is tested; no such device is here to produce one)."""
+H200 = {"gpu_name": "NVIDIA H200", "rev88": "0.1.0", "torch": "2.13.0", "cuda": "13.0"}
+
+
+def insert_graded(data_dir: Path, evaluation_id: str, correct: int, ms: float) -> str:
+    """A graded evaluation of draw 0 on an H200, written into the server's own store (the
+    leaderboard's grouping is what is tested; no such device is here to produce one), its result
+    as one recorded before the draws were part of the comparison. Returns the label it is shown
+    under (made from its device, versions and draws when read)."""
     result = {"draws": [], "totals": totals([correct], [10000]), "time": {"ms_per_task": ms}, "energy": None,
-              "device": "cuda:0", "versions": {"rev88": "0.1.0"}, "comparison": comparison, "backends_used": ["cuda"]}
+              "device": "cuda:0", "versions": H200, "comparison": "NVIDIA H200 · rev88 0.1.0 · torch 2.13.0 · CUDA 13.0",
+              "backends_used": ["cuda"]}
     with sqlite3.connect(data_dir / "datasets.sqlite3") as conn:
         conn.execute("INSERT INTO evaluations (id, created_at, name, definition, cells, status, result, finished_at,"
                      " mean_accuracy, ms_per_task) VALUES (?, ?, ?, ?, '[]', 'completed', ?, ?, ?, ?)",
                      (evaluation_id, time.time(), "elsewhere", json.dumps({"draws": [0], "config": Config().as_dict(),
                                                                           "backend": "cuda", "measure": None}),
                       json.dumps(result), time.time(), correct / 10000, ms))
+    return comparison_label("cuda:0", H200, [0])

@@ -463,25 +463,31 @@ def test_the_sweep_page_shows_its_cells_and_chart_and_the_task_list_links_to_it(
     page.goto(server.url + "/")
     page.fill("#api-key", KEY)
     page.click("#key-save")
+    listed = page.wait_for_selector(f"#sweeps-body tr[data-sweep-id='{sweep_id}'][data-status=completed]")
+    assert listed.query_selector("td[data-label=cells]").inner_text() == "8 of 8 finished (8 succeeded)"
+    assert listed.query_selector("td[data-label='grid × seeds']").inner_text() == "learning_rate (2) × batch_size (2) × 2 seeds"
     page.locator(f"#tasks-body a.sweep-link[title='{sweep_id}']").first.click()  # (a locator: the list re-renders)
     page.wait_for_selector("#sweep-status.status-completed")
 
 
 def test_an_evaluations_report_and_the_leaderboard(server, desktop):
-    """Two graded evaluations on this server and one of another device (written into the
-    server's store): the report page shows the draws, the totals, the band verdicts and the
-    chart; the leaderboard ranks the two together and the other device apart, marks the Pareto
-    front of accuracy against time, and re-sorts."""
+    """Three graded evaluations on this server over two draw sets (two over draws 0-1, one over
+    draw 2) and one of another device (written into the server's store): the report page shows
+    the draws, the totals, the band verdicts and the chart; the leaderboard ranks the two over
+    draws 0-1 together and lists the one over draw 2 and the other device's apart, each ranked on
+    its own, marks the Pareto front of accuracy against time, re-sorts, and shows an evaluation
+    still running with its status and progress."""
     from tests.test_evaluations import insert_graded
 
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
-        ids = [c.post("/evaluations", json={"draws": "0-1", "config": config, "name": name}).json()["id"]
-               for name, config in (("one epoch", {"epochs": 1}), ("default", {}))]
+        ids = [c.post("/evaluations", json={"draws": draws, "config": config, "name": name}).json()["id"]
+               for name, draws, config in (("one epoch", "0-1", {"epochs": 1}), ("default", "0-1", {}),
+                                           ("draw 2 alone", "2", {"epochs": 1}))]
         docs = [wait_for(lambda i=i: (d := c.get(f"/evaluations/{i}").json())["status"] == "completed" and d, 300,
                          what="an evaluation") for i in ids]
+    alone = docs.pop()
     port = server.url.rsplit(":", 1)[1]
-    other = "NVIDIA H200 · rev88 0.1.0 · torch 2.13.0 · CUDA 13.0"
-    insert_graded(server.log.parent / f"data-{port}", "ev-elsewhere", other, 9990, 0.5)
+    other = insert_graded(server.log.parent / f"data-{port}", "ev-elsewhere", 9990, 0.5)
     page = desktop
     page.goto(f"{server.url}/evaluations/{ids[0]}")  # a browser asks for HTML: the report page
     assert page.url.endswith(f"/evaluations/{ids[0]}/report")
@@ -501,15 +507,19 @@ def test_an_evaluations_report_and_the_leaderboard(server, desktop):
 
     page.goto(f"{server.url}/ui/evaluations")
     page.wait_for_selector(".board-group[data-comparison] tbody tr")
-    page.wait_for_function("() => document.querySelectorAll('.board-group').length === 2")
+    page.wait_for_function("() => document.querySelectorAll('.board-group').length === 3")
     labels = page.eval_on_selector_all(".board-group", "gs => gs.map(g => g.dataset.comparison)")
-    assert set(labels) == {doc["comparison"], other}
+    assert labels[0] == doc["comparison"] and set(labels[1:]) == {alone["comparison"], other}  # most draws first
+    assert doc["comparison"].endswith("draws 0-1") and alone["comparison"].endswith("draws 2")
+    assert doc["comparison"].rsplit(" · ", 1)[0] == alone["comparison"].rsplit(" · ", 1)[0]  # one device, versions
     here = f".board-group[data-comparison='{doc['comparison']}']"
     best = max(docs, key=lambda d: d["totals"]["mean_accuracy"])
     assert page.eval_on_selector_all(f"{here} tbody tr", "rs => rs.map(r => [r.dataset.id, r.dataset.rank])") == [
         [best["id"], "1"], [next(d["id"] for d in docs if d is not best), "2"]]
-    assert page.eval_on_selector_all(f".board-group[data-comparison='{other}'] tbody tr",
-                                     "rs => rs.map(r => r.dataset.rank)") == ["1"]  # ranked apart
+    for label, evaluation_id in ((alone["comparison"], alone["id"]), (other, "ev-elsewhere")):  # ranked apart
+        assert page.eval_on_selector_all(f".board-group[data-comparison='{label}'] tbody tr",
+                                         "rs => rs.map(r => [r.dataset.id, r.dataset.rank])") == [[evaluation_id, "1"]]
+    assert "2 draws each" in page.inner_text(f"{here} h3") and "separate groups" in page.inner_text("#board-message")
     points = [(d["time"]["ms_per_task"], d["totals"]["mean_accuracy"], d["id"]) for d in docs]
     front = {i for x, y, i in points if not any(x2 <= x and y2 >= y and (x2 < x or y2 > y) for x2, y2, _ in points)}
     marked = page.eval_on_selector_all(f"{here} circle", "cs => cs.map(c => [c.dataset.id, c.dataset.pareto])")
@@ -518,6 +528,19 @@ def test_an_evaluations_report_and_the_leaderboard(server, desktop):
     fastest = min(docs, key=lambda d: d["time"]["ms_per_task"])["id"]
     page.wait_for_function(f"() => document.querySelector(\"{here} tbody tr\").dataset.id === '{fastest}'")
     screenshot(page, "leaderboard")
+
+    server.gate.hold()  # an evaluation not graded yet: its status and its draws' progress
+    try:
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+            waiting = c.post("/evaluations", json={"draws": "3-4", "config": {"epochs": 1}}).json()["id"]
+            wait_for(lambda: c.get(f"/evaluations/{waiting}").json()["counts"]["running"] == 1, 60, what="a draw running")
+        page.reload()
+        row = page.wait_for_selector(f".board-group[data-comparison=''] tr[data-id='{waiting}'][data-status=running]")
+        assert row.query_selector("td[data-label=status] .pill").inner_text() == "running"
+        assert row.query_selector("[data-progress]").inner_text() == "0 of 2 finished · 1 running · 1 queued"
+    finally:
+        server.gate.release()
+    page.wait_for_selector(f"tr[data-id='{waiting}'][data-status=completed]", timeout=60_000)  # (the page polls)
     page.goto(server.url + "/")  # the task list links a draw's task to its evaluation
     page.locator(f"#tasks-body a.evaluation-link[title='{ids[0]}']").first.click()
     page.wait_for_selector("#evaluation-status.status-completed")

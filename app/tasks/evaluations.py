@@ -239,19 +239,40 @@ def grade(ev: EvaluationRecord, rows: list[dict[str, Any]]) -> dict[str, Any]:
     figures["device"] = devices[0] if len(devices) == 1 else (devices or None)
     figures["versions"] = versions
     figures["backends_used"] = sorted({r["backend"] for r in done if r.get("backend")})
-    figures["comparison"] = comparison_label(figures["device"], versions)
+    figures["comparison"] = comparison_label(figures["device"], versions, ev.definition["draws"])
     return figures
 
 
-def comparison_label(device: Any, versions: dict[str, Any] | None) -> str | None:
-    """What must match for two evaluations to be ranked together: the device and the versions."""
+def draw_set(draws: list[int]) -> str:
+    """The draws as ranges, as ``draws`` takes them: [0, 1, ..., 10] -> "0-10", [0, 3, 4, 5] -> "0,3-5"."""
+    runs: list[list[int]] = []
+    for k in sorted(draws):
+        if runs and k == runs[-1][1] + 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def comparison_label(device: Any, versions: dict[str, Any] | None, draws: list[int]) -> str | None:
+    """What must match for two evaluations to be ranked together: the device, the versions and
+    the draws (accuracies over other draws are not comparable: a 3-draw mean is not ranked
+    against an 11-draw one)."""
     if device is None or versions is None:
         return None
     hardware = versions.get("gpu_name") or device
     parts = [str(hardware), f"rev88 {versions.get('rev88')}", f"torch {versions.get('torch')}"]
     if versions.get("cuda"):
         parts.append(f"CUDA {versions['cuda']}")
+    parts.append(f"draws {draw_set(draws)}")
     return " · ".join(parts)
+
+
+def comparison_of(ev: EvaluationRecord) -> str | None:
+    """A graded evaluation's comparison label, from its result's device and versions and its
+    draws (made now, so that a result recorded before the draws were part of it reads the same)."""
+    result = ev.result or {}
+    return comparison_label(result.get("device"), result.get("versions"), ev.definition["draws"])
 
 
 def status_of(ev: EvaluationRecord, rows: list[dict[str, Any]]) -> str:
@@ -275,7 +296,8 @@ def document(ev: EvaluationRecord, rows: list[dict[str, Any]] | None = None,
            "measure": ev.definition.get("measure"), "protocol": PROTOCOL,
            "counts": counts(rows), "draws": rows, "totals": result.get("totals"), "time": result.get("time"),
            "energy": result.get("energy"), "device": result.get("device"), "versions": result.get("versions"),
-           "comparison": result.get("comparison"), "location": f"/evaluations/{ev.id}",
+           "comparison": comparison_of(ev), "draw_set": draw_set(ev.definition["draws"]),
+           "location": f"/evaluations/{ev.id}",
            "report": f"/evaluations/{ev.id}/report", "chart": f"/evaluations/{ev.id}/accuracy.svg"}
     return doc
 
@@ -312,9 +334,9 @@ def leaderboard_row(ev: EvaluationRecord, live: tuple[str, dict[str, int]] | Non
     energy = result.get("energy") or {}
     status, draw_counts = live if live is not None and ev.result is None else (ev.status, counts(result.get("draws", [])))
     return {"id": ev.id, "name": ev.name, "status": status, "counts": draw_counts, "created_at": ev.created_at,
-            "finished_at": ev.finished_at, "draws": ev.definition["draws"],
+            "finished_at": ev.finished_at, "draws": ev.definition["draws"], "draw_set": draw_set(ev.definition["draws"]),
             "config_changes": config_changes(ev.definition["config"]), "backend": ev.definition["backend"],
-            "device": result.get("device"), "comparison": result.get("comparison"),
+            "device": result.get("device"), "comparison": comparison_of(ev),
             "correct": t.get("correct"), "total": t.get("total"), "correct_over_total": t.get("correct_over_total"),
             "mean_accuracy": t.get("mean_accuracy"), "sd_accuracy_pp": t.get("sd_accuracy_pp"),
             "ms_per_task": ev.ms_per_task, "mj_per_task": ev.mj_per_task,

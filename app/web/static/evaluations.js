@@ -6,7 +6,7 @@
 (() => {
   const body = document.body;
   const { el, api, readJSON, problem, num, when, pill, facts, poller, initKey, initDownloads,
-    pageDocument, wireCancel, short, taskURL, dash } = window.rev88;
+    pageDocument, wireCancel, short, taskURL, dash, progressText } = window.rev88;
   const $ = (selector) => document.querySelector(selector);
   const root = body.dataset.root || "";
   const reportURL = (id) => `${root}/ui/evaluations/${encodeURIComponent(id)}`;
@@ -180,13 +180,18 @@
     const energy = typeof row.mj_per_task === "number" && row.energy_valid ? num(row.mj_per_task)
       : (row.measure ? "not valid" : dash);
     const sdText = typeof row.sd_accuracy_pp === "number" ? ` ± ${num(row.sd_accuracy_pp, 2)}` : "";
+    const status = el("span", {});
+    pill(status, row.status);
     return el("tr", { "data-id": row.id, "data-status": row.status, "data-rank": rank },
       cell("rank", rank === null ? dash : rank, "num"),
       cell("name", el("a", { href: reportURL(row.id), title: row.id }, row.name || row.id.slice(0, 11))),
+      cell("status", status),
+      cell("draws", row.draw_set || row.draws.join(","), "num"),
       cell("config", changes(row.config_changes)),
       cell("backend", row.backend),
       cell("device", row.device === null ? dash : String(row.device)),
-      cell("correct", row.correct_over_total || row.status, "num"),
+      cell("correct", row.correct_over_total
+        || el("span", { class: "muted", "data-progress": "" }, progressText(row.counts)), "num"),
       cell("mean ± SD", typeof row.mean_accuracy === "number" ? `${num(100 * row.mean_accuracy, 3)} %${sdText}` : dash, "num"),
       cell("ms / task", num(row.ms_per_task), "num"),
       cell("mJ / task", energy, "num"),
@@ -197,12 +202,14 @@
     const graded = rows.filter((r) => r.status === "completed");
     let rank = 0;
     const table = el("table", { class: "tasks board-table" },
-      el("thead", {}, el("tr", {}, ...["rank", "name", "config", "backend", "device", "correct", "mean ± SD",
-        "ms / task", "mJ / task", "created"].map((h) => el("th", { text: h })))),
+      el("thead", {}, el("tr", {}, ...["rank", "name", "status", "draws", "config", "backend", "device", "correct",
+        "mean ± SD", "ms / task", "mJ / task", "created"].map((h) => el("th", { text: h })))),
       el("tbody", {}, ...rows.map((r) => boardRow(r, r.status === "completed" ? (rank += 1) : null))));
-    return el("section", { class: "board-group", "data-comparison": label },
-      el("h3", {}, label === "" ? "not graded yet" : label),
-      table, graded.length ? boardChart(graded, xName) : null);
+    const n = rows[0].draws.length;
+    return el("section", { class: "board-group", "data-comparison": label, "data-draws": rows[0].draw_set },
+      el("h3", {}, ...(label === "" ? ["not graded yet"]
+        : [label, " ", el("span", { class: "muted" }, `(${n} draw${n === 1 ? "" : "s"} each, ranked among themselves)`)])),
+      el("div", { class: "table-wrap" }, table), graded.length ? boardChart(graded, xName) : null);
   }
 
   function initLeaderboard() {
@@ -221,18 +228,20 @@
         cursor = data.next_cursor;
         pages += 1;
       } while (cursor && pages < 10);
-      // one group per device and versions: rows are ranked only within their group
+      // one group per device, versions and draws (row.comparison): rows are ranked only within
+      // their group; the groups over more draws first, the ones not graded yet last
       const groups = new Map();
       for (const row of rows) {
-        const label = row.status === "completed" ? (row.comparison || "unknown device") : "";
+        const label = row.status === "completed" ? (row.comparison || `unknown device · draws ${row.draw_set}`) : "";
         if (!groups.has(label)) groups.set(label, []);
         groups.get(label).push(row);
       }
-      const ordered = [...groups.entries()].sort((a, b) => (a[0] === "") - (b[0] === ""));
+      const order = ([label, list]) => (label === "" ? -1 : list[0].draws.length);
+      const ordered = [...groups.entries()].sort((a, b) => order(b) - order(a));
       $("#board-groups").replaceChildren(...ordered.map(([label, list]) => boardGroup(label, list, xBox.value)));
       $("#board-count").textContent = `(${rows.length})`;
       say(rows.length ? (groups.size > 1 && !groups.has("") || groups.size > 2
-        ? "evaluations on different devices or versions are in separate groups, not ranked together" : "")
+        ? "evaluations over other draws, devices or versions are in separate groups, each ranked on its own" : "")
         : "no evaluations yet: POST /evaluations, or rev88 evaluate --url");
       return rows.some((r) => r.status === "queued" || r.status === "running") ? 2000 : null;
     });

@@ -109,6 +109,20 @@
   const sweepURL = (id) => `${root}/ui/sweeps/${encodeURIComponent(id)}`;
   const short = (hash) => (hash ? `${hash.slice(0, 12)}…` : dash);
 
+  // "3 of 24 finished (2 succeeded, 1 failed) · 1 running · 20 queued": a sweep's cells or an
+  // evaluation's draws, from the counts by task status GET /sweeps and GET /evaluations give.
+  function progressText(counts) {
+    const c = counts || {};
+    const n = (k) => Number(c[k] || 0);
+    const total = ["queued", "running", "succeeded", "failed", "cancelled"].reduce((a, k) => a + n(k), 0);
+    const finished = n("succeeded") + n("failed") + n("cancelled");
+    const ended = ["succeeded", "failed", "cancelled"].filter((k) => n(k)).map((k) => `${n(k)} ${k}`).join(", ");
+    const parts = [`${finished} of ${total} finished${ended ? ` (${ended})` : ""}`];
+    if (n("running")) parts.push(`${n("running")} running`);
+    if (n("queued")) parts.push(`${n("queued")} queued`);
+    return parts.join(" · ");
+  }
+
   function facts(list, pairs) {
     list.replaceChildren();
     for (const [name, value] of pairs) {
@@ -247,9 +261,48 @@
       cell("predictions sha256", hash));
   }
 
+  // The grid's keys and value counts and the seeds, in a few words: "learning_rate (4) × depth (2) × 3 seeds".
+  function gridText(definition) {
+    const grid = Object.entries((definition && definition.grid) || {}).map(([k, v]) => `${k} (${v.length})`);
+    const seeds = definition && definition.seeds;
+    const count = Array.isArray(seeds) ? seeds.length : seeds && typeof seeds === "object" ? seeds.count : 1;
+    return [...grid, `${count} seed${count === 1 ? "" : "s"}`].join(" × ");
+  }
+
+  function sweepRow(sweep) {
+    const cell = (label, content, cls) => el("td", { "data-label": label, class: cls }, content);
+    const status = el("span", {});
+    pill(status, sweep.status);
+    const name = sweep.definition && sweep.definition.name;
+    return el("tr", { "data-sweep-id": sweep.id, "data-status": sweep.status },
+      cell("sweep", el("a", { href: sweepURL(sweep.id), title: sweep.id }, name || sweep.id.slice(0, 11))),
+      cell("status", status),
+      cell("cells", progressText(sweep.counts)),
+      cell("grid × seeds", gridText(sweep.definition)),
+      cell("dataset", el("code", { class: "hash", title: sweep.dataset }, short(sweep.dataset))),
+      cell("created", when(sweep.created_at)));
+  }
+
   function initIndex() {
     const form = $("#task-form"), result = $("#submit-result"), button = $("#submit");
     const tbody = $("#tasks-body"), message = $("#tasks-message"), empty = $("#tasks-empty");
+
+    const loadSweeps = poller(async () => {
+      const response = await api("/sweeps?limit=20");
+      const { data } = await readJSON(response);
+      const said = $("#sweeps-message");
+      if (!response.ok || !data) {
+        said.textContent = problem(response, data);
+        said.className = "message error";
+        return response.status === 401 ? null : 5000;
+      }
+      said.textContent = "";
+      said.className = "message";
+      $("#sweeps-body").replaceChildren(...data.sweeps.map(sweepRow));
+      $("#sweeps-count").textContent = data.sweeps.length ? `(${data.sweeps.length}${data.next_cursor ? "+" : ""})` : "";
+      $("#sweeps-empty").hidden = data.sweeps.length > 0;
+      return data.sweeps.some((s) => ACTIVE.has(s.status)) ? 2000 : 10000;
+    });
 
     const loadTasks = poller(async () => {
       const response = await api("/tasks?limit=25");
@@ -273,8 +326,8 @@
       return 5000;
     });
 
-    initKey(() => { loadTasks(); loadHealth(); });
-    $("#refresh").addEventListener("click", () => loadTasks());
+    initKey(() => { loadTasks(); loadSweeps(); loadHealth(); });
+    $("#refresh").addEventListener("click", () => { loadTasks(); loadSweeps(); });
 
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
@@ -326,6 +379,7 @@
     });
 
     loadTasks();
+    loadSweeps();
     loadHealth();
   }
 
@@ -715,7 +769,7 @@
 
   // What the evaluation pages' script (static/evaluations.js, loaded after this one) shares.
   window.rev88 = { el, api, readJSON, problem, num, when, pill, facts, poller, initKey, initDownloads,
-    pageDocument, wireCancel, short, taskURL, dash };
+    pageDocument, wireCancel, short, taskURL, dash, progressText };
 
   if (body.dataset.page === "index") initIndex();
   else if (body.dataset.page === "task") initTask();
