@@ -47,8 +47,13 @@ class TaskAnswer(Open):
     scores: list[list[float]] | None = Field(None, description="with include=scores: (M, 10) float32 values")
     metadata: dict[str, Any] = Field(description="config, hashes, timing scope, backend, device, versions")
     timing: Timing
-    energy: dict[str, Any] | None = None
-    energy_reason: str | None = None
+    energy: dict[str, Any] | None = Field(
+        None, description="on a GPU, the per-request estimate (docs/energy.md, per-request energy): gross_j from "
+        "NVML's counter or, below its resolution, power x duration (gross_source; method "
+        "nvml-total-energy-counter-delta or power-at-window-end-x-duration, then the idle baseline used); "
+        "idle_adjusted_j is null with idle_adjusted_reason rather than negative or zero; cold_idle_w beside "
+        "the baseline; never gated (gated: false). null elsewhere, with energy_reason")
+    energy_reason: str | None = Field(None, description="why energy is null")
     device: str
     versions: dict[str, Any]
     dataset: str | None = Field(None, description="POST /tasks?dataset=: the dataset's digest")
@@ -82,7 +87,7 @@ class TaskSummary(Open):
     idempotency_key: str | None = None
     predictions_sha256: str | None = None
     run_ms: float | None = None
-    energy_j: float | None = None
+    energy_j: float | None = Field(None, description="the answer's energy.gross_j (null where it has none)")
 
 
 class TaskStatus(TaskSummary):

@@ -11,9 +11,10 @@ the pre-check, which stops the run early when it fails):
             16-element Triton kernel launched, the service's packages
   cuda      scripts/gpu_check_cuda.py: graphs vs independent eager SGD, byte-repeatable replay,
             graph reuse across draws 0 and 1, draw-0 accuracy and CUDA ms
-  energy    scripts/gpu_check_energy.py: the gated energy protocol with short windows (two
-            meters, reference matmul windows, sham, harness control; every gate printed),
-            /health telemetry, one per-request figure
+  energy    scripts/gpu_check_energy.py: the gated energy protocol with rev88 measure's default
+            windows (two meters, reference matmul windows, sham, harness control; every gate
+            printed, the board's J per 10^12 FLOP, the sham residual, cold and paired idle), the
+            counter's update period, /health telemetry, one per-request figure
   fused     scripts/gpu_check_fused.py: fused vs cuda on draw 0 (equality is the pass; a differing
             query's margins and both accuracies are reported), a T = SM-count launch, auto's
             self-check, ms and mJ per task of cuda / fused / fused-T and the ratios
@@ -83,19 +84,23 @@ MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy":
 # precheck  imports + one tiny Triton compile and launcher build (~5 s) + three cc runs
 # cuda      4 captures of small programs + 1 of the 10k program (~1-2 s each), ~12 task runs of
 #           ~40 ms, one cpu-backend draw-0 run (~0.5 s), two make_task (~0.5 s each)
-# energy    the gated protocol's windows, 36 s (gpu_check_common.gated_window_seconds of
-#           gpu_check_energy.GATED_DEVICE: 6 windows of 2 s, each framed by 2 x (1 s settle + 1 s
-#           idle)), + ~10 s: the sampler process's start, the 4096^2 matrices and their checks,
-#           first, calibration, after and one per-request run with 1 s of idle sampling
+# energy    the gated protocol with rev88 measure's default windows, 129 s (gpu_check_common.
+#           gated_window_seconds of gpu_check_energy.GATED_LONG: settles are caps, so at most),
+#           + the 3 s cold idle window + ~10 s (the first run: 40.4 s for 36 s of windows): the
+#           sampler's start, the 4096^2 matrices and their checks, first, calibration, after, the
+#           counter's 0.6 s watch and one per-request run with 1 s of idle sampling
+#           (gpu_check_energy.LONG_NEED_S = 142 s; without room for it the 36 s short windows run)
 # fused     two kernel compiles (draw 0's, the self-check's: ~9 s each for sm_90 measured here on the CPU),
 #           the draw-0 runs, a 132-task launch (staging ~1 GB of inputs), timing repeats, then
 #           three energy protocols of ~15-20 s each
-# service   75 s: start (imports, learner validation, fused warm-up: one more compile, ~10 s),
-#           the in-process references, the requests (~10 s), the sweep, the drain (~2 s); + 11 s:
-#           the measure step's windows (gpu_check_service.MEASURE_PARAMS; 33 s with the
-#           service's default reference and sham windows, which were not counted)
+# service   start (imports, learner validation, fused warm-up: one more compile, ~10 s), the
+#           in-process references, the requests (~10 s), the sweep, the drain (~2 s), and the
+#           measure step's 11 s of windows (gpu_check_service.MEASURE_PARAMS): 35.9 s in the first
+#           run (ready in 13.9 s); 55 s leaves room over it. fused: 57.1 s in the first run (its
+#           kernel compiles and three energy protocols); 70 s. Both came down (from 120 and 86 s) so that
+#           the energy section's long windows fit beside them.
 # tests     gpu_check_tests.DEVICE_CAP_S caps it; the five files were run by hand in the first run
-DEVICE_ESTIMATE_S = {"precheck": 15, "cuda": 20, "energy": 46, "fused": 120, "service": 86, "tests": 90}
+DEVICE_ESTIMATE_S = {"precheck": 15, "cuda": 20, "energy": 145, "fused": 70, "service": 55, "tests": 90}
 # Fewer seconds left than this and a section is not started (it is then marked "skipped" for the
 # budget): on a GPU from the estimates above; in a dry run from its own times here (2-core machine,
 # quiet: precheck 1-3 s, cuda 2-13 s, energy 4-11 s, fused 17-75 s, service 7-46 s), low enough
@@ -223,8 +228,15 @@ def headline(name: str, r: dict) -> str:
             gates = ", ".join(f"{k} {v.get('status')}" for k, v in (r.get("gates") or {}).items())
             scenarios = "; ".join(f"simulated {k}: failed {', '.join(v['failed_gates']) or 'none'}"
                                   for k, v in (r.get("scenarios") or {}).items())
+            ref = r.get("reference") or {}
+            joules = [j for w in (ref.get("windows") or {}).values() for j in w["j_per_tflop"].values()
+                      if j is not None]
+            sham = r.get("sham_residual") or {}
             return ((f"net {net:.1f} mJ/task" if net is not None else
                      f"idle-adjusted {s.get('mean', float('nan')):.1f} mJ/task")
+                    + (f"; {ref.get('board')} {min(joules):.2f}-{max(joules):.2f} J/TFLOP" if joules else "")
+                    + (f"; sham {sham['fraction']:.1%} on {str(sham.get('windows')).split(' ')[0]} windows"
+                       if sham.get("fraction") is not None else "")
                     + (f"; gated valid {r.get('valid')}: {gates}" if gates else "")
                     + (f"; {scenarios}" if scenarios else "")
                     + (f"; failed {', '.join(failed)}" if failed else ""))

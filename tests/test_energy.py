@@ -495,3 +495,79 @@ def test_without_cuda_nvml_index_0_is_named_as_such(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     device, reason = energy._select(_FakeNvml([("00000000:4F:00.0", UUID_A)]), None)
     assert reason is None and device.handle == 0 and device.selected_by == "index"
+
+
+class _Clock:
+    """A virtual clock for time.perf_counter and time.sleep (no real waiting)."""
+
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class _MeteredNvml(_FakeNvml):
+    """One device whose counter updates every 80 ms at 76 W, and whose power answers the instant field."""
+
+    NVML_SUCCESS = 0
+    NVML_FI_DEV_POWER_INSTANT = 186
+
+    def __init__(self, clock: _Clock):
+        super().__init__([("00000000:50:00.0", UUID_A)])
+        self.clock = clock
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        return int((self.clock.t // 0.08) * 0.08 * 76_000)
+
+    def nvmlDeviceGetFieldValues(self, handle, fields):
+        value = type("V", (), {"uiVal": 76_000})()
+        return [type("F", (), {"nvmlReturn": 0, "valueType": 1, "value": value})()]
+
+
+def test_an_nvml_meter_reads_instant_power_and_watches_its_counter(monkeypatch):
+    from learner.energy import nvml_device
+
+    clock = _Clock()
+    monkeypatch.setattr(nvml_device, "time", clock)
+    device = nvml_device._Device(0, None, None, "00000000:50:00.0", False, "index")
+    meter = nvml_device.NvmlMeter(_MeteredNvml(clock), device)
+    assert meter.counter_update_s is None and energy.counter_resolution(meter)[1].startswith("assumed")
+    assert meter.power_w() == 76.0 and meter.power_query == "NVML_FI_DEV_POWER_INSTANT (instantaneous)"
+    found = meter.measure_counter_update()
+    assert found["period_s"] == pytest.approx(0.08, abs=0.0011) and found["changes"] == 5
+    assert meter.counter_update_s == found["period_s"] and meter.counter_update is found
+    period, how = energy.counter_resolution(meter)
+    assert period == found["period_s"] and how.startswith("measured: median of 4 interval(s)")
+    # a 65.7 ms request on it is judged by the watched period: answered from power, never 0 J
+    idle = IdleBaseline()
+    idle.record_cold(meter)
+    idle.sample(meter)
+    _, f = request_energy(meter, lambda: clock.sleep(0.0657), idle)
+    assert f["gross_source"] == "power" and f["gross_j"] == pytest.approx(76.0 * 0.0657)
+    assert f["idle_adjusted_j"] is None and f["cold_idle_w"] == 76.0  # idle power only: nothing above idle
+
+
+def test_the_service_records_the_cold_idle_at_open_and_watches_the_counter_once(monkeypatch):
+    from app.runtime.energy import Energy
+    from learner.energy import nvml_device
+
+    clock = _Clock()
+    monkeypatch.setattr(nvml_device, "time", clock)
+    device = nvml_device._Device(0, 0, None, "00000000:50:00.0", False, "index")
+    meter = nvml_device.NvmlMeter(_MeteredNvml(clock), device)
+    watched = []
+    original = meter.measure_counter_update
+    monkeypatch.setattr(meter, "measure_counter_update", lambda: watched.append(1) or original())
+    monkeypatch.setattr(energy, "open_meter", lambda index: (meter, None))
+    service_energy = Energy()
+    service_energy.open(["cuda:0"])
+    idle = service_energy.idles["cuda:0"]
+    assert idle.cold["power_w"] == 76.0 and len(idle) == 0  # before any work: recorded, not a sample
+    service_energy.sample_idle()
+    service_energy.sample_idle()
+    assert watched == [1] and service_energy.counters["cuda:0"]["period_s"] == pytest.approx(0.08, abs=0.0011)
+    assert len(idle) == 2 and meter.counter_update_s == pytest.approx(0.08, abs=0.0011)
