@@ -86,6 +86,14 @@ def figure_lines(figures: dict) -> list[str]:
     task = figures["task"]
     lines.append(f"task: hashes identical before/after {task['hashes_identical']}, predictions equal "
                  f"{task['predictions_equal']}")
+    idle = figures.get("idle")
+    if idle:
+        cold = idle["cold"] or {}
+        lines.append(f"idle: baseline {idle['baseline']}; cold idle {_num(cold.get('counter_w'))} W counter, "
+                     f"{_num(cold.get('samples_w'))} W samples, graphics clock {cold.get('graphics_clock_mhz')} MHz; "
+                     f"{idle['settles_ended_by_cap']} of {len(idle['settles'])} settles ended by their cap")
+        lines.append("paired idle against the cold idle: " + ", ".join(
+            f"{name} {_num(p['counter_minus_cold_w'], '+.3g')} W" for name, p in idle["paired"].items()))
     lines.append(f"net energy per task (the gated figure, counter): {_fmt(figures['headline']['net_mj_per_task'], 'mJ')}")
     return lines
 
@@ -255,7 +263,8 @@ def add_measure(sub) -> None:
     p.add_argument("--target-seconds", type=float, default=d["target_seconds"],
                    help=f"active window per trial, and the harness control's (> 0; default {d['target_seconds']:g})")
     p.add_argument("--settle-seconds", type=float, default=d["settle_seconds"],
-                   help=f"wait before each idle window (>= 0; default {d['settle_seconds']:g})")
+                   help="the most a settle before an idle window lasts; it ends sooner once the power stops falling "
+                        f"(>= 0; default {d['settle_seconds']:g})")
     p.add_argument("--idle-seconds", type=float, default=d["idle_seconds"],
                    help=f"each idle window (>= 0; default {d['idle_seconds']:g})")
     p.add_argument("--reference-seconds", type=float, default=d["reference_seconds"],
