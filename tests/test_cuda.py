@@ -1,11 +1,14 @@
-"""CUDA backend: captured graphs against independent eager autograd. Needs a GPU.
+"""CUDA backend: captured graphs against independent eager autograd (needs a GPU), and its
+explicit step (learner/backends/cuda.py ``ExplicitStep``) against the cpu backend, run eagerly on
+the CPU (``GraphBackend("cpu")``: the same program without graphs).
 
-Without one these tests skip with that reason; scripts/gpu_check.py runs the full set
-(including the 10k/10k draw) on a GPU machine.
+Without a GPU the graph tests skip with that reason; scripts/gpu_check.py runs the full set
+(including the 10k/10k draw) on a GPU machine, and scripts/gpu_tune.py times the steps there.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,13 +18,10 @@ from learner.train import prepare
 
 from .helpers import small_task
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine"),
-]
-
 
 @pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 def test_graph_replay_matches_independent_eager(depth):
     from learner.backends.cuda import GraphBackend
 
@@ -38,3 +38,74 @@ def test_graph_replay_matches_independent_eager(depth):
     assert again.extra["graph_reused"] and again.scores.tobytes() == out.scores.tobytes()
     assert all(a.tobytes() == b.tobytes() for a, b in zip(again.final_parameters, out.final_parameters))
     assert out.cuda_ms is not None and out.cuda_ms > 0
+    memory = out.extra["memory"]  # what the cuBLAS workspace costs, in every answer
+    assert memory["cublas_workspace_bytes_per_stream"] == 8 * 4096 * 1024
+
+
+def _mnist_slice(draw0, start, n, m):
+    from learner.taskio import validate_task
+
+    full = draw0[0]
+    return validate_task(full.train_images[start:start + n].copy(), full.train_labels[start:start + n].copy(),
+                         full.test_images[start:start + m].copy())
+
+
+@pytest.mark.parametrize("step", ["explicit", "explicit-bmm"])
+@pytest.mark.parametrize("overrides", [
+    {"depth": 2, "batch_size": 32, "seed": 5, "epochs": 2},
+    {"depth": 1, "batch_size": 40, "seed": 6, "epochs": 3, "weight_decay": 1e-3, "momentum": 0.8, "alpha": 0.7,
+     "learning_rate": 0.05},
+])
+def test_explicit_step_matches_the_cpu_backend(draw0, step, overrides):
+    """The explicit step, eagerly on the CPU: parameters and velocity within (2e-5, 3e-3) of the cpu
+    backend, predictions equal, a second run of the cached program byte-identical."""
+    from learner.backends.cpu import CpuBackend
+    from learner.backends.cuda import GraphBackend
+
+    task = _mnist_slice(draw0, 0, 300, 60)  # minibatches of 32 (or 40) with a short last one
+    config = make_config(overrides)
+    backend = GraphBackend("cpu", step=step)
+    out = backend.run(task, prepare(task, config))
+    ref = CpuBackend().run(task, prepare(task, config))
+    ok_p, err_p = max_violation(out.final_parameters, ref.final_parameters, **TOLERANCE)
+    ok_v, err_v = max_violation(out.final_velocity, ref.final_velocity, **TOLERANCE)
+    assert ok_p, f"parameters off the cpu backend by up to {err_p:.3g}"
+    assert ok_v, f"velocity off the cpu backend by up to {err_v:.3g}"
+    np.testing.assert_array_equal(out.scores.argmax(1), ref.scores.argmax(1))
+    assert out.extra["step"] == step and out.extra["precision"] == "ieee"
+    again = backend.run(task, prepare(task, config))
+    assert again.extra["graph_reused"]
+    for a, b in zip(again.final_parameters + again.final_velocity + [again.scores],
+                    out.final_parameters + out.final_velocity + [out.scores]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_unknown_step_is_refused():
+    from learner.backends.cuda import GraphBackend
+
+    with pytest.raises(ValueError, match="step must be one of autograd, explicit, explicit-bmm"):
+        GraphBackend("cpu", step="fast")
+
+
+def test_cuda_backend_computes_in_ieee_only():
+    from learner.backends.cuda import GraphBackend
+
+    backend = GraphBackend("cpu")
+    assert backend.with_precision("ieee") is backend
+    with pytest.raises(ValueError, match="precision 'ieee'"):
+        backend.with_precision("tf32x3")
+
+
+def test_workspace_bytes_and_the_one_default():
+    """CUBLAS_WORKSPACE_CONFIG's cost, and the one value: learner/__init__.py sets the tuned table's."""
+    from pathlib import Path
+
+    from learner.backends.cuda import workspace_bytes
+    from learner.kernels.tuned import CUBLAS_WORKSPACE
+
+    assert workspace_bytes(":4096:8") == 32 * 1024 * 1024
+    assert workspace_bytes(":16:8") == 128 * 1024
+    assert workspace_bytes(":4096:2:16:8") == 2 * 4096 * 1024 + 8 * 16 * 1024
+    assert workspace_bytes("4096:8") is None and workspace_bytes(":x:8") is None and workspace_bytes(None) is None
+    init = (Path(__file__).resolve().parents[1] / "learner" / "__init__.py").read_text()
+    assert f'os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", "{CUBLAS_WORKSPACE}")' in init

@@ -47,6 +47,12 @@ SMALL_CASES = {
         {"chunk": 16},
     ),
 }
+# name -> (the SMALL_CASES case it repeats, backend options): the split variant (learner/kernels/
+# fused_step.py: one launch per step, the minibatch's chunks over programs) at its base case's chunk
+SPLIT_CASES = {
+    "depth2_split": ("depth2", {"chunk": 16, "variant": "split"}),  # the default batch of 16: one program
+    "chunks_wd_split": ("chunks_wd", {"chunk": 16, "variant": "split"}),  # batches of 40 over 3 programs, wd
+}
 BATCH_TASKS = [((400, 120, 24), 11), ((600, 120, 24), 11), ((800, 120, 24), 12)]  # (slice, seed)
 BATCH_CONFIG = {"depth": 2, "batch_size": 16}
 
@@ -92,6 +98,10 @@ def _child(cases: str, out_dir: Path) -> None:
                 _save(out_dir, name, result)
             else:
                 _save(out_dir, name, FusedBackend("cpu", **options).run(task, prepare(task, config)))
+        for name, (base, options) in SPLIT_CASES.items():  # the split variant, same chunk as its base case
+            spec, overrides, _ = SMALL_CASES[base]
+            task, config = mnist_slice(full, *spec), make_config(overrides)
+            _save(out_dir, name, FusedBackend("cpu", **options).run(task, prepare(task, config)))
         backend = FusedBackend("cpu")
         tasks = [mnist_slice(full, *spec) for spec, _ in BATCH_TASKS]
         prepareds = [prepare(t, make_config({**BATCH_CONFIG, "seed": s})) for t, (_, s) in zip(tasks, BATCH_TASKS)]
@@ -99,6 +109,14 @@ def _child(cases: str, out_dir: Path) -> None:
             _save(out_dir, f"batch{i}", out)
         for i, (task, prep) in enumerate(zip(tasks, prepareds)):
             _save(out_dir, f"single{i}", backend.run(task, prep))
+        split = FusedBackend("cpu", variant="split")  # a 3-task launch of the split variant: grid (chunks, 3)
+        for i, out in enumerate(split.run_many(tasks, prepareds)):
+            _save(out_dir, f"split_batch{i}", out)
+        # a request's ?precision=: the interpreter ignores tl.dot's precision (numpy), so only the
+        # plumbing is checked here -- the answer says what ran
+        spec, overrides, _ = SMALL_CASES["depth1"]
+        result = run_task(mnist_slice(full, *spec), make_config(overrides), FusedBackend("cpu").with_precision("tf32x3"))
+        (out_dir / "precision.json").write_text(json.dumps(result.metadata, default=str))
     elif cases == "draw0":
         result = run_task(full, Config(), FusedBackend("cpu"))
         np.save(out_dir / "predictions.npy", result.predictions)
@@ -182,6 +200,44 @@ def test_three_task_launch_equals_three_single_launches(small_runs, draw0):
         _assert_close_to_cpu(*batched, _cpu(mnist_slice(draw0[0], *spec), make_config({**BATCH_CONFIG, "seed": seed})))
     # each task kept its own data and seed: the three results differ
     assert _load(small_runs / "batch0", 6)[2].tobytes() != _load(small_runs / "batch1", 6)[2].tobytes()
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_variant_equals_the_one_program_kernel_byte_for_byte(small_runs, draw0, name):
+    """The split variant sums the same 16-row slices in the same order as the one-program kernel and
+    updates from them the same way (learner/kernels/fused_step.py), so at one chunk the two give the
+    same bytes here; on a GPU, where each row's products are FMA chains in one order, the bytes do
+    not depend on the chunk either (scripts/gpu_tune.py checks that there: numpy's matmul rounds a
+    row differently with the number of rows, so the interpreter cannot)."""
+    from learner.config import make_config
+
+    base, _ = SPLIT_CASES[name]
+    spec, overrides, _ = SMALL_CASES[base]
+    depth = make_config(overrides).depth
+    split, one = _load(small_runs / name, 2 * depth + 2), _load(small_runs / base, 2 * depth + 2)
+    for a, b in zip(split[0] + split[1] + [split[2]], one[0] + one[1] + [one[2]]):
+        assert a.tobytes() == b.tobytes(), f"{name} differs from {base}"
+    extra = json.loads((small_runs / name / "extra.json").read_text())
+    assert extra["variant"] == "split" and extra["chunk"] == 16
+    batch = make_config(overrides).batch_size
+    assert extra["programs_per_task"] == -(-batch // 16)
+    assert extra["launches_per_task_run"] > 2  # a launch per step, the last update, the queries
+    _assert_close_to_cpu(*split, _cpu(mnist_slice(draw0[0], *spec), make_config(overrides)))
+
+
+def test_split_variant_launch_of_three_tasks_equals_the_one_program_launch(small_runs):
+    for i in range(len(BATCH_TASKS)):
+        split, one = _load(small_runs / f"split_batch{i}", 6), _load(small_runs / f"batch{i}", 6)
+        for a, b in zip(split[0] + split[1] + [split[2]], one[0] + one[1] + [one[2]]):
+            assert a.tobytes() == b.tobytes(), f"task {i} of the 3-task split launch differs from the one-program launch"
+        assert json.loads((small_runs / f"split_batch{i}" / "extra.json").read_text())["tasks_in_launch"] == 3
+
+
+def test_precision_is_said_in_the_answer(small_runs):
+    meta = json.loads((small_runs / "precision.json").read_text())
+    assert meta["backend_details"]["precision"] == "tf32x3"
+    assert meta["backend_details"]["variant"] == "one"
+    assert json.loads((small_runs / "depth1" / "extra.json").read_text())["precision"] == "ieee"
 
 
 def test_run_task_through_fused_backend(small_runs, draw0):

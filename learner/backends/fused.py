@@ -1,24 +1,36 @@
-"""The fused backend: one Triton program trains one task end to end (learner/kernels/fused_train.py).
+"""The fused backend: Triton kernels that train whole tasks (learner/kernels/).
 
-    run(task, prepared)              one task: one program, one kernel launch
-    run_many(tasks, prepareds)       T tasks of one shape and one config (their seeds may
-                                     differ; each has its own data): T programs, one launch
+    run(task, prepared[, precision])             one task
+    run_many(tasks, prepareds[, precision])      T tasks of one shape and one config (their seeds
+                                                 may differ; each has its own data) in one launch
+    with_precision(p)                            the backend at one product precision (a request's
+                                                 ?precision=: "ieee" or "tf32x3")
 
-A launch does everything the timing scope names -- reset of parameters and velocity, the
-lift of raw pixels, every epoch of SGD-momentum in the seed's permutation order, scoring
-all queries -- so ``cuda_ms`` is the CUDA-event time of that one launch. For a batched
-launch each task's ``cuda_ms`` and ``training_prediction_seconds`` are the whole launch's
-(what the task waited for); ``extra`` says how many tasks shared it and the per-task share.
+Two variants (the tuned table, learner/kernels/tuned.py, picks per GPU and per launch size):
+
+    one     fused_train.py: one program per task, one launch: reset of parameters and velocity,
+            the lift of raw pixels, every epoch of SGD-momentum in the seed's permutation order,
+            scoring all queries
+    split   fused_step.py once per step (the minibatch's chunks over several programs; the launch
+            boundary is the barrier between steps), then fused_predict.py over the queries: more
+            of the GPU for a lone task
+
+Both give a task the same bytes (learner/kernels/fused_parts.py: one arithmetic for every chunk,
+number of warps and variant): only the product precision changes them, and it is said in every
+answer (``backend_details.precision``) and kept apart in launches (app/tasks/device.py's key).
+``cuda_ms`` is the CUDA-event time of all the launches of one call. For a batched launch each
+task's ``cuda_ms`` and ``training_prediction_seconds`` are the whole launch's (what the task
+waited for); ``extra`` says how many tasks shared it and the per-task share.
 
 On CUDA the backend needs triton (the ``gpu`` extra). On the CPU it runs only under
 ``TRITON_INTERPRET=1`` (triton's numpy simulator, used by tests/test_fused.py); the registry
 never offers that. ``auto`` picks this backend on a CUDA machine once ``fused_ready()``
 (a small training run checked against the cpu backend) has passed in the process.
 
-Not verified on the development machine (no GPU): compilation for a real GPU, the
-barriers' effect, the CUDA timing, and everything ``fused_ready`` does. The kernel's
-arithmetic is verified under the interpreter (tests/test_fused.py), including the full
-draw-0 task; scripts/gpu_check_fused.py checks the GPU paths.
+Verified on an H200 (../shared/notes/gpu-h200.md) for the one-program kernel before the split
+variant, the precision choice and the fixed-order sums existed; those are verified here in the
+interpreter (tests/test_fused.py) and on a GPU only by scripts/gpu_tune.py and
+scripts/gpu_check_fused.py.
 """
 
 from __future__ import annotations
@@ -44,8 +56,8 @@ log = logging.getLogger(__name__)
 
 # The kernel unrolls the core (depth is a compile-time constant): bound the code size.
 MAX_DEPTH = 32
-# Default rows per forward/backward pass; a larger minibatch runs in several passes
-# (the default batch of 128 in two). See default_warps for why.
+# Rows per forward/backward pass when nothing (the tuned table, the constructor) says otherwise;
+# a larger minibatch runs in several passes. See default_warps for why.
 MAX_CHUNK = 64
 
 
@@ -53,10 +65,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_chunk(batch_size: int) -> int:
-    """A power of two in [16, MAX_CHUNK]: the whole minibatch in one pass when it fits."""
+def default_chunk(batch_size: int, max_chunk: int = MAX_CHUNK) -> int:
+    """A power of two in [16, max_chunk]: the whole minibatch in one pass when it fits."""
     chunk = 16
-    while chunk < min(batch_size, MAX_CHUNK):
+    while chunk < min(batch_size, max_chunk):
         chunk *= 2
     return chunk
 
@@ -67,6 +79,27 @@ def default_warps(chunk: int) -> int:
     # chunk 128 / 16 warps 352 bytes, chunk 64 / 4 warps 752 bytes, chunk 16 / 4 warps 8.
     # The run-time choice is for bench/bench_fused.py --sweep on a GPU to confirm.
     return 8 if chunk >= 64 else 4
+
+
+SPLIT_MAX_BATCH = 1024  # = learner.kernels.fused_step.SPLIT_MAX_BATCH (no triton import here)
+
+
+def choose(tuned: Any, config: Config, tasks: int, chunk: int | None = None, num_warps: int | None = None,
+           precision: str | None = None, variant: str | None = None):
+    """What a launch of ``tasks`` tasks of ``config`` runs: each value given here (the backend's
+    fixed one, a request's precision) first, else the tuned row's (``tuned.for_launch(tasks)``), its
+    chunk the largest one: a smaller minibatch gets the smallest power of two >= 16 that holds it.
+    The split variant only for minibatches of at most SPLIT_MAX_BATCH rows (its gradient slices
+    take 2 * ceil(B / 16) states per task)."""
+    from ..kernels.tuned import Choice
+
+    base = tuned.for_launch(tasks)
+    chunk = chunk or default_chunk(config.batch_size, base.chunk)
+    warps = num_warps or (base.num_warps if chunk == base.chunk else default_warps(chunk))
+    variant = variant or base.variant
+    if variant == "split" and config.batch_size > SPLIT_MAX_BATCH:
+        variant = "one"
+    return Choice(chunk=chunk, num_warps=warps, precision=precision or base.precision, variant=variant)
 
 
 def touch_launcher(compiled: Any) -> None:
@@ -125,11 +158,20 @@ def check_launch(tasks: list[TaskArrays], prepareds: list[Prepared]) -> Config:
 
 
 class FusedBackend:
-    """Runs tasks through ``fused_train_kernel``: one program (one SM) per task."""
+    """Runs tasks through the fused kernels: one program (one SM) per task, or for the split
+    variant one launch per step with a task's minibatch over several programs.
+
+    ``chunk``, ``num_warps``, ``precision`` and ``variant`` fix a choice for every launch; each
+    one left None comes from the tuned table's row for this GPU (learner/kernels/tuned.py: the
+    ``lone`` choice for a launch of one task, the ``launch`` choice for more). A task's bytes
+    depend on its product precision only (learner/kernels/fused_parts.py: one arithmetic for
+    every chunk, number of warps and variant); ``run``/``run_many`` take a per-call precision (a
+    request's ``?precision=``, through ``with_precision``)."""
 
     name = "fused"
 
-    def __init__(self, device: str = "cuda", chunk: int | None = None, num_warps: int | None = None):
+    def __init__(self, device: str = "cuda", chunk: int | None = None, num_warps: int | None = None,
+                 precision: str | None = None, variant: str | None = None, tuned: Any = None):
         self.torch_device = torch.device(device)
         self.interpret = interpreting()
         if self.torch_device.type == "cuda":
@@ -143,19 +185,26 @@ class FusedBackend:
                 "(triton's simulator, for tests)"
             )
         try:
-            from ..kernels import fused_train
+            from ..kernels import fused_predict, fused_step, fused_train
         except ImportError as exc:
             raise BackendUnavailable(
                 f"backend 'fused' needs triton (pip install 'rev88[gpu]'): {exc}"
             ) from None
+        from ..kernels.tuned import PRECISIONS, VARIANTS, choice_for
+
         if chunk is not None and (chunk < 16 or chunk > 256 or chunk & (chunk - 1)):
             raise ValueError(f"chunk must be a power of two in [16, 256], got {chunk}")
         if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
-        self.kernel = fused_train
-        self.chunk = chunk
-        self.num_warps = num_warps
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+        self.kernel, self.step_kernel, self.predict_kernel = fused_train, fused_step, fused_predict
+        self.chunk, self.num_warps, self.precision, self.variant = chunk, num_warps, precision, variant
         self.device = str(self.torch_device)
+        self.gpu_name = torch.cuda.get_device_name(self.torch_device) if self.torch_device.type == "cuda" else None
+        self.tuned = tuned if tuned is not None else choice_for(self.gpu_name)
         self.launches = 0
         self.tasks_run = 0
         self.lock = threading.Lock()
@@ -168,25 +217,43 @@ class FusedBackend:
             "device": self.device,
             "interpreted": self.interpret,
             "triton": triton.__version__,
-            "chunk": self.chunk or "auto",
-            "num_warps": self.num_warps or "auto",
+            "chunk": self.chunk or "tuned",
+            "num_warps": self.num_warps or "tuned",
+            "precision": self.precision or self.tuned.launch.precision,
+            "variant": self.variant or "tuned",
+            "tuned": self.tuned.as_dict(),
             "launches": self.launches,
             "tasks_run": self.tasks_run,
         }
-        if self.torch_device.type == "cuda":
-            out["gpu_name"] = torch.cuda.get_device_name(self.torch_device)
+        if self.gpu_name is not None:
+            out["gpu_name"] = self.gpu_name
         return out
 
-    def run(self, task: TaskArrays, prepared: Prepared) -> RunOutput:
-        """One task, one launch. Cancellation: only a task not yet launched can be dropped;
-        a running launch is not interrupted, but if the task's token was cancelled while it
-        ran, its result is discarded (TaskCancelled) once the launch returns."""
-        out = self.run_many([task], [prepared])[0]
+    def choice(self, config: Config, tasks: int, precision: str | None = None):
+        """What a launch of ``tasks`` tasks of ``config`` runs (``choose``)."""
+        return choose(self.tuned, config, tasks, chunk=self.chunk, num_warps=self.num_warps,
+                      precision=precision or self.precision, variant=self.variant)
+
+    def with_precision(self, precision: str) -> PrecisionView:
+        """This backend with ``precision`` for every task it runs (a request's ``?precision=``)."""
+        from ..kernels.tuned import PRECISIONS
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        return PrecisionView(self, precision)
+
+    def run(self, task: TaskArrays, prepared: Prepared, precision: str | None = None) -> RunOutput:
+        """One task, one launch (the split variant: one launch per step). Cancellation: only a
+        task not yet launched can be dropped; a running launch is not interrupted, but if the
+        task's token was cancelled while it ran, its result is discarded (TaskCancelled) once the
+        launch returns."""
+        out = self.run_many([task], [prepared], precision)[0]
         epochs = prepared.config.epochs
         check_cancel(prepared.cancel, epochs, 0, epochs)
         return out
 
-    def run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared]) -> list[RunOutput]:
+    def run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared],
+                 precision: str | None = None) -> list[RunOutput]:
         """T tasks in one launch. A launch whose tasks were all cancelled before it started is
         not made (TaskCancelled); otherwise every task runs, and ``learner.result.finish_task``
         discards the result of each task cancelled meanwhile. Divergence is found only after
@@ -196,67 +263,63 @@ class FusedBackend:
             tokens = [p.cancel for p in prepareds]
             if tokens and all(t is not None and t.cancelled for t in tokens):
                 check_cancel(tokens[0], 0, 0)
-            return self._run_many(tasks, prepareds, config)
+            return self._run_many(tasks, prepareds, config, self.choice(config, len(tasks), precision))
 
-    def _run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared], config: Config) -> list[RunOutput]:
+    def _run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared], config: Config, choice) -> list[RunOutput]:
         k = self.kernel
         t0 = time.perf_counter()
         n, m, depth, count = tasks[0].train_count, tasks[0].test_count, config.depth, len(tasks)
-        chunk = self.chunk or default_chunk(config.batch_size)
-        warps = self.num_warps or default_warps(chunk)
-
         f32 = dict(dtype=torch.float32, device=self.torch_device)
         i32 = dict(dtype=torch.int32, device=self.torch_device)
         size = k.state_size(depth)
-        args = dict(
+        data = dict(
             train=torch.empty((count, n, 81), **f32),
             labels=torch.empty((count, n), **i32),
             perms=torch.empty((count, config.epochs, n), **i32),
             test=torch.empty((count, m, 81), **f32),
             init=torch.empty((count, size), **f32),
-            params=torch.empty((count, size), **f32),  # written by the kernel's reset
-            velocity=torch.empty((count, size), **f32),
-            grads=torch.empty((count, size), **f32),  # scratch, written before it is read
-            scratch=torch.empty((count, k.scratch_size(chunk)), **f32),  # staged operands
-            scores=torch.full((count, m, 10), float("nan"), **f32),  # NaN shows any row left unwritten
         )
         for i, (task, prep) in enumerate(zip(tasks, prepareds)):  # task by task: no host-side stacking
-            args["train"][i].copy_(torch.from_numpy(task.train_images.reshape(n, 81)))
-            args["labels"][i].copy_(torch.from_numpy(task.train_labels.astype(np.int32)))
-            args["perms"][i].copy_(torch.from_numpy(np.stack(prep.permutations).astype(np.int32)))
-            args["test"][i].copy_(torch.from_numpy(task.test_images.reshape(m, 81)))
-            args["init"][i].copy_(torch.from_numpy(k.pack_state(prep.initial, depth)))
-        meta = dict(
-            n_train=n, n_test=m, n_epochs=config.epochs, batch_size=config.batch_size,
-            alpha=config.alpha, learning_rate=config.learning_rate, momentum=config.momentum,
-            weight_decay=config.weight_decay, depth=depth, chunk=chunk, num_warps=warps,
-        )
+            data["train"][i].copy_(torch.from_numpy(task.train_images.reshape(n, 81)))
+            data["labels"][i].copy_(torch.from_numpy(task.train_labels.astype(np.int32)))
+            data["perms"][i].copy_(torch.from_numpy(np.stack(prep.permutations).astype(np.int32)))
+            data["test"][i].copy_(torch.from_numpy(task.test_images.reshape(m, 81)))
+            data["init"][i].copy_(torch.from_numpy(k.pack_state(prep.initial, depth)))
+        scores = torch.full((count, m, 10), float("nan"), **f32)  # NaN shows any row left unwritten
+        common = dict(n_train=n, n_epochs=config.epochs, batch_size=config.batch_size, alpha=config.alpha,
+                      learning_rate=config.learning_rate, momentum=config.momentum,
+                      weight_decay=config.weight_decay, depth=depth, chunk=choice.chunk,
+                      num_warps=choice.num_warps, precision=choice.precision)
+        if choice.variant == "split":
+            run, extra = self._split(data, scores, size, m, common)
+        else:
+            run, extra = self._one(data, scores, size, m, common)
         cuda = self.torch_device.type == "cuda"
         if cuda:
-            compiled = k.launch(*args.values(), **meta, warmup=True)  # compile (or find) it outside the timing
-            touch_launcher(compiled)  # and load it onto the GPU, its launcher built, outside the timing too
+            run(warmup=True)  # compile (or find) the kernels and load them onto the GPU, outside the timing
             torch.cuda.synchronize(self.torch_device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t1 = time.perf_counter()
         if cuda:
             start.record()
-        k.launch(*args.values(), **meta)
+        params, velocity = run(warmup=False)
         if cuda:
             end.record()
             end.synchronize()
         t2 = time.perf_counter()
         launch_ms = float(start.elapsed_time(end)) if cuda else None
-        params = args["params"].cpu().numpy()
-        velocity = args["velocity"].cpu().numpy()
-        scores = args["scores"].cpu().numpy()
+        params, velocity, scores = params.cpu().numpy(), velocity.cpu().numpy(), scores.cpu().numpy()
         self.launches += 1
         self.tasks_run += count
-        extra = {
+        extra.update({
             "tasks_in_launch": count,
-            "chunk": chunk,
-            "num_warps": warps,
+            "chunk": choice.chunk,
+            "num_warps": choice.num_warps,
+            "precision": choice.precision,
+            "variant": choice.variant,
+            "tuned_row": self.tuned.row,
             "interpreted": self.interpret,
-        }
+        })
         if launch_ms is not None:
             extra["launch_cuda_ms"] = launch_ms
             extra["cuda_ms_share_per_task"] = launch_ms / count
@@ -272,6 +335,78 @@ class FusedBackend:
             )
             for i in range(count)
         ]
+
+    def _one(self, data: dict, scores: torch.Tensor, size: int, m: int, common: dict):
+        """fused_train.py: one program per task, one launch (reset, every step, predict)."""
+        k, count = self.kernel, data["train"].shape[0]
+        f32 = dict(dtype=torch.float32, device=self.torch_device)
+        params = torch.empty((count, size), **f32)  # written by the kernel's reset
+        velocity = torch.empty((count, size), **f32)
+        grads = torch.empty((count, size), **f32)  # scratch, written before it is read
+        scratch = torch.empty((count, k.scratch_size(common["chunk"])), **f32)  # staged operands
+        common = {**common, "n_test": m}
+
+        def run(warmup: bool):
+            args = (data["train"], data["labels"], data["perms"], data["test"], data["init"], params, velocity, grads,
+                    scratch, scores)
+            if warmup:
+                touch_launcher(k.launch(*args, **common, warmup=True))
+                return None
+            k.launch(*args, **common)
+            return params, velocity
+
+        return run, {"launches_per_task_run": 1}
+
+    def _split(self, data: dict, scores: torch.Tensor, size: int, m: int, common: dict):
+        """fused_step.py once per step (grid: the minibatch's chunks x tasks), once more for the
+        last update, then fused_predict.py over the queries; the reset (state <- initial, 0) is
+        inside the timing too, as in the one-program kernel."""
+        sk, pk, count = self.step_kernel, self.predict_kernel, data["train"].shape[0]
+        f32 = dict(dtype=torch.float32, device=self.torch_device)
+        n, bs, chunk = common["n_train"], common["batch_size"], common["chunk"]
+        n_steps = common["n_epochs"] * -(-n // bs)
+        nprog = sk.programs_per_task(bs, chunk)
+        state = torch.empty((count, 2, 2, size), **f32)  # [parity][params, velocity]
+        work = torch.empty((count, nprog, size), **f32)
+        parts = torch.empty((count, 2, sk.slices_per_step(bs), size), **f32)
+        scratch = torch.empty((count, nprog, self.kernel.scratch_size(chunk)), **f32)
+        qscratch = torch.empty((count, pk.query_programs(m, chunk), self.kernel.scratch_size(chunk)), **f32)
+        final = state[:, n_steps % 2, 0]
+        step_args = (data["train"], data["labels"], data["perms"], state, work, parts, scratch)
+        predict = dict(param_stride=4 * size, n_test=m, alpha=common["alpha"], depth=common["depth"], chunk=chunk,
+                       num_warps=common["num_warps"], precision=common["precision"])
+
+        def run(warmup: bool):
+            if warmup:
+                touch_launcher(sk.launch_step(*step_args, step=0, n_steps=n_steps, warmup=True, **common))
+                touch_launcher(pk.launch_predict(data["test"], final, qscratch, scores, warmup=True, **predict))
+                return None
+            state[:, 0, 0].copy_(data["init"])
+            state[:, 0, 1].zero_()
+            for step in range(n_steps + 1):
+                sk.launch_step(*step_args, step=step, n_steps=n_steps, **common)
+            pk.launch_predict(data["test"], final, qscratch, scores, **predict)
+            return final, state[:, n_steps % 2, 1]
+
+        return run, {"launches_per_task_run": n_steps + 2, "programs_per_task": nprog}
+
+
+class PrecisionView:
+    """A fused backend that runs every task at one product precision (a request's ``?precision=``):
+    what the service's device worker hands ``run_task`` and ``run_many``."""
+
+    def __init__(self, backend: FusedBackend, precision: str):
+        self.backend, self.precision = backend, precision
+        self.name, self.device = backend.name, backend.device
+
+    def describe(self) -> dict:
+        return {**self.backend.describe(), "precision": self.precision}
+
+    def run(self, task: TaskArrays, prepared: Prepared) -> RunOutput:
+        return self.backend.run(task, prepared, self.precision)
+
+    def run_many(self, tasks: list[TaskArrays], prepareds: list[Prepared]) -> list[RunOutput]:
+        return self.backend.run_many(tasks, prepareds, self.precision)
 
 
 # --------------------------------------------------------------------------- self-check for ``auto``

@@ -21,13 +21,24 @@ classes get score -inf before the softmax, hence probability 0 and gradient 0. P
 chunk are lifted as zeros and get gradient 0. ``unpack_state`` checks the padded lanes on every
 run and fails loudly if one is not 0.
 
-Products: every matrix product is ``_mm`` (a reduction of compile-time length: 48 feature lanes,
-41 real + zero padding, or the 16 class lanes) or ``_mm_rows`` (over a chunk's real rows rounded
-up to 16, known at run time): a loop of ``tl.dot`` over 16-wide slices of the reduction
+Products: every matrix product is a loop of ``tl.dot`` over 16-wide slices of the reduction
 dimension, reading both operands from memory: weights from the state, activations and gradients
-from the program's scratch (``_stage``). Slicing matters: a plain 128x64 @ 64x64 ``tl.dot`` with
-fp32 operands is lowered to FMAs that hold the whole reduction dimension in registers (255
+from the program's scratch (``_stage``). ``_mm``: a reduction of compile-time length (48 feature
+lanes, 41 real + zero padding, or the 16 class lanes), one row's result computed from that row
+alone. ``_grad_rows``: a weight gradient, a sum over the minibatch's rows in one fixed order
+(16-row slices, each product on its own, added one after another), whatever the chunk, the
+number of warps or the variant. Slicing matters for speed too: a plain 128x64 @ 64x64 ``tl.dot``
+with fp32 operands is lowered to FMAs that hold the whole reduction dimension in registers (255
 registers and spills for one product on sm_90), while K = 16 slices need ~85.
+
+One arithmetic for every variant: each row's values come from that row alone, every sum has a
+fixed order (over rows: ``_grad_rows`` and ``_bias_rows``; over the 16 class lanes: ``_row_sums``,
+an FMA chain, where ``tl.sum`` would add in an order that follows the register layout, which
+depends on CHUNK and the number of warps). So a task's bytes depend on its data, its config and
+the product precision only: a lone task on the split variant (fused_step.py) equals the same
+task in a launch of 132 on the one-program kernel, byte for byte, and the tuning run may choose
+chunk, warps and variant per GPU without changing any answer (tests/test_fused.py checks it in
+the interpreter; scripts/gpu_tune.py on the GPU).
 
 ``PRECISION`` is ``tl.dot``'s ``input_precision``: ``"ieee"`` (fp32 FMAs) or ``"tf32x3"``
 (three TF32 tensor-core products per product, the error of fp32 in practice: the tuning run,
@@ -47,6 +58,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from .tuned import PRECISIONS  # tl.dot input precisions the kernels are built for
+
 WIDTH = 41  # real lanes of one half (the model's WIDTH)
 HALF = 64  # padded lanes of one half
 CLASSES = 10
@@ -54,7 +67,6 @@ CLASS_PAD = 16
 PIXELS = 81
 W_SIZE = HALF * HALF  # one padded branch weight
 H_SIZE = CLASS_PAD * HALF  # one padded head half
-PRECISIONS = ("ieee", "tf32x3")  # tl.dot input precisions the kernels are built for
 
 
 def state_size(depth: int) -> int:
@@ -106,20 +118,67 @@ def _mm(a_ptr, a_sm, a_sk, b_ptr, b_sk, b_sn, K: tl.constexpr, M: tl.constexpr, 
 
 
 @triton.jit
-def _mm_rows(a_ptr, a_sm, a_sk, b_ptr, b_sk, b_sn, k_end, M: tl.constexpr, N: tl.constexpr,
-             PRECISION: tl.constexpr):
-    """``_mm`` over a run-time reduction length ``k_end`` (a multiple of 16): a chunk's real rows."""
+def _grad_rows(G, offs, a_ptr, a_sm, a_sk, b_ptr, b_sk, b_sn, k_end, c0, slice_stride, M: tl.constexpr,
+               N: tl.constexpr, PRECISION: tl.constexpr, APART: tl.constexpr):
+    """A gradient summed over a chunk's rows, ``sum_k A[m, k] * B[k, n]`` for k < k_end (the chunk's
+    real rows rounded up to 16), in the one order every variant keeps: 16-row slices, each
+    ``s_i = A[:, 16i:16i+16] @ B[16i:16i+16, :]`` on its own, added one after another to the sum of
+    the minibatch's earlier slices: G = ((0 + s_0) + s_1) + ...
+
+    APART false (one program sums a minibatch): G <- G + s_0 + s_1 + ... in place (G read as 0 on
+    the minibatch's first chunk, ``c0 == 0``). APART true (the split variant): slice i of the chunk
+    is stored alone at ``G + ((c0 + 16 i) / 16) * slice_stride``, and the next step's update sums
+    the slices in the same order (fused_step.py). Either way the bytes do not depend on CHUNK, on
+    the number of warps or on the variant."""
     m = tl.arange(0, M)
     n = tl.arange(0, N)
     kk = tl.arange(0, 16)
-    acc = tl.zeros([M, N], dtype=tl.float32)
     k0 = k_end * 0
-    while k0 < k_end:
-        a = tl.load(a_ptr + m[:, None] * a_sm + (k0 + kk)[None, :] * a_sk)
-        b = tl.load(b_ptr + (k0 + kk)[:, None] * b_sk + n[None, :] * b_sn)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        k0 += 16
-    return acc
+    if APART:
+        while k0 < k_end:
+            a = tl.load(a_ptr + m[:, None] * a_sm + (k0 + kk)[None, :] * a_sk)
+            b = tl.load(b_ptr + (k0 + kk)[:, None] * b_sk + n[None, :] * b_sn)
+            tl.store(G + ((c0 + k0) // 16) * slice_stride + offs, tl.dot(a, b, input_precision=PRECISION))
+            k0 += 16
+    else:
+        acc = tl.load(G + offs, mask=offs * 0 + c0 > 0, other=0.0)
+        while k0 < k_end:
+            a = tl.load(a_ptr + m[:, None] * a_sm + (k0 + kk)[None, :] * a_sk)
+            b = tl.load(b_ptr + (k0 + kk)[:, None] * b_sk + n[None, :] * b_sn)
+            acc = acc + tl.dot(a, b, input_precision=PRECISION)
+            k0 += 16
+        tl.store(G + offs, acc)
+
+
+@triton.jit
+def _bias_rows(G, XG, k_end, c0, slice_stride, APART: tl.constexpr):
+    """The head bias's gradient, sum over rows of g (staged in XG, (CHUNK, 16)), in ``_grad_rows``'
+    order: per 16-row slice ``ones(16, 16) @ g[slice]`` (an fp32 FMA chain down the rows; every row
+    of the product is the slice's column sums: row 0 is taken), then the slices one after another."""
+    kk = tl.arange(0, 16)
+    c = tl.arange(0, 16)
+    ones = tl.full([16, 16], 1.0, tl.float32)
+    k0 = k_end * 0
+    if APART:
+        while k0 < k_end:
+            s = tl.dot(ones, tl.load(XG + (k0 + kk)[:, None] * 16 + c[None, :]), input_precision="ieee")
+            tl.store(G + ((c0 + k0) // 16) * slice_stride + c, tl.sum(tl.where(kk[:, None] == 0, s, 0.0), axis=0))
+            k0 += 16
+    else:
+        acc = tl.load(G + c, mask=c * 0 + c0 > 0, other=0.0)
+        while k0 < k_end:
+            s = tl.dot(ones, tl.load(XG + (k0 + kk)[:, None] * 16 + c[None, :]), input_precision="ieee")
+            acc = acc + tl.sum(tl.where(kk[:, None] == 0, s, 0.0), axis=0)
+            k0 += 16
+        tl.store(G + c, acc)
+
+
+@triton.jit
+def _row_sums(x):
+    """(ROWS, 16) -> (ROWS, 16) whose every column is the row's sum: ``x @ ones``, an fp32 FMA chain
+    along the row (a ``tl.sum`` would add in an order that depends on the register layout, hence
+    on CHUNK and the number of warps)."""
+    return tl.dot(x, tl.full([16, 16], 1.0, tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -128,15 +187,6 @@ def _stage(ptr, x, r, lanes, LANES: tl.constexpr):
     tl.debug_barrier()  # everyone has finished reading the previous contents
     tl.store(ptr + r[:, None] * LANES + lanes[None, :], x)
     tl.debug_barrier()  # the whole tile is written before anyone reads it
-
-
-@triton.jit
-def _accumulate(base, offs, value, c0):
-    """G <- value on a minibatch's first chunk (``c0``, the chunk's first row, is 0), G + value on
-    its later chunks. (The mask is a comparison of the block itself, not ``block & (c0 > 0)``:
-    Triton's interpreter gives that ``&`` an int32 result, which ``tl.load`` refuses as a mask.)"""
-    prev = tl.load(base + offs, mask=offs * 0 + c0 > 0, other=0.0)
-    tl.store(base + offs, tl.where(c0 > 0, prev + value, value))
 
 
 @triton.jit
@@ -178,14 +228,17 @@ def _head(P, XA, XB, left, right, r, j, c, DEPTH: tl.constexpr, CHUNK: tl.conste
 
 
 @triton.jit
-def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, acc_row, alpha,
+def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, slice_stride, alpha,
                      r, j, c, w_off, h_off, cls_ok, DEPTH: tl.constexpr, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, APART: tl.constexpr):
     """One chunk of a minibatch: rows ``order[c0 : c0 + CHUNK]`` (those below ``rows_in_batch``)
-    forward and back; their weight gradients into G: stored when ``acc_row`` is 0, added to G
-    otherwise (``acc_row`` = c0 in a program that sums a minibatch's chunks in G, 0 in one that
-    keeps each chunk's gradients apart). ``inv_b`` = 1 / rows in the minibatch.
-    The index vectors come from the caller (``_indices``), made once per program."""
+    forward and back, their weight gradients into G by ``_grad_rows`` (APART false: summed in G
+    with the minibatch's earlier chunks; true: each 16-row slice stored alone, ``slice_stride``
+    apart). ``inv_b`` = 1 / rows in the minibatch. The index vectors come from ``_indices``.
+
+    Every value of one row (its forward, softmax, backward) is computed by that row alone, and
+    every sum over rows or lanes has a fixed order (``_grad_rows``, ``_bias_rows``, ``_row_sums``),
+    so the result is the same bytes for any CHUNK, number of warps and variant."""
     HEAD: tl.constexpr = 2 * DEPTH * 4096
     ok = c0 + r < rows_in_batch
     k_rows = tl.cdiv(tl.minimum(rows_in_batch - c0, CHUNK), 16) * 16  # row reductions stop here
@@ -199,16 +252,16 @@ def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, 
 
     # cross-entropy gradient: softmax(s)/B - onehot(y)/B on real rows, 0 elsewhere
     e = tl.exp(s - tl.max(s, axis=1)[:, None])
-    prob = tl.div_rn(e, tl.sum(e, axis=1)[:, None])
+    prob = tl.div_rn(e, _row_sums(e))
     onehot = c[None, :] == y[:, None]
     g = prob * inv_b - tl.where(onehot, inv_b, 0.0)
     g = tl.where(ok[:, None] & cls_ok, g, 0.0)
     _stage(XG, g, r, c, 16)
 
     # head: dHL = g.T @ left, dHR = g.T @ right (left, right staged by _head), dbias = sum(g)
-    _accumulate(G + HEAD, h_off, _mm_rows(XG, 1, 16, XA, 64, 1, k_rows, 16, 64, PRECISION), acc_row)
-    _accumulate(G + HEAD + 1024, h_off, _mm_rows(XG, 1, 16, XB, 64, 1, k_rows, 16, 64, PRECISION), acc_row)
-    _accumulate(G + HEAD + 2048, c, tl.sum(g, axis=0), acc_row)
+    _grad_rows(G + HEAD, h_off, XG, 1, 16, XA, 64, 1, k_rows, c0, slice_stride, 16, 64, PRECISION, APART)
+    _grad_rows(G + HEAD + 1024, h_off, XG, 1, 16, XB, 64, 1, k_rows, c0, slice_stride, 16, 64, PRECISION, APART)
+    _bias_rows(G + HEAD + 2048, XG, k_rows, c0, slice_stride, APART)
     # gradients into the core: g @ HL, g @ HR  (B[k, n] = H[k, n] at k*64 + n)
     g_left = _mm(XG, 16, 1, P + HEAD, 64, 1, 16, CHUNK, 64, PRECISION)
     g_right = _mm(XG, 16, 1, P + HEAD + 1024, 64, 1, 16, CHUNK, 64, PRECISION)
@@ -225,14 +278,16 @@ def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, 
         tl.store(XB + r[:, None] * 64 + j[None, :], g_right)
         tl.debug_barrier()
         right = right - _mm(XA, 64, 1, w_r, 1, 64, 48, CHUNK, 64, PRECISION)
-        _accumulate(G + (2 * b + 1) * 4096, w_off, _mm_rows(XB, 1, 64, XA, 64, 1, k_rows, 64, 64, PRECISION), acc_row)
+        _grad_rows(G + (2 * b + 1) * 4096, w_off, XB, 1, 64, XA, 64, 1, k_rows, c0, slice_stride, 64, 64,
+                   PRECISION, APART)
         g_left = g_left + tl.where(left > 0.0, _mm(XB, 64, 1, w_r, 64, 1, 48, CHUNK, 64, PRECISION) * alpha, 0.0)
         # left_out = left_in + branch(right_in, w_l): the same with the roles swapped
         tl.debug_barrier()
         tl.store(XA + r[:, None] * 64 + j[None, :], alpha * tl.maximum(right, 0.0))
         tl.store(XB + r[:, None] * 64 + j[None, :], g_left)
         tl.debug_barrier()
-        _accumulate(G + (2 * b) * 4096, w_off, _mm_rows(XB, 1, 64, XA, 64, 1, k_rows, 64, 64, PRECISION), acc_row)
+        _grad_rows(G + (2 * b) * 4096, w_off, XB, 1, 64, XA, 64, 1, k_rows, c0, slice_stride, 64, 64,
+                   PRECISION, APART)
         if b > 0:  # block 0's input (the lifted batch) needs neither value nor gradient
             left = left - _mm(XA, 64, 1, w_l, 1, 64, 48, CHUNK, 64, PRECISION)
             g_right = g_right + tl.where(

@@ -11,7 +11,7 @@ Program ``t`` of a launch with grid ``(T,)`` owns task ``t``:
             backward   head grads, then for b = d-1..0 the reversible reconstruction of
                        model.ReversibleCore.backward: subtract each branch to recover the
                        block input, and take that branch's weight and input gradients
-            (weight gradients are summed over the chunks of the minibatch in G)
+            (weight gradients are summed over the minibatch's rows in G, 16 rows at a time)
         update     v = momentum*v + g (+ weight_decay*p);  p = p - lr*v        (torch.optim.SGD)
     predict    plain forward of every query row, scores -> S[t]
 
@@ -116,8 +116,8 @@ def fused_train_kernel(
         order = perm + epoch * n_train + start
         c0 = rows_in_batch * 0
         while c0 < rows_in_batch:
-            _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, c0, alpha,
-                             r, j, c, w_off, h_off, cls_ok, DEPTH, CHUNK, PRECISION)
+            _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, 0, alpha,
+                             r, j, c, w_off, h_off, cls_ok, DEPTH, CHUNK, PRECISION, False)
             c0 += CHUNK
 
         # SGD-momentum on every parameter, from the minibatch's gradient sums
