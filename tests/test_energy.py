@@ -263,6 +263,10 @@ def test_no_baseline_no_power_or_a_restarted_counter():
     assert f["gross_j"] is None and f["gross_source"] is None and f["idle_adjusted_j"] is None
     assert "sensor gone" in f["gross_reason"] and f["method"].startswith("none;")
 
+    z = SimulatedMeter(idle_w=0.0, start_mj=0, start_s=1.001, update_period_s=PERIOD)  # a sensor reading 0 W
+    _, f = request_energy(z, lambda: z.advance(0.004, power_w=0.0), IdleBaseline())
+    assert f["gross_j"] is None and "the power read 0.0 W" in f["gross_reason"]
+
     class Restarted(SimulatedMeter):
         def energy_mj(self):
             return 0 if self._t > 2.0 else 5_000_000

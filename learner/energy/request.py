@@ -125,7 +125,7 @@ def _power_end(meter: Meter) -> tuple[float | None, str | None]:
         watts = float(meter.power_w())
     except Exception as exc:  # noqa: BLE001 - a failed read leaves this source out, said so
         return None, f"{type(exc).__name__}: {exc}"
-    if not watts >= 0:
+    if not watts > 0:  # a board draws power: 0 W (or less, or NaN) is a failed reading, not a figure
         return None, f"the power read {watts} W"
     return watts, None
 
