@@ -145,6 +145,8 @@ class SweepCell(Open):
     task_id: str
     config: dict[str, Any]
     status: Status
+    backend: str | None = Field(None, description="the backend its task runs on")
+    device: str | None = Field(None, description="the device it ran on, as its answer says (once succeeded)")
     predictions_sha256: str | None = None
     timing: dict[str, Any] | None = None
     correct: int | None = None

@@ -429,9 +429,12 @@ def test_the_task_page_shows_its_webhook_messages(server, desktop, task_npz):
 
 
 def test_the_sweep_page_shows_its_cells_and_chart_and_the_task_list_links_to_it(server, desktop, tmp_path):
-    """A sweep of two learning rates × two batch sizes × two seeds on a labelled dataset: its page
-    fills the cell table and draws one line per batch size, a point per learning rate (mean over
-    the seeds); the task list links each cell to the sweep."""
+    """A sweep of two learning rates × two batch sizes × two seeds over a base config, on a
+    labelled dataset: its page names it and shows its base config, seeds, backend and device;
+    fills the cell table; draws one line per batch size, a point per learning rate (mean over the
+    seeds), as wide as its card, with round y ticks, the two lines' error bars apart at each
+    learning rate; the index lists the sweep with its status and counts, and the task list links
+    each cell to it."""
     import hashlib
     import io
 
@@ -444,8 +447,8 @@ def test_the_sweep_page_shows_its_cells_and_chart_and_the_task_list_links_to_it(
         assert c.put(f"/datasets/{digest}", content=body, headers={"Content-Type": "application/octet-stream"}).is_success
         assert c.put(f"/datasets/{digest}/labels", content=labels.getvalue(),
                      headers={"Content-Type": "application/octet-stream"}).is_success
-        r = c.post("/sweeps", json={"dataset": digest, "grid": {"learning_rate": [0.05, 0.2], "batch_size": [8, 16]},
-                                    "seeds": [0, 1]})
+        r = c.post("/sweeps", json={"dataset": digest, "name": "lr by batch", "config": {"epochs": 3, "momentum": 0.5},
+                                    "grid": {"learning_rate": [0.05, 0.2], "batch_size": [8, 16]}, "seeds": [0, 1]})
         assert r.status_code == 202, r.text
         sweep_id = r.json()["id"]
     page = desktop
@@ -455,10 +458,34 @@ def test_the_sweep_page_shows_its_cells_and_chart_and_the_task_list_links_to_it(
     page.wait_for_selector("#sweep-status.status-completed", timeout=60_000)
     assert page.locator("#cell-rows tr").count() == 8
     assert page.locator("#cell-rows tr[data-status=succeeded]").count() == 8
+    assert page.inner_text("#sweep-name") == "Sweep “lr by batch”"
+    shown = dict(zip(page.eval_on_selector_all("#sweep-facts dt", "ds => ds.map(d => d.textContent)"),
+                     page.eval_on_selector_all("#sweep-facts dd", "ds => ds.map(d => d.textContent)")))
+    assert shown["name"] == "lr by batch"
+    assert shown["base config"] == "epochs=3 momentum=0.5 (the rest: the defaults)"
+    assert shown["seeds"] == "0, 1 (2)" and shown["grid"] == "learning_rate: 0.05, 0.2; batch_size: 8, 16"
+    assert shown["backend"] == "cpu-fast (the server's default)" and shown["device"] == "cpu"
+    assert shown["cells"] == "8 of 8 finished (8 succeeded)"
+
     assert page.inner_text("#chart-title") == "accuracy by learning_rate"
     assert page.locator("#sweep-chart polyline").count() == 2  # one per batch size
     assert page.locator("#sweep-chart circle").count() == 4  # one per (batch size, learning rate)
     assert sorted(page.eval_on_selector_all("#sweep-chart circle", "cs => cs.map(c => c.dataset.n)")) == ["2"] * 4
+    card, chart = page.evaluate("""() => [document.querySelector('#sweep-chart').clientWidth,
+                                          document.querySelector('#sweep-chart svg').getBoundingClientRect().width]""")
+    assert card > 1000 and abs(chart - card) <= 2, (card, chart)  # the card's width, not 660 px of it
+    ticks = [float(t) for t in page.eval_on_selector_all("#sweep-chart .y-tick", "ts => ts.map(t => t.textContent)")]
+    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
+    assert len(ticks) >= 4 and len(steps) == 1, ticks  # evenly stepped
+    step = steps.pop()
+    assert round(step / 10 ** np.floor(np.log10(step)), 9) in (1, 2, 2.5, 5), step  # a round step
+    assert page.eval_on_selector_all("#sweep-chart .x-tick", "ts => ts.map(t => t.textContent)") == ["0.05", "0.2"]
+    at = page.eval_on_selector_all("#sweep-chart circle", "cs => cs.map(c => [c.dataset.x, Number(c.getAttribute('cx'))])")
+    for x in ("0.05", "0.2"):
+        xs = sorted(cx for value, cx in at if value == x)
+        assert len(xs) == 2 and xs[1] - xs[0] >= 8, at  # the two lines' points and bars apart
+    bars = page.eval_on_selector_all("#sweep-chart line.error-bar[data-x]", "ls => ls.map(l => Number(l.getAttribute('x1')))")
+    assert len(set(bars)) == 4
     screenshot(page, "sweep")
     page.goto(server.url + "/")
     page.fill("#api-key", KEY)

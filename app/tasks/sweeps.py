@@ -108,14 +108,16 @@ def cell_row(cell: dict[str, Any], record: Any) -> dict[str, Any]:
     """A cell's row of the sweep's table, from its task's record (None: not recorded yet)."""
     if record is None:
         return outcome_row(cell["task_id"], cell["config"], "queued", None, None)
-    return outcome_row(cell["task_id"], cell["config"], record.status, record.answer, record.error)
+    return outcome_row(cell["task_id"], cell["config"], record.status, record.answer, record.error, record.backend)
 
 
 def outcome_row(task_id: str, config: dict[str, Any], status: str, answer: dict[str, Any] | None,
-                error: dict[str, Any] | None) -> dict[str, Any]:
-    """A cell's row from its status and, when finished, its answer or error."""
-    row = {"task_id": task_id, "config": config, "status": status}
+                error: dict[str, Any] | None, backend: str | None = None) -> dict[str, Any]:
+    """A cell's row from its status and, when finished, its answer or error; ``backend``: the
+    one its task runs on (the device, as the answer names it, once it has succeeded)."""
+    row = {"task_id": task_id, "config": config, "status": status, "backend": backend, "device": None}
     if answer and status == "succeeded":
+        row["device"] = answer.get("device")
         row["predictions_sha256"] = answer.get("predictions_sha256")
         row["timing"] = answer.get("timing")
         if answer.get("energy") is not None:
@@ -200,6 +202,7 @@ class Sweeps:
                      max_work=s.sweep_max_work, max_task_work=s.max_task_work, max_task_bytes=s.max_task_bytes)
         if tenant is not None:  # its cells are its tasks: max_queued counts them
             await self.runner.check_queued(tenant, len(cells))
+        self.runner.feeder.check_capacity(len(cells), uploads=False)  # they wait in the ledger's backlog
         task_ids = [new_task_id() for _ in cells]
         sweep, created = await asyncio.to_thread(catalog.store.create_sweep,
                                                  new_sweep(record.digest, definition, cells, task_ids, key, owner))
@@ -233,13 +236,8 @@ class Sweeps:
             if len(have) == len(accs):
                 return  # recorded and queued by that request
             raise
-        shared = runner.shared
-        for acc in accs:
-            if shared is not None:
-                shared.offer(acc)  # claimed by whichever replica has a free worker
-            else:  # every cell queued now (beyond REV88_QUEUE_SIZE: the sweep's cells share one parsed dataset)
-                runner.queue(acc, reserved=True)
-                runner.settle_in_background(acc)
+        for acc in accs:  # each waits in the ledger; the feeder claims them by fair share (any replica's)
+            runner.feeder.offer(acc)
 
     async def state(self, sweep_id: str, viewer: str | None = None) -> dict[str, Any]:
         sweep = await asyncio.to_thread(self.datasets.store.get_sweep, sweep_id)
@@ -286,7 +284,8 @@ class Sweeps:
         hand, so that no poll reads the answer back (decompressing and parsing its predictions:
         about as much CPU as writing it). Cells other replicas ran are read from the ledger."""
         if acc.sweep is not None and outcome.status in FINISHED:
-            self._keep(outcome_row(acc.task_id, acc.config.as_dict(), outcome.status, outcome.answer, outcome.error))
+            self._keep(outcome_row(acc.task_id, acc.config.as_dict(), outcome.status, outcome.answer, outcome.error,
+                                   acc.backend))
 
     def _keep(self, row: dict[str, Any]) -> None:
         if len(self._finished) >= FINISHED_ROWS:
