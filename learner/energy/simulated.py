@@ -9,14 +9,16 @@ windows takes seconds), its power follows what runs on it (idle power that wande
 learner runs, harness calls, reference matmuls, an intruding process), its energy counter
 integrates that power in whole millijoules updated every 25 ms, and its power sensor is read by
 the real sampler process (sampler.py, ``simulated`` source) in lockstep with the simulated
-clock. A scenario injects one fault where it would act on real hardware -- in the sensor, the
+clock. It can keep its clocks up after work (``BoardModel.post_work_w``: a decaying post-work
+power curve, integrated exactly; off in the default model, on in the ``warm-clocks`` scenario),
+which is what the protocol's cold idle and slope-tested settles are rehearsed against. A scenario injects one fault where it would act on real hardware -- in the sensor, the
 counter, the sampler's reads, the process list or the board's clocks -- and nowhere else: the
 protocol and the gates run unchanged and have to find it.
 
 The board's model is A100-like on purpose (60 W idle, the reference matmul at 19 TFLOP/s and
 160 W above idle = 8.42 J per 10^12 FLOP), and its reference band (learner.measure.gates.SIMULATED_BAND) is the
-simulator's own, defined for this model only; a real board other than the A100-SXM4-40GB has no
-band and its ``reference`` gate is ``unchecked``.
+simulator's own, defined for this model only; a real board other than the A100-SXM4-40GB and the
+H200 has no band and its ``reference`` gate is ``unchecked``.
 
 Nothing here is a measurement of hardware.
 """
