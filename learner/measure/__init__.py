@@ -4,7 +4,8 @@
 ``trial_figures``, ``summarize``, ``repeats_for``, ...), re-exported here as before; ``gated`` is
 the gated protocol built on it (two meters, reference windows, a sham, a harness control and
 gates), ``figures`` every figure and gate of a gated record from its raw readings, ``gates`` the
-thresholds and gate functions, ``analyze`` the re-analysis of a stored record. The devices and
+thresholds, reference bands and gate functions, ``idle`` the cold idle and the slope-tested
+settles both protocols use, ``analyze`` the re-analysis of a stored record. The devices and
 meters they use are in ``learner.energy``. docs/energy.md describes the gated protocol.
 """
 
