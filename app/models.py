@@ -165,7 +165,7 @@ class SweepState(Open):
     created_at: float
     cancelled_at: float | None = None
     definition: dict[str, Any]
-    counts: dict[str, int]
+    counts: dict[Status, int] = Field(description="cells by task status (every status, zeros included)")
     cells: list[SweepCell]
 
 
@@ -184,7 +184,7 @@ class SweepSummary(Open):
     cancelled_at: float | None = None
     definition: dict[str, Any]
     cells: int
-    counts: dict[str, int] = Field(description="cells by task status: queued, running, succeeded, failed, cancelled")
+    counts: dict[Status, int] = Field(description="cells by task status (every status, zeros included)")
     location: str
 
 
@@ -243,7 +243,7 @@ class EvaluationState(Open):
     config: dict[str, Any]
     config_changes: dict[str, Any]
     backend: dict[str, Any]
-    counts: dict[str, int]
+    counts: dict[Status, int] = Field(description="draws by task status (every status, zeros included)")
     draws: list[EvaluationDraw]
     totals: dict[str, Any] | None = Field(None, description="as rev88 evaluate's summary.json: once every draw succeeded")
     time: dict[str, Any] | None = None
@@ -258,7 +258,7 @@ class EvaluationRow(Open):
     id: str
     name: str | None = None
     status: EvaluationStatus
-    counts: dict[str, int] = Field(description="draws by task status: queued, running, succeeded, failed, cancelled")
+    counts: dict[Status, int] = Field(description="draws by task status (every status, zeros included)")
     created_at: float
     draws: list[int]
     draw_set: str | None = Field(None, description="the draws as ranges (\"0-10\")")

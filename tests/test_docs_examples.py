@@ -1,0 +1,210 @@
+"""The docs cannot drift from the service: docs/sweeps.md's and docs/evaluations.md's examples
+run as written against a real server, and every status their route tables list is the API
+models' own.
+
+An example is a fenced block right after the line ``<!-- runs in tests/test_docs_examples.py -->``
+(an HTML comment: a reader of the rendered page does not see it). A page's examples run in
+order, as one bash script (``bash -eu``: a failing command fails the test) in an empty folder,
+with this checkout's ``rev88`` and ``python`` first on PATH, against a real ``uvicorn`` server on
+loopback (cpu-fast, no API key); the only change made to them is the server's address, which
+replaces ``http://127.0.0.1:8000``. Each comment line ``# → TEXT`` in a block is output the
+example promises: its lines must appear in the script's output in that order, ``…`` standing
+for any text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+from tests.server import running_server
+
+MARK = "<!-- runs in tests/test_docs_examples.py -->"
+DOCS = {"sweeps.md": "/sweeps", "evaluations.md": "/evaluations"}  # each page's routes
+DOCS_URL = "http://127.0.0.1:8000"
+PROMISE = "# → "
+
+STATUS_WORD = r"`(?:accepted|queued|running|succeeded|failed|cancelled|completed)`"
+STATUS_RUN = re.compile(rf"{STATUS_WORD}(?:(?:,\s+or\s+|,\s+|\s+or\s+){STATUS_WORD})*")
+ROUTE_ROW = re.compile(r"^\|\s*`(GET|POST|PUT|DELETE|HEAD|PATCH) (/[^`?\s]*)`\s*\|(.*)\|\s*$")
+
+
+def fenced_blocks(text: str) -> list[tuple[bool, str]]:
+    """Every fenced block of a page, in order: (marked as an example, its text)."""
+    lines = text.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            j = i + 1
+            while not lines[j].startswith("```"):
+                j += 1
+            out.append((i > 0 and lines[i - 1].strip() == MARK, "\n".join(lines[i + 1 : j])))
+            i = j
+        i += 1
+    return out
+
+
+def examples(page: str) -> list[str]:
+    return [block for marked, block in fenced_blocks((ROOT / "docs" / page).read_text()) if marked]
+
+
+def promised(script: str) -> list[re.Pattern]:
+    """The ``# → TEXT`` lines as patterns of a whole output line (``…``: any text)."""
+    return [re.compile(".*".join(re.escape(part) for part in line.strip()[len(PROMISE):].split("…")))
+            for line in script.splitlines() if line.strip().startswith(PROMISE)]
+
+
+def assert_in_order(patterns: list[re.Pattern], output: str) -> None:
+    lines = [line.strip() for line in output.splitlines()]
+    at = 0
+    for pattern in patterns:
+        while at < len(lines) and not pattern.fullmatch(lines[at]):
+            at += 1
+        assert at < len(lines), f"the example promises a line {pattern.pattern!r} (after the ones before it); " \
+                                f"its output:\n{output}"
+        at += 1
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_the_page_opens_with_a_runnable_example(page):
+    blocks = fenced_blocks((ROOT / "docs" / page).read_text())
+    assert blocks and blocks[0][0], f"docs/{page}'s first code block is not a runnable example ({MARK})"
+    assert len(examples(page)) >= 2  # the CLI's and curl's
+    for block in examples(page):
+        assert DOCS_URL in block and "localhost" not in block  # (the one address the test replaces)
+        assert promised(block), "an example says what it prints"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("docs-server"),
+                        env={"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "2", "REV88_API_KEY": ""}) as srv:
+        yield srv
+
+
+def run_examples(page: str, url: str, folder: Path) -> str:
+    script = "\n".join(examples(page)).replace(DOCS_URL, url)
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    env.pop("REV88_API_KEY", None)
+    proc = subprocess.run(["bash", "-eu", "-c", script], cwd=folder, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900)  # (one stream: in the order printed)
+    assert proc.returncode == 0, f"docs/{page}'s examples failed ({proc.returncode}):\n{script}\n---\n{proc.stdout}"
+    assert_in_order(promised(script), proc.stdout)
+    return proc.stdout
+
+
+def test_the_sweeps_examples_run_as_written(server, tmp_path):
+    run_examples("sweeps.md", server.url, tmp_path)
+    table = (tmp_path / "table.csv").read_text().splitlines()
+    assert len(table) == 1 + 12 and all(",succeeded," in row for row in table[1:])
+    assert all(row.split(",")[7] == "64" for row in table[1:])  # the base config's batch_size
+    assert len((tmp_path / "lr.csv").read_text().splitlines()) == 1 + 6
+
+
+def test_the_evaluations_examples_run_as_written(server, tmp_path):
+    run_examples("evaluations.md", server.url, tmp_path)
+    assert (tmp_path / "report" / "summary.json").is_file() and (tmp_path / "ev.json").is_file()
+
+
+def test_the_promises_are_checked():
+    """A promised line missing from the output, or out of order, fails."""
+    patterns = promised("# → sweep sw-… completed: 12 succeeded\n# → done")
+    assert_in_order(patterns, "noise\nsweep sw-1 completed: 12 succeeded\nmore\ndone\n")
+    for output in ("sweep sw-1 completed: 11 succeeded\ndone", "done\nsweep sw-1 completed: 12 succeeded"):
+        with pytest.raises(AssertionError):
+            assert_in_order(patterns, output)
+
+
+# --------------------------------------------------------------------------- the statuses
+
+
+def route_rows(page: str) -> dict[tuple[str, str], str]:
+    """(method, path with {} for each placeholder) -> the text of its row in the page's tables."""
+    rows = {}
+    for line in (ROOT / "docs" / page).read_text().splitlines():
+        m = ROUTE_ROW.match(line)
+        if m:
+            rows[(m[1], re.sub(r"<[^>]+>", "{}", m[2]))] = m[3]
+    return rows
+
+
+def status_sets(schema, components: dict) -> set[frozenset[str]]:
+    """Every set of values a ``status`` field (or a ``counts`` key) can take in ``schema``."""
+    out: set[frozenset[str]] = set()
+    seen: set[str] = set()
+
+    def walk(node, key=None):
+        if isinstance(node, list):
+            for item in node:
+                walk(item, key)
+            return
+        if not isinstance(node, dict):
+            return
+        if "$ref" in node:
+            name = node["$ref"].rsplit("/", 1)[1]
+            if name not in seen:
+                seen.add(name)
+                walk(components[name])
+            return
+        values = node.get("enum") or ([node["const"]] if "const" in node else None)
+        if key == "status" and values:
+            out.add(frozenset(values))
+        if (node.get("propertyNames") or {}).get("enum"):
+            out.add(frozenset(node["propertyNames"]["enum"]))
+        for name, value in (node.get("properties") or {}).items():
+            walk(value, name)
+        for part in ("items", "additionalProperties"):
+            walk(node.get(part))
+        for part in ("anyOf", "oneOf", "allOf"):
+            walk(node.get(part), key)
+
+    walk(schema)
+    return out
+
+
+def answered_statuses(operation: dict, components: dict) -> set[frozenset[str]]:
+    out: set[frozenset[str]] = set()
+    for code, response in operation.get("responses", {}).items():
+        if str(code).startswith("2"):
+            for content in (response.get("content") or {}).values():
+                out |= status_sets(content.get("schema"), components)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    from app.main import create_app
+    from app.settings import Settings
+
+    return create_app(Settings(data_dir=str(tmp_path_factory.mktemp("spec")))).openapi()
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_status_a_route_answers_is_listed_where_it_is_documented(page, spec):
+    """Each route of the page's prefix has a row in its tables; in it, each set of values its
+    answer's ``status`` fields (and ``counts`` keys) take in the OpenAPI schema (the API models'
+    Literal enums) is listed whole, as a run like `queued`, `running` or `completed`, and every
+    status the row names belongs to one of those sets."""
+    rows = route_rows(page)
+    components = spec["components"]["schemas"]
+    routes = {(method.upper(), re.sub(r"\{[^}]+\}", "{}", path)): op for path, item in spec["paths"].items()
+              if path.startswith(DOCS[page]) for method, op in item.items()}
+    assert routes
+    missing = sorted(set(routes) - set(rows))
+    assert not missing, f"docs/{page} has no row for {missing}"
+    stale = sorted(r for r in rows if r[1].startswith(DOCS[page]) and r not in routes)
+    assert not stale, f"docs/{page} documents routes the service does not have: {stale}"
+    for route, operation in routes.items():
+        want = answered_statuses(operation, components)
+        runs = {frozenset(re.findall(r"`(\w+)`", run)) for run in STATUS_RUN.findall(rows[route])}
+        assert want <= runs, f"docs/{page}, {route}: lists {sorted(map(sorted, runs))}, the API answers " \
+                             f"{sorted(map(sorted, want))}"
+        strays = [sorted(run) for run in runs if not any(run <= w for w in want)]
+        assert not strays, f"docs/{page}, {route}: names statuses the route never answers: {strays}"
+    assert frozenset({"accepted"}) in answered_statuses(routes[("POST", DOCS[page])], components)
