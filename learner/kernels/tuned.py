@@ -53,15 +53,19 @@ DEFAULT: dict[str, Any] = {
     "launch": {"chunk": 128, "num_warps": 8, "precision": "ieee"},
     "lone": None,
     "cuda_step": "autograd",
-    "source": "no GPU has tuned this row: the H200's hand-measured best (../shared/notes/gpu-h200.md)",
+    "source": (
+        "no GPU has tuned this row: the H200's hand-measured best (../shared/notes/gpu-h200.md)"
+    ),
 }
 TABLE: dict[str, dict[str, Any]] = {
     "NVIDIA H200": {
         "launch": {"chunk": 128, "num_warps": 8, "precision": "ieee"},
         "lone": None,
         "cuda_step": "autograd",
-        "source": "measured by hand on 2026-12-04 (bench/bench_fused.py --sweep, ../shared/notes/gpu-h200.md); "
-                  "not yet by scripts/gpu_tune.py",
+        "source": (
+            "measured by hand on 2026-12-04 (bench/bench_fused.py --sweep, "
+            "../shared/notes/gpu-h200.md); not yet by scripts/gpu_tune.py"
+        ),
     },
 }
 # END TABLE
