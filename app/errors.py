@@ -84,6 +84,14 @@ class Unavailable(ServiceError):
     outcome = "unavailable"
 
 
+class Requeued(Unavailable):
+    """A job fed from the ledger, taken back out of the device queue before it ran (a synchronous
+    task under its tenant's share needed the place): it waits in the ledger again, nobody is
+    answered with this (app/runtime/executor.py, app/tasks/claims.py)."""
+
+    outcome = "requeued"
+
+
 class TaskTimeout(ServiceError):
     status = 504
     outcome = "timeout"

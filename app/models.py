@@ -342,6 +342,9 @@ class Health(Open):
     backend: str
     gpu: dict[str, Any] | None = None
     queue: dict[str, Any]
+    admission: dict[str, Any] | None = Field(
+        None, description="the device queue, the ledger's backlog and each tenant's queued, waiting, running "
+        "tasks and share of the device queue")
     limits: dict[str, Any]
     workers: dict[str, Any]
     ledger: dict[str, Any] | None = None

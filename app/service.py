@@ -38,11 +38,13 @@ from .http import uploads
 from .http.logs import flush_logs
 from .ledger import LedgerWriter, is_shared, open_ledger
 from .ledger.engines import open_datasets
+from .ledger.local_claims import LocalClaims
 from .runtime.devices import GPU_BACKENDS, PlanError, plan
 from .runtime.energy import Energy
 from .runtime.executor import DeviceExecutor
 from .runtime.metrics import Metrics
 from .settings import Settings, SettingsError
+from .tasks.claims import SharedQueue
 from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
 from .tasks.evaluations import Evaluations
@@ -55,7 +57,8 @@ from .webhooks.delivery import Webhooks
 
 log = logging.getLogger("rev88." + __name__)
 
-FORCE_EXIT_GRACE_S = 5.0  # after the drain deadline, before uvicorn is told to stop waiting
+FORCE_EXIT_GRACE_S = 5.0
+BACKLOG_BYTES_SHARED = 16 << 30  # REV88_BACKLOG_BYTES's default with PostgreSQL (its disk is the database's)  # after the drain deadline, before uvicorn is told to stop waiting
 IDLE_SAMPLE_INTERVAL_S = 1.0
 
 
@@ -139,14 +142,19 @@ class Service:
         self.keys = KeyRing(self.datasets.store, settings.api_key)  # tenants' keys (app/tasks/tenants.py)
         self.runner.shares, self.runner.keys = self.keys.share, self.keys
         self.runner.finished_hooks.append(self._count_for_tenant)
-        if is_shared(self.ledger):  # asynchronous tasks claimed from the shared ledger by idle workers
-            from .tasks.claims import SharedQueue
-
-            self.runner.shared = SharedQueue(
-                self.runner, self.ledger, workers=len(self.plan.devices), batch_max=self.batch_max,
-                queue_size=self.queue_size, lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
-                shared_queue_size=settings.shared_queue_size, ready=lambda: self.state == "ready")
+        # Asynchronous work waits in the ledger; the feeder claims it into the device queue by fair
+        # share (app/tasks/claims.py): SQLite's claims in process, PostgreSQL's leases shared by replicas
+        claims = self.ledger if is_shared(self.ledger) else LocalClaims(self.ledger)
+        self.runner.feeder = SharedQueue(
+            self.runner, claims, workers=len(self.plan.devices), batch_max=self.batch_max,
+            queue_size=self.queue_size, lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
+            backlog_size=settings.backlog_size, backlog_bytes=self._backlog_bytes(settings),
+            ready=lambda: self.state == "ready")
+        if is_shared(self.ledger):
+            self.runner.shared = self.runner.feeder
+        self.executor.tenant_name = lambda tenant: self.keys.name_of(tenant) if tenant else "admin/open"
         self.metrics.watch_ledger(self.ledger_stats)
+        self.metrics.watch_admission(self.admission)
         # Signed webhooks from the ledger's outbox (app/webhooks/): any replica delivers any message
         self.webhooks = Webhooks(self.ledger, settings, self.metrics,
                                  readers={"sweep": self._sweep_document, "evaluation": self._evaluation_document})
@@ -228,6 +236,46 @@ class Service:
 
     def versions(self) -> dict[str, Any]:
         return versions()
+
+    def admission(self) -> dict[str, Any]:
+        """Admission by tenant as /health and /metrics show it (issue #44): the device queue (its
+        capacity, depth, the most it held, the fed tasks taken back, the refusals by share), the
+        ledger's backlog of waiting asynchronous work and its limits, and per tenant (by key
+        name) its tasks in the device queue (of them synchronous), waiting in the ledger, running
+        here, and its share of the device queue now. (blocking on a key's cache miss)"""
+        executor, feeder = self.executor, self.runner.feeder
+        backlog = feeder.backlog()
+        waiting = {t: v.get("unclaimed", v.get("queued", 0)) for t, v in (backlog.get("owners") or {}).items()}
+        queued, hard = executor.queued_by_tenant(), executor.queued_by_tenant(hard_only=True)
+        running = executor.running_by_tenant()
+        shares = executor.shares({t: self.runner.weight_of(t) for t, n in waiting.items() if n > 0})
+        tenants = {}
+        for t in sorted(set(waiting) | set(queued) | set(running) | set(shares)):
+            name = self.keys.name_of(t) if t else ("admin" if self.settings.auth_enabled else "open")
+            row = {"id": t or None, "queued": queued.get(t, 0), "synchronous": hard.get(t, 0),
+                   "backlog": waiting.get(t, 0), "running": running.get(t, 0), "share": shares.get(t)}
+            if self.runner.shared is not None:
+                row["running_all_replicas"] = ((backlog.get("owners") or {}).get(t) or {}).get("running", 0)
+            tenants[name] = row
+        stats = executor.stats
+        return {
+            "device_queue": {"capacity": executor.capacity, "depth": executor.depth, "deepest": stats.deepest,
+                             "returned_to_ledger": stats.returned, "refused_by_share": stats.refused_share},
+            "backlog": {k: backlog[k] for k in ("tasks", "bytes", "limit", "limit_bytes")},
+            "tenants": tenants,
+        }
+
+    def _backlog_bytes(self, settings: Settings) -> int | None:
+        """REV88_BACKLOG_BYTES, or its default: half the free space of the data dir's disk when the
+        service starts (SQLite keeps the waiting uploads there); with PostgreSQL the database's
+        disk is not this replica's to measure: BACKLOG_BYTES_SHARED."""
+        if settings.backlog_bytes is not None:
+            return settings.backlog_bytes
+        if is_shared(self.ledger):
+            return BACKLOG_BYTES_SHARED
+        import shutil
+
+        return max(1 << 30, shutil.disk_usage(self.ledger.data_dir).free // 2)
 
     def ledger_stats(self) -> dict[str, Any]:
         """The ledger as /metrics shows it, without a query: engine, and for a shared ledger the
@@ -382,8 +430,7 @@ class Service:
             timer.cancel()
         if self.runner.background:  # let settling asynchronous tasks record what the workers answered
             await asyncio.wait(list(self.runner.background), timeout=5.0)
-        if self.runner.shared is not None:  # stop claiming; leases of unfinished tasks given back
-            await self.runner.shared.stop()
+        await self.runner.feeder.stop()  # stop claiming; (PostgreSQL) leases of unfinished tasks given back
         self._unhook_signals()
         await self.webhooks.stop()  # attempts in flight finish (5 s at most); pending ones stay in the outbox
         if not await asyncio.to_thread(self.ledger_writer.close, 10.0):

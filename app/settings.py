@@ -35,8 +35,13 @@
     REV88_LEASE_ATTEMPTS    lease expiries before a task is failed 3
     REV88_CLAIM_POLL_S      idle replicas look for work, and reap  1 (notifications wake them sooner)
                             expired leases, at least this often
-    REV88_SHARED_QUEUE_SIZE queued asynchronous tasks the shared   16 x REV88_QUEUE_SIZE
-                            ledger takes before 503
+    REV88_BACKLOG_SIZE      asynchronous tasks waiting in the      100000
+                            ledger (uploads, cells, recovered)
+                            before an asynchronous request is 503
+                            (REV88_SHARED_QUEUE_SIZE: its old name)
+    REV88_BACKLOG_BYTES     the waiting uploads' stored npz, in    SQLite: half the data dir's free
+                            bytes, before an asynchronous upload   disk at start; PostgreSQL: 16 GiB
+                            is 503
 
     REV88_DATASET_BYTES     stored datasets and labels, in all     4294967296 (4 GiB)
     REV88_DATASET_CACHE_BYTES  parsed datasets kept in memory      536870912 (512 MiB)
@@ -130,7 +135,8 @@ class Settings:
     lease_renew_s: float = 2.0
     lease_attempts: int = 3
     claim_poll_s: float = 1.0
-    shared_queue_size: int | None = None  # None: 16 x the queue size
+    backlog_size: int | None = None  # None: app/tasks/claims.BACKLOG_SIZE
+    backlog_bytes: int | None = None  # None: half the data dir's free disk (SQLite), 16 GiB (PostgreSQL)
     # Datasets (app/tasks/datasets.py, docs/sweeps.md): the stored npz files and labels together
     # hold at most dataset_bytes; parsed datasets kept in memory, at most dataset_cache_bytes.
     dataset_bytes: int = 4 << 30
@@ -209,8 +215,10 @@ class Settings:
                                 f"({self.lease_s:g}): a lease must survive a late renewal")
         if self.lease_attempts < 1:
             raise SettingsError(f"REV88_LEASE_ATTEMPTS must be >= 1, got {self.lease_attempts}")
-        if self.shared_queue_size is not None and self.shared_queue_size < 1:
-            raise SettingsError(f"REV88_SHARED_QUEUE_SIZE must be >= 1, got {self.shared_queue_size}")
+        if self.backlog_size is not None and self.backlog_size < 1:
+            raise SettingsError(f"REV88_BACKLOG_SIZE must be >= 1, got {self.backlog_size}")
+        if self.backlog_bytes is not None and self.backlog_bytes < 1:
+            raise SettingsError(f"REV88_BACKLOG_BYTES must be >= 1, got {self.backlog_bytes}")
         if self.batch_max is not None and self.batch_max < 1:
             raise SettingsError(f"REV88_BATCH_MAX must be >= 1 (1 turns batching off), got {self.batch_max}")
         if not (math.isfinite(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS):
@@ -330,7 +338,9 @@ class Settings:
             lease_renew_s=number("REV88_LEASE_RENEW_S", defaults.lease_renew_s),
             lease_attempts=integer("REV88_LEASE_ATTEMPTS", defaults.lease_attempts),
             claim_poll_s=number("REV88_CLAIM_POLL_S", defaults.claim_poll_s),
-            shared_queue_size=integer("REV88_SHARED_QUEUE_SIZE", None),
+            # (REV88_SHARED_QUEUE_SIZE: its name before the backlog was every store's)
+            backlog_size=integer("REV88_BACKLOG_SIZE", integer("REV88_SHARED_QUEUE_SIZE", None)),
+            backlog_bytes=integer("REV88_BACKLOG_BYTES", None),
             dataset_bytes=integer("REV88_DATASET_BYTES", defaults.dataset_bytes),
             dataset_cache_bytes=integer("REV88_DATASET_CACHE_BYTES", defaults.dataset_cache_bytes),
             sweep_max_cells=integer("REV88_SWEEP_MAX_CELLS", defaults.sweep_max_cells),

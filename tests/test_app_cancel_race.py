@@ -40,7 +40,10 @@ def test_a_cancel_that_loses_the_race_is_409(tmp_path):
         accepted = post_task(c, task_to_npz_bytes(task), headers={"Prefer": "respond-async"})
         assert accepted.status_code == 202, accepted.text
         task_id = accepted.json()["id"]
-        job = service.runner.pending[task_id].job
+        # (it waits in the ledger until the feeder claims it into the device queue)
+        acc = wait_for(lambda: (a := service.runner.pending.get(task_id)) is not None and a.job is not None and a,
+                       60, 0.01, "the task claimed")
+        job = acc.job
         wait_for(job.future.done, 60, 0.01, "the task's run")
         assert c.get(f"/tasks/{task_id}").json()["status"] in ("queued", "running")  # not recorded yet
         cancel = c.post(f"/tasks/{task_id}/cancel")

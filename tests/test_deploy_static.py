@@ -281,7 +281,7 @@ def test_serve_flags_cover_every_settings_variable():
                "REV88_RETAIN_TASKS": "5", "REV88_RETAIN_BYTES": "6",
                "REV88_DATABASE_URL": "postgresql://rev88@db/rev88", "REV88_DB_POOL_SIZE": "3",
                "REV88_DB_TIMEOUT_S": "2", "REV88_LEASE_S": "20", "REV88_LEASE_RENEW_S": "4",
-               "REV88_LEASE_ATTEMPTS": "5", "REV88_CLAIM_POLL_S": "0.5", "REV88_SHARED_QUEUE_SIZE": "50",
+               "REV88_LEASE_ATTEMPTS": "5", "REV88_CLAIM_POLL_S": "0.5", "REV88_BACKLOG_SIZE": "50", "REV88_BACKLOG_BYTES": "5000",
                "REV88_UPLOAD_TIMEOUT_S": "30", "REV88_UPLOAD_MIN_RATE": "1000", "REV88_UPLOAD_BUFFER_BYTES": str(1 << 30),
                "REV88_HEADER_TIMEOUT_S": "3", "REV88_KEEPALIVE_S": "9", "REV88_MAX_CONNECTIONS": "100",
                "REV88_STOCK_HTTP": "1", "REV88_DATASET_BYTES": "1000", "REV88_DATASET_CACHE_BYTES": "5",

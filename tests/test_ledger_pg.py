@@ -498,6 +498,35 @@ def test_the_fence_is_by_attempt_even_when_the_same_replica_reaps_and_claims_aga
         a.close()
 
 
+def test_finish_many_fences_each_outcome_by_its_attempt(pg_url):
+    """The production write path (the ledger writer's finish_many): a stale attempt's outcome --
+    the same replica reaped the task and claimed it again -- is refused with LeaseLost, beside an
+    outcome of the current attempt and one of another task, which are written (issue #44: a
+    finish_many that dropped the epoch survived the whole suite before)."""
+    from app.ledger.store import Outcome
+
+    a = open_ledger(pg_url, "one-owner", lease_s=30)
+    try:
+        task, other = add(a), add(a)
+        claims = {c.record.id: c for c in a.claim(2)}
+        first, theirs = claims[task.id], claims[other.id]
+        expire(pg_url, task.id)
+        assert a.reap()["requeued"] == 1
+        [second] = a.claim(1)
+        assert second.epoch == first.epoch + 1
+        stale, fine = a.finish_many([
+            Outcome(task.id, "succeeded", {**answer(task.id), "from": "first"}, epoch=first.epoch),
+            Outcome(other.id, "succeeded", {**answer(other.id), "from": "other"}, epoch=theirs.epoch)])
+        assert isinstance(stale, LeaseLost) and f"epoch {first.epoch}" in str(stale)
+        assert fine.status == "succeeded" and fine.answer["from"] == "other"
+        assert a.get(task.id).status in ("queued", "running")  # nothing written for the stale attempt
+        [current] = a.finish_many([Outcome(task.id, "succeeded", {**answer(task.id), "from": "second"},
+                                           epoch=second.epoch)])
+        assert current.status == "succeeded" and a.get(task.id).answer["from"] == "second"
+    finally:
+        a.close()
+
+
 def test_two_ledgers_of_one_owner_fence_each_others_attempts(pg_url):
     """The same owner on two ledger objects (a restarted replica that kept its name): claim,
     expire, reap, claim again: the first attempt's renewal and write are both refused."""

@@ -37,7 +37,7 @@ def readiness(service: Service) -> tuple[int, dict[str, Any]]:
 
 def ledger_state(service: Service) -> dict[str, Any]:
     shared = service.runner.shared  # PostgreSQL: this replica's side of the shared queue
-    extra = {"engine": getattr(service.ledger, "engine", "sqlite")}
+    extra = {"engine": getattr(service.ledger, "engine", "sqlite"), "feeder": service.runner.feeder.snapshot()}
     if shared is not None:
         extra["shared_queue"] = shared.snapshot()
     try:
@@ -81,6 +81,7 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
             },
             "learner": service.learner_state(),
             "queue": service.executor.snapshot(),
+            "admission": service.admission(),
             "uptime_s": round(service.uptime_s, 3),
             "started_at": datetime.datetime.fromtimestamp(service.started_at, datetime.UTC).isoformat(
                 timespec="seconds"

@@ -192,16 +192,16 @@ async def webhook_of(service: Service, url: str | None, events, allowed: tuple[s
         raise InvalidRequest(str(exc), field=exc.field) from None
 
 
-def _admitted(request: Request, service: Service) -> tuple[bool, str | None]:
-    """(asynchronous, Idempotency-Key) of a task request that there is room for: a full queue
-    (the shared one for an asynchronous task on a shared ledger) refuses it before its body."""
+def _admitted(request: Request, service: Service, upload: bool = True) -> tuple[bool, str | None]:
+    """(asynchronous, Idempotency-Key) of a task request that there is room for, refused before
+    its body otherwise: an asynchronous task waits in the ledger (its backlog's limits); a
+    synchronous one needs a place in the device queue within its tenant's share."""
     asynchronous = wants_async(request.headers.get("prefer"))
     key = idempotency_key(request)
-    shared = service.runner.shared  # a ledger the replicas share: asynchronous tasks go to its queue
-    if asynchronous and shared is not None:
-        shared.check_capacity()
+    if asynchronous:
+        service.runner.feeder.check_capacity(1, uploads=upload)
     else:
-        service.executor.check_capacity()
+        service.runner.check_sync_capacity(tenant_of(request).owner)
     return asynchronous, key
 
 
@@ -214,7 +214,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
     if (declared not in (None, "0")) or request.headers.get("transfer-encoding"):
         raise InvalidRequest("POST /tasks?dataset= trains on the stored dataset and takes no body; send either "
                              "the npz as the body or dataset=<digest>, not both", field="dataset")
-    asynchronous, key = _admitted(request, service)
+    asynchronous, key = _admitted(request, service, upload=False)
     await service.runner.check_queued(tenant_of(request), 1)
     t_parse = time.perf_counter()
     catalog = service.datasets
@@ -242,7 +242,6 @@ async def _accepted(request: Request, service: Service, acc: Accepted, body: byt
                     body_sha256: str | None, key: str | None, asynchronous: bool) -> Response:
     """An accepted task, from its record to its answer (any body, or a stored dataset)."""
     runner = service.runner
-    shared = runner.shared
     record = None
     if not acc.deferred:
         try:  # durable before the 202: an asynchronous task's npz is stored with its record
@@ -253,8 +252,8 @@ async def _accepted(request: Request, service: Service, acc: Accepted, body: byt
         if not created:
             return await _existing(request, service, record, asynchronous)
     del body
-    if asynchronous and shared is not None:
-        shared.offer(acc)  # recorded queued: the first idle worker of any replica claims it
+    if asynchronous:
+        runner.feeder.offer(acc)  # recorded queued: the feeder claims it by fair share (any replica's)
         return accepted_response(record)
     try:
         runner.queue(acc)
@@ -264,9 +263,6 @@ async def _accepted(request: Request, service: Service, acc: Accepted, body: byt
                 service.ledger.finish, acc.task_id, "failed", None,
                 {"status": exc.status, "error": f"not accepted: {exc.message}"}, epoch=acc.epoch))
         raise
-    if asynchronous:
-        runner.settle_in_background(acc)
-        return accepted_response(record)
     if acc.task is not None:  # (else its job hashes it aside, once parsed)
         _hash_aside(acc.task, service.io_pool)
 

@@ -912,16 +912,23 @@ class PostgresLedger:
             binary=True).fetchall())
         return {task_id: bytes(body) for task_id, body in rows}
 
-    def queue_depth(self) -> dict[str, int]:
+    def queue_depth(self) -> dict[str, Any]:
         """The shared queue (asynchronous tasks of every replica): queued and not claimed,
-        claimed and not yet started, running. One count for the whole deployment."""
-        free, claimed, running = self._read("count the shared queue", lambda conn: conn.execute(
-            "SELECT count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NULL),"
+        claimed and not yet started, running; the stored bytes of the waiting uploads; and per
+        tenant ("" for the admin's and an open service's) its waiting and running tasks. One count
+        for the whole deployment."""
+        rows = self._read("count the shared queue", lambda conn: conn.execute(
+            "SELECT COALESCE(options::json ->> 'owner', ''),"
+            " count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NULL),"
             " count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NOT NULL),"
-            " count(*) FILTER (WHERE status = 'running')"
-            " FROM rev88_tasks WHERE status IN ('queued', 'running') AND mode = 'async'").fetchone())
-        stats = {"queued": free + claimed, "unclaimed": free, "claimed": claimed, "running": running,
-                 "at": time.time()}
+            " count(*) FILTER (WHERE status = 'running'),"
+            " COALESCE(sum(body_bytes) FILTER (WHERE status = 'queued' AND has_input), 0)"
+            " FROM rev88_tasks WHERE status IN ('queued', 'running') AND mode = 'async' GROUP BY 1").fetchall())
+        free = sum(r[1] for r in rows)
+        claimed = sum(r[2] for r in rows)
+        stats = {"queued": free + claimed, "unclaimed": free, "claimed": claimed, "running": sum(r[3] for r in rows),
+                 "bytes": int(sum(r[4] for r in rows)), "at": time.time(),
+                 "owners": {r[0]: {"queued": r[1] + r[2], "unclaimed": r[1], "running": r[3]} for r in rows}}
         self._queue_stats = stats
         return stats
 
@@ -978,14 +985,16 @@ class PostgresLedger:
 
     # ------------------------------------------------------------------ claims and leases
 
-    def claim(self, limit: int) -> list[Claim]:
+    def claim(self, limit: int, owners: list[str] | None = None, rank: Any = None, cost_s: float = 0.0) -> list[Claim]:
         """Up to ``limit`` queued asynchronous tasks leased to this replica (``FOR UPDATE SKIP
         LOCKED``: replicas claiming at once never take the same task), in fair-share order across
         replicas (issue #33): first the tenants with the least device time per unit of weight --
         their finished tasks' run time decayed with the half-life FAIR_HALF_LIFE_S, plus the time
         their running tasks have run so far -- oldest first within a tenant (with one tenant:
         oldest first, as before); a tenant whose key's max_running is reached by its claimed and
-        running tasks, on every replica, waits."""
+        running tasks, on every replica, waits. ``owners``: only those tenants' tasks (key ids;
+        "" for the admin's and an open service's). (``rank`` and ``cost_s`` are the embedded
+        store's: here the database ranks, from every replica's runs.)"""
         if limit < 1:
             return []
         with self._conn(f"claim up to {limit} queued task(s)", transaction=False) as conn:
@@ -1008,10 +1017,12 @@ class PostgresLedger:
                 "       WHERE q.status = 'queued' AND q.mode = 'async'"
                 "       AND q.lease_owner IS NULL AND q.cancel_requested_at IS NULL"
                 "       AND (k.max_running IS NULL OR COALESCE(u.busy, 0) < k.max_running)"
+                "       AND (%(owners)s::text[] IS NULL OR COALESCE(q.options::json ->> 'owner', '') = ANY(%(owners)s))"
                 "       ORDER BY COALESCE(u.used, 0) / COALESCE(k.weight, 1), q.created_at, q.id"
                 "       LIMIT %(n)s FOR UPDATE OF q SKIP LOCKED) c"
                 f" WHERE t.id = c.id RETURNING {T_SUMMARY_COLUMNS}, t.claims",
-                {"owner": self.owner, "lease": self.lease_s, "n": int(limit), "half": FAIR_HALF_LIFE_S},
+                {"owner": self.owner, "lease": self.lease_s, "n": int(limit), "half": FAIR_HALF_LIFE_S,
+                 "owners": None if owners is None else list(owners)},
                 binary=True).fetchall()
         claims = sorted((Claim(_record(row, False), row[23]) for row in rows),
                         key=lambda c: (c.record.created_at, c.record.id))

@@ -25,6 +25,19 @@ The queue depth counts only jobs waiting for a device; a running job holds its w
 A job may be *pinned* to one worker (the per-device warm-up); any other job runs on the
 first free worker, oldest job first.
 
+Admission by tenant (issue #44). The queue holds at most ``capacity`` jobs, whoever sends them
+(only the warm-up is ``reserved``). Work fed from the ledger (asynchronous tasks, sweep and
+evaluation cells, recovered work: ``evictable``) is admitted only while there is room, and may be
+taken back out (answered ``Requeued``: it waits in the ledger again) to make room for a
+synchronous task. A synchronous job is admitted against its tenant's *share* of the queue:
+``capacity`` divided by weight among the tenants with work waiting -- in the queue, in the
+ledger's backlog (``others``), and the tenant itself -- at least one place each. Past its share it
+is refused (503, naming the share and the tenant's figure) however empty the queue; within it, a
+full queue makes room by taking back the newest fed job of the tenant furthest over its own
+share, and only a queue full of synchronous jobs refuses it. Jobs admitted before another tenant
+came keep their places (a client waits on each); from then on a tenant past its share gets no new
+place until its count drops under it.
+
 Dynamic batching. A job may carry a :class:`Batch`: a key, its own item, and how to run
 many items in one device call. When the job a worker takes has one, ``batch_max > 1`` and
 ``Batch.ready()`` says the device can take such a call, the worker gathers the queued jobs
@@ -51,15 +64,15 @@ from typing import Any
 from learner.cancel import CancelToken
 from learner.errors import TaskCancelled
 
-from ..errors import NotAccepted, QueueFull, TaskStopped, TaskTimeout, Unavailable
+from ..errors import NotAccepted, QueueFull, Requeued, TaskStopped, TaskTimeout, Unavailable
 from ..threads import name_os_thread
 
 log = logging.getLogger("rev88." + __name__)
 
 FAIR_HALF_LIFE_S = 60.0  # fair share: how fast a tenant's past device time is forgotten (issue #33)
 
-QUEUED, RUNNING, DONE, EXPIRED, ABANDONED, CANCELLED, DROPPED = (
-    "queued", "running", "done", "expired", "abandoned", "cancelled", "dropped",
+QUEUED, RUNNING, DONE, EXPIRED, ABANDONED, CANCELLED, DROPPED, RETURNED = (
+    "queued", "running", "done", "expired", "abandoned", "cancelled", "dropped", "returned",
 )
 STOP_WAIT_S = 10.0  # how long a timed-out request waits for its running task to confirm the stop
 
@@ -109,6 +122,7 @@ class Job:
     tenant: str = ""
     weight: float = 1.0
     max_running: int | None = None
+    evictable: bool = False  # fed from the ledger: may go back there to make room (admission by tenant)
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -132,6 +146,9 @@ class Stats:
     abandoned_finished: int = 0  # ... of which have since finished (result discarded)
     cancelled: int = 0  # still queued at the drain deadline: answered 503, never ran
     refused_full: int = 0  # not accepted: queue full
+    refused_share: int = 0  # not accepted: its tenant's share of the queue taken (of refused_full)
+    returned: int = 0  # fed jobs taken back out of the queue for a synchronous one (they wait in the ledger)
+    deepest: int = 0  # the most jobs the queue has held at once (never past capacity but for the warm-up)
     refused_closed: int = 0  # not accepted: draining
     refused_input: int = 0  # not accepted after all: its job found its body invalid (app.errors.NotAccepted)
     launches: int = 0  # device calls that ran jobs (a batched call counts once)
@@ -254,6 +271,7 @@ class DeviceExecutor:
         self.fair_half_life_s = FAIR_HALF_LIFE_S
         self._usage: dict[str, tuple[float, float]] = {}  # tenant -> (decayed device seconds, as of monotonic)
         self._running: collections.Counter[str] = collections.Counter()  # tenant -> jobs running
+        self.tenant_name: Callable[[str], str] = lambda tenant: tenant or "admin/open"  # for refusals
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -286,39 +304,129 @@ class DeviceExecutor:
     def submit(self, fn: Callable[[], Any], kind: str = "task", label: str = "", reserved: bool = False,
                batch: Batch | None = None, pin: int | None = None, cancel: CancelToken | None = None,
                on_start: Callable[[Job], None] | None = None, tenant: str = "", weight: float = 1.0,
-               max_running: int | None = None) -> Job:
+               max_running: int | None = None, evictable: bool = False,
+               others: dict[str, float] | None = None) -> Job:
         """Queue ``fn`` for a device. ``reserved`` jobs (the warm-up) skip the capacity check;
-        ``pin`` names the one worker that may run it; ``cancel`` is the token the job's run
-        checks (a new one by default). With ``batch``, the job may instead run in one call
-        with queued jobs of the same key."""
+        ``evictable`` ones (fed from the ledger) take only a free place and may be taken back out;
+        any other is admitted against its tenant's share (``others``: the weights of tenants
+        whose work waits in the ledger). ``pin`` names the one worker that may run it; ``cancel``
+        is the token the job's run checks (a new one by default). With ``batch``, the job may
+        instead run in one call with queued jobs of the same key."""
         if pin is not None and not 0 <= pin < len(self.workers):
             raise ValueError(f"pin must name a worker 0..{len(self.workers) - 1}, got {pin}")
         job = Job(fn, kind, label, batch, pin, cancel or CancelToken(), on_start=on_start, tenant=tenant,
-                  weight=weight, max_running=max_running)
+                  weight=weight, max_running=max_running, evictable=evictable)
+        taken_back = None
         with self._cond:
             if self._closed is not None:
                 self.stats.refused_closed += 1
                 raise Unavailable(f"the service is {self._closed}; not accepting new tasks", retry_after=self._retry_after_locked())
-            if not reserved and len(self._queue) >= self.capacity:
-                self.stats.refused_full += 1
-                raise self._full_locked()
+            if not reserved:
+                if evictable:
+                    if len(self._queue) >= self.capacity:
+                        self.stats.refused_full += 1
+                        raise self._full_locked()
+                else:
+                    taken_back = self._admit_locked(tenant, weight, others or {}, take_back=True)
             self._queue.append(job)
             self.stats.accepted += 1
+            self.stats.deepest = max(self.stats.deepest, len(self._queue))
             self._cond.notify_all()
+        if taken_back is not None:
+            log.info("fed task taken back to the ledger for a synchronous one", extra={
+                "task_id": taken_back.label, "tenant": taken_back.tenant, "for_tenant": tenant})
         return job
 
     def _full_locked(self) -> QueueFull:
         return QueueFull(
             f"the device queue is full ({len(self._queue)} of {self.capacity} tasks waiting, REV88_QUEUE_SIZE); retry later",
-            retry_after=self._retry_after_locked(),
+            retry_after=self._retry_after_locked(), limit="REV88_QUEUE_SIZE", value=self.capacity,
         )
 
-    def check_capacity(self) -> None:
-        """Refuse early (before an upload is read) when the queue is already full."""
+    # ------------------------------------------------------------------ admission by tenant
+    def shares(self, others: dict[str, float] | None = None, tenant: str | None = None,
+               weight: float = 1.0) -> dict[str, int]:
+        """Each waiting tenant's share of the queue (``others``: tenants waiting in the ledger)."""
         with self._cond:
-            if self._closed is None and len(self._queue) >= self.capacity:
-                self.stats.refused_full += 1
-                raise self._full_locked()
+            return self._shares_locked(self._waiting_locked(others or {}, tenant, weight))
+
+    def _waiting_locked(self, others: dict[str, float], tenant: str | None, weight: float) -> dict[str, float]:
+        waiting = dict(others)
+        for job in self._queue:
+            if job.kind != "warmup":
+                waiting[job.tenant] = job.weight
+        if tenant is not None:
+            waiting[tenant] = weight
+        return waiting
+
+    def _shares_locked(self, waiting: dict[str, float]) -> dict[str, int]:
+        total = sum(max(w, 1e-9) for w in waiting.values()) or 1.0
+        return {t: max(1, math.floor(self.capacity * max(w, 1e-9) / total + 1e-9)) for t, w in waiting.items()}
+
+    def queued_by_tenant(self, hard_only: bool = False) -> collections.Counter[str]:
+        """Jobs waiting in the queue per tenant (``hard_only``: the ones not fed from the ledger)."""
+        with self._cond:
+            return collections.Counter(j.tenant for j in self._queue
+                                       if j.kind != "warmup" and not (hard_only and j.evictable))
+
+    def running_by_tenant(self) -> dict[str, int]:
+        with self._cond:
+            return {t: n for t, n in self._running.items() if n > 0}
+
+    def _admit_locked(self, tenant: str, weight: float, others: dict[str, float], take_back: bool) -> Job | None:
+        """(Lock held.) Raise QueueFull unless a synchronous job of ``tenant`` may have a place;
+        with ``take_back``, make that place (a fed job goes back to the ledger: returned)."""
+        waiting = self._waiting_locked(others, tenant, weight)
+        shares = self._shares_locked(waiting)
+        share = shares[tenant]
+        held = sum(1 for j in self._queue if j.tenant == tenant and not j.evictable and j.kind != "warmup")
+        name = self.tenant_name(tenant)
+        if held >= share:
+            self.stats.refused_full += 1
+            self.stats.refused_share += 1
+            raise QueueFull(
+                f"tenant {name!r} holds {held} of its share of {share} place(s) in the device queue "
+                f"(REV88_QUEUE_SIZE {self.capacity}, shared by weight among the {len(waiting)} tenant(s) with "
+                "work waiting); retry later", retry_after=self._retry_after_locked(), limit="device_queue_share",
+                value=share, queued=held)
+        if len(self._queue) < self.capacity:
+            return None
+        victim = self._victim_locked(shares)
+        if victim is None:
+            self.stats.refused_full += 1
+            raise QueueFull(
+                f"the device queue is full ({len(self._queue)} of {self.capacity} tasks waiting, REV88_QUEUE_SIZE), "
+                f"all of them synchronous tasks admitted before; tenant {name!r} holds {held} of its share of "
+                f"{share}; retry later", retry_after=self._retry_after_locked(), limit="REV88_QUEUE_SIZE",
+                value=self.capacity, queued=held)
+        if take_back:
+            self._return_locked(victim)
+        return victim
+
+    def _victim_locked(self, shares: dict[str, int]) -> Job | None:
+        """(Lock held.) The fed job to take back: the newest of the tenant furthest over its share."""
+        counts = collections.Counter(j.tenant for j in self._queue if j.kind != "warmup")
+        fed = [j for j in self._queue if j.evictable and j.state == QUEUED]
+        if not fed:
+            return None
+        over = max(fed, key=lambda j: (counts[j.tenant] - shares.get(j.tenant, 1), j.submitted))
+        newest = [j for j in fed if j.tenant == over.tenant]
+        return max(newest, key=lambda j: j.submitted)
+
+    def _return_locked(self, job: Job) -> None:
+        self._queue.remove(job)
+        job.state = RETURNED
+        self.stats.returned += 1
+        job.future.set_exception(Requeued(f"task {job.label} went back to the ledger to make room in the device "
+                                          "queue; it runs later", where="queued"))
+        self._cond.notify_all()
+
+    def check_capacity(self, tenant: str = "", weight: float = 1.0, others: dict[str, float] | None = None) -> None:
+        """Refuse early (before an upload is read) when a synchronous job of ``tenant`` could not
+        be admitted now (its share taken, or a queue full of synchronous jobs)."""
+        with self._cond:
+            if self._closed is None:
+                self._admit_locked(tenant, weight, others or {}, take_back=False)
 
     def full(self) -> bool:
         """Whether ``check_capacity`` would refuse now (not counted as a refusal)."""
@@ -395,7 +503,7 @@ class DeviceExecutor:
 
     def _stop_job(self, job: Job, why: str, message: str, queued_error: Callable[[], Exception]) -> bool:
         with self._cond:
-            if job.future.done() or job.state in (DONE, EXPIRED, DROPPED, CANCELLED):
+            if job.future.done() or job.state in (DONE, EXPIRED, DROPPED, CANCELLED, RETURNED):
                 return False
             if job.state == QUEUED:
                 self._queue.remove(job)
@@ -489,6 +597,10 @@ class DeviceExecutor:
     def retry_after(self) -> int:
         with self._lock:
             return self._retry_after_locked()
+
+    def mean_device_seconds(self) -> float:
+        """The running mean of device seconds per job (a batched call's shared among its jobs)."""
+        return self._mean_run_s
 
     def _retry_after_locked(self) -> int:
         ahead = len(self._queue) + sum(len(w.running) for w in self.workers)

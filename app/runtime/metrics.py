@@ -19,6 +19,14 @@
     rev88_shared_tasks_running            PostgreSQL: asynchronous tasks running on any replica
     rev88_leases_held                     PostgreSQL: leases this replica holds
     rev88_ledger_events_total{event}      PostgreSQL: claimed, leases_lost, reaped_*, released, ...
+    rev88_backlog_tasks                   asynchronous tasks waiting in the ledger (SQLite: exact;
+                                          PostgreSQL: as last counted, every replica's)
+    rev88_backlog_bytes                   the stored npz of the waiting uploads
+    rev88_device_queue_deepest            the most tasks the device queue has held at once
+    rev88_tenant_queued{tenant}           a tenant's tasks in the device queue
+    rev88_tenant_backlog{tenant}          a tenant's tasks waiting in the ledger
+    rev88_tenant_running{tenant}          a tenant's tasks running here
+    rev88_tenant_queue_share{tenant}      a tenant's share of the device queue now (places)
     rev88_webhook_deliveries_total{outcome}  webhook attempts: delivered, retry, failed, stopped, lease_lost
     rev88_webhook_oldest_pending_seconds  age of the oldest message not yet delivered (the outbox's, all replicas)
 
@@ -160,6 +168,43 @@ class LedgerCollector:
 TENANT_SERIES = 50  # how many tenants' names get their own /metrics series (the rest: "other")
 
 
+class AdmissionCollector:
+    """The device queue, the ledger's backlog and the tenants' counts (Service.admission), read at
+    scrape time; the first TENANT_SERIES tenants by name get their own series, the rest "other"."""
+
+    def __init__(self, admission: Callable[[], dict]) -> None:
+        self._admission = admission
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        doc = self._admission()
+        for name, value, help_ in (
+                ("rev88_backlog_tasks", doc["backlog"]["tasks"], "Asynchronous tasks waiting in the ledger"),
+                ("rev88_backlog_bytes", doc["backlog"]["bytes"], "Stored bytes of the waiting asynchronous uploads"),
+                ("rev88_device_queue_deepest", doc["device_queue"]["deepest"],
+                 "The most tasks the device queue has held at once")):
+            g = GaugeMetricFamily(name, help_)
+            g.add_metric([], float(value or 0))
+            yield g
+        series = {key: GaugeMetricFamily(name, help_, labels=["tenant"]) for key, name, help_ in (
+            ("queued", "rev88_tenant_queued", "A tenant's tasks in the device queue"),
+            ("backlog", "rev88_tenant_backlog", "A tenant's tasks waiting in the ledger"),
+            ("running", "rev88_tenant_running", "A tenant's tasks running on this replica's devices"),
+            ("share", "rev88_tenant_queue_share", "A tenant's share of the device queue now (places)"))}
+        rows: dict[str, dict[str, float]] = {}
+        for i, (name, row) in enumerate(sorted(doc["tenants"].items())):
+            label = name if i < TENANT_SERIES else "other"
+            total = rows.setdefault(label, {})
+            for key in series:
+                total[key] = total.get(key, 0.0) + float(row.get(key) or 0)
+        for label, total in rows.items():
+            for key, family in series.items():
+                family.add_metric([label], total[key])
+        yield from series.values()
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -217,6 +262,9 @@ class Metrics:
 
     def watch_ledger(self, stats: Callable[[], dict]) -> None:
         self.registry.register(LedgerCollector(stats))
+
+    def watch_admission(self, admission: Callable[[], dict]) -> None:
+        self.registry.register(AdmissionCollector(admission))
 
     def watch_webhooks(self, oldest_pending_s: Callable[[], float]) -> None:
         self.webhook_oldest_pending.set_function(oldest_pending_s)

@@ -1,36 +1,49 @@
-"""The shared queue: asynchronous tasks claimed from a ledger every replica shares (issue #22).
+"""The feeder: asynchronous work waits in the ledger and is claimed into the device queue by
+fair share (issues #22, #44).
 
-With the SQLite ledger a replica runs the asynchronous tasks it accepted. With PostgreSQL
-(``REV88_DATABASE_URL``) an accepted asynchronous task is only recorded (queued, with its npz)
-and ``offer``ed; then whichever replica has an idle worker claims it. ``SharedQueue`` is that
-replica-side machinery, built by the service beside the ``TaskRunner`` and driving it:
+Every asynchronous task, sweep cell, evaluation cell and recovered task is recorded queued in the
+ledger and ``offer``ed; the feeder moves it into the device queue as room frees, through one claim
+path for both stores: the SQLite ledger's claims are in process (app/ledger/local_claims.py), the
+PostgreSQL ledger's are leases every replica shares (app/ledger/postgres.py). ``SharedQueue`` is
+that machinery, built by the service beside the ``TaskRunner`` and driving it:
 
-    claim     whenever a worker is free (woken by a local job ending, by a NOTIFY that a task
-              was queued, or every ``REV88_CLAIM_POLL_S``): ``ledger.claim(n)`` takes up to n =
-              free slots (workers x batch size - tasks in flight here; a fused worker claims a
-              whole launch) under leases; each task is queued on the local workers and settled
-              as any asynchronous task. A task offered by this replica is run from the arrays it
-              already parsed; any other from its stored npz.
-    attempts  every task queued here under a lease (a claim, or a synchronous task recorded
-              here) is an attempt with that lease's epoch, from its queueing until its settling
-              ends, recorded or not (``attempt_began``/``attempt_ended``, called by the runner);
-              each of its writes is fenced by that epoch. A claim that never becomes an attempt
-              (its input cannot be read or parsed, the queue refuses it, an older attempt of the
-              task still runs here) is released at once, or, with the database away, left to
-              expire: nothing holds a lease that no attempt here uses.
-    renew     every ``REV88_LEASE_RENEW_S``, on a thread (``rev88-leases``) and a database
-              connection of their own (not the pool, not asyncio's threads: request traffic
-              cannot starve it; timeouts of a quarter lease): the leases of the live attempts, and
-              only those, are extended; an attempt whose lease was lost (it expired and was reaped
-              or taken over) is stopped here, its late result would be refused anyway (fencing);
-              a held task whose cancellation was requested through another replica is stopped and
-              recorded cancelled.
-    reap      every ``REV88_CLAIM_POLL_S``: expired leases, any replica's, queued again or
-              failed (``ledger.reap``); the shared queue depth is counted for /metrics.
-    listen    a thread LISTENs for the ledger's notifications: a queued task wakes the
-              claimer, a cancel request for a task running here stops it within a moment.
-    cancel    a task this replica does not run: a cancel request in its row; the answer is its
-              record once its holder (or, should the holder be gone, a reaper) records it.
+    claim     whenever it may help (woken by a local job ending, by an offer, by a NOTIFY that a
+              task was queued, or every ``REV88_CLAIM_POLL_S``), never past the device queue's
+              room: while the workers' work in hand is under ``slots + prefetch`` (workers x batch
+              size, and one more launch's worth waiting), up to that much, the least-served
+              tenants first; and whenever a tenant with work waiting in the ledger holds less than
+              its share of the device queue (``capacity`` by weight among the tenants with work
+              waiting), up to its share, so that its work runs next even while the workers are
+              busy with another tenant's. Each claim is queued on the local workers as a job that
+              may be taken back to the ledger (``evictable``: app/runtime/executor.py) to make
+              room for a synchronous task under its tenant's share; it is then ``returned`` here and
+              waits again. A task offered by this replica is run from the arrays it already
+              parsed; any other from its stored npz (or its stored dataset).
+    backlog   the ledger's waiting asynchronous work is bounded by REV88_BACKLOG_SIZE tasks and
+              REV88_BACKLOG_BYTES of stored uploads (``check_capacity``: 503 naming the limit);
+              each tenant by its key's max_queued (the runner's check).
+    attempts  (PostgreSQL) every task queued here under a lease (a claim, or a synchronous task
+              recorded here) is an attempt with that lease's epoch, from its queueing until its
+              settling ends, recorded or not (``attempt_began``/``attempt_ended``, called by the
+              runner); each of its writes is fenced by that epoch. A claim that never becomes an
+              attempt (its input cannot be read or parsed, the queue refuses it, an older attempt
+              of the task still runs here) is released at once, or, with the database away, left
+              to expire: nothing holds a lease that no attempt here uses.
+    renew     (PostgreSQL) every ``REV88_LEASE_RENEW_S``, on a thread (``rev88-leases``) and a
+              database connection of their own (not the pool, not asyncio's threads: request
+              traffic cannot starve it; timeouts of a quarter lease): the leases of the live
+              attempts, and only those, are extended; an attempt whose lease was lost (it expired
+              and was reaped or taken over) is stopped here, its late result would be refused
+              anyway (fencing); a held task whose cancellation was requested through another
+              replica is stopped and recorded cancelled.
+    reap      (PostgreSQL) every ``REV88_CLAIM_POLL_S``: expired leases, any replica's, queued
+              again or failed (``ledger.reap``); the backlog is counted for /metrics and for the
+              tenants' shares.
+    listen    (PostgreSQL) a thread LISTENs for the ledger's notifications: a queued task wakes
+              the claimer, a cancel request for a task running here stops it within a moment.
+    cancel    (PostgreSQL) a task this replica does not run: a cancel request in its row; the
+              answer is its record once its holder (or, should the holder be gone, a reaper)
+              records it. (SQLite: the runner cancels a waiting task in the ledger directly.)
 
 The database going away: every loop logs once, keeps going and recovers by itself; tasks keep
 running, their results are written when the database answers again (retried while this
@@ -48,17 +61,19 @@ import threading
 import time
 from typing import Any
 
+from learner.cancel import CancelToken
 from learner.config import make_config
 from learner.taskio import load_task
 
 from ..errors import QueueFull
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
+from ..ledger.local_claims import owner_key
 from ..threads import name_os_thread
 from .runner import Accepted, TaskRunner
 
 log = logging.getLogger("rev88." + __name__)
 
-SHARED_QUEUE_FACTOR = 16  # REV88_SHARED_QUEUE_SIZE's default: this many times the local queue
+BACKLOG_SIZE = 100_000  # REV88_BACKLOG_SIZE's default: waiting asynchronous tasks (rows of ~2 KB each)
 # Offered tasks' parsed arrays kept for this replica's own claim: at most this many bytes, this
 # long (a task another replica claimed is simply forgotten; this one then reads no body back)
 OFFER_CACHE_BYTES = 256 << 20
@@ -67,22 +82,31 @@ OFFER_CACHE_S = 30.0
 
 class SharedQueue:
     def __init__(self, runner: TaskRunner, ledger: Any, *, workers: int, batch_max: int, queue_size: int,
-                 lease_renew_s: float, claim_poll_s: float, shared_queue_size: int | None = None,
-                 ready: Any = None) -> None:
-        """``ready``: whether this replica may take work (its warm-up has passed); claims wait for it."""
+                 lease_renew_s: float, claim_poll_s: float, backlog_size: int | None = None,
+                 backlog_bytes: int | None = None, ready: Any = None) -> None:
+        """``ledger``: what claims (the PostgreSQL ledger itself, or app/ledger/local_claims.py's
+        LocalClaims over SQLite); ``ready``: whether this replica may take work (its warm-up has
+        passed); claims wait for it."""
         self.runner, self.ledger = runner, ledger
+        self.leases = bool(getattr(ledger, "leases", True))  # PostgreSQL's claims are leases
         self.ready = ready or (lambda: True)
         self.slots = max(1, workers * batch_max)  # tasks this replica's workers take at once
+        # work claimed ahead, waiting in the device queue so that no worker waits for a claim: one more
+        # launch per worker when batching; else, with SQLite, one task per worker -- but with a shared
+        # ledger none (a task claimed ahead here could have run at once on an idle replica)
+        self.prefetch = self.slots if batch_max > 1 else (0 if self.leases else max(1, workers))
         self.batch_max = batch_max
         self.renew_s, self.poll_s = lease_renew_s, claim_poll_s
-        self.limit = shared_queue_size or SHARED_QUEUE_FACTOR * queue_size
+        self.limit = backlog_size or BACKLOG_SIZE
+        self.limit_bytes = backlog_bytes
         # task id -> (its acceptance, when offered, its arrays' bytes), oldest first
         self.offered: collections.OrderedDict[str, tuple[Accepted, float, int]] = collections.OrderedDict()
         self.offered_bytes = 0
         self.cache_size = max(1, queue_size)  # offered tasks kept here at most (and OFFER_CACHE_BYTES)
-        self.depth: dict[str, Any] | None = None  # the shared queue as last counted
+        self.depth: dict[str, Any] | None = None  # the backlog as last counted
         self.counters = {"claimed": 0, "from_stored_input": 0, "leases_lost": 0, "cancels_noticed": 0,
-                         "reaped_requeued": 0, "reaped_failed": 0, "reaped_cancelled": 0, "released": 0}
+                         "reaped_requeued": 0, "reaped_failed": 0, "reaped_cancelled": 0, "released": 0,
+                         "returned": 0, "refused_backlog": 0}
         self.database_error: str | None = None  # the last failure of a loop, until one succeeds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -96,21 +120,26 @@ class SharedQueue:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> dict[str, int]:
-        """Reap what stopped replicas left, start the loops and the listener; the reap's counts."""
+        """Reap what stopped replicas left (PostgreSQL) or load what this one left waiting (SQLite),
+        start the loops (and the listener); the counts of work queued again and failed."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         counts = {"requeued": 0, "failed": 0}
-        try:
-            reaped = await asyncio.to_thread(self.ledger.reap)
-            self._count_reaped(reaped)
-            counts = {"requeued": reaped["requeued"], "failed": reaped["failed"] + reaped["cancelled"]}
-        except LedgerUnavailable as exc:
-            self._failed("reap at start", exc)
-        self._listener = threading.Thread(target=self.ledger.listen, args=(self._notified, self._stop_listening),
-                                          name="rev88-listen", daemon=True)
-        self._listener.start()
-        self._keeper = threading.Thread(target=self._keep_leases, name="rev88-leases", daemon=True)
-        self._keeper.start()
+        if self.leases:
+            try:
+                reaped = await asyncio.to_thread(self.ledger.reap)
+                self._count_reaped(reaped)
+                counts = {"requeued": reaped["requeued"], "failed": reaped["failed"] + reaped["cancelled"]}
+            except LedgerUnavailable as exc:
+                self._failed("reap at start", exc)
+            self._listener = threading.Thread(target=self.ledger.listen, args=(self._notified, self._stop_listening),
+                                              name="rev88-listen", daemon=True)
+            self._listener.start()
+            self._keeper = threading.Thread(target=self._keep_leases, name="rev88-leases", daemon=True)
+            self._keeper.start()
+        else:
+            counts["requeued"] = await asyncio.to_thread(self.ledger.load)
+            self.depth = self.ledger.queue_depth()
         for loop in (self._claim_loop, self._maintain_loop):
             self._tasks.append(asyncio.create_task(loop(), name=f"rev88-{loop.__name__.strip('_')}"))
         self.wake()
@@ -118,12 +147,14 @@ class SharedQueue:
 
     async def stop(self) -> None:
         """Stop the loops; give back the leases of unfinished tasks still held (they run
-        elsewhere at once, no expiry counted)."""
+        elsewhere at once, no expiry counted). (SQLite: the ledger keeps them queued for the next start.)"""
         self._stop_listening.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if not self.leases:
+            return
         if self._keeper is not None:
             await asyncio.to_thread(self._keeper.join, 5.0)
         held = sorted(set(self.ledger.held()) | set(self.live_attempts()))
@@ -140,23 +171,74 @@ class SharedQueue:
 
     # ------------------------------------------------------------------ intake
 
-    def check_capacity(self) -> None:
-        """Before an asynchronous upload is read: refuse while the shared queue is full."""
-        depth = self.depth
-        if depth is not None and depth.get("queued", 0) >= self.limit:
+    def backlog(self) -> dict[str, Any]:
+        """The ledger's waiting asynchronous work: tasks, stored upload bytes, per tenant (as last
+        counted; SQLite's is exact)."""
+        depth = self.ledger.queue_depth() if not self.leases else (self.depth or {})
+        return {"tasks": depth.get("queued", 0), "bytes": depth.get("bytes", 0), "limit": self.limit,
+                "limit_bytes": self.limit_bytes, "owners": depth.get("owners", {})}
+
+    def check_capacity(self, adding: int = 1, uploads: bool = True) -> None:
+        """Before asynchronous work is read or recorded: refuse (503) while the ledger's backlog
+        is full -- ``adding`` more tasks would pass REV88_BACKLOG_SIZE, or (``uploads``: each
+        keeps its npz) the waiting uploads already hold REV88_BACKLOG_BYTES."""
+        backlog = self.backlog()
+        retry = max(1, round(self.poll_s * 2))
+        if backlog["tasks"] + adding > self.limit:
+            self.counters["refused_backlog"] += 1
             raise QueueFull(
-                f"the shared queue is full ({depth['queued']} of {self.limit} asynchronous tasks queued across the "
-                "replicas, REV88_SHARED_QUEUE_SIZE); retry later", retry_after=max(1, round(self.poll_s * 2)))
+                f"the ledger's backlog is full ({backlog['tasks']} asynchronous tasks waiting; {adding} more would "
+                f"pass REV88_BACKLOG_SIZE {self.limit}); retry later", retry_after=retry,
+                limit="REV88_BACKLOG_SIZE", value=self.limit, waiting=backlog["tasks"])
+        if uploads and self.limit_bytes is not None and backlog["bytes"] >= self.limit_bytes:
+            self.counters["refused_backlog"] += 1
+            raise QueueFull(
+                f"the ledger's backlog is full (the waiting uploads hold {backlog['bytes']} bytes, REV88_BACKLOG_BYTES "
+                f"{self.limit_bytes}); retry later", retry_after=retry, limit="REV88_BACKLOG_BYTES",
+                value=self.limit_bytes, waiting_bytes=backlog["bytes"])
 
     def offer(self, acc: Accepted) -> None:
-        """An asynchronous task just recorded (queued) here: whichever replica is idle claims it;
-        this one keeps its parsed arrays a while, to run it without reading it back."""
-        size = acc.task.train_images.nbytes + acc.task.test_images.nbytes
+        """Asynchronous work just recorded (queued) here: the feeder claims it by fair share (with
+        a shared ledger, whichever replica is idle); this one keeps its parsed arrays a while, to
+        run it without reading it back."""
+        size = acc.task.train_images.nbytes + acc.task.test_images.nbytes if acc.dataset is None else 0
         self.offered[acc.task_id] = (acc, time.monotonic(), size)
         self.offered_bytes += size
         self._trim_offered()
-        if self.depth is not None:
-            self.depth = {**self.depth, "queued": self.depth.get("queued", 0) + 1}
+        if not self.leases:
+            self.ledger.add(acc.task_id, acc.owner, acc.created_at, 0 if acc.dataset is not None else acc.body_bytes)
+        elif self.depth is not None:
+            owners = dict(self.depth.get("owners") or {})
+            mine = dict(owners.get(owner_key(acc.owner)) or {})
+            mine["queued"] = mine.get("queued", 0) + 1
+            mine["unclaimed"] = mine.get("unclaimed", 0) + 1
+            owners[owner_key(acc.owner)] = mine
+            self.depth = {**self.depth, "queued": self.depth.get("queued", 0) + 1, "owners": owners}
+        self.wake()
+
+    def discard(self, task_id: str) -> None:
+        """A waiting task cancelled in the ledger (SQLite): out of the backlog and the cache."""
+        self._take_offered(task_id)
+        if not self.leases:
+            self.ledger.discard(task_id)
+
+    async def returned(self, acc: Accepted) -> None:
+        """A fed task taken back out of the device queue before it ran: it waits in the ledger
+        again (its claim released), its parsed arrays kept here for its next claim."""
+        self.counters["returned"] += 1
+        acc.cancel = CancelToken()
+        acc.job = None
+        try:
+            released = await asyncio.to_thread(self.ledger.release, [acc.task_id])
+        except LedgerUnavailable as exc:  # (PostgreSQL: its lease expires instead, and it is reaped)
+            self.ledger.forget([acc.task_id])
+            self._failed("give back a returned task", exc)
+            return
+        if released:
+            self.offered[acc.task_id] = (acc, time.monotonic(), 0 if acc.dataset is not None else
+                                         acc.task.train_images.nbytes + acc.task.test_images.nbytes)
+            self.offered_bytes += self.offered[acc.task_id][2]
+            self._trim_offered()
         self.wake()
 
     def _take_offered(self, task_id: str) -> Accepted | None:
@@ -197,7 +279,48 @@ class SharedQueue:
     # ------------------------------------------------------------------ claims
 
     def free_slots(self) -> int:
-        return self.slots - self.runner.executor.in_flight()
+        return self.slots + self.prefetch - self.runner.executor.in_flight()
+
+    def backlog_tenants(self) -> dict[str, int]:
+        """tenant -> its work waiting in the ledger, not yet claimed ("" the admin's/an open
+        service's): SQLite's exactly; PostgreSQL's as last counted, with what was offered here since."""
+        if not self.leases:
+            return self.ledger.backlog()
+        out = {t: v.get("unclaimed", v.get("queued", 0)) for t, v in ((self.depth or {}).get("owners") or {}).items()}
+        for acc, _, _ in self.offered.values():
+            out.setdefault(owner_key(acc.owner), 1)
+        return {t: n for t, n in out.items() if n > 0}
+
+    def backlog_weights(self) -> dict[str, float]:
+        """tenant -> its weight, for the tenants whose work waits in the ledger (the device queue's
+        shares count them as waiting)."""
+        return {t: self.runner.weight_of(t) for t in self.backlog_tenants()}
+
+    def plan(self) -> tuple[int, list[str] | None] | None:
+        """(how many to claim, of which tenants: None any) now, or None: nothing to claim. Never
+        past the device queue's room; enough to keep the workers fed; beyond that only for tenants
+        under their share of the device queue while their work waits in the ledger and another
+        tenant's waits in the device queue."""
+        executor = self.runner.executor
+        room = executor.capacity - executor.depth
+        if room <= 0:
+            return None
+        free = self.free_slots()
+        if free > 0:
+            return min(free, room), None
+        backlog = self.backlog_tenants()
+        if not backlog:
+            return None
+        weights = {t: self.runner.weight_of(t) for t in backlog}
+        shares = executor.shares(weights)
+        present = executor.queued_by_tenant()
+        # (only where another tenant's jobs wait in the device queue: they would run before this
+        # tenant's backlog, which a free worker's claim would otherwise reach in fair-share order)
+        under = {t: shares[t] - present.get(t, 0) for t in backlog
+                 if present.get(t, 0) < shares[t] and any(n for u, n in present.items() if u != t)}
+        if not under:
+            return None
+        return min(room, sum(under.values())), sorted(under)
 
     async def _claim_loop(self) -> None:
         while True:
@@ -215,19 +338,28 @@ class SharedQueue:
                 log.exception("claiming queued tasks failed")
 
     async def claim_some(self) -> int:
-        """Claim while workers are free; returns how many tasks were queued here."""
+        """Claim while the plan says so; returns how many tasks were queued here."""
         queued = 0
         while not self.runner.executor.closed and self.ready():
-            free = self.free_slots()
-            if free <= 0:
+            plan = self.plan()
+            if plan is None:
                 break
-            claims = await asyncio.to_thread(self.ledger.claim, min(free, self.batch_max))
+            limit, owners = plan
+            claims = await asyncio.to_thread(self._claim, limit, owners)
             self._ok()
             if not claims:
                 break
             self.counters["claimed"] += len(claims)
             queued += await self._queue_claims(claims)
+            if owners is not None:  # (a tenant's share: one claim, then look again after the workers move)
+                break
         return queued
+
+    def _claim(self, limit: int, owners: list[str] | None) -> list:
+        executor = self.runner.executor
+        usage = executor.usage_snapshot()
+        return self.ledger.claim(limit, owners, rank=lambda t: (usage.get(t, 0.0), self.runner.weight_of(t)),
+                                 cost_s=executor.mean_device_seconds())
 
     async def _queue_claims(self, claims: list) -> int:
         """Each claim becomes an attempt queued here, or its lease is given back (whatever fails on
@@ -251,7 +383,7 @@ class SharedQueue:
                     self.counters["from_stored_input"] += 1
                 acc.epoch = claim.epoch
                 try:
-                    self.runner.queue(acc, reserved=True)
+                    self.runner.queue(acc, fed=True)
                 except Exception as exc:  # noqa: BLE001 - e.g. a drain began: let another replica run it
                     acc.epoch = None
                     log.warning("claimed task not queued here; its lease is given back",
@@ -385,6 +517,10 @@ class SharedQueue:
     async def _maintain_loop(self) -> None:
         while True:
             await asyncio.sleep(self.poll_s)
+            if not self.leases:  # (SQLite: the backlog is counted in memory; a poll claims what the plan allows)
+                self.depth = self.ledger.queue_depth()
+                self.wake()
+                continue
             try:
                 reaped = await asyncio.to_thread(self.ledger.reap)
                 self._count_reaped(reaped)
@@ -448,7 +584,9 @@ class SharedQueue:
             "offered_cached": len(self.offered),
             "offered_cached_bytes": self.offered_bytes,
             "limit": self.limit,
+            "limit_bytes": self.limit_bytes,
             "depth": self.depth,
+            "leases": self.leases,
             "lease_renew_s": self.renew_s,
             "claim_poll_s": self.poll_s,
             "database_error": self.database_error,

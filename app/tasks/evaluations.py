@@ -372,6 +372,7 @@ class Evaluations:
         measured = definition.get("measure") is not None
         if tenant is not None:  # its cells are its tasks: max_queued counts them
             await self.runner.check_queued(tenant, len(definition["draws"]) * (2 if measured else 1))
+        self.runner.feeder.check_capacity(len(definition["draws"]) * (2 if measured else 1), uploads=False)
         draws = [await asyncio.to_thread(self.draws.ensure, k) for k in definition["draws"]]
         if tenant is not None:  # the draws' datasets are the tenant's to see, as if it had sent them
             for d in draws:
@@ -433,12 +434,8 @@ class Evaluations:
             if len(have) == len(accs):
                 return  # recorded and queued by that request
             raise
-        for acc in accs:
-            if runner.shared is not None:
-                runner.shared.offer(acc)  # claimed by whichever replica has a free worker
-            else:
-                runner.queue(acc, reserved=True)
-                runner.settle_in_background(acc)
+        for acc in accs:  # each waits in the ledger; the feeder claims them by fair share (any replica's)
+            runner.feeder.offer(acc)
 
     # ------------------------------------------------------------------ reading and grading
     async def get(self, evaluation_id: str, viewer: str | None = None) -> EvaluationRecord:

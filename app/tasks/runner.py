@@ -34,10 +34,10 @@ from typing import Any
 import orjson
 
 from learner.cancel import CancelToken
-from learner.config import Config, make_config
-from learner.taskio import TaskArrays, load_task
+from learner.config import Config
+from learner.taskio import TaskArrays
 
-from ..errors import NotAccepted, TaskStopped, Unavailable, error_answer, outcome_of
+from ..errors import NotAccepted, Requeued, TaskStopped, Unavailable, error_answer, outcome_of
 from ..ledger import (
     AlreadyFinished,
     FinishedTask,
@@ -243,8 +243,11 @@ class TaskRunner:
         self.shares: Callable[[str], tuple[float, int | None]] = lambda owner: (1.0, None)
         self.keys: Any = None  # the service's key ring (app/tasks/tenants.py): the quotas' messages
         self.background: set[asyncio.Task] = set()  # settling asynchronous tasks
-        # With a ledger the replicas share (PostgreSQL): the SharedQueue (app/tasks/claims.py) that
-        # claims asynchronous tasks for this replica's workers; None with SQLite.
+        # The feeder (app/tasks/claims.py): asynchronous work waits in the ledger and is claimed into
+        # the device queue by fair share, with either store. ``shared`` is the same object when the
+        # ledger is shared by replicas (PostgreSQL: leases, fencing, cancels across replicas); None
+        # with SQLite.
+        self.feeder: Any = None
         self.shared: Any = None
         self.record_retry_s = 60.0  # a claimed task's result: retried this long while the database is away
         self.datasets: Any = None  # the DatasetCatalog (app/tasks/datasets.py): tasks on stored datasets
@@ -272,6 +275,21 @@ class TaskRunner:
         if created and self.shared is not None and acc.mode == "sync":  # held here from its creation
             acc.epoch = self.ledger.held_epoch(acc.task_id)
         return record, created
+
+    def weight_of(self, tenant: str) -> float:
+        """A tenant's fair-share weight ("" -- the admin, an open service -- weighs 1)."""
+        return self.shares(tenant)[0] if tenant else 1.0
+
+    def others_waiting(self) -> dict[str, float]:
+        """The tenants whose work waits in the ledger, with their weights (their shares of the
+        device queue are kept for them: app/runtime/executor.py)."""
+        return self.feeder.backlog_weights() if self.feeder is not None else {}
+
+    def check_sync_capacity(self, owner: str | None) -> None:
+        """Before a synchronous task's body is read: QueueFull unless its tenant may have a place
+        in the device queue now (its share, app/runtime/executor.py)."""
+        tenant = owner or ""
+        self.executor.check_capacity(tenant, self.weight_of(tenant), self.others_waiting())
 
     def unfinished_of(self, owner: str) -> int:
         """(blocking) The tenant's queued and running tasks: the ledger's, and this process's
@@ -311,8 +329,10 @@ class TaskRunner:
             ready=lambda: has_run_many(worker_engine(backend, self.engines)),
         )
 
-    def queue(self, acc: Accepted, reserved: bool = False) -> Job:
-        """Queue the task's job on the workers (``reserved``: recovered work skips the capacity check)."""
+    def queue(self, acc: Accepted, fed: bool = False) -> Job:
+        """Queue the task's job on the workers: ``fed`` (claimed from the ledger by the feeder)
+        takes a free place only and may go back to the ledger; anything else is admitted against
+        its tenant's share of the device queue (QueueFull otherwise)."""
         self.pending[acc.task_id] = acc
 
         def started(job) -> None:  # on the device worker: hands the write over, does not wait for it
@@ -323,12 +343,13 @@ class TaskRunner:
                 self.writer.started(acc.task_id, job.worker, time.time(), acc.epoch)
 
         weight, max_running = self.shares(acc.owner) if acc.owner is not None else (1.0, None)
-        share = dict(tenant=acc.owner or "", weight=weight, max_running=max_running)  # fair share (executor)
+        share = dict(tenant=acc.owner or "", weight=weight, max_running=max_running,  # fair share (executor)
+                     evictable=fed, others=None if fed else self.others_waiting())
         if acc.measure is not None:
             arguments = acc.measure
             job = self.executor.submit(
                 lambda: measure_on_device(acc.task, acc.config, acc.backend, arguments, self.energy, self.engines),
-                kind="measure", label=acc.task_id, reserved=reserved, cancel=acc.cancel, on_start=started, **share,
+                kind="measure", label=acc.task_id, cancel=acc.cancel, on_start=started, **share,
             )
         else:
             def run() -> DeviceOutcome | Answered:
@@ -347,11 +368,12 @@ class TaskRunner:
             job = self.executor.submit(
                 run,
                 kind="task", label=acc.task_id, batch=self.task_batch(acc.task, acc.config, acc.backend, acc.cancel),
-                reserved=reserved, cancel=acc.cancel, on_start=started, **share,
+                cancel=acc.cancel, on_start=started, **share,
             )
         acc.job = job
-        if self.shared is not None:  # a worker frees up when it ends: claim more
-            job.future.add_done_callback(self.shared.job_done)
+        if self.feeder is not None:  # a worker frees up when it ends: claim more
+            job.future.add_done_callback(self.feeder.job_done)
+        if self.shared is not None:
             if acc.epoch is not None:  # its lease is renewed while this attempt lives (until settle ends)
                 self.shared.attempt_began(acc)
         return job
@@ -396,6 +418,10 @@ class TaskRunner:
             # here that is no reference cycle, tests/test_memory_soak.py)
             job = None
             return self.refused(acc, refused)
+        except Requeued as exc:  # fed work taken back out of the device queue: it waits in the ledger again
+            job = None
+            await self.feeder.returned(acc)
+            return Settled(exc.status, {"error": exc.message})
         except BaseException as exc:  # noqa: BLE001 - every failure is answered and recorded
             settled = self.failed(acc, exc)
             await self._record_failure(acc, exc, settled)
@@ -540,7 +566,7 @@ class TaskRunner:
             log.warning("asynchronous task left for the next start", extra={"task_id": acc.task_id})
             if self.shared is not None:  # shared ledger: another replica runs it now
                 try:
-                    await asyncio.to_thread(self.ledger.release, [acc.task_id])
+                    await asyncio.to_thread(self.shared.ledger.release, [acc.task_id])
                 except LedgerUnavailable as exc2:
                     log.warning("lease not released (it expires instead)", extra={"task_id": acc.task_id,
                                                                                  "error": str(exc2)})
@@ -662,50 +688,34 @@ class TaskRunner:
             return await self.finished_record(task_id, 15.0)
         if self.shared is not None:  # shared ledger: queued for any replica, or running on another
             return await self.shared.cancel_elsewhere(task_id)
-        # in the ledger but not in this process's queue (e.g. a restart's leftover not yet re-queued)
+        # waiting in the ledger, not yet claimed into this process's device queue
         try:
-            return await asyncio.to_thread(self.ledger.finish, task_id, "cancelled", None,
-                                           {"status": 409, "error": "cancelled before it ran"})
+            record = await asyncio.to_thread(self.ledger.finish, task_id, "cancelled", None,
+                                             {"status": 409, "error": "cancelled before it ran"})
         except AlreadyFinished as exc:
             return exc.record
+        if self.feeder is not None:
+            self.feeder.discard(task_id)
+        return record
 
     # ------------------------------------------------------------------ recover
     async def recover(self) -> dict[str, int]:
-        """Queue again every asynchronous task the ledger left unfinished; fail the synchronous ones.
-        With a shared ledger, unfinished tasks may be other replicas' live work: only expired leases
-        are reaped, and the shared queue starts claiming (app/tasks/claims.py)."""
-        if self.shared is not None:
-            return await self.shared.start()
-        counts = {"requeued": 0, "failed": 0}
-        for rec in await asyncio.to_thread(self.ledger.unfinished):
-            if rec.mode != "async":
+        """What a stop left unfinished: asynchronous work waits in the ledger and the feeder claims
+        it again (runs are deterministic: its answer is the one the first run would have given);
+        a synchronous task (its client's connection went with the stop) is recorded failed. With a
+        shared ledger, unfinished tasks may be other replicas' live work: only expired leases are
+        reaped (app/tasks/claims.py)."""
+        failed = 0
+        if self.shared is None:
+            for rec in await asyncio.to_thread(self.ledger.unfinished):
+                if rec.mode == "async":
+                    continue
                 await asyncio.to_thread(self.ledger.finish, rec.id, "failed", None, {
                     "status": 503, "error": "the service stopped while this synchronous task was queued or running; "
                     "its client's connection was lost with it; submit the task again"})
-                counts["failed"] += 1
-                continue
-            try:
-                dataset, labels = rec.options.get("dataset"), None
-                if dataset is not None:  # (a task on a stored dataset keeps no copy of it)
-                    task, labels = await asyncio.to_thread(self.dataset_task, dataset)
-                else:
-                    body = await asyncio.to_thread(self.ledger.load_upload, rec.id)
-                    task = await asyncio.to_thread(load_task, body)
-                config = make_config(rec.config)
-            except Exception as exc:  # noqa: BLE001 - a record that cannot be re-run is failed, loudly
-                log.error("cannot re-run a recovered task", extra={"task_id": rec.id, "error": str(exc)})
-                await asyncio.to_thread(self.ledger.finish, rec.id, "failed", None, {
-                    "status": 500, "error": f"could not re-run the task after a restart: {exc}"})
-                counts["failed"] += 1
-                continue
-            acc = Accepted(task_id=rec.id, task=task, config=config, backend=rec.backend,
-                           include_scores=bool(rec.options.get("include_scores")), measure=rec.options.get("measure"),
-                           mode="async", dataset=dataset, labels=labels, sweep=rec.options.get("sweep"),
-                           evaluation=rec.options.get("evaluation"), owner=rec.options.get("owner"),
-                           webhook=rec.options.get("webhook"))
-            self.queue(acc, reserved=True)
-            self.settle_in_background(acc)
-            counts["requeued"] += 1
+                failed += 1
+        counts = await self.feeder.start()
+        counts["failed"] += failed
         if counts["requeued"] or counts["failed"]:
             log.info("recovered the ledger's unfinished tasks", extra=counts)
         return counts

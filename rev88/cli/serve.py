@@ -52,7 +52,8 @@ SERVE_ENV = {
     "lease_renew": "REV88_LEASE_RENEW_S",
     "lease_attempts": "REV88_LEASE_ATTEMPTS",
     "claim_poll": "REV88_CLAIM_POLL_S",
-    "shared_queue_size": "REV88_SHARED_QUEUE_SIZE",
+    "backlog_size": "REV88_BACKLOG_SIZE",
+    "backlog_bytes": "REV88_BACKLOG_BYTES",
     "dataset_bytes": "REV88_DATASET_BYTES",
     "dataset_cache_bytes": "REV88_DATASET_CACHE_BYTES",
     "sweep_max_cells": "REV88_SWEEP_MAX_CELLS",
@@ -272,8 +273,10 @@ def add_serve(sub) -> None:
                    "[REV88_LEASE_ATTEMPTS, default 3]")
     p.add_argument("--claim-poll", type=float, help="seconds between looks for queued work (and reaps of expired "
                    "leases) when no notification came [REV88_CLAIM_POLL_S, default 1]")
-    p.add_argument("--shared-queue-size", type=int, help="asynchronous tasks the shared ledger may hold queued; "
-                   "beyond, 503 [REV88_SHARED_QUEUE_SIZE, default 16 x the queue size]")
+    p.add_argument("--backlog-size", type=int, help="asynchronous tasks (uploads, sweep and evaluation cells) that "
+                   "may wait in the ledger; beyond, 503 [REV88_BACKLOG_SIZE, default 100000]")
+    p.add_argument("--backlog-bytes", type=int, help="bytes the waiting asynchronous uploads may keep stored; beyond, "
+                   "503 [REV88_BACKLOG_BYTES, default half the data dir's free disk at start; PostgreSQL: 16 GiB]")
     p.add_argument("--dataset-bytes", type=int, help="bytes the stored datasets and their labels may take in all; "
                    "beyond, 413 naming it [REV88_DATASET_BYTES, default 4 GiB]")
     p.add_argument("--dataset-cache-bytes", type=int, help="parsed datasets kept in memory per process "
