@@ -208,3 +208,57 @@ def test_every_status_a_route_answers_is_listed_where_it_is_documented(page, spe
         strays = [sorted(run) for run in runs if not any(run <= w for w in want)]
         assert not strays, f"docs/{page}, {route}: names statuses the route never answers: {strays}"
     assert frozenset({"accepted"}) in answered_statuses(routes[("POST", DOCS[page])], components)
+
+
+# --------------------------------------------------------------------------- the README's Python example
+
+
+def readme_python() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "from rev88 import Client" in b]
+    return block
+
+
+def editable_install() -> bool:
+    """Whether this environment's rev88 is an editable install (`make serve`'s and `make test`'s)."""
+    import importlib.metadata
+    import json
+
+    for dist in importlib.metadata.distributions(name="rev88"):  # (the checkout's rev88.egg-info has none)
+        direct = dist.read_text("direct_url.json")
+        if direct:
+            return bool(json.loads(direct).get("dir_info", {}).get("editable"))
+    return False
+
+
+def test_the_readmes_python_example_runs_in_the_clone_and_elsewhere_not_beside_a_rev88_folder(tmp_path):
+    """The README's snippet, saved as example.py beside task.npz and labels.npy (draw 0), against
+    a real server on the cpu backend: in a clone's folder (whose rev88/ is the package) and in a
+    folder of its own it prints the README's `8887 / 10000 37724115…`; in a folder that holds a
+    folder named rev88 (a clone) it fails as the README warns."""
+    import numpy as np
+
+    from learner.taskio import make_task, save_task
+    from tests.helpers import MNIST_DIR
+
+    task, labels = make_task(MNIST_DIR, 2026091400)
+    clone, own, holder = tmp_path / "clone", tmp_path / "own", tmp_path / "holder"
+    clone.mkdir()
+    (clone / "rev88").symlink_to(ROOT / "rev88", target_is_directory=True)  # (a clone's root: its package folder)
+    own.mkdir()
+    (holder / "rev88" / "rev88").mkdir(parents=True)  # a clone named rev88, beside the script
+    with running_server(tmp_path, env={"REV88_BACKEND": "cpu", "REV88_WORKERS": "1", "REV88_API_KEY": ""}) as srv:
+        for folder in (clone, own, holder):
+            save_task(folder / "task.npz", task)
+            np.save(folder / "labels.npy", labels)
+            (folder / "example.py").write_text(readme_python().replace(DOCS_URL, srv.url))
+        for folder in (clone, own):
+            proc = subprocess.run([sys.executable, "example.py"], cwd=folder, capture_output=True, text=True,
+                                  timeout=600)
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.strip() == "8887 / 10000 " + "37724115cb2d3242eb4a4f76d3a879ac92d729939320e5f6f2bd046bd631f200"
+        proc = subprocess.run([sys.executable, "example.py"], cwd=holder, capture_output=True, text=True, timeout=600)
+    if editable_install():  # (a regular install is found past the folder: the script runs)
+        assert proc.returncode != 0 and "cannot import name 'Client'" in proc.stderr, (proc.stdout, proc.stderr)
+    else:
+        assert proc.returncode == 0, proc.stderr
