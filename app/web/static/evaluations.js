@@ -189,7 +189,6 @@
       cell("draws", row.draw_set || row.draws.join(","), "num"),
       cell("config", changes(row.config_changes)),
       cell("backend", row.backend),
-      cell("device", row.device === null ? dash : String(row.device)),
       cell("correct", row.correct_over_total
         || el("span", { class: "muted", "data-progress": "" }, progressText(row.counts)), "num"),
       cell("mean ± SD", typeof row.mean_accuracy === "number" ? `${num(100 * row.mean_accuracy, 3)} %${sdText}` : dash, "num"),
@@ -202,7 +201,7 @@
     const graded = rows.filter((r) => r.status === "completed");
     let rank = 0;
     const table = el("table", { class: "tasks board-table" },
-      el("thead", {}, el("tr", {}, ...["rank", "name", "status", "draws", "config", "backend", "device", "correct",
+      el("thead", {}, el("tr", {}, ...["rank", "name", "status", "draws", "config", "backend", "correct",
         "mean ± SD", "ms / task", "mJ / task", "created"].map((h) => el("th", { text: h })))),
       el("tbody", {}, ...rows.map((r) => boardRow(r, r.status === "completed" ? (rank += 1) : null))));
     const n = rows[0].draws.length;
