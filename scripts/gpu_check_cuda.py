@@ -8,6 +8,13 @@
               where predictions differ: each differing query's margin and both accuracies), a
               byte-identical repeat, the first task's seconds including capture, median CUDA ms
   graph_reuse draw 1 (same shape) replays draw 0's graphs without recapture and equals a fresh backend
+  eleven      the eleven published draws on the backend as the tuned table sets it for this GPU (its
+              step: learner/kernels/tuned.py ``cuda_step``) against the cpu backend, query by query
+              (110,000 predictions equal, draw 0's state within tolerance); the cpu references come
+              from a child process started when the section starts (scripts/gpu_tune.py's shared
+              reference, which the fused section reads too)
+  workspace   CUBLAS_WORKSPACE_CONFIG as it ran and the bytes it costs per stream (also in every
+              answer's backend_details.memory)
 
 ``--dry-run`` (scripts/gpu_check.py --dry-run) runs the same program eagerly on the CPU
 (``GraphBackend("cpu")``: static buffers, no graphs), on 1,000/500 slices of draws 0 and 1 (the
@@ -28,6 +35,28 @@ import gpu_check_common as common  # noqa: E402
 DRY_SLICE = (0, 1000, 500)  # first row, train count, query count of each draw in the dry run
 
 
+def eleven_draws(mnist_dir: Path, dry_run: bool, out_dir: Path, device: str, ref_job, log) -> dict:
+    """The eleven draws (scripts/gpu_tune.py's tasks) on the tuned cuda backend against the cpu backend."""
+    import gpu_tune  # scripts/ is on sys.path
+
+    from learner.backends.cuda import GraphBackend
+    from learner.config import Config
+    from learner.train import prepare
+
+    t = time.perf_counter()
+    backend = GraphBackend(device)
+    tasks, labels = gpu_tune.build_draws(mnist_dir, dry_run)
+    outs = [backend.run(task, prepare(task, Config())) for task in tasks]
+    ref = ref_job.result()
+    out = {"what": "eleven draws" + (f", rows {gpu_tune.DRY_SLICE}" if dry_run else ""), "step": backend.step,
+           "tuned": backend.tuned.as_dict(), "cpu_correct_by_draw": ref["correct"],
+           "cpu_reference_seconds": ref["wall_seconds"], **gpu_tune.check_outputs(outs, ref, labels),
+           "seconds": time.perf_counter() - t}
+    log(f"  cuda eleven draws ({backend.step}): {out['predictions_differing']} of {out['predictions_compared']} "
+        f"predictions differ from cpu, correct {sum(out['correct_by_draw'])}, passed {out['passed']}")
+    return out
+
+
 def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, report: dict | None = None, **_) -> dict:
     """The section; its report (``report``: gpu_check.py's dict, filled as it goes) is written to
     cuda.json however it ends, partial on an error or an interrupt."""
@@ -35,10 +64,13 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, report
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {} if report is None else report
     with common.kept(report, out_dir / "cuda.json"):
-        return _run(report, mnist_dir, dry_run, log)
+        return _run(report, mnist_dir, dry_run, log, out_dir)
 
 
-def _run(report: dict, mnist_dir: Path, dry_run: bool, log) -> dict:
+def _run(report: dict, mnist_dir: Path, dry_run: bool, log, out_dir: Path) -> dict:
+    import gpu_tune  # scripts/ is on sys.path
+
+    ref_job = gpu_tune.shared_reference(mnist_dir, dry_run, out_dir)  # the cpu references, beside the GPU work
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -152,7 +184,11 @@ def _run(report: dict, mnist_dir: Path, dry_run: bool, log) -> dict:
     reuse = report["graph_reuse"]
     captures_ok = (reuse["captures_after_second_task"] == reuse["captures_after_other_seed"] == (0 if dry_run else 1)
                    and reuse["cached_programs"] == 1 and reuse["other_seed_reused"])
-    report["passed"] = bool(all(c["passed"] for c in report["cases"])
+    report["eleven_draws"] = eleven_draws(mnist_dir, dry_run, out_dir, device, ref_job, log)
+    from learner.backends.cuda import memory_facts
+
+    report["workspace"] = memory_facts()
+    report["passed"] = bool(all(c["passed"] for c in report["cases"]) and report["eleven_draws"]["passed"]
                             and report["draw0"]["repeat_byte_identical"]
                             and report["draw0"]["parameters_within_tolerance_of_cpu"]
                             and captures_ok and reuse["second_task_reused"]
@@ -160,7 +196,8 @@ def _run(report: dict, mnist_dir: Path, dry_run: bool, log) -> dict:
     if dry_run:
         report["not_checked_in_dry_run"] = ["CUDA graph capture and replay", "CUDA-event timing",
                                             "reversible gradients on a GPU (both sides ran on the CPU)",
-                                            "the 10k/10k draws (slices ran)"]
+                                            "the 10k/10k draws (slices ran)",
+                                            "the cuBLAS workspace (no cuBLAS on the CPU)"]
     d = report["draw0"]
     log(f"  cuda draw0: {d['correct']} correct (cpu {d['cpu_correct']}, {d['vs_cpu']['differing']} differ), "
         f"median {statistics.median(times):.3f} {'wall' if dry_run else 'CUDA'} ms, first task {first_s:.2f} s")
