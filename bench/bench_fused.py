@@ -8,8 +8,9 @@ Variants, all in one process on the 10k/10k MNIST draw 0 (dataset seed 202609140
 the default config:
 
   cuda      backend "cuda" (CUDA graphs, cached per shape), one task per run
-  fused     backend "fused", one task per launch
-  fused-T   backend "fused", T tasks per launch (default T = the GPU's SM count). Task 0 is
+  fused     backend "fused", one task per launch (the tuned table's lone choice for this GPU)
+  fused-T   backend "fused", T tasks per launch (default T = the GPU's SM count; the table's
+            launch choice: learner/kernels/tuned.py, chosen by scripts/gpu_tune.py). Task 0 is
             draw 0; task t > 0 is draw 0's rows in a task-specific order with seed 11 + t,
             so every program has its own data and its own initialization. Per-task figures
             are the launch's divided by T.
@@ -20,7 +21,9 @@ task by the paired-idle protocol (learner.measure.measure_task: its active windo
 complete runs, transfers included). Ratios are cuda / fused. Bench goals (not tests):
 fused >= 20x faster and >= 20x less energy per task than cuda; fused-T <= 10 mJ per task.
 
-``--sweep`` also times the fused kernel for several (chunk, num_warps) choices.
+``--sweep`` also times the fused kernel for several (chunk, num_warps) choices at each product
+precision, and the split variant alone (scripts/gpu_tune.py does the same with the eleven-draw
+check and picks).
 
 Needs a CUDA GPU (exits with status 2 and says so without one) and triton. Written on a
 machine without a GPU: it has not been run; scripts/gpu_check_fused.py uses these
@@ -50,6 +53,8 @@ GOAL_SPEEDUP = 20.0
 GOAL_ENERGY_RATIO = 20.0
 GOAL_BATCHED_MJ = 10.0
 SWEEP = [(64, 8), (64, 4), (128, 8), (128, 16), (32, 4)]
+SWEEP_SPLIT = [(16, 4), (32, 4)]  # the split variant: timed alone only
+PRECISIONS = ("ieee", "tf32x3")
 
 
 def require_gpu() -> None:
@@ -212,22 +217,29 @@ def measure(task, config, tasks_per_launch: int | None = None, timing_repeats: i
 
 
 def sweep(task, config, tasks_per_launch: int, repeats: int = 5, log=print) -> list[dict]:
-    """CUDA ms of the fused kernel for several (chunk, num_warps), single and T-task launches."""
+    """CUDA ms of the fused kernels for several (chunk, num_warps) at each precision, single and
+    T-task launches (the split variant single only)."""
     from learner.backends.fused import FusedBackend
     from learner.train import prepare
 
     prepared = prepare(task, config)
     tasks, prepareds = batch_tasks(task, config, tasks_per_launch)
     rows = []
-    for chunk, warps in SWEEP:
-        fused = FusedBackend("cuda", chunk=chunk, num_warps=warps)
-        fused.run(task, prepared)
-        single, _ = median_cuda_ms(fused, task, prepared, repeats)
-        batched, _ = median_cuda_ms(BatchedLaunch(fused, tasks[1:], prepareds[1:]), task, prepared, repeats)
-        rows.append({"chunk": chunk, "num_warps": warps, "single_ms": single, "launch_ms": batched,
-                     "per_task_ms_batched": batched / tasks_per_launch})
-        log(f"chunk {chunk:4d} warps {warps:2d}: single {single:9.3f} ms, {tasks_per_launch}-task launch "
-            f"{batched:9.3f} ms ({batched / tasks_per_launch:.4f} ms per task)")
+    for precision in PRECISIONS:
+        for variant, grid in (("one", SWEEP), ("split", SWEEP_SPLIT)):
+            for chunk, warps in grid:
+                fused = FusedBackend("cuda", chunk=chunk, num_warps=warps, precision=precision, variant=variant)
+                fused.run(task, prepared)
+                single, _ = median_cuda_ms(fused, task, prepared, repeats)
+                row = {"variant": variant, "chunk": chunk, "num_warps": warps, "precision": precision,
+                       "single_ms": single}
+                if variant == "one":
+                    batched, _ = median_cuda_ms(BatchedLaunch(fused, tasks[1:], prepareds[1:]), task, prepared, repeats)
+                    row.update({"launch_ms": batched, "per_task_ms_batched": batched / tasks_per_launch})
+                rows.append(row)
+                log(f"{variant:5s} chunk {chunk:4d} warps {warps:2d} {precision:6s}: single {single:9.3f} ms"
+                    + (f", {tasks_per_launch}-task launch {row['launch_ms']:9.3f} ms "
+                       f"({row['per_task_ms_batched']:.4f} ms per task)" if variant == "one" else ""))
     return rows
 
 
