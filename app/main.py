@@ -1,4 +1,4 @@
-"""The FastAPI app: ``create_app(settings) -> ServiceApp`` (a FastAPI app, app/api/hot_path.py) assembles the parts; nothing else lives here.
+"""The FastAPI app: ``create_app(settings) -> FastAPI`` assembles the parts; nothing else lives here.
 
 Run it with ``rev88 serve`` or ``uvicorn --factory app.main:create_app`` (settings come from the
 REV88_* environment variables, see app/settings.py).
@@ -12,11 +12,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import FastAPI
+
 from learner import __version__
 
-from . import web
-from .api import add_routes, datasets, errors, evaluations, health, keys, sweeps, tasks, usage, webhooks
-from .api.hot_path import ServiceApp, post_tasks, telemetry_enabled
+from . import api, web
+from .api import errors
 from .api.openapi import DESCRIPTION
 from .http import protocol, versions
 from .http.logs import configure_logging
@@ -25,25 +26,22 @@ from .service import Service
 from .settings import Settings
 
 
-def create_app(settings: Settings | None = None, engines: Callable[[str], Any] | None = None) -> ServiceApp:
+def create_app(settings: Settings | None = None, engines: Callable[[str], Any] | None = None) -> FastAPI:
     """The app. ``engines`` (backend name -> backend object; default: the learner's registry
     ``learner.backends.get_backend``) lets code that embeds the service supply its own backend
     objects; it is not reachable from HTTP or the environment."""
     settings = settings or Settings.from_env()
-    untested = [] if settings.stock_http else versions.untested(("fastapi", "starlette"))
-    if untested:  # (its POST /tasks entry uses their private parts: app/http/versions.py)
-        raise RuntimeError("; ".join(untested) + " (install the pinned releases, or set REV88_STOCK_HTTP=1 "
-                           "to serve POST /tasks through FastAPI's own layers)")
+    refusal = protocol.refusal(settings.stock_http)  # (the body protocol's release gate; rev88 serve asks too)
+    if refusal:
+        raise RuntimeError(refusal)
     configure_logging(settings.log_level)
     if settings.stock_http:
         logging.getLogger("rev88.app").warning(versions.STOCK_HTTP_LOST)
     service = Service(settings, engines)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: ServiceApp):
+    async def lifespan(app: FastAPI):
         await service.start()
-        if telemetry_enabled(app):  # (configured by now: looked up once, not per request)
-            app.hot = None
         # What is alive now lives as long as the service (torch, FastAPI, the learner: ~200,000
         # objects the cyclic GC tracks). A full collection walks all of them, ~85 ms on the event
         # loop on the 2-core bench machine; frozen, the collector leaves them out of every pass.
@@ -58,23 +56,13 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
             await service.stop()
             gc.unfreeze()  # collectable again at exit (native extensions report what is never freed)
 
-    app = ServiceApp(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan,
-                     docs_url=None, redoc_url=None)  # (/docs and /redoc without a CDN: app/web/api_docs.py)
+    app = FastAPI(title="rev88 service", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # (/docs and /redoc without a CDN: app/web/api_docs.py)
     app.state.service = service
     app.state.settings = settings
-    who = dict(api_key=settings.api_key, metrics=service.metrics, resolve=service.keys.resolve,
-               resolve_fast=service.keys.resolve_fast, limit=service.keys.rate)  # (app/tasks/tenants.py)
-    app.add_middleware(RequestMiddleware, **who)
-    if not settings.stock_http:  # POST /tasks past FastAPI's layers (app/api/hot_path.py)
-        app.hot = RequestMiddleware(post_tasks, **who)
+    app.add_middleware(RequestMiddleware, api_key=settings.api_key, metrics=service.metrics,  # (who: app/tasks/tenants.py)
+                       resolve=service.keys.resolve, resolve_fast=service.keys.resolve_fast, limit=service.keys.rate)
     errors.install(app)
-    add_routes(app, tasks.router)
-    add_routes(app, datasets.router)
-    add_routes(app, sweeps.router)
-    add_routes(app, evaluations.router)
-    add_routes(app, keys.router)
-    add_routes(app, usage.router)
-    add_routes(app, webhooks.router)
-    add_routes(app, health.router)
+    app.include_router(api.router)  # every resource's routes (app/api/__init__.py)
     web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, /docs and /redoc, scripts and styles under /static
     return app

@@ -94,14 +94,14 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "auto"
-    queue_size: int | None = None  # None: derived from the workers (app/devices.py)
+    queue_size: int | None = None  # None: derived from the workers (app/runtime/devices.py)
     max_body_bytes: int = 64 * 1024 * 1024
     task_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     api_key: str | None = dataclasses.field(default=None, repr=False)
     log_level: str = "info"
     threads: int | None = None
-    batch_max: int | None = None  # None: derived from the device (app/devices.py)
+    batch_max: int | None = None  # None: derived from the device (app/runtime/devices.py)
     batch_wait_ms: float = 5.0
     workers: int | None = None  # None: one per usable core / visible GPU
     max_task_work: int = DEFAULT_MAX_TASK_WORK
@@ -120,9 +120,8 @@ class Settings:
     header_timeout_s: float = 10.0
     keepalive_s: float = 5.0
     max_connections: int = 4096
-    # uvicorn's own HTTP protocol and FastAPI's own layers for POST /tasks, on framework releases
-    # the service was not tested on (app/http/versions.py); off: the body protocol
-    # (app/http/protocol.py) and the POST /tasks entry (app/api/hot_path.py)
+    # uvicorn's own HTTP protocol, on a uvicorn release the service was not tested on
+    # (app/http/versions.py); off: the body protocol (app/http/protocol.py)
     stock_http: bool = False
     # The shared ledger (app/ledger/postgres.py, docs/ledger.md): PostgreSQL at database_url, a
     # pool of db_pool_size connections, every wait bounded by db_timeout_s; asynchronous tasks

@@ -69,11 +69,13 @@ def dockerfile_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def routes() -> dict[str, set[str]]:
     """path -> HTTP methods, from the real app (cpu backend: nothing starts until the lifespan)."""
+    from fastapi.routing import iter_route_contexts
+
     from app.main import create_app
 
     app = create_app(Settings(backend="cpu"))
     table: dict[str, set[str]] = {}
-    for route in app.routes:
+    for route in iter_route_contexts(app.routes):  # (the routes of the routers the app includes too)
         methods = getattr(route, "methods", None) or set()
         table.setdefault(route.path, set()).update(methods)
     return table

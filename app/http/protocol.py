@@ -37,8 +37,9 @@ What it adds to uvicorn's own protocol (``HttpToolsProtocol``, which it subclass
 It touches uvicorn's internals (the cycle's ``body``, ``more_body``, ``message_event``,
 ``receive``/``send``, ``keep_alive``, the connection's parser and flow control), so it runs only
 on the uvicorn releases it was tested on (app/http/versions.py; pyproject.toml pins the same range)
-and ``problem()`` says why it cannot load otherwise: ``rev88 serve`` then refuses to start
-unless told to run uvicorn's own protocol (``--stock-http``). Its tests: tests/test_http_protocol.py
+and ``problem()`` says why it cannot load otherwise: ``refusal()``, the release gate that
+``create_app`` and ``rev88 serve`` both ask, then refuses to start unless told to run uvicorn's
+own protocol (REV88_STOCK_HTTP, ``--stock-http``). Its tests: tests/test_http_protocol.py
 (the bodies byte for byte against uvicorn's own protocol), tests/test_http_hostile.py (raw byte
 streams against it and against uvicorn's own, compared), tests/test_body_reader.py.
 """
@@ -94,6 +95,16 @@ else:
 def problem() -> str | None:
     """Why this protocol cannot run here, or None."""
     return _PROBLEM
+
+
+def refusal(stock_http: bool) -> str | None:
+    """The release gate, the one both ``create_app`` and ``rev88 serve`` ask: why the service
+    refuses to start, or None. It refuses when this protocol cannot run here (``problem()``)
+    unless told to run uvicorn's own (``stock_http``: REV88_STOCK_HTTP, ``rev88 serve --stock-http``)."""
+    if stock_http or _PROBLEM is None:
+        return None
+    return (f"{_PROBLEM}. Install the pinned release (pip install -e . or the image), or set REV88_STOCK_HTTP=1 "
+            "(rev88 serve --stock-http) to run uvicorn's own HTTP protocol, without what this one adds")
 
 
 class ZeroCopyBody:

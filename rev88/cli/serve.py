@@ -122,13 +122,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.http import versions
     from app.runtime import allocator
 
-    # The body protocol and the POST /tasks entry use private parts of uvicorn, FastAPI and
-    # Starlette: on a release they were not tested on, refuse rather than run without a word.
-    problems = [p for p in (http_protocol.problem(),) if p] + versions.untested(("fastapi", "starlette"))
-    if problems and not settings.stock_http:
-        raise CliError("refusing to start: " + "; ".join(problems) + ". Install the pinned releases "
-                       "(pip install -e . or the image), or pass --stock-http (REV88_STOCK_HTTP=1) to run uvicorn's "
-                       "own HTTP protocol and FastAPI's own layers, without what they add")
+    # The body protocol uses private parts of uvicorn: on a release it was not tested on, refuse
+    # rather than run without a word (the same gate as create_app's)
+    refusal = http_protocol.refusal(settings.stock_http)
+    if refusal:
+        raise CliError(f"refusing to start: {refusal}")
     if settings.stock_http:
         print(f"rev88 serve: warning: {versions.STOCK_HTTP_LOST}", file=sys.stderr)
         protocol = "auto"  # uvicorn's own: httptools where installed, else h11
@@ -254,8 +252,8 @@ def add_serve(sub) -> None:
                    "[REV88_KEEPALIVE_S, default 5]")
     p.add_argument("--max-connections", type=int, help="connections (and requests) at once; beyond, 503 at once "
                    "[REV88_MAX_CONNECTIONS, default 4096; the open-file limit is raised to fit where it can]")
-    p.add_argument("--stock-http", action="store_const", const="1", help="run uvicorn's own HTTP protocol and "
-                   "FastAPI's own layers for POST /tasks (needed on framework releases the service was not tested on; "
+    p.add_argument("--stock-http", action="store_const", const="1", help="run uvicorn's own HTTP protocol "
+                   "instead of the body protocol (needed on a uvicorn release the service was not tested on; "
                    "loses the header timeout, the lingering close, uploads reserved as they arrive, large bodies in "
                    "one buffer) [REV88_STOCK_HTTP, default off]")
     p.add_argument("--database-url", help="postgresql://user:password@host:port/db: the ledger in PostgreSQL, "
