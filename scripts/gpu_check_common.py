@@ -47,6 +47,7 @@ SERVICE_MODULES = {
     "idna": "idna", "click": "click", "python-multipart": "python_multipart", "httpx": "httpx",
     "prometheus-client": "prometheus_client", "jinja2": "jinja2", "markupsafe": "markupsafe",
     "orjson": "orjson", "zlib-ng": "zlib_ng", "fastapi-offline": "fastapi_offline",
+    "standardwebhooks": "standardwebhooks", "tqdm": "tqdm",  # tqdm: through torch.hub (the CLI's bars besides)
 }
 # After an interrupt, how long a child process (the service's server) gets between SIGTERM and
 # SIGKILL: well inside the 10 s that scripts/gpu_device_run.sh's `timeout -k 10` leaves Python.

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the GPU machine lacks for the HTTP service into .device-wheels/
-# (ignored by git; 13 wheels, 4.0 MiB measured). The lent nvidia-h200 machine runs CPython 3.12
+# (ignored by git; 15 wheels, 4.7 MiB measured). The lent nvidia-h200 machine runs CPython 3.12
 # with the packages of scripts/gpu_image_packages.txt (torch, triton, numpy, nvidia-ml-py, httpx,
 # anyio, h11, click, prometheus-client, jinja2, uvloop, annotated-doc, ...), but not fastapi,
 # starlette, pydantic, pydantic-core, uvicorn, httptools (the body protocol's parser),
 # python-multipart, nor annotated-types and typing-inspection (pydantic needs them) or
 # opentelemetry-api (fastapi imports it), nor orjson and zlib-ng: the service imports orjson; the
-# npz reader uses zlib-ng's faster CRC-32 when it is there (zlib's otherwise, same values).
+# npz reader uses zlib-ng's faster CRC-32 when it is there (zlib's otherwise, same values); nor
+# standardwebhooks, which signs the webhooks (app/webhooks/signing.py; no dependencies of its own).
 # tests/test_device_packages.py measures what the service imports and fails when the image plus
 # scripts/device_wheels.txt lack one. It has no network, so they travel with the call:
 #

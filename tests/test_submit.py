@@ -284,29 +284,6 @@ def test_retry_after_parsing():
     assert commands.retry_after_seconds(past) == 0.0
 
 
-def test_progress_bar_on_a_terminal():
-    class Tty:
-        def __init__(self):
-            self.text = ""
-
-        def isatty(self):
-            return True
-
-        def write(self, s):
-            self.text += s
-
-        def flush(self):
-            pass
-
-    tty = Tty()
-    bar = commands.Progress(2_000_000, stream=tty)
-    bar.update(1_000_000)
-    bar.update(1_000_000)
-    bar.finish()
-    assert "\rupload [" in tty.text and "100.0% 2.0 MB/2.0 MB" in tty.text
-    assert tty.text.endswith("waiting for the result (queue + training)...\n")
-
-
 # --------------------------------------------------------------------------- serve
 
 

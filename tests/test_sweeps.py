@@ -198,7 +198,7 @@ def test_the_client_and_rev88_sweep(tmp_path):
                               "--seeds", "3-4", "--wait", "--output", str(out), "--url", server.url],
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
-        assert "4 succeeded" in run.stdout and "cells" in run.stderr  # (the progress bar)
+        assert "4 succeeded" in run.stdout and "sweep 4/4 cells (0 running, 0 failed) in " in run.stderr  # (not a tty: the summary)
         table = list(csv.DictReader(io.StringIO(out.read_text())))
         assert [(r["learning_rate"], r["seed"]) for r in table] == [("0.05", "3"), ("0.05", "4"), ("0.1", "3"),
                                                                      ("0.1", "4")]

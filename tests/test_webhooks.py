@@ -8,6 +8,8 @@ ones. Nothing here sends traffic outside 127.0.0.0/8. Signatures are checked wit
 
 from __future__ import annotations
 
+import datetime
+import json
 import signal
 import socket
 import time
@@ -125,6 +127,90 @@ def test_our_verifier_refuses_what_was_not_signed():
     with pytest.raises(WebhookVerificationError, match="no v1 signature"):
         verify(h, body, "whsec_" + "A" * 32)
     assert verify(h, body, ["whsec_" + "A" * 32, secret])  # a list: either may have signed it
+
+
+SPEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the Standard Webhooks specification's example
+OTHER_SECRET = "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="  # base64 of bytes 0..31
+
+
+@pytest.mark.parametrize("secrets_, message_id, timestamp, body, signature", [
+    # the specification's own example (https://www.standardwebhooks.com)
+    ([SPEC_SECRET], "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b'{"test": 2432232314}',
+     "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="),
+    # two secrets (a rotation's overlap), a body with UTF-8 and a byte that is not UTF-8: the
+    # header app/webhooks/signing.py wrote by hand before it used standardwebhooks (commit 9020c3e)
+    ([SPEC_SECRET, OTHER_SECRET], "msg_2", 1797000000, '{"type":"task.succeeded","name":"Zürich ✓"}'.encode() + b"\xff",
+     "v1,oQ4UXCgT2XfEwcWpnTBQsrdtIqs1EUgsXem+FTLf6zc= v1,5QIYo4sQ7kiYVIDyfjJcUw2ni27dlTEB7fvFfvkXeiM="),
+])
+def test_signatures_are_the_same_bytes_as_before(secrets_, message_id, timestamp, body, signature):
+    from app.webhooks.signing import headers as sign
+
+    assert sign(secrets_, message_id, timestamp, body) == {
+        "webhook-id": message_id, "webhook-timestamp": str(timestamp), "webhook-signature": signature}
+
+
+def test_our_verifier_and_the_reference_library_agree_both_ways():
+    """standardwebhooks signs, rev88.webhooks.verify (standard library only) accepts; the service
+    signs (with standardwebhooks), the library's verify accepts; a change to the id, the
+    timestamp or one byte of the body is refused by both."""
+    import random
+
+    from standardwebhooks.webhooks import WebhookVerificationError as ReferenceError_
+
+    from app.webhooks.signing import headers as sign
+    from app.webhooks.signing import new_secret
+
+    rng = random.Random(45)
+    now = int(time.time())
+    for i in range(40):
+        secret = new_secret() if i % 2 else SPEC_SECRET
+        doc = {"n": i, "text": "".join(rng.choice("aé✓\\\" ") for _ in range(rng.randrange(0, 300)))}
+        body = json.dumps(doc, ensure_ascii=False).encode()
+        message_id, stamp = f"msg_{rng.getrandbits(64):x}", now - rng.randrange(0, 200)
+        when = datetime.datetime.fromtimestamp(stamp, tz=datetime.UTC)
+        theirs = {"webhook-id": message_id, "webhook-timestamp": str(stamp),
+                  "webhook-signature": Webhook(secret).sign(message_id, when, body)}
+        ours = sign([secret], message_id, stamp, body)
+        assert ours == theirs
+        assert verify(theirs, body, secret) == doc
+        assert Webhook(secret).verify(body, ours) == verify(ours, body, secret)
+        flipped = bytearray(body)
+        flipped[rng.randrange(len(body))] ^= 0x01
+        for bad_headers, bad_body in (({**ours, "webhook-id": message_id + "x"}, body),
+                                      ({**ours, "webhook-timestamp": str(stamp - 1)}, body),
+                                      (ours, bytes(flipped))):
+            with pytest.raises(WebhookVerificationError):
+                verify(bad_headers, bad_body, secret)
+            with pytest.raises(ReferenceError_):
+                Webhook(secret).verify(bad_body, bad_headers)
+    # a body that is not UTF-8 (or not JSON) is signed byte for byte; both check the signature
+    body = b"\xff\xfe not json"
+    h = sign([SPEC_SECRET], "msg_raw", now, body)
+    Webhook(SPEC_SECRET).verify(body, h, json_parse=False)
+    with pytest.raises(WebhookVerificationError, match="signed but is not JSON"):  # the signature matched
+        verify(h, body, SPEC_SECRET)
+
+
+def test_our_verifier_needs_only_the_standard_library():
+    """rev88/webhooks.py, loaded on its own by a Python without site-packages (-S -I: no
+    standardwebhooks, no httpx, not even the rev88 package), verifies a message the service signed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from app.webhooks.signing import headers as sign
+
+    body = b'{"type":"task.succeeded"}'
+    h = sign([SPEC_SECRET], "msg_alone", int(time.time()), body)
+    path = Path(__file__).resolve().parents[1] / "rev88" / "webhooks.py"
+    code = ("import importlib.util, json, sys\n"
+            f"spec = importlib.util.spec_from_file_location('alone', {str(path)!r})\n"
+            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+            f"print(json.dumps(mod.verify({h!r}, {body!r}, {SPEC_SECRET!r})))\n"
+            "assert 'standardwebhooks' not in sys.modules and 'httpx' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-S", "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"type": "task.succeeded"}
 
 
 def test_a_rotated_secret_signs_beside_the_new_one_during_the_overlap():
@@ -477,16 +563,18 @@ def test_the_async_client_reads_the_secret_and_the_log():
 
 
 def test_the_outbox_keeps_one_schema_and_filters_by_tenant_in_the_store(tmp_path):
-    """The PostgreSQL migration is the outbox's own table text (no drift between the engines'
+    """Each engine's migration is the outbox's own table text (no drift between the engines'
     copies); a tenant's read or redelivery of a subject's messages is filtered in the SQL."""
-    from app.ledger.outbox import POSTGRES_SCHEMA, SqliteOutbox
+    from app.ledger.outbox import POSTGRES_SCHEMA, SQLITE_SCHEMA, open_outbox
     from app.ledger.postgres import MIGRATIONS_DIR
     from app.ledger.store import Ledger
 
     migration = (MIGRATIONS_DIR / "0005_webhooks.sql").read_text()
     assert migration.split("\n", 1)[1] == POSTGRES_SCHEMA.lstrip()
+    sqlite_migration = (MIGRATIONS_DIR / "sqlite" / "0003_webhooks.sql").read_text()
+    assert sqlite_migration.split("\n", 2)[2] == SQLITE_SCHEMA.lstrip()
     ledger = Ledger(tmp_path / "data")
-    outbox = SqliteOutbox(ledger)
+    outbox = open_outbox(ledger)
     hook = {"url": "http://127.0.0.2:9/hook", "events": ["completed"]}
     record, _ = ledger.create(task_id="t1", kind="task", mode="async", backend="cpu", config={},
                               options={"owner": "alice", "webhook": hook}, train_count=1, test_count=1,

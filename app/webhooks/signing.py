@@ -1,17 +1,21 @@
-"""Standard Webhooks signatures (https://www.standardwebhooks.com, issue #34).
+"""Standard Webhooks signatures (https://www.standardwebhooks.com, issue #34), signed by the
+specification's own library, ``standardwebhooks``.
 
 A secret is ``whsec_`` + base64 of 32 random bytes. A message's signature is
-``v1,`` + base64(HMAC-SHA256(secret bytes, "<webhook-id>.<webhook-timestamp>.<body>")); while a
-rotated-out secret is still valid, the header carries both signatures, space-separated, and a
-receiver accepts the message when any one of them verifies.
+``v1,`` + base64(HMAC-SHA256(secret bytes, "<webhook-id>.<webhook-timestamp>.<body>")), the body
+signed byte for byte as sent; while a rotated-out secret is still valid, the header carries both
+signatures, space-separated, and a receiver accepts the message when any one of them verifies.
+(Receivers verify with ``standardwebhooks`` or with ``rev88.webhooks.verify``, which needs only
+the standard library; tests/test_webhooks.py checks each against the other, both ways.)
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import secrets
+from datetime import UTC, datetime
+
+from standardwebhooks import Webhook
 
 PREFIX = "whsec_"
 
@@ -20,14 +24,9 @@ def new_secret() -> str:
     return PREFIX + base64.b64encode(secrets.token_bytes(32)).decode("ascii")
 
 
-def secret_bytes(secret: str) -> bytes:
-    return base64.b64decode(secret[len(PREFIX):] if secret.startswith(PREFIX) else secret)
-
-
 def signature(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
-    signed = f"{message_id}.{timestamp}.".encode() + body
-    digest = hmac.new(secret_bytes(secret), signed, hashlib.sha256).digest()
-    return "v1," + base64.b64encode(digest).decode("ascii")
+    """``v1,<base64>``: the one signature of this secret (``timestamp``: whole Unix seconds)."""
+    return Webhook(secret).sign(message_id, datetime.fromtimestamp(timestamp, tz=UTC), body)
 
 
 def headers(secrets_: list[str], message_id: str, timestamp: int, body: bytes) -> dict[str, str]:

@@ -6,15 +6,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
 from .common import CliError
-from .tasks import _add_client_flags, _client_errors, open_client
+from .progress import bar as progress_bar
+from .tasks import add_client_flags, client_errors, open_client
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
-@_client_errors
+@client_errors
 def cmd_dataset(args: argparse.Namespace) -> int:
     with open_client(args, args.timeout) as client:
         if args.action == "show":
@@ -42,7 +48,7 @@ def add_dataset(sub) -> None:
     p.add_argument("action", choices=("put", "show"))
     p.add_argument("target", metavar="FILE|DIGEST")
     p.add_argument("--labels", help="put: an .npy of the query labels (shape (M,), integers 0-9)")
-    _add_client_flags(p, "seconds to wait for each answer (default 600)", 600.0)
+    add_client_flags(p, "seconds to wait for each answer (default 600)", 600.0)
     p.set_defaults(func=cmd_dataset)
 
 
@@ -83,18 +89,38 @@ def parse_seeds(text: str) -> list[int] | dict[str, int]:
     return [int(_number(s, "--seeds")) for s in text.split(",")]
 
 
-def _bar(result) -> None:
-    counts = result.counts
-    total = sum(counts.values())
-    done = counts["succeeded"] + counts["failed"] + counts["cancelled"]
-    width = 30
-    filled = int(width * done / total) if total else width
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} cells "
-                     f"({counts['running']} running, {counts['failed']} failed)")
-    sys.stderr.flush()
+class SweepProgress:
+    """The cells' bar over ``wait_sweep``'s polls: tqdm on stderr when it is a terminal
+    (rev88/cli/progress.py); otherwise one summary line when the wait ends (logs stay readable)."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar: tqdm | None = None
+        self.counts: dict[str, int] | None = None
+        self._t0 = time.monotonic()
+
+    def __call__(self, result) -> None:
+        counts = self.counts = result.counts
+        total = sum(counts.values())
+        done = counts["succeeded"] + counts["failed"] + counts["cancelled"]
+        if self.bar is None:
+            self.bar = progress_bar(total, "sweep", "cell", self.stream)
+        self.bar.total = total
+        self.bar.set_postfix_str(f"{counts['running']} running, {counts['failed']} failed", refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None and not self.bar.disable:
+            self.bar.close()
+        elif self.counts is not None:
+            counts = self.counts
+            done = counts["succeeded"] + counts["failed"] + counts["cancelled"]
+            self.stream.write(f"sweep {done}/{sum(counts.values())} cells ({counts['running']} running, "
+                              f"{counts['failed']} failed) in {time.monotonic() - self._t0:.1f} s\n")
+            self.stream.flush()
 
 
-@_client_errors
+@client_errors
 def cmd_sweep(args: argparse.Namespace) -> int:
     grid = parse_grid(args.grid or [])
     config = json.loads(args.config) if args.config else {}
@@ -106,9 +132,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if not args.wait:
             print(sweep_id)
             return 0
-        result = client.wait_sweep(sweep_id, args.timeout, progress=None if args.no_progress else _bar)
-        if not args.no_progress:
-            sys.stderr.write("\n")
+        bar = None if args.no_progress else SweepProgress()
+        try:
+            result = client.wait_sweep(sweep_id, args.timeout, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
         if args.output:
             Path(args.output).write_text(client.sweep_csv(sweep_id))
         counts = result.counts
@@ -131,5 +160,5 @@ def add_sweep(sub) -> None:
     p.add_argument("--wait", action="store_true", help="wait for every cell, with a progress bar on stderr")
     p.add_argument("--no-progress", action="store_true", help="with --wait: no progress bar")
     p.add_argument("--output", help="with --wait: where to write the cell table (CSV)")
-    _add_client_flags(p, "seconds to wait for the sweep with --wait (default 3600)", 3600.0)
+    add_client_flags(p, "seconds to wait for the sweep with --wait (default 3600)", 3600.0)
     p.set_defaults(func=cmd_sweep)

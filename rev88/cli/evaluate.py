@@ -48,6 +48,7 @@ from rev88.client import (
 )
 
 from .common import CliError
+from .progress import bar as progress_bar
 
 # --------------------------------------------------------------------------- --draws
 
@@ -231,34 +232,29 @@ class ServerEvaluation:
 
 
 class Progress:
-    """A dependency-free progress bar over draws on stderr (one line per draw when not a TTY)."""
+    """The draws' bar: tqdm on stderr when it is a terminal (rev88/cli/progress.py), the last
+    draw's figures beside it; otherwise one line per draw (logs stay readable)."""
 
-    def __init__(self, count: int, stream: TextIO | None = None, width: int = 24) -> None:
-        self.count, self.done, self.width = count, 0, width
+    def __init__(self, count: int, stream: TextIO | None = None) -> None:
+        self.count, self.done = count, 0
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0 = time.perf_counter()
-
-    def _bar(self) -> str:
-        filled = round(self.width * self.done / self.count)
-        return "[" + "#" * filled + "-" * (self.width - filled) + f"] {self.done}/{self.count}"
+        self.bar = progress_bar(count, "evaluate", "draw", self.stream)
+        self.tty = not self.bar.disable
 
     def start(self, draw: int) -> None:
-        if self.tty:
-            self.stream.write(f"\r\033[Kevaluate {self._bar()} running draw {draw} …")
-            self.stream.flush()
+        self.bar.set_postfix_str(f"running draw {draw}")
 
     def finish(self, draw: int, correct: int, total: int, seconds: float) -> None:
         self.done += 1
         note = f"draw {draw}: {correct:,} / {total:,} ({100 * correct / total:.2f} %) in {seconds:.2f} s"
-        elapsed = time.perf_counter() - self.t0
         if self.tty:
-            self.stream.write(f"\r\033[Kevaluate {self._bar()} {note}; {elapsed:.0f} s elapsed")
+            self.bar.set_postfix_str(note, refresh=False)
+            self.bar.update(1)
             if self.done == self.count:
-                self.stream.write("\n")
+                self.bar.close()
         else:
-            self.stream.write(f"evaluate {self._bar()} {note}\n")
-        self.stream.flush()
+            self.stream.write(f"evaluate {self.done}/{self.count} {note}\n")
+            self.stream.flush()
 
 
 # --------------------------------------------------------------------------- command

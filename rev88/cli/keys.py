@@ -7,10 +7,10 @@ import argparse
 import json
 
 from .common import CliError
-from .tasks import _add_client_flags, _client_errors, open_client
+from .tasks import add_client_flags, client_errors, open_client
 
 
-@_client_errors
+@client_errors
 def cmd_keys(args: argparse.Namespace) -> int:
     if args.action != "list" and not args.target:
         raise CliError(f"rev88 keys {args.action} needs the key's {'name' if args.action == 'create' else 'id'}")
@@ -45,5 +45,5 @@ def add_keys(sub) -> None:
     p.add_argument("--scopes", help="create: comma-separated, of read, write, admin (default read,write)")
     p.add_argument("--expires-at", type=float, help="create: epoch seconds after which the key is refused")
     p.add_argument("--grace", type=float, help="rotate: seconds the old secret keeps working (default 3600)")
-    _add_client_flags(p, "seconds to wait for each answer (default 60)")
+    add_client_flags(p, "seconds to wait for each answer (default 60)")
     p.set_defaults(func=cmd_keys)

@@ -48,6 +48,7 @@ from rev88.client import (
 from rev88.client import retry_after_seconds as retry_after_seconds  # the one retry policy, also known here
 
 from .common import CliError, predictions_path, write_json
+from .progress import bar as progress_bar
 
 _sleep = time.sleep  # the tests replace this to record the waits (retries and polls)
 
@@ -65,7 +66,7 @@ def exit_status(exc: ClientError) -> int:
     return 1
 
 
-def _client_errors(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def client_errors(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """A command whose ClientError becomes a CliError: its message, its exit status."""
 
     @functools.wraps(cmd)
@@ -100,39 +101,30 @@ def open_client(args: argparse.Namespace, timeout: float) -> Client:
 
 
 class Progress:
-    """An upload progress bar on a stream: redrawn in place on a terminal,
-    one summary line otherwise (logs stay readable)."""
+    """One try's upload bar: tqdm on stderr when it is a terminal (rev88/cli/progress.py); otherwise
+    one summary line once the upload ends (logs stay readable). Then the line saying what it waits for."""
 
-    def __init__(self, total: int, stream: IO[str] | None = None, enabled: bool = True, width: int = 30,
+    def __init__(self, total: int, stream: IO[str] | None = None,
                  waiting: str = "waiting for the result (queue + training)..."):
-        self.total, self.done, self.width = total, 0, width
+        self.total, self.done = total, 0
         self.waiting = waiting
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._last = 0.0
+        self.bar = progress_bar(total, "upload", "B", self.stream, unit_scale=True, unit_divisor=1000)
+        self.tty = not self.bar.disable
         self._t0 = time.monotonic()
 
     def update(self, n: int) -> None:
         self.done += n
-        now = time.monotonic()
-        if self.tty and (now - self._last >= 0.1 or self.done >= self.total):
-            self._last = now
-            self.stream.write("\r" + self.line())
-            self.stream.flush()
+        self.bar.update(n)
 
-    def line(self) -> str:
-        frac = 1.0 if self.total == 0 else min(1.0, self.done / self.total)
-        filled = int(round(frac * self.width))
-        bar = "#" * filled + "." * (self.width - filled)
-        return f"upload [{bar}] {frac * 100:5.1f}% {_mb(self.done)}/{_mb(self.total)}"
+    def close(self) -> None:
+        """End the bar where it stands (a try that did not finish: the next try draws its own)."""
+        self.bar.close()
 
     def finish(self) -> None:
-        if not self.enabled:
-            return
         secs = time.monotonic() - self._t0
         if self.tty:
-            self.stream.write("\r" + self.line() + f" in {secs:.1f} s\n")
+            self.bar.close()
         else:
             self.stream.write(f"uploaded {_mb(self.done)} in {secs:.1f} s\n")
         self.stream.write(self.waiting + "\n")
@@ -149,6 +141,8 @@ def upload_progress(waiting: str, stream: IO[str] | None = None) -> Callable[[in
 
     def report(sent: int, total: int) -> None:
         if sent == 0:
+            if bars:
+                bars[-1].close()
             bars.append(Progress(total, stream=stream, waiting=waiting))
         bar = bars[-1]
         bar.update(sent - bar.done)
@@ -177,7 +171,7 @@ def _task_failed(exc: TaskFailed) -> CliError:
     return CliError(str(exc), exit_status(exc))
 
 
-@_client_errors
+@client_errors
 def cmd_submit(args: argparse.Namespace) -> int:
     if args.task.startswith("sha256:"):  # a dataset stored on the service (rev88 dataset put)
         path = Dataset(args.task)
@@ -238,7 +232,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_client_flags(p, timeout_help: str, timeout: float = 60.0) -> None:
+def add_client_flags(p, timeout_help: str, timeout: float = 60.0) -> None:
     p.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8000")
     p.add_argument("--api-key", default=os.environ.get("REV88_API_KEY") or None,
                    help="sent as 'Authorization: Bearer KEY' [default: $REV88_API_KEY]")
@@ -269,7 +263,7 @@ def add_submit(sub) -> None:
     p.add_argument("--output", help="where to write the JSON answer (required without --async; with it, "
                    "the 202's task summary)")
     p.add_argument("--no-progress", action="store_true", help="no upload progress on stderr")
-    _add_client_flags(p, "seconds to wait for the answer (default 900)", 900.0)
+    add_client_flags(p, "seconds to wait for the answer (default 900)", 900.0)
     p.set_defaults(func=cmd_submit)
 
 
@@ -311,7 +305,7 @@ def format_table(tasks: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@_client_errors
+@client_errors
 def cmd_tasks(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise CliError(f"--limit must be >= 1, got {args.limit}")
@@ -339,7 +333,7 @@ def add_tasks(sub) -> None:
     p.add_argument("--cursor", help="start at this page (from a previous listing's 'more tasks' line)")
     p.add_argument("--all", action="store_true", help="follow the pages to the last task")
     p.add_argument("--json", action="store_true", help="print the task summaries as a JSON list instead of a table")
-    _add_client_flags(p, "seconds to wait for each page (default 60)")
+    add_client_flags(p, "seconds to wait for each page (default 60)")
     p.set_defaults(func=cmd_tasks)
 
 
@@ -383,7 +377,7 @@ def write_answer(output: Path, got: Answer | TaskStatus) -> Path | None:
     return pred_file
 
 
-@_client_errors
+@client_errors
 def cmd_task(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise CliError(f"--timeout must be > 0 seconds, got {args.timeout}")
@@ -415,11 +409,11 @@ def add_task(sub) -> None:
                    "growing to every 2 s), at most --timeout seconds; exit status 0 only if it succeeded")
     p.add_argument("--output", help="write the JSON (a succeeded task's answer, else its status document); a "
                    "succeeded task's predictions go beside it (result.json -> result.predictions.npy)")
-    _add_client_flags(p, "with --wait: seconds to wait for the task to finish (default 900)", 900.0)
+    add_client_flags(p, "with --wait: seconds to wait for the task to finish (default 900)", 900.0)
     p.set_defaults(func=cmd_task)
 
 
-@_client_errors
+@client_errors
 def cmd_cancel(args: argparse.Namespace) -> int:
     with open_client(args, args.timeout) as client:
         doc = client.cancel(args.task_id).document
@@ -436,5 +430,5 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def add_cancel(sub) -> None:
     p = sub.add_parser("cancel", help="cancel a task: a queued one never runs, a running one is stopped")
     p.add_argument("task_id", metavar="ID", help="the task id")
-    _add_client_flags(p, "seconds to wait for the server's answer (default 60)")
+    add_client_flags(p, "seconds to wait for the server's answer (default 60)")
     p.set_defaults(func=cmd_cancel)
