@@ -198,6 +198,8 @@ def finish_task(
         "backend": engine.name,
         "device": engine.device,
         "dtype": "float32",
+        # the products' precision: "ieee" (fp32) unless the backend says otherwise (fused: tf32x3)
+        "precision": (out.extra or {}).get("precision", "ieee"),
         "versions": versions(),
     }
     if tasks_in_launch is not None:

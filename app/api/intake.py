@@ -176,7 +176,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=0.0 if late else parse_s,
         body_bytes=len(body), deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
-        late=late, owner=tenant_of(request).owner, webhook=webhook,
+        late=late, owner=tenant_of(request).owner, webhook=webhook, precision=options.precision,
     )
     return await _accepted(request, service, acc, body, body_sha256, key, asynchronous)
 
@@ -233,6 +233,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
         request_id=request_id, t0=t0, receive_s=0.0, parse_s=time.perf_counter() - t_parse,
         body_bytes=record.bytes, deferred=not (asynchronous or key is not None or webhook is not None),
         dataset=options.dataset, labels=labels, owner=tenant_of(request).owner, webhook=webhook,
+        precision=options.precision,
     )
     # (the body's SHA-256 is the dataset's: an Idempotency-Key matches the same bytes however sent)
     return await _accepted(request, service, acc, None, options.dataset.split(":", 1)[1], key, asynchronous)

@@ -7,6 +7,7 @@ from typing import Any
 
 from learner.backends import NAMES
 from learner.config import BOUNDS, EXCLUSIVE, FIELDS, INT_FIELDS
+from learner.kernels.tuned import PRECISIONS
 
 from ..models import TaskAnswer, TaskSummary, error_responses
 from ..tasks.options import MEASURE_PARAMS, NPZ_TYPE
@@ -41,6 +42,9 @@ def task_params() -> list[dict[str, Any]]:
          "description": "include=scores adds the (M, 10) float32 scores to the JSON answer"},
         {"name": "measure", "in": "query", "required": False, "schema": {"type": "string", "enum": ["energy"]},
          "description": "measure=energy runs the energy protocol (learner.measure) instead; see docs/energy.md"},
+        {"name": "precision", "in": "query", "required": False, "schema": {"type": "string", "enum": list(PRECISIONS)},
+         "description": "the products' precision (default: the backend's, the tuned table's on a GPU): ieee on "
+                        "every backend, tf32x3 on fused only; said in the answer's backend_details.precision"},
         {"name": "webhook", "in": "query", "required": False,
          "schema": {"type": "string", "format": "uri", "maxLength": 2048},
          "description": "an http(s) URL to POST a signed Standard Webhooks message to (docs/webhooks.md); "

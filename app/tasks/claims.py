@@ -433,7 +433,8 @@ class SharedQueue:
                         measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
                         created_at=record.created_at, dataset=dataset, labels=labels,
                         sweep=record.options.get("sweep"), evaluation=record.options.get("evaluation"),
-                        owner=record.options.get("owner"), webhook=record.options.get("webhook"))
+                        owner=record.options.get("owner"), webhook=record.options.get("webhook"),
+                        precision=record.options.get("precision"))
 
     # ------------------------------------------------------------------ leases
 

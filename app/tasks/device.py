@@ -60,17 +60,32 @@ class DeviceOutcome:
     energy_reason: str | None
 
 
-def worker_engine(backend: str, engines: Engines = get_backend) -> Backend:
-    """On a worker: the backend object for ``backend`` on that worker's device."""
+def worker_engine(backend: str, engines: Engines = get_backend, precision: str | None = None) -> Backend:
+    """On a worker: the backend object for ``backend`` on that worker's device, at ``precision``
+    (a request's ?precision=: the backend's ``with_precision``; None: the backend's own)."""
     worker = current_worker()
-    return engines(backend, engine_device(backend, worker.device if worker is not None else "cpu:0"))
+    return at_precision(engines(backend, engine_device(backend, worker.device if worker is not None else "cpu:0")),
+                        precision)
+
+
+def at_precision(engine: Backend, precision: str | None) -> Backend:
+    """``engine`` running its products at ``precision``: fused and cuda say how (``with_precision``);
+    the CPU backends compute in fp32, "ieee", which app/tasks/options.py allows them alone."""
+    if precision is None:
+        return engine
+    with_precision = getattr(engine, "with_precision", None)
+    if with_precision is not None:
+        return with_precision(precision)
+    if precision != "ieee":
+        raise ValueError(f"backend {engine.name!r} computes its products in fp32 (precision 'ieee'), not {precision!r}")
+    return engine
 
 
 def run_on_device(task, config: Config, backend: str, energy: Any, engines: Engines = get_backend,
-                  cancel: CancelToken | None = None) -> DeviceOutcome:
+                  cancel: CancelToken | None = None, precision: str | None = None) -> DeviceOutcome:
     """The executor's job for one task: the learner's run, metered where a GPU meter exists,
     stopped at the backend's next safe point once ``cancel`` is set."""
-    engine = worker_engine(backend, engines)
+    engine = worker_engine(backend, engines, precision)
     meter, reason = energy.meter_for(engine)
     if meter is None:
         return DeviceOutcome(run_task(task, config, engine, cancel=cancel), None, reason)
@@ -80,14 +95,14 @@ def run_on_device(task, config: Config, backend: str, energy: Any, engines: Engi
 
 
 def measure_on_device(task, config: Config, backend: str, arguments: dict[str, Any], energy: Any,
-                      engines: Engines = get_backend) -> dict:
+                      engines: Engines = get_backend, precision: str | None = None) -> dict:
     """The executor's job for ?measure=energy: the gated protocol (learner.measure.gated,
     docs/energy.md) on the worker's GPU through its meter, device held throughout (it is not
     stopped by a timeout or a disconnect once it runs; a queued one is dropped). Without a
     meter (a CPU worker, no NVML) the timing-only document, ``valid: null``."""
     from learner.measure.gated import measure_energy
 
-    engine = worker_engine(backend, engines)
+    engine = worker_engine(backend, engines, precision)
     meter, _ = energy.meter_for(engine)
     return measure_energy(task, config, engine, meter=meter, **arguments)
 
@@ -97,12 +112,13 @@ def measure_on_device(task, config: Config, backend: str, arguments: dict[str, A
 BATCH_METHOD = "batched launch, divided equally by task count"
 
 
-def launch_key(task: TaskArrays, config: Config, backend: str) -> tuple:
-    """Tasks with equal keys may share one ``run_many`` launch: one backend, one
-    (train_count, test_count) shape, one config except the seed (each task's
+def launch_key(task: TaskArrays, config: Config, backend: str, precision: str | None = None) -> tuple:
+    """Tasks with equal keys may share one ``run_many`` launch: one backend, one product precision
+    (a request's ?precision=, None: the backend's own -- tasks of different precisions never share
+    a launch), one (train_count, test_count) shape, one config except the seed (each task's
     seed-derived initial parameters and permutations are its own)."""
     shared = tuple((k, v) for k, v in config.as_dict().items() if k != "seed")
-    return (backend, task.train_count, task.test_count, shared)
+    return (backend, precision, task.train_count, task.test_count, shared)
 
 
 def has_run_many(engine: Any) -> bool:
@@ -134,7 +150,7 @@ def share_energy(reading: dict, tasks: int) -> dict:
 
 
 def run_many_on_device(
-    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend
+    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend, precision: str | None = None
 ) -> list[DeviceOutcome | BaseException]:
     """The executor's call for gathered tasks of one launch key: one ``run_many`` launch,
     metered as a whole where a GPU meter exists; one outcome per item, in order. An item is
@@ -145,7 +161,7 @@ def run_many_on_device(
     raised, and the executor answers every task of the launch with it. A launch cannot be
     interrupted: a task cancelled before it starts is left out of it; one cancelled while it
     runs has its result discarded (TaskCancelled)."""
-    engine = worker_engine(backend, engines)
+    engine = worker_engine(backend, engines, precision)
     cached_validation()  # as run_task: computed once per process, before the first run
     outcomes: list[DeviceOutcome | BaseException | None] = [None] * len(items)
     slots, tasks, prepareds, host_prep = [], [], [], []

@@ -1,4 +1,4 @@
-"""A task request's options: backend, include, measure=energy and config overrides from the query.
+"""A task request's options: backend, include, measure=energy, precision and config overrides from the query.
 
 Checked before the body is read, so a request that cannot succeed is refused before its upload.
 """
@@ -13,11 +13,12 @@ import torch
 
 from learner.backends import BackendUnavailable, resolve
 from learner.config import Config, coerce_config_strings, make_config
+from learner.kernels.tuned import PRECISIONS
 
 from ..errors import InvalidRequest
 from ..ledger.datasets import DIGEST
 
-SERVICE_PARAMS = ("backend", "include", "measure", "dataset", "webhook", "webhook_events")
+SERVICE_PARAMS = ("backend", "include", "measure", "dataset", "webhook", "webhook_events", "precision")
 MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
     "trials": (int, 1, 10, 3),
     "target_seconds": (float, 0.1, 60.0, 5.0),
@@ -45,6 +46,7 @@ class TaskOptions:
     dataset: str | None = None  # ?dataset=sha256:...: the stored dataset to train on (no body)
     webhook: str | None = None  # ?webhook=<url>: checked by the webhooks' guard (app/webhooks/targets.py)
     webhook_events: str | None = None  # ?webhook_events=started,completed (default completed)
+    precision: str | None = None  # ?precision=ieee|tf32x3: the products' precision (None: the backend's tuned one)
 
     def config(self, form_config: dict[str, Any] | None = None) -> Config:
         """Query overrides merged with a multipart ``config`` field; a key in both is an error."""
@@ -68,6 +70,7 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
     unknown = [p for p in include if p not in INCLUDES]
     if unknown:
         raise InvalidRequest(f"include={','.join(unknown)} is not known; allowed: {', '.join(INCLUDES)}")
+    precision = check_precision(query.pop("precision", None), backend)
     dataset = query.pop("dataset", None)
     if dataset is not None and not DIGEST.match(dataset):
         raise InvalidRequest(f"dataset must be a stored dataset's digest, sha256:<64 lowercase hex digits>, "
@@ -89,7 +92,21 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
         dataset=dataset,
         webhook=webhook,
         webhook_events=webhook_events,
+        precision=precision,
     )
+
+
+def check_precision(precision: str | None, backend: str) -> str | None:
+    """?precision=: one of learner.kernels.tuned.PRECISIONS (422 otherwise); a precision other than
+    ieee only where the backend has it (the fused backend's tensor-core products)."""
+    if precision is None:
+        return None
+    if precision not in PRECISIONS:
+        raise InvalidRequest(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}", field="precision")
+    if precision != "ieee" and backend != "fused":
+        raise InvalidRequest(f"precision={precision} is the fused backend's; backend {backend!r} computes its products "
+                             "in fp32 (precision=ieee)", field="precision")
+    return precision
 
 
 def measure_arguments(raw: dict[str, str]) -> dict[str, Any]:

@@ -132,6 +132,7 @@ class Accepted:
     evaluation: str | None = None  # the evaluation it is a cell of (app/tasks/evaluations.py)
     owner: str | None = None  # the tenant whose key made it (app/tasks/tenants.py); None: admin or open
     webhook: dict | None = None  # {"url", "events"}: its webhook (app/webhooks/; the ledger writes its messages)
+    precision: str | None = None  # ?precision=: its products' precision (None: the backend's own, the tuned table's)
 
     @property
     def kind(self) -> str:
@@ -149,6 +150,8 @@ class Accepted:
             options["owner"] = self.owner
         if self.webhook is not None:
             options["webhook"] = self.webhook
+        if self.precision is not None:
+            options["precision"] = self.precision
         return options
 
     def parsed(self) -> TaskArrays | None:
@@ -316,16 +319,17 @@ class TaskRunner:
             body_sha256=acc.dataset.split(":", 1)[1], body_bytes=acc.body_bytes, input_hashes=input_hashes(acc.task))
             for acc in accs], messages)
 
-    def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None) -> Batch | None:
+    def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None,
+                   precision: str | None = None) -> Batch | None:
         """How a task job may share a launch with queued tasks of its launch key
         (None when REV88_BATCH_MAX is 1). Whether it does is decided on the device
         thread: only when the backend object has ``run_many``."""
         if self.batch_max <= 1:
             return None
         return Batch(
-            key=launch_key(task, config, backend),
+            key=launch_key(task, config, backend, precision),
             item=(task, config, cancel),
-            run=lambda items: run_many_on_device(items, backend, self.energy, self.engines),
+            run=lambda items: run_many_on_device(items, backend, self.energy, self.engines, precision),
             ready=lambda: has_run_many(worker_engine(backend, self.engines)),
         )
 
@@ -348,14 +352,16 @@ class TaskRunner:
         if acc.measure is not None:
             arguments = acc.measure
             job = self.executor.submit(
-                lambda: measure_on_device(acc.task, acc.config, acc.backend, arguments, self.energy, self.engines),
+                lambda: measure_on_device(acc.task, acc.config, acc.backend, arguments, self.energy, self.engines,
+                                          acc.precision),
                 kind="measure", label=acc.task_id, cancel=acc.cancel, on_start=started, **share,
             )
         else:
             def run() -> DeviceOutcome | Answered:
                 if acc.task is None:  # a deferred task's body: parsed here, on the worker
                     acc.task = self._parse_late(acc)
-                outcome = run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel)
+                outcome = run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel,
+                                        precision=acc.precision)
                 if not acc.deferred:
                     return outcome
                 # A synchronous task's answer, built here beside its run rather than on the event
@@ -367,7 +373,8 @@ class TaskRunner:
 
             job = self.executor.submit(
                 run,
-                kind="task", label=acc.task_id, batch=self.task_batch(acc.task, acc.config, acc.backend, acc.cancel),
+                kind="task", label=acc.task_id,
+                batch=self.task_batch(acc.task, acc.config, acc.backend, acc.cancel, acc.precision),
                 cancel=acc.cancel, on_start=started, **share,
             )
         acc.job = job
