@@ -109,3 +109,10 @@ def test_workspace_bytes_and_the_one_default():
     assert workspace_bytes("4096:8") is None and workspace_bytes(":x:8") is None and workspace_bytes(None) is None
     init = (Path(__file__).resolve().parents[1] / "learner" / "__init__.py").read_text()
     assert f'os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", "{CUBLAS_WORKSPACE}")' in init
+
+
+def test_the_tuned_table_knows_every_step():
+    from learner.backends.cuda import STEPS
+    from learner.kernels.tuned import CUDA_STEPS
+
+    assert STEPS == CUDA_STEPS

@@ -12,7 +12,8 @@ A row holds, for the ``fused`` backend:
             -- or None: as ``launch``
 
 and for the ``cuda`` backend its ``cuda_step`` ("autograd": train.train_step, as the cpu backend;
-"explicit": learner/backends/cuda_step.py's hand-written backward, fewer kernels per step).
+"explicit" and "explicit-bmm": learner/backends/cuda.py's ``ExplicitStep``, the reversible backward
+written out with fewer kernels per step, its weight gradients by ``mm`` or by ``bmm``).
 
 ``chunk`` is the largest number of rows per pass: a minibatch smaller than it runs in the smallest
 power of two >= 16 that holds it. ``precision`` is ``tl.dot``'s input precision: "ieee" (fp32
@@ -39,7 +40,7 @@ from typing import Any
 
 PRECISIONS = ("ieee", "tf32x3")  # the same as learner.kernels.fused_parts.PRECISIONS (no triton import here)
 VARIANTS = ("one", "split")
-CUDA_STEPS = ("autograd", "explicit")
+CUDA_STEPS = ("autograd", "explicit", "explicit-bmm")  # = learner.backends.cuda.STEPS
 
 # cuBLAS's workspace for the cuda backend, set by ``import learner`` when CUBLAS_WORKSPACE_CONFIG is
 # unset (it must be set before CUDA starts, so it is one value for the process, not per GPU). 8
