@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, create_model
 
-Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+from .task_row import API_COLUMNS, REQUIRED, Status
 
 
 class Open(BaseModel):
@@ -62,32 +62,18 @@ class TaskAnswer(Open):
     accuracy: float | None = None
 
 
-class TaskSummary(Open):
-    """A ledger record without its answer (lists, 202 Accepted)."""
+def _task_summary() -> type[BaseModel]:
+    """The API model of a listed task, from the task row's definition (app/task_row.py): a field per
+    column the API shows, with its annotation, default and description."""
+    fields = {}
+    for c in API_COLUMNS:
+        default = ... if c.default is REQUIRED else c.default
+        fields[c.name] = (c.api, Field(default, description=c.description) if c.description else default)
+    return create_model("TaskSummary", __base__=Open, __doc__="A ledger record without its answer (lists, 202 Accepted).",
+                        __module__=__name__, **fields)
 
-    id: str
-    status: Status
-    kind: Literal["task", "measure"]
-    mode: Literal["sync", "async"]
-    created_at: float = Field(description="unix seconds")
-    started_at: float | None = None
-    finished_at: float | None = None
-    attempts: int = Field(0, description="runs started; 2 or more: run again after a restart")
-    backend: str
-    device: str | None = None
-    config: dict[str, Any]
-    options: dict[str, Any]
-    train_count: int
-    test_count: int
-    input_hashes: dict[str, str] | None = None
-    body_sha256: str | None = Field(
-        None, description="SHA-256 of the uploaded body; null for a synchronous task sent without an "
-        "Idempotency-Key (not hashed: input_hashes identify its arrays)")
-    body_bytes: int
-    idempotency_key: str | None = None
-    predictions_sha256: str | None = None
-    run_ms: float | None = None
-    energy_j: float | None = Field(None, description="the answer's energy.gross_j (null where it has none)")
+
+TaskSummary = _task_summary()
 
 
 class TaskStatus(TaskSummary):

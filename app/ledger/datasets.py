@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from .database import SqliteDatabase, immediate_transaction
 from .store import LedgerError, LedgerUnavailable, write_durably
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -191,6 +192,9 @@ class SqliteDatasets:
             self._clean()
         except (OSError, sqlite3.Error) as exc:
             raise LedgerError(f"cannot open the dataset store {self.path}: {exc}") from exc
+        # the public connection API the side stores beside it use (keys, owners, evaluations:
+        # app/ledger/database.py): reads on its connection, writes in BEGIN IMMEDIATE transactions
+        self.database = SqliteDatabase(read=self._db, write=lambda doing, durable: immediate_transaction(self._db, doing))
 
     def _clean(self) -> None:
         """At open: temporary files, and files no row names (a crash before the commit), deleted;

@@ -34,6 +34,7 @@ class PostgresDatasets:
     def __init__(self, ledger: Any, capacity_bytes: int) -> None:
         self.ledger, self.capacity = ledger, int(capacity_bytes)
         self.path = ledger.path
+        self.database = ledger.database  # (the side stores beside it use the same)
 
     def _get(self, conn, digest: str) -> DatasetRecord | None:
         row = conn.execute(f"SELECT {_COLUMNS} FROM rev88_datasets WHERE digest = %s", (digest,)).fetchone()
@@ -46,7 +47,7 @@ class PostgresDatasets:
             raise DatasetsFull(size, used, self.capacity)
 
     def put(self, record: DatasetRecord, body: bytes) -> tuple[DatasetRecord, bool]:
-        with self.ledger._conn(f"store dataset {record.digest}") as conn:
+        with self.database.transaction(f"store dataset {record.digest}") as conn:
             existing = self._get(conn, record.digest)
             if existing is not None:
                 return existing, False
@@ -62,22 +63,22 @@ class PostgresDatasets:
 
     def get(self, digest: str) -> DatasetRecord | None:
         _hex(digest)
-        return self.ledger._read(f"read dataset {digest}", lambda conn: self._get(conn, digest))
+        return self.database.read(f"read dataset {digest}", lambda conn: self._get(conn, digest))
 
     def body(self, digest: str) -> bytes | None:
         _hex(digest)
-        row = self.ledger._read(f"read dataset {digest}", lambda conn: conn.execute(
+        row = self.database.read(f"read dataset {digest}", lambda conn: conn.execute(
             "SELECT body FROM rev88_datasets WHERE digest = %s", (digest,), binary=True).fetchone())
         return None if row is None else bytes(row[0])
 
     def labels(self, digest: str) -> bytes | None:
         _hex(digest)
-        row = self.ledger._read(f"read the labels of dataset {digest}", lambda conn: conn.execute(
+        row = self.database.read(f"read the labels of dataset {digest}", lambda conn: conn.execute(
             "SELECT labels FROM rev88_datasets WHERE digest = %s", (digest,), binary=True).fetchone())
         return None if row is None or row[0] is None else bytes(row[0])
 
     def put_labels(self, digest: str, npy: bytes, sha256: str) -> tuple[DatasetRecord, bool]:
-        with self.ledger._conn(f"store the labels of dataset {digest}") as conn:
+        with self.database.transaction(f"store the labels of dataset {digest}") as conn:
             row = conn.execute(f"SELECT {_COLUMNS} FROM rev88_datasets WHERE digest = %s FOR UPDATE",
                                (digest,)).fetchone()
             if row is None:
@@ -110,20 +111,20 @@ class PostgresDatasets:
             sql += " WHERE " + " AND ".join(where)
         sql += f" ORDER BY created_at DESC, {key} DESC LIMIT %s"
         args.append(limit + 1)
-        rows = self.ledger._read(f"list {table}", lambda conn: conn.execute(sql, args).fetchall())
+        rows = self.database.read(f"list {table}", lambda conn: conn.execute(sql, args).fetchall())
         return [make(r) for r in rows]
 
     def delete(self, digest: str) -> bool:
         _hex(digest)
-        with self.ledger._conn(f"delete dataset {digest}") as conn:
+        with self.database.transaction(f"delete dataset {digest}") as conn:
             return conn.execute("DELETE FROM rev88_datasets WHERE digest = %s", (digest,)).rowcount > 0
 
     def used_bytes(self) -> int:
-        return int(self.ledger._read("count the datasets' bytes", lambda conn: conn.execute(
+        return int(self.database.read("count the datasets' bytes", lambda conn: conn.execute(
             "SELECT COALESCE(sum(bytes + labels_bytes), 0) FROM rev88_datasets").fetchone()[0]))
 
     def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]:
-        with self.ledger._conn(f"record sweep {sweep.id}") as conn:
+        with self.database.transaction(f"record sweep {sweep.id}") as conn:
             row = conn.execute(
                 f"INSERT INTO rev88_sweeps ({_SWEEP_COLUMNS}) VALUES (%s, {NOW}, %s, %s, %s, %s, NULL, %s)"
                 f" ON CONFLICT (idempotency_key) DO NOTHING RETURNING {_SWEEP_COLUMNS}",
@@ -136,7 +137,7 @@ class PostgresDatasets:
             return sweep_of(row), False
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None:
-        row = self.ledger._read(f"read sweep {sweep_id}", lambda conn: conn.execute(
+        row = self.database.read(f"read sweep {sweep_id}", lambda conn: conn.execute(
             f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps WHERE id = %s", (sweep_id,)).fetchone())
         return None if row is None else sweep_of(row)
 
@@ -145,12 +146,12 @@ class PostgresDatasets:
         return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None:
-        with self.ledger._conn(f"cancel sweep {sweep_id}") as conn:
+        with self.database.transaction(f"cancel sweep {sweep_id}") as conn:
             conn.execute(f"UPDATE rev88_sweeps SET cancelled_at = COALESCE(cancelled_at, {NOW}) WHERE id = %s",
                          (sweep_id,))
 
     def sweeps_of(self, digest: str) -> list[str]:
-        rows = self.ledger._read(f"list the sweeps of dataset {digest}", lambda conn: conn.execute(
+        rows = self.database.read(f"list the sweeps of dataset {digest}", lambda conn: conn.execute(
             "SELECT id FROM rev88_sweeps WHERE dataset = %s ORDER BY created_at", (digest,)).fetchall())
         return [r[0] for r in rows]
 

@@ -6,8 +6,10 @@ table keeps what the evaluation adds: the draws and their datasets, and the grad
 once when the last cell has finished (``finish``: the first writer wins, so replicas finishing at
 once record one result). The leaderboard (``list``) sorts on columns copied out of the result.
 
-    SQLite      ``SqliteEvaluations``: table ``evaluations`` of ``<data_dir>/datasets.sqlite3``
-    PostgreSQL  ``PostgresEvaluations``: ``rev88_evaluations`` (migration 0003), on the ledger's pool
+    SQLite      table ``evaluations`` of ``<data_dir>/datasets.sqlite3`` (made here)
+    PostgreSQL  ``rev88_evaluations`` (migration 0003), on the ledger's pool
+
+One ``Evaluations`` store over either, through the database's public API (app/ledger/database.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import dataclasses
 import json
 import time
 from typing import Any
+
+from .database import Database, SideStore
 
 # the leaderboard's orders: (SQL, what it means); NULLs (unfinished, not measured) last
 SORTS = {
@@ -77,19 +81,19 @@ def decode_cursor(cursor: str, sort: str) -> int:
     return offset
 
 
-class _Evaluations:
-    """The SQL of both engines (``?`` placeholders; PostgreSQL's store swaps them for ``%s``)."""
+class Evaluations(SideStore):
+    """The evaluations, in SQL both engines take (``?`` placeholders; the database swaps them)."""
 
-    table = "evaluations"
+    tables = {"sqlite": "evaluations", "postgresql": "rev88_evaluations"}
 
-    def _write(self, doing: str, fn):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
-
-    def _read(self, doing: str, fn):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
-
-    def _sql(self, sql: str) -> str:
-        return sql
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        if db.engine == "sqlite":  # (PostgreSQL's table comes from its migrations)
+            def create(conn):
+                conn.execute(SQLITE_TABLE)
+                if "owner" not in {row[1] for row in conn.execute("PRAGMA table_info(evaluations)")}:
+                    conn.execute("ALTER TABLE evaluations ADD COLUMN owner TEXT")  # (a store made before issue #33)
+            self._write("create the evaluations table", create)
 
     def create(self, record: EvaluationRecord) -> tuple[EvaluationRecord, bool]:
         """Record an evaluation; an Idempotency-Key recorded already: (that evaluation, False)."""
@@ -158,53 +162,6 @@ class _Evaluations:
         return records[:limit], encode_cursor(sort, offset + limit) if more else None
 
 
-class SqliteEvaluations(_Evaluations):
-    """In the SQLite dataset store's database, on its connection and lock."""
-
-    def __init__(self, datasets: Any) -> None:
-        self.datasets = datasets
-        with datasets._db("create the evaluations table") as conn:
-            conn.execute(SQLITE_TABLE)
-            if "owner" not in {row[1] for row in conn.execute("PRAGMA table_info(evaluations)")}:
-                conn.execute("ALTER TABLE evaluations ADD COLUMN owner TEXT")  # (a store made before issue #33)
-
-    def _write(self, doing: str, fn):
-        with self.datasets._db(doing) as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                out = fn(conn)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return out
-
-    def _read(self, doing: str, fn):
-        with self.datasets._db(doing) as conn:
-            return fn(conn)
-
-
-class PostgresEvaluations(_Evaluations):
-    """``rev88_evaluations`` in the shared database (every replica reads and finishes them)."""
-
-    table = "rev88_evaluations"
-
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
-
-    def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s")
-
-    def _write(self, doing: str, fn):
-        with self.ledger._conn(doing) as conn:
-            return fn(conn)
-
-    def _read(self, doing: str, fn):
-        return self.ledger._read(doing, fn)
-
-
-def open_evaluations(datasets: Any) -> _Evaluations:
+def open_evaluations(datasets: Any) -> Evaluations:
     """The evaluations beside the dataset store (the same engine, the same database)."""
-    if getattr(datasets, "engine", None) == "postgresql":
-        return PostgresEvaluations(datasets.ledger)
-    return SqliteEvaluations(datasets)
+    return Evaluations(datasets.database)

@@ -5,8 +5,10 @@ recognise it by. A rotation keeps the old hash in ``previous_sha256`` until ``pr
 (the grace period), so that clients can move to the new secret without a failed request.
 ``revoked_at`` set: refused from then on, by every replica that reads the row.
 
-    SQLite      ``SqliteKeys``: table ``api_keys`` of ``<data_dir>/datasets.sqlite3``
-    PostgreSQL  ``PostgresKeys``: ``rev88_keys`` (migration 0004), on the ledger's pool
+    SQLite      table ``api_keys`` of ``<data_dir>/datasets.sqlite3`` (made here)
+    PostgreSQL  ``rev88_keys`` (migration 0004), on the ledger's pool
+
+One ``Keys`` store over either, through the database's public API (app/ledger/database.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import dataclasses
 import json
 import time
 from typing import Any
+
+from .database import Database, SideStore
 
 COLUMNS = ("id, name, prefix, secret_sha256, previous_sha256, previous_until, scopes, max_queued, max_running,"
            " rate_per_minute, weight, expires_at, created_at, revoked_at, last_used_at")
@@ -64,19 +68,19 @@ def record_of(row) -> KeyRecord:
                      revoked_at=revoked, last_used_at=used)
 
 
-class _Keys:
-    """The SQL of both engines (``?`` placeholders; PostgreSQL's store swaps them for ``%s``)."""
+class Keys(SideStore):
+    """The keys, in SQL both engines take (``?`` placeholders; the database swaps them for its own)."""
 
-    table = "api_keys"
+    tables = {"sqlite": "api_keys", "postgresql": "rev88_keys"}
 
-    def _write(self, doing: str, fn):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
-
-    def _read(self, doing: str, fn):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
-
-    def _sql(self, sql: str) -> str:
-        return sql
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        if db.engine == "sqlite":  # (PostgreSQL's table comes from its migrations)
+            def create(conn):
+                conn.execute(SQLITE_TABLE)
+                if "rate_tat" not in {row[1] for row in conn.execute("PRAGMA table_info(api_keys)")}:
+                    conn.execute("ALTER TABLE api_keys ADD COLUMN rate_tat REAL")
+            self._write("create the keys table", create)
 
     def _one(self, conn, where: str, args: tuple) -> KeyRecord | None:
         row = conn.execute(self._sql(f"SELECT {COLUMNS} FROM {self.table} WHERE {where}"), args).fetchone()
@@ -126,14 +130,13 @@ class _Keys:
 
         return self._write(f"rotate key {key_id}", run)
 
-    greatest = "MAX"
 
     def take(self, key_id: str, per_minute: float, now: float) -> tuple[bool, float]:
         """One request against the key's rate (``per_minute``, bursts of up to that many): (let
         through, the bucket's rate_tat afterwards)."""
         interval = 60.0 / per_minute
         burst = 60.0 - interval
-        g = self.greatest
+        g = self.db.greatest
 
         def run(conn):
             row = conn.execute(self._sql(
@@ -152,54 +155,6 @@ class _Keys:
             self._sql(f"UPDATE {self.table} SET last_used_at = ? WHERE id = ?"), (when, key_id)))
 
 
-class SqliteKeys(_Keys):
-    """In the SQLite dataset store's database, on its connection and lock."""
-
-    def __init__(self, datasets: Any) -> None:
-        self.datasets = datasets
-        with datasets._db("create the keys table") as conn:
-            conn.execute(SQLITE_TABLE)
-            if "rate_tat" not in {row[1] for row in conn.execute("PRAGMA table_info(api_keys)")}:
-                conn.execute("ALTER TABLE api_keys ADD COLUMN rate_tat REAL")
-
-    def _write(self, doing: str, fn):
-        with self.datasets._db(doing) as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                out = fn(conn)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return out
-
-    def _read(self, doing: str, fn):
-        with self.datasets._db(doing) as conn:
-            return fn(conn)
-
-
-class PostgresKeys(_Keys):
-    """``rev88_keys`` in the shared database (a revocation is seen by every replica)."""
-
-    table = "rev88_keys"
-    greatest = "GREATEST"
-
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
-
-    def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s")
-
-    def _write(self, doing: str, fn):
-        with self.ledger._conn(doing) as conn:
-            return fn(conn)
-
-    def _read(self, doing: str, fn):
-        return self.ledger._read(doing, fn)
-
-
-def open_keys(datasets: Any) -> _Keys:
+def open_keys(datasets: Any) -> Keys:
     """The keys beside the dataset store (the same engine, the same database)."""
-    if getattr(datasets, "engine", None) == "postgresql":
-        return PostgresKeys(datasets.ledger)
-    return SqliteKeys(datasets)
+    return Keys(datasets.database)

@@ -2,9 +2,9 @@
 URLs a receiver asked to stop (410), in the task ledger's own database, so that every replica
 sees every message.
 
-    SQLite      ``SqliteOutbox``: tables ``webhook_*`` of ``<data_dir>/ledger.sqlite3`` (the
+    SQLite      tables ``webhook_*`` of ``<data_dir>/ledger.sqlite3`` (the
                 tasks' database: schema version 3, app/ledger/store.py)
-    PostgreSQL  ``PostgresOutbox``: ``rev88_webhook_*`` (migration 0005), on the ledger's pool
+    PostgreSQL  ``rev88_webhook_*`` (migration 0005), on the ledger's pool
 
 Nothing lost. A message is written in the same transaction as the record it is about: a task's
 with the task's row (``create``, ``create_many``, ``add_finished``: ``message_rows`` from the
@@ -29,6 +29,8 @@ import json
 import time
 import uuid
 from typing import Any
+
+from .database import SideStore
 
 FINISHED = ("succeeded", "failed", "cancelled")
 EVENTS = ("started", "completed")
@@ -174,32 +176,43 @@ def task_rows(task_id: str, options: dict[str, Any] | None, now: float | None = 
     return message_rows("task", task_id, options.get("webhook"), options.get("owner"), now)
 
 
-class _Outbox:
-    """The SQL of both engines (``?`` placeholders; PostgreSQL's swaps them for ``%s``)."""
+PREFIXES = {"sqlite": "", "postgresql": "rev88_"}  # the outbox's tables: {p}webhook_*
+TASKS_TABLES = {"sqlite": "tasks", "postgresql": "rev88_tasks"}
 
-    prefix = ""
-    engine = "sqlite"
-    tasks_table = "tasks"
-    skip_locked = ""
 
-    def _write(self, doing: str, fn, durable: bool = True):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
+def insert_messages(conn, rows: list[tuple], engine: str) -> None:
+    """Inside a caller's transaction (the record's own, on ``engine``): the rows of ``message_rows``."""
+    if rows:
+        sql = _INSERT.replace("{p}", PREFIXES[engine])
+        if engine == "postgresql":
+            sql = sql.replace("?", "%s")
+        conn.cursor().executemany(sql, rows)
 
-    def _read(self, doing: str, fn):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
+
+class Outbox(SideStore):
+    """The outbox, in SQL both engines take (``?`` placeholders and ``{p}`` for the tables' prefix).
+    SQLite's own writes (promote, claim, attempts) commit without waiting for the disk
+    (``durable=False``: they survive a crash of the process, not of the machine): one lost with the
+    machine is a message promoted again from the same committed task, a lease taken again, or an
+    attempt made again (at-least-once, as a receiver must expect anyway). The messages themselves
+    are written in the tasks' synced transactions, and secrets and stopped URLs durably."""
+
+    tables = TASKS_TABLES  # (the tasks its messages are about)
+
+    @property
+    def prefix(self) -> str:
+        return PREFIXES[self.engine]
+
+    @property
+    def tasks_table(self) -> str:
+        return self.table
+
+    @property
+    def skip_locked(self) -> str:
+        return self.db.skip_locked
 
     def _sql(self, sql: str) -> str:
-        return sql.replace("{p}", self.prefix)
-
-    # ------------------------------------------------------------------ writing messages
-    @classmethod
-    def insert(cls, conn, rows: list[tuple]) -> None:
-        """Inside a caller's transaction (the record's own): the rows of ``message_rows``."""
-        if rows:
-            sql = _INSERT.replace("{p}", cls.prefix)
-            if cls.engine == "postgresql":
-                sql = sql.replace("?", "%s")
-            conn.cursor().executemany(sql, rows)
+        return self.db.sql(sql.replace("{p}", self.prefix))
 
     # ------------------------------------------------------------------ events
     def due_tasks(self, limit: int) -> list[tuple]:
@@ -397,53 +410,9 @@ class _Outbox:
         return self._write("resume a webhook URL", lambda conn: conn.execute(sql, (owner, url)).rowcount > 0)
 
 
-class SqliteOutbox(_Outbox):
-    """The outbox in the SQLite task ledger (its lock, its connection). Its own writes (promote,
-    claim, attempts) commit without waiting for the disk (``durable=False``: they survive a crash of
-    the process, not of the machine): one lost with the machine is a message promoted again from
-    the same committed task, a lease taken again, or an attempt made again (at-least-once, as a
-    receiver must expect anyway). The messages themselves are written in the tasks' synced
-    transactions, and secrets and stopped URLs durably."""
-
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
-
-    def _write(self, doing: str, fn, durable: bool = True):
-        with self.ledger._write(doing, synced=durable) as conn:
-            return fn(conn)
-
-    def _read(self, doing: str, fn):
-        with self.ledger._read(doing) as conn:
-            return fn(conn)
-
-
-class PostgresOutbox(_Outbox):
-    """The outbox in the shared PostgreSQL ledger (any replica sends any message)."""
-
-    prefix = "rev88_"
-    engine = "postgresql"
-    tasks_table = "rev88_tasks"
-    skip_locked = " FOR UPDATE SKIP LOCKED"
-
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
-
-    def _sql(self, sql: str) -> str:
-        return super()._sql(sql).replace("?", "%s")
-
-    def _write(self, doing: str, fn, durable: bool = True):
-        with self.ledger._conn(doing) as conn:
-            return fn(conn)
-
-    def _read(self, doing: str, fn):
-        return self.ledger._read(doing, fn)
-
-
-def open_outbox(ledger: Any) -> _Outbox:
+def open_outbox(ledger: Any) -> Outbox:
     """The outbox of the task ledger (the same engine, the same database)."""
-    if getattr(ledger, "engine", None) == "postgresql":
-        return PostgresOutbox(ledger)
-    return SqliteOutbox(ledger)
+    return Outbox(ledger.database)
 
 
 def dumps_body(value: dict[str, Any]) -> bytes:

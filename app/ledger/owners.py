@@ -3,8 +3,10 @@ sends the bytes; each tenant that sent (or had the server build) them is one of 
 ``(digest, owner)`` here. Another tenant's dataset is absent to a tenant (404 to HEAD and GET), so
 that the store is no oracle for "does anyone have this file".
 
-    SQLite      ``SqliteOwners``: table ``dataset_owners`` of ``<data_dir>/datasets.sqlite3``
-    PostgreSQL  ``PostgresOwners``: ``rev88_dataset_owners`` (migration 0004)
+    SQLite      table ``dataset_owners`` of ``<data_dir>/datasets.sqlite3`` (made here)
+    PostgreSQL  ``rev88_dataset_owners`` (migration 0004)
+
+One ``Owners`` store over either, through the database's public API (app/ledger/database.py).
 """
 
 from __future__ import annotations
@@ -12,22 +14,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .database import Database, SideStore
+
 SQLITE_TABLE = ("CREATE TABLE IF NOT EXISTS dataset_owners (digest TEXT NOT NULL, owner TEXT NOT NULL,"
                 " created_at REAL NOT NULL, PRIMARY KEY (digest, owner))")
 
 
-class _Owners:
-    table = "dataset_owners"
-    datasets_table = "datasets"
+class Owners(SideStore):
+    tables = {"sqlite": "dataset_owners", "postgresql": "rev88_dataset_owners"}
+    datasets_tables = {"sqlite": "datasets", "postgresql": "rev88_datasets"}
 
-    def _write(self, doing: str, fn):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        if db.engine == "sqlite":  # (PostgreSQL's table comes from its migrations)
+            self._write("create the dataset owners table", lambda conn: conn.execute(SQLITE_TABLE))
 
-    def _read(self, doing: str, fn):  # pragma: no cover - defined by each engine
-        raise NotImplementedError
-
-    def _sql(self, sql: str) -> str:
-        return sql
+    @property
+    def datasets_table(self) -> str:
+        return self.datasets_tables[self.db.engine]
 
     def own(self, digest: str, owner: str) -> bool:
         """``owner`` owns ``digest`` from now on; True when it did not before."""
@@ -66,47 +70,6 @@ class _Owners:
         return [r[0] for r in rows]
 
 
-class SqliteOwners(_Owners):
-    def __init__(self, datasets: Any) -> None:
-        self.datasets = datasets
-        with datasets._db("create the dataset owners table") as conn:
-            conn.execute(SQLITE_TABLE)
-
-    def _write(self, doing: str, fn):
-        with self.datasets._db(doing) as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                out = fn(conn)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return out
-
-    def _read(self, doing: str, fn):
-        with self.datasets._db(doing) as conn:
-            return fn(conn)
-
-
-class PostgresOwners(_Owners):
-    table = "rev88_dataset_owners"
-    datasets_table = "rev88_datasets"
-
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
-
-    def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s")
-
-    def _write(self, doing: str, fn):
-        with self.ledger._conn(doing) as conn:
-            return fn(conn)
-
-    def _read(self, doing: str, fn):
-        return self.ledger._read(doing, fn)
-
-
-def open_owners(datasets: Any) -> _Owners:
-    if getattr(datasets, "engine", None) == "postgresql":
-        return PostgresOwners(datasets.ledger)
-    return SqliteOwners(datasets)
+def open_owners(datasets: Any) -> Owners:
+    """The owners beside the dataset store (the same engine, the same database)."""
+    return Owners(datasets.database)

@@ -62,7 +62,6 @@ import contextlib
 import logging
 import math
 import os
-import re
 import socket
 import threading
 import time
@@ -77,38 +76,32 @@ import psycopg.conninfo
 import psycopg.errors
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
+from ..task_row import FINISHED, STATUSES, TaskRecord
+from . import database
 from .base import Claim, LeaseLost, Renewal
-from .outbox import PostgresOutbox, task_rows
+from .database import PostgresDatabase
+from .outbox import insert_messages, task_rows
+from .rows import ALL_COLUMNS, ANSWER_CODEC, SUMMARY_COLUMNS, columns_as, encode_answer, record_from_row
+from .rows import dumps as _dumps
 from .store import (
-    ANSWER_CODEC,
-    FINISHED,
-    STATUSES,
     AlreadyFinished,
     FinishedTask,
     IdempotencyConflict,
     LedgerError,
     LedgerUnavailable,
     Outcome,
-    TaskRecord,
     _answer_columns,
-    _decode_cursor,
-    _dumps,
-    _encode_cursor,
-    _loads,
     check_finished_task,
     check_new_task,
     check_outcome,
-    check_page,
     check_task_id,
-    decode_answer,
-    encode_answer,
 )
+from .task_reads import POSTGRESQL, TaskReads
 
 log = logging.getLogger("rev88." + __name__)
 
-MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+MIGRATIONS_DIR = database.MIGRATIONS_DIR
 FAIR_HALF_LIFE_S = 60.0  # the claims' fair share: as the executor's (app/runtime/executor.py)
-_MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 # pg_advisory_lock keys (64-bit): the schema migration, and retention (one replica at a time)
 MIGRATION_LOCK = 0x7265_7638_0001
 RETENTION_LOCK = 0x7265_7638_0002
@@ -121,28 +114,18 @@ CHECK_IDLE_S = 1.0  # a pooled connection idle longer than this is checked (one 
 
 NOW = "EXTRACT(EPOCH FROM clock_timestamp())::float8"  # the server's clock, epoch seconds
 
-_SUMMARY = ("id", "status", "kind", "mode", "created_at", "started_at", "finished_at", "attempts", "backend",
-            "config", "options", "train_count", "test_count", "input_hashes", "body_sha256", "body_bytes",
-            "idempotency_key", "device", "error", "predictions_sha256", "run_ms", "energy_j", "answer_bytes")
-SUMMARY_COLUMNS = ", ".join(_SUMMARY)
-ALL_COLUMNS = SUMMARY_COLUMNS + ", answer, answer_codec"
-T_SUMMARY_COLUMNS = ", ".join(f"t.{c}" for c in _SUMMARY)
-T_ALL_COLUMNS = T_SUMMARY_COLUMNS + ", t.answer, t.answer_codec"
+# the task row's columns (app/ledger/rows.py, from app/task_row.py), with the alias of an UPDATE's table
+T_SUMMARY_COLUMNS = columns_as("t")
+T_ALL_COLUMNS = columns_as("t", with_answer=True)
 _LOCK_COLUMNS = f"id, status, mode, lease_owner, lease_expires_at, claims, {NOW}"
 
 
 def load_migrations(folder: Path = MIGRATIONS_DIR) -> list[tuple[int, str, str]]:
-    """(version, name, SQL) of every migration file, in order; numbered 1..N without gaps."""
-    found = []
-    for path in sorted(folder.glob("*.sql")):
-        m = _MIGRATION_NAME.match(path.name)
-        if not m:
-            raise LedgerError(f"migration file {path} is not named NNNN_name.sql")
-        found.append((int(m[1]), m[2], path.read_text(encoding="utf-8")))
-    if [v for v, _, _ in found] != list(range(1, len(found) + 1)):
-        raise LedgerError(f"migrations in {folder} must be numbered 0001.. without gaps, found "
-                          f"{[v for v, _, _ in found]}")
-    return found
+    """(version, name, SQL) of every PostgreSQL migration file, in order (app/ledger/database.py)."""
+    try:
+        return database.load_migrations(folder)
+    except ValueError as exc:
+        raise LedgerError(str(exc)) from None
 
 
 MIGRATIONS = load_migrations()
@@ -168,18 +151,7 @@ def default_owner() -> str:
 
 
 def _record(row: tuple | Any, with_answer: bool) -> TaskRecord:
-    (task_id, status, kind, mode, created_at, started_at, finished_at, attempts, backend, config, options,
-     train_count, test_count, input_hashes, body_sha256, body_bytes, idempotency_key, device, error,
-     predictions_sha256, run_ms, energy_j, answer_bytes) = row[:23]
-    answer = decode_answer(bytes(row[23]) if row[23] is not None else None, row[24]) if with_answer else None
-    return TaskRecord(
-        id=task_id, status=status, kind=kind, mode=mode, created_at=created_at, started_at=started_at,
-        finished_at=finished_at, backend=backend, config=_loads(config), options=_loads(options),
-        train_count=train_count, test_count=test_count, input_hashes=_loads(input_hashes),
-        body_sha256=body_sha256, body_bytes=body_bytes, idempotency_key=idempotency_key, device=device,
-        answer=answer, error=_loads(error), predictions_sha256=predictions_sha256, run_ms=run_ms,
-        energy_j=energy_j, attempts=attempts, answer_bytes=answer_bytes,
-    )
+    return record_from_row(row, with_answer)
 
 
 def _connection_lost(exc: BaseException | None) -> bool:
@@ -202,8 +174,11 @@ class _AlreadyRecorded(Exception):
         self.record = record
 
 
-class PostgresLedger:
-    """The task ledger of every replica, in one PostgreSQL database. Thread-safe (a pool)."""
+class PostgresLedger(TaskReads):
+    """The task ledger of every replica, in one PostgreSQL database. Thread-safe (a pool). Its
+    reads of tasks are both ledgers' (app/ledger/task_reads.py), in PostgreSQL's dialect."""
+
+    dialect = POSTGRESQL
 
     shared = True
     engine = "postgresql"
@@ -233,6 +208,9 @@ class PostgresLedger:
         self._pool: ConnectionPool | None = None
         self._upkeep_conn: psycopg.Connection | None = None  # the lease renewals' own connection
         self._upkeep_lock = threading.Lock()
+        # the public connection API the side stores use (keys, owners, evaluations, datasets, the
+        # webhook outbox: app/ledger/database.py)
+        self.database = PostgresDatabase(read=self._read, write=lambda doing, durable: self._conn(doing))
         self._check_url(url)
         self._url_params = set(psycopg.conninfo.conninfo_to_dict(url))
         self._migrate()
@@ -530,7 +508,7 @@ class PostgresLedger:
                     if body is not None:
                         conn.execute("INSERT INTO rev88_task_inputs (task_id, bytes, body) VALUES (%s, %s, %b)",
                                      (task_id, len(body), body))
-                    PostgresOutbox.insert(conn, task_rows(task_id, options))  # its webhook's messages (issue #34)
+                    insert_messages(conn, task_rows(task_id, options), "postgresql")  # its webhook's messages (issue #34)
                     if mode == "async":
                         conn.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
                     record = _record(row, True)
@@ -565,8 +543,8 @@ class PostgresLedger:
                     "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
                     f" test_count, input_hashes, body_sha256, body_bytes, has_input, claims) VALUES (%s, 'queued', %s,"
                     f" %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, false, 0)", rows)
-                PostgresOutbox.insert(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"])]
-                                      + list(messages or []))
+                insert_messages(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"])]
+                                + list(messages or []), "postgresql")
                 if any(t["mode"] == "async" for t in tasks):
                     cur.execute("SELECT pg_notify(%s, '')", (CHANNEL_QUEUED,))
         except psycopg.IntegrityError as exc:
@@ -766,7 +744,7 @@ class PostgresLedger:
                     " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
                     f" run_ms, energy_j) VALUES (%s, %s, %s, %s, %s, %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
                     " %s, %b, %s, %s, %s, %s, %s, %s, %s)", rows)
-                PostgresOutbox.insert(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)])
+                insert_messages(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)], "postgresql")
         except psycopg.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({_first_line(exc)})") from exc
         if self._totals is not None:
@@ -818,83 +796,6 @@ class PostgresLedger:
         return len(deleted)
 
     # ------------------------------------------------------------------ reads
-
-    def get(self, task_id: str) -> TaskRecord | None:
-        row = self._read(f"read task {task_id}", lambda conn: conn.execute(
-            f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = %s", (task_id,), binary=True).fetchone())
-        return None if row is None else _record(row, True)
-
-    def get_many(self, task_ids: list[str]) -> dict[str, TaskRecord]:
-        """The records (with answers) of those of ``task_ids`` the ledger has, by id (one query)."""
-        if not task_ids:
-            return {}
-        rows = self._read(f"read {len(task_ids)} task(s)", lambda conn: conn.execute(
-            f"SELECT {ALL_COLUMNS} FROM rev88_tasks WHERE id = ANY(%s)", (list(task_ids),), binary=True).fetchall())
-        return {row[0]: _record(row, True) for row in rows}
-
-    def statuses(self, task_ids: list[str]) -> dict[str, str]:
-        """The status of those of ``task_ids`` the ledger has, by id (the status column alone; one query)."""
-        if not task_ids:
-            return {}
-        rows = self._read(f"read the status of {len(task_ids)} task(s)", lambda conn: conn.execute(
-            "SELECT id, status FROM rev88_tasks WHERE id = ANY(%s)", (list(task_ids),)).fetchall())
-        return dict(rows)
-
-    def list(self, limit: int = 50, cursor: str | None = None, status: str | None = None,
-             owner: str | None = None) -> tuple[list[TaskRecord], str | None]:
-        """Newest first (created_at, then id), keyset-paged over the shared table; ``owner``:
-        only that tenant's. Returns (records without their answers, the next page's cursor or None)."""
-        check_page(limit, status)
-        where, args = [], []
-        if status is not None:
-            where.append("status = %s")
-            args.append(status)
-        if owner is not None:
-            where.append("(options::json ->> 'owner') = %s")
-            args.append(owner)
-        if cursor is not None:
-            created_at, last_id = _decode_cursor(cursor)
-            where.append("(created_at, id) < (%s, %s)")
-            args += [created_at, last_id]
-        sql = f"SELECT {SUMMARY_COLUMNS} FROM rev88_tasks"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at DESC, id DESC LIMIT %s"
-        args.append(limit + 1)
-        rows = self._read("list tasks", lambda conn: conn.execute(sql, args, binary=True).fetchall())
-        records = [_record(row, False) for row in rows[:limit]]
-        next_cursor = None
-        if len(rows) > limit:
-            last = records[-1]
-            next_cursor = _encode_cursor(last.created_at, last.id)
-        return records, next_cursor
-
-    def usage(self, owner: str | None, since: float) -> list[tuple]:
-        """(owner, UTC day, tasks finished, succeeded, run seconds, joules) per tenant and day (as SQLite's)."""
-        sql = ("SELECT (options::json ->> 'owner') AS o,"
-               " to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS day, count(*),"
-               " sum(CASE WHEN status = 'succeeded' THEN 1 ELSE 0 END), COALESCE(sum(run_ms), 0) / 1000.0,"
-               " sum(energy_j) FROM rev88_tasks WHERE finished_at IS NOT NULL AND finished_at >= %s")
-        args: list = [since]
-        if owner is not None:
-            sql += " AND (options::json ->> 'owner') = %s"
-            args.append(owner)
-        sql += " GROUP BY o, day ORDER BY day, o"
-        rows = self._read("sum the tenants' usage", lambda conn: conn.execute(sql, args).fetchall())
-        return [tuple(r) for r in rows]
-
-    def count_unfinished(self, owner: str) -> int:
-        """How many of the tenant's tasks are queued or running, on every replica."""
-        return int(self._read("count a tenant's unfinished tasks", lambda conn: conn.execute(
-            "SELECT count(*) FROM rev88_tasks WHERE status IN ('queued', 'running')"
-            " AND (options::json ->> 'owner') = %s", (owner,)).fetchone()[0]))
-
-    def unfinished(self) -> list[TaskRecord]:
-        """Queued and running tasks, oldest first (every replica's)."""
-        rows = self._read("list unfinished tasks", lambda conn: conn.execute(
-            f"SELECT {SUMMARY_COLUMNS} FROM rev88_tasks WHERE status IN ('queued', 'running') ORDER BY created_at, id",
-            binary=True).fetchall())
-        return [_record(row, False) for row in rows]
 
     def load_upload(self, task_id: str) -> bytes:
         body = self.load_uploads([task_id]).get(task_id)

@@ -44,15 +44,23 @@ import os
 import sqlite3
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from .outbox import SQLITE_SCHEMA as OUTBOX_SCHEMA
-from .outbox import SqliteOutbox, task_rows
+from ..task_row import FINISHED, KINDS, MODES, STATUSES, UNFINISHED, TaskRecord  # noqa: F401 - (re-exported)
+from .database import MIGRATIONS_DIR, SqliteDatabase, load_migrations
+from .outbox import insert_messages, task_rows
+from .rows import (
+    ALL_COLUMNS,
+    ANSWER_CODEC,
+    SUMMARY_COLUMNS,
+    dumps,
+    encode_answer,
+    loads,
+    record_from_row,
+)
+from .task_reads import SQLITE, TaskReads
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -61,79 +69,16 @@ UPLOADS = "uploads"
 UPLOAD_SUFFIX = ".npz"
 TMP_SUFFIX = ".tmp"
 
-STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
-FINISHED = ("succeeded", "failed", "cancelled")
-UNFINISHED = ("queued", "running")
-KINDS = ("task", "measure")
-MODES = ("sync", "async")
-
-ANSWER_CODEC = "zlib+json"
 BUSY_TIMEOUT_MS = 10_000
 
-_TASKS_V1 = """
-        CREATE TABLE tasks (
-            id                 TEXT PRIMARY KEY,
-            status             TEXT NOT NULL CHECK (status IN
-                                   ('queued', 'running', 'succeeded', 'failed', 'cancelled')),
-            kind               TEXT NOT NULL,
-            mode               TEXT NOT NULL,
-            created_at         REAL NOT NULL,
-            started_at         REAL,
-            finished_at        REAL,
-            attempts           INTEGER NOT NULL DEFAULT 0,
-            backend            TEXT NOT NULL,
-            config             TEXT NOT NULL,
-            options            TEXT NOT NULL,
-            train_count        INTEGER NOT NULL,
-            test_count         INTEGER NOT NULL,
-            input_hashes       TEXT,
-            body_sha256        TEXT NOT NULL,
-            body_bytes         INTEGER NOT NULL,
-            has_upload         INTEGER NOT NULL DEFAULT 0,
-            idempotency_key    TEXT UNIQUE,
-            device             TEXT,
-            answer             BLOB,
-            answer_codec       TEXT,
-            answer_bytes       INTEGER NOT NULL DEFAULT 0,
-            answer_json_bytes  INTEGER NOT NULL DEFAULT 0,
-            error              TEXT,
-            predictions_sha256 TEXT,
-            run_ms             REAL,
-            energy_j           REAL
-        );
-"""
-_TASK_INDEXES = """
-        CREATE INDEX tasks_newest ON tasks (created_at DESC, id DESC);
-        CREATE INDEX tasks_status_newest ON tasks (status, created_at DESC, id DESC);
-        CREATE INDEX tasks_finished ON tasks (finished_at, id) WHERE finished_at IS NOT NULL;"""
-# Version 2 (issue #16): body_sha256 may be NULL. The service hashes a body (4.6 ms for the
-# 6.5 MB draw-0 task on the bench machine, a fifth of its learning) only when something needs
-# it: an Idempotency-Key (a replay must carry the same body) or an asynchronous task (its stored
-# npz). SQLite cannot drop a NOT NULL, so the table is rebuilt with its rows.
-_TASKS_V2 = _TASKS_V1.replace("CREATE TABLE tasks (", "CREATE TABLE tasks_v2 (").replace(
-    "body_sha256        TEXT NOT NULL,", "body_sha256        TEXT,")
-assert _TASKS_V2.count("tasks_v2") == 1 and "body_sha256        TEXT," in _TASKS_V2
-
-MIGRATIONS: list[tuple[int, str]] = [
-    (1, _TASKS_V1 + _TASK_INDEXES),
-    (2, _TASKS_V2 + """
-        INSERT INTO tasks_v2 SELECT * FROM tasks;
-        DROP TABLE tasks;
-        ALTER TABLE tasks_v2 RENAME TO tasks;
-        """ + _TASK_INDEXES),
-    # Version 3 (issue #34): the webhook outbox beside the tasks, written in their transactions
-    (3, OUTBOX_SCHEMA),
-]
+# The schema's migrations, one file a version (PRAGMA user_version holds the applied one):
+# app/ledger/migrations/sqlite/NNNN_name.sql; the task table's columns are app/task_row.py's.
+MIGRATIONS: list[tuple[int, str]] = [(v, sql) for v, _, sql in load_migrations(MIGRATIONS_DIR / "sqlite")]
 SCHEMA_VERSION: int = MIGRATIONS[-1][0]
 assert [v for v, _ in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1)), "migrations must be numbered 1..N"
 
-# Every column but the answer blob: what lists and recovery read.
-_SUMMARY_COLUMNS = (
-    "id, status, kind, mode, created_at, started_at, finished_at, attempts, backend, config, options, "
-    "train_count, test_count, input_hashes, body_sha256, body_bytes, idempotency_key, device, error, "
-    "predictions_sha256, run_ms, energy_j, answer_bytes"
-)
-_ALL_COLUMNS = _SUMMARY_COLUMNS + ", answer, answer_codec"
+# What lists and recovery read, and a full read: app/ledger/rows.py (from app/task_row.py)
+_SUMMARY_COLUMNS, _ALL_COLUMNS = SUMMARY_COLUMNS, ALL_COLUMNS
 
 
 class LedgerError(Exception):
@@ -169,78 +114,7 @@ class AlreadyFinished(ValueError):
         super().__init__(f"task {record.id} has already finished ({record.status})")
 
 
-@dataclasses.dataclass
-class TaskRecord:
-    id: str
-    status: str
-    kind: str
-    mode: str
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    backend: str
-    config: dict
-    options: dict
-    train_count: int
-    test_count: int
-    input_hashes: dict | None
-    body_sha256: str | None  # None: the body was not hashed (a synchronous task without Idempotency-Key)
-    body_bytes: int
-    idempotency_key: str | None
-    device: str | None
-    answer: dict | None
-    error: dict | None
-    predictions_sha256: str | None
-    run_ms: float | None
-    energy_j: float | None
-    attempts: int = 0  # times it was marked running (more than 1: re-run after a restart)
-    answer_bytes: int = 0  # the stored (compressed) answer's size
-
-    @property
-    def finished(self) -> bool:
-        return self.status in FINISHED
-
-    def summary(self) -> dict:
-        """JSON-able, without the answer or error (for lists)."""
-        return {
-            "id": self.id,
-            "status": self.status,
-            "kind": self.kind,
-            "mode": self.mode,
-            "created_at": self.created_at,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "attempts": self.attempts,
-            "backend": self.backend,
-            "device": self.device,
-            "config": self.config,
-            "options": self.options,
-            "train_count": self.train_count,
-            "test_count": self.test_count,
-            "input_hashes": self.input_hashes,
-            "body_sha256": self.body_sha256,
-            "body_bytes": self.body_bytes,
-            "idempotency_key": self.idempotency_key,
-            "predictions_sha256": self.predictions_sha256,
-            "run_ms": self.run_ms,
-            "energy_j": self.energy_j,
-        }
-
-    def document(self) -> dict:
-        """JSON-able status document: the summary, plus the answer (succeeded) or the error."""
-        doc = self.summary()
-        doc["answer"] = self.answer
-        doc["error"] = self.error
-        return doc
-
-
-def _dumps(value: Any) -> str:
-    # Canonical (sorted keys, no spaces): equal values give equal text, which idempotency compares.
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+_dumps, _loads = dumps, loads  # (the names the stores have always used)
 
 
 def _number(value: Any) -> float | None:
@@ -248,23 +122,6 @@ def _number(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
-
-
-def encode_answer(answer: dict, text: bytes | None = None) -> tuple[bytes, int]:
-    """(stored blob, length of the JSON text) of an answer: its JSON, zlib-compressed. ``text``:
-    the answer's JSON as already encoded for the client (the service passes the bytes it sends,
-    so they are not encoded twice); otherwise canonical JSON of ``answer``."""
-    if text is None:
-        text = _dumps(answer).encode("utf-8")
-    return zlib.compress(text, 1), len(text)  # level 1: 0.3 ms for a 10k answer (level 6: 2.2 ms, 4 % smaller)
-
-
-def decode_answer(blob: bytes | None, codec: str | None) -> dict | None:
-    if blob is None:
-        return None
-    if codec != ANSWER_CODEC:
-        raise LedgerError(f"stored answer has an unknown encoding {codec!r}")
-    return orjson.loads(zlib.decompress(blob))
 
 
 def _answer_columns(answer: dict | None) -> tuple[str | None, float | None, float | None]:
@@ -431,8 +288,11 @@ def write_durably(path: Path, data: bytes, tmp: Path | None = None) -> None:
         raise
 
 
-class Ledger:
-    """The task ledger of one replica. Thread-safe: one connection, guarded by a lock."""
+class Ledger(TaskReads):
+    """The task ledger of one replica. Thread-safe: one connection, guarded by a lock. Its reads
+    of tasks are both ledgers' (app/ledger/task_reads.py), in SQLite's dialect."""
+
+    dialect = SQLITE
 
     shared = False  # one replica's (app/ledger/base.py); PostgresLedger is the shared one
     engine = "sqlite"
@@ -469,6 +329,8 @@ class Ledger:
             self._conn.close()
             self._conn = None
             raise
+        # the public connection API the side stores use (the webhook outbox: app/ledger/database.py)
+        self.database = SqliteDatabase(read=self._read, write=lambda doing, durable: self._write(doing, synced=durable))
 
     # ------------------------------------------------------------------ open, migrations
 
@@ -593,19 +455,9 @@ class Ledger:
             except sqlite3.Error as exc:
                 raise LedgerUnavailable(self._describe(exc, f"cannot {doing}")) from exc
 
-    def _record(self, row: sqlite3.Row | tuple, with_answer: bool) -> TaskRecord:
-        (task_id, status, kind, mode, created_at, started_at, finished_at, attempts, backend, config, options,
-         train_count, test_count, input_hashes, body_sha256, body_bytes, idempotency_key, device, error,
-         predictions_sha256, run_ms, energy_j, answer_bytes) = row[:23]
-        answer = decode_answer(row[23], row[24]) if with_answer else None
-        return TaskRecord(
-            id=task_id, status=status, kind=kind, mode=mode, created_at=created_at, started_at=started_at,
-            finished_at=finished_at, backend=backend, config=_loads(config), options=_loads(options),
-            train_count=train_count, test_count=test_count, input_hashes=_loads(input_hashes),
-            body_sha256=body_sha256, body_bytes=body_bytes, idempotency_key=idempotency_key, device=device,
-            answer=answer, error=_loads(error), predictions_sha256=predictions_sha256, run_ms=run_ms,
-            energy_j=energy_j, attempts=attempts, answer_bytes=answer_bytes,
-        )
+    @staticmethod
+    def _record(row: sqlite3.Row | tuple, with_answer: bool) -> TaskRecord:
+        return record_from_row(row, with_answer)
 
     def _get(self, conn: sqlite3.Connection, task_id: str, with_answer: bool = True) -> TaskRecord | None:
         columns = _ALL_COLUMNS if with_answer else _SUMMARY_COLUMNS
@@ -685,7 +537,7 @@ class Ledger:
                      int(test_count), texts[2], body_sha256, int(body_bytes), int(upload is not None),
                      idempotency_key),
                 )
-                SqliteOutbox.insert(conn, task_rows(task_id, options))  # its webhook's messages (issue #34)
+                insert_messages(conn, task_rows(task_id, options), "sqlite")  # its webhook's messages (issue #34)
                 record = self._get(conn, task_id)
             committed = True
         except sqlite3.IntegrityError as exc:
@@ -716,8 +568,8 @@ class Ledger:
                     "INSERT INTO tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
                     " test_count, input_hashes, body_sha256, body_bytes, has_upload, idempotency_key)"
                     " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL)", rows)
-                SqliteOutbox.insert(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"], now)]
-                                    + list(messages or []))
+                insert_messages(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"], now)]
+                                + list(messages or []), "sqlite")
         except sqlite3.IntegrityError as exc:
             raise ValueError(f"a task id is already in the ledger ({exc})") from exc
 
@@ -881,7 +733,7 @@ class Ledger:
                     " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
                     " run_ms, energy_j, has_upload) VALUES"
                     " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)", rows)
-                SqliteOutbox.insert(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)])
+                insert_messages(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)], "sqlite")
         except sqlite3.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({exc})") from exc
         if self._totals is not None:
@@ -912,94 +764,6 @@ class Ledger:
         conn.executemany("DELETE FROM tasks WHERE id = ?", doomed)
         self._totals = (count, stored)
         return len(doomed)
-
-    def get(self, task_id: str) -> TaskRecord | None:
-        with self._read(f"read task {task_id}") as conn:
-            return self._get(conn, task_id)
-
-    def get_many(self, task_ids: list[str]) -> dict[str, TaskRecord]:
-        """The records (with answers) of those of ``task_ids`` the ledger has, by id (one query a
-        few hundred ids)."""
-        out: dict[str, TaskRecord] = {}
-        with self._read(f"read {len(task_ids)} task(s)") as conn:
-            for i in range(0, len(task_ids), 500):
-                part = task_ids[i : i + 500]
-                marks = ", ".join("?" * len(part))
-                for row in conn.execute(f"SELECT {_ALL_COLUMNS} FROM tasks WHERE id IN ({marks})", part):
-                    record = self._record(row, True)
-                    out[record.id] = record
-        return out
-
-    def statuses(self, task_ids: list[str]) -> dict[str, str]:
-        """The status of those of ``task_ids`` the ledger has, by id: the status column alone (the
-        lists of sweeps and evaluations count their cells with it; one query a few hundred ids)."""
-        out: dict[str, str] = {}
-        with self._read(f"read the status of {len(task_ids)} task(s)") as conn:
-            for i in range(0, len(task_ids), 500):
-                part = task_ids[i : i + 500]
-                marks = ", ".join("?" * len(part))
-                out.update(conn.execute(f"SELECT id, status FROM tasks WHERE id IN ({marks})", part).fetchall())
-        return out
-
-    def list(self, limit: int = 50, cursor: str | None = None, status: str | None = None,
-             owner: str | None = None) -> tuple[list[TaskRecord], str | None]:
-        """Newest first (created_at, then id); ``owner``: only that tenant's. Returns (records
-        without their answers, the cursor of the next page or None at the end)."""
-        check_page(limit, status)
-        where, args = [], []
-        if status is not None:
-            where.append("status = ?")
-            args.append(status)
-        if owner is not None:
-            where.append("json_extract(options, '$.owner') = ?")
-            args.append(owner)
-        if cursor is not None:
-            created_at, last_id = _decode_cursor(cursor)
-            where.append("(created_at < ? OR (created_at = ? AND id < ?))")
-            args += [created_at, created_at, last_id]
-        sql = f"SELECT {_SUMMARY_COLUMNS} FROM tasks"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
-        args.append(limit + 1)
-        with self._read("list tasks") as conn:
-            rows = conn.execute(sql, args).fetchall()
-        records = [self._record(row, with_answer=False) for row in rows[:limit]]
-        next_cursor = None
-        if len(rows) > limit:
-            last = records[-1]
-            next_cursor = _encode_cursor(last.created_at, last.id)
-        return records, next_cursor
-
-    def usage(self, owner: str | None, since: float) -> list[tuple]:
-        """(owner, UTC day, tasks finished, succeeded, run seconds, joules) per tenant and day,
-        for tasks finished since ``since`` (``owner``: that tenant's only; None: every tenant's,
-        the admin's and an open service's as owner None)."""
-        sql = ("SELECT json_extract(options, '$.owner') AS o, date(finished_at, 'unixepoch') AS day, count(*),"
-               " sum(status = 'succeeded'), COALESCE(sum(run_ms), 0) / 1000.0, sum(energy_j) FROM tasks"
-               " WHERE finished_at IS NOT NULL AND finished_at >= ?")
-        args: list = [since]
-        if owner is not None:
-            sql += " AND json_extract(options, '$.owner') = ?"
-            args.append(owner)
-        sql += " GROUP BY o, day ORDER BY day, o"
-        with self._read("sum the tenants' usage") as conn:
-            return [tuple(r) for r in conn.execute(sql, args).fetchall()]
-
-    def count_unfinished(self, owner: str) -> int:
-        """How many of the tenant's tasks are queued or running (its max_queued counts them)."""
-        with self._read("count a tenant's unfinished tasks") as conn:
-            return int(conn.execute("SELECT count(*) FROM tasks WHERE status IN ('queued', 'running')"
-                                    " AND json_extract(options, '$.owner') = ?", (owner,)).fetchone()[0])
-
-    def unfinished(self) -> list[TaskRecord]:
-        """Queued and running tasks, oldest first: what a restart re-queues."""
-        with self._read("list unfinished tasks") as conn:
-            rows = conn.execute(
-                f"SELECT {_SUMMARY_COLUMNS} FROM tasks WHERE status IN ('queued', 'running')"
-                " ORDER BY created_at, id"
-            ).fetchall()
-        return [self._record(row, with_answer=False) for row in rows]
 
     def load_upload(self, task_id: str) -> bytes:
         path = self.upload_path(task_id)

@@ -1,0 +1,133 @@
+"""The task row, defined once: its columns, their kinds (how they are stored and decoded), and what
+the API shows of them.
+
+Everything else derives from ``TASK_ROW``:
+
+    TaskRecord            the record both ledgers return (a dataclass of the record columns)
+    the SQL column lists  app/ledger/rows.py: what lists read, what a full read adds
+    the row mapper        app/ledger/rows.py ``record_from_row``: one for both engines
+    TaskSummary           app/models.py: the API model of a listed task (the ``api`` columns)
+    the schemas           tests/test_task_row.py: each engine's table (its migrations:
+                          app/ledger/migrations/sqlite/ and app/ledger/migrations/) has exactly
+                          these columns, of these kinds, and its engine's own
+
+Adding a column: a ``Column`` here, one migration per engine, and nothing else (the API shows it
+when it has an ``api`` annotation; a record field gets its default until it is written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
+FINISHED: tuple[str, ...] = ("succeeded", "failed", "cancelled")
+UNFINISHED: tuple[str, ...] = ("queued", "running")
+KINDS: tuple[str, ...] = ("task", "measure")
+MODES: tuple[str, ...] = ("sync", "async")
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()  # a column with no default: every record and summary has it
+# how a kind is stored: SQLite's declared type, PostgreSQL's data_type (information_schema)
+KIND_TYPES = {
+    "text": ("TEXT", "text"), "real": ("REAL", "double precision"), "integer": ("INTEGER", "integer"),
+    "bigint": ("INTEGER", "bigint"), "json": ("TEXT", "text"), "blob": ("BLOB", "bytea"),
+    "flag": ("INTEGER", "boolean"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    name: str
+    kind: str  # a key of KIND_TYPES; "json" columns hold canonical JSON text, decoded into the record
+    api: Any = None  # its annotation in the API's task summary (None: not shown there)
+    default: Any = REQUIRED
+    description: str | None = None
+    record: bool = True  # a field of TaskRecord
+    listed: bool = True  # read by lists and summaries (False: read only with the answer, or never)
+    engine: str | None = None  # only this engine's table has it (its own bookkeeping)
+
+
+TASK_ROW: tuple[Column, ...] = (
+    Column("id", "text", str),
+    Column("status", "text", Status),
+    Column("kind", "text", Literal["task", "measure"]),
+    Column("mode", "text", Literal["sync", "async"]),
+    Column("created_at", "real", float, description="unix seconds"),
+    Column("started_at", "real", float | None, None),
+    Column("finished_at", "real", float | None, None),
+    Column("attempts", "integer", int, 0, "runs started; 2 or more: run again after a restart"),
+    Column("backend", "text", str),
+    Column("config", "json", dict[str, Any]),
+    Column("options", "json", dict[str, Any]),
+    Column("train_count", "integer", int),
+    Column("test_count", "integer", int),
+    Column("input_hashes", "json", dict[str, str] | None, None),
+    Column("body_sha256", "text", str | None, None,
+           "SHA-256 of the uploaded body; null for a synchronous task sent without an Idempotency-Key "
+           "(not hashed: input_hashes identify its arrays)"),
+    Column("body_bytes", "bigint", int),
+    Column("idempotency_key", "text", str | None, None),
+    Column("device", "text", str | None, None),
+    Column("error", "json", None, None, "failed or cancelled: {status, error, ...}"),
+    Column("predictions_sha256", "text", str | None, None),
+    Column("run_ms", "real", float | None, None),
+    Column("energy_j", "real", float | None, None, "the answer's energy.gross_j (null where it has none)"),
+    Column("answer_bytes", "integer", None, 0, "the stored (compressed) answer's size"),
+    # the answer itself: stored compressed (its codec beside it), decoded into the record when asked for
+    Column("answer", "blob", None, None, listed=False),
+    Column("answer_codec", "text", None, None, record=False, listed=False),
+    Column("answer_json_bytes", "integer", None, 0, record=False, listed=False),
+    # each engine's own bookkeeping
+    Column("has_upload", "flag", record=False, listed=False, default=0, engine="sqlite"),
+    Column("has_input", "flag", record=False, listed=False, default=False, engine="postgresql"),
+    Column("lease_owner", "text", record=False, listed=False, default=None, engine="postgresql"),
+    Column("lease_expires_at", "real", record=False, listed=False, default=None, engine="postgresql"),
+    Column("claims", "integer", record=False, listed=False, default=0, engine="postgresql"),
+    Column("expiries", "integer", record=False, listed=False, default=0, engine="postgresql"),
+    Column("cancel_requested_at", "real", record=False, listed=False, default=None, engine="postgresql"),
+)
+
+RECORD_COLUMNS = tuple(c for c in TASK_ROW if c.record)
+LISTED_COLUMNS = tuple(c for c in TASK_ROW if c.listed)  # what lists read, in this order
+API_COLUMNS = tuple(c for c in TASK_ROW if c.api is not None)
+
+
+def columns_of(engine: str) -> tuple[Column, ...]:
+    """The columns of ``engine``'s task table ("sqlite" or "postgresql")."""
+    return tuple(c for c in TASK_ROW if c.engine in (None, engine))
+
+
+def _record_class() -> type:
+    fields = [(c.name, Any, dataclasses.field(default=None if c.default is REQUIRED else c.default))
+              for c in RECORD_COLUMNS]
+
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+    def summary(self) -> dict:
+        """JSON-able, without the answer or error (lists, 202 Accepted): the API's columns."""
+        return {c.name: getattr(self, c.name) for c in API_COLUMNS}
+
+    def document(self) -> dict:
+        """JSON-able status document: the summary, plus the answer (succeeded) or the error."""
+        doc = self.summary()
+        doc["answer"] = self.answer
+        doc["error"] = self.error
+        return doc
+
+    cls = dataclasses.make_dataclass(
+        "TaskRecord", fields, kw_only=True,
+        namespace={"finished": property(finished), "summary": summary, "document": document,
+                   "__doc__": "A task as a ledger holds it: a field per record column of TASK_ROW "
+                              "(``answer`` decoded, None unless read with it)."})
+    cls.__module__ = __name__
+    return cls
+
+
+TaskRecord = _record_class()

@@ -1,0 +1,107 @@
+"""The task row, defined once (app/task_row.py; issue #45): each engine's migrated table has exactly
+its columns, of its kinds; the record, the SQL column lists, the mapper and the API model derive
+from it; a record survives the trip through both engines unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from app.ledger.rows import ALL_COLUMNS, SUMMARY_COLUMNS, record_from_row
+from app.ledger.store import Ledger
+from app.models import TaskStatus, TaskSummary
+from app.task_row import API_COLUMNS, KIND_TYPES, LISTED_COLUMNS, RECORD_COLUMNS, TASK_ROW, TaskRecord, columns_of
+
+from . import pg
+
+pg_server, pg_url = pg.pg_server, pg.pg_url  # the fixtures (tests/pg.py)
+
+
+def _expected(engine: str) -> dict[str, str]:
+    index = 0 if engine == "sqlite" else 1
+    return {c.name: KIND_TYPES[c.kind][index] for c in columns_of(engine)}
+
+
+def test_the_sqlite_table_is_the_row_definition(tmp_path):
+    ledger = Ledger(tmp_path / "data")
+    try:
+        rows = ledger.database.read("read the schema", lambda conn: conn.execute("PRAGMA table_info(tasks)").fetchall())
+    finally:
+        ledger.close()
+    assert {name: declared for _, name, declared, *_ in rows} == _expected("sqlite")
+
+
+def test_the_postgresql_table_is_the_row_definition(pg_url):
+    pg.require_psycopg()
+    from app.ledger.postgres import PostgresLedger
+
+    ledger = PostgresLedger(pg_url, owner="schema-test")
+    try:
+        rows = ledger.database.read("read the schema", lambda conn: conn.execute(
+            "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = 'rev88_tasks'"
+            " AND table_schema = current_schema()").fetchall())
+    finally:
+        ledger.close()
+    assert dict(rows) == _expected("postgresql")
+
+
+def test_every_other_form_derives_from_it():
+    assert [f.name for f in dataclasses.fields(TaskRecord)] == [c.name for c in RECORD_COLUMNS]
+    assert SUMMARY_COLUMNS.split(", ") == [c.name for c in LISTED_COLUMNS]
+    assert ALL_COLUMNS.split(", ")[len(LISTED_COLUMNS):] == ["answer", "answer_codec"]
+    assert list(TaskSummary.model_fields) == [c.name for c in API_COLUMNS]
+    assert set(TaskStatus.model_fields) == {c.name for c in API_COLUMNS} | {"error"}
+    for c in API_COLUMNS:
+        assert TaskSummary.model_fields[c.name].description == c.description
+    names = [c.name for c in TASK_ROW]
+    assert len(names) == len(set(names)) and all(c.kind in KIND_TYPES for c in TASK_ROW)
+    record = TaskRecord(id="t", status="queued", kind="task", mode="async", created_at=1.0, backend="cpu",
+                        config={"seed": 1}, options={}, train_count=3, test_count=1, body_bytes=9)
+    assert list(record.summary()) == list(TaskSummary.model_fields)
+    TaskSummary.model_validate(record.summary())
+    assert not record.finished and record.answer_bytes == 0 and record.attempts == 0
+
+
+def test_the_mapper_decodes_the_json_and_answer_columns():
+    from app.ledger.rows import dumps, encode_answer
+
+    values = {c.name: None for c in LISTED_COLUMNS}
+    values.update(id="t", status="succeeded", kind="task", mode="sync", created_at=2.0, backend="cpu",
+                  config=dumps({"seed": 3}), options=dumps({"owner": "k"}), train_count=5, test_count=2,
+                  body_bytes=10, attempts=1, answer_bytes=7, error=None, input_hashes=dumps({"x": "y"}))
+    blob, _ = encode_answer({"predictions": [1, 2]})
+    row = tuple(values[c.name] for c in LISTED_COLUMNS) + (blob, "zlib+json")
+    record = record_from_row(row, with_answer=True)
+    assert record.config == {"seed": 3} and record.options == {"owner": "k"} and record.input_hashes == {"x": "y"}
+    assert record.answer == {"predictions": [1, 2]}
+    assert record_from_row(row[:len(LISTED_COLUMNS)], with_answer=False).answer is None
+    with pytest.raises(ValueError, match="unknown encoding"):
+        record_from_row(row[:-1] + ("gzip",), with_answer=True)
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"])
+def test_a_record_makes_the_trip_through_either_engine(engine, tmp_path, request):
+    if engine == "sqlite":
+        ledger = Ledger(tmp_path / "data")
+    else:
+        pg.require_psycopg()
+        from app.ledger.postgres import PostgresLedger
+
+        ledger = PostgresLedger(request.getfixturevalue("pg_url"), owner="trip")
+    try:
+        created, _ = ledger.create(task_id="trip-1", kind="task", mode="async", backend="cpu",
+                                   config={"seed": 4, "epochs": 2}, options={"owner": "k-1"}, train_count=8,
+                                   test_count=2, body_sha256="a" * 64, body_bytes=3, body=b"npz",
+                                   input_hashes={"train_images": "b" * 64})
+        answer = {"predictions_sha256": "c" * 64, "timing": {"run_ms": 1.5}, "energy": {"gross_j": 0.25}}
+        done = ledger.finish("trip-1", "succeeded", answer=answer)
+        got = ledger.get("trip-1")
+        listed, _ = ledger.list(owner="k-1")
+    finally:
+        ledger.close()
+    assert got.answer == answer and got.config == {"seed": 4, "epochs": 2} and got.options == {"owner": "k-1"}
+    assert (got.predictions_sha256, got.run_ms, got.energy_j) == ("c" * 64, 1.5, 0.25)
+    assert got.summary() == done.summary() and listed[0].summary() == got.summary() == {
+        **created.summary(), "status": "succeeded", "finished_at": got.finished_at,
+        "predictions_sha256": "c" * 64, "run_ms": 1.5, "energy_j": 0.25}
