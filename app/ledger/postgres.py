@@ -81,7 +81,15 @@ from . import database
 from .base import Claim, LeaseLost, Renewal
 from .database import PostgresDatabase
 from .outbox import insert_messages, task_rows
-from .rows import ALL_COLUMNS, ANSWER_CODEC, SUMMARY_COLUMNS, columns_as, encode_answer, record_from_row
+from .rows import (
+    ALL_COLUMNS,
+    ANSWER_CODEC,
+    SUMMARY_COLUMNS,
+    SUMMARY_WIDTH,
+    columns_as,
+    encode_answer,
+    record_from_row,
+)
 from .rows import dumps as _dumps
 from .store import (
     AlreadyFinished,
@@ -925,7 +933,7 @@ class PostgresLedger(TaskReads):
                 {"owner": self.owner, "lease": self.lease_s, "n": int(limit), "half": FAIR_HALF_LIFE_S,
                  "owners": None if owners is None else list(owners)},
                 binary=True).fetchall()
-        claims = sorted((Claim(_record(row, False), row[23]) for row in rows),
+        claims = sorted((Claim(_record(row, False), row[SUMMARY_WIDTH]) for row in rows),  # (t.claims after them)
                         key=lambda c: (c.record.created_at, c.record.id))
         for c in claims:
             self._hold(c.record.id, c.epoch)
