@@ -1,0 +1,196 @@
+"""The host's cost per cell when the device works in launches (issue #46), against a stand-in device.
+
+A real ``rev88 serve`` (cpu-fast's name, ``--batch-max 132``, one worker, a fresh data dir) whose
+device is bench/device_stand_in.py's replay: every task of a launch gets the real output of its
+(dataset, config, seed), computed by cpu-fast before the run and kept, after a fixed device time
+per launch (``--launch-ms``, a sleep: 132 tasks per 132 ms is 1,000 cells/s). So the server's CPU
+is the host's work alone -- claims, preparation, answers, hashes, ledger writes, polls -- and the
+replay's own CPU (reading the kept outputs) is subtracted. Two runs in one:
+
+    sweep        PUT /datasets (draw 0), POST /sweeps of --lrs learning rates x --seeds seeds
+                 (1,320 cells by default), polled every second until completed
+    evaluation   --eval-seeds POST /evaluations of draws 0-10 (one per seed: 132 cells by default)
+
+Reported for each: host CPU per cell (from /proc: every thread of the server, by thread group,
+the replay excluded), cells per second, and that rate against the stand-in's (its launch rate at
+full launches). Every cell's predictions_sha256 is checked against the kept output's. CPU time,
+not wall time, for the per-cell figure; the rate is wall time on whatever else the machine does.
+Not a test; run it by hand at a quiet moment:
+
+    python bench/bench_launches.py [--lrs 10] [--seeds 132] [--eval-seeds 12] [--launch-ms 132] [--out bench/results]
+
+The kept outputs (~600 MB for the defaults) go to --cache (default /tmp/rev88-stand-in); a
+second run reuses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+from bench_load import machine, start_server, stop_server  # noqa: E402
+from bench_shell import cpu_by_group  # noqa: E402
+from bench_sweep import request  # noqa: E402
+from device_stand_in import DIR_ENV, LAUNCH_ENV, STATS_ENV, precompute  # noqa: E402
+
+POLL_S = 0.2  # how often the bench asks whether the cells have finished (each ask costs the server a little)
+
+
+def replay_cpu(stats: Path) -> float:
+    """The stand-in's own CPU so far (its replay of the kept outputs), from its stats file."""
+    return float(json.loads(stats.read_text())["replay_cpu_s"]) if stats.exists() else 0.0
+
+
+def expected_hashes(folder: Path, count: int) -> list[str]:
+    from learner.hashing import array_sha256
+
+    scores = np.load(folder / "scores.npy", mmap_mode="r")
+    return [array_sha256(np.asarray(scores[i]).argmax(axis=1).astype(np.int64)) for i in range(count)]
+
+
+def measure(stats: Path, pid: int, cells: int, start, done, stand_in_rate: float) -> dict:
+    """CPU and wall from ``start()`` until ``done()`` says every cell finished."""
+    replay0, before, w0 = replay_cpu(stats), cpu_by_group(pid), time.perf_counter()
+    handle = start()
+    while not done(handle):
+        time.sleep(POLL_S)
+    wall = time.perf_counter() - w0
+    after, replay1 = cpu_by_group(pid), replay_cpu(stats)
+    replay = replay1 - replay0
+    groups = {k: round((after[k] - before[k]) / cells * 1000.0, 4) for k in after}
+    host = (after["process"] - before["process"] - replay) / cells * 1000.0
+    rate = cells / wall
+    return {"cells": cells, "host_cpu_ms_per_cell": round(host, 4), "by_thread_ms_per_cell": groups,
+            "replay_cpu_ms_per_cell": round(replay / cells * 1000.0, 4), "wall_s": round(wall, 3),
+            "cells_per_s": round(rate, 2), "rate_vs_stand_in": round(rate / stand_in_rate, 3), "handle": handle}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lrs", type=int, default=10, help="learning rates in the sweep's grid")
+    parser.add_argument("--seeds", type=int, default=132, help="seeds per learning rate")
+    parser.add_argument("--eval-seeds", type=int, default=12, help="evaluations of draws 0-10, one per seed")
+    parser.add_argument("--batch-max", type=int, default=132)
+    parser.add_argument("--launch-ms", type=float, default=132.0, help="the stand-in's device time per launch")
+    parser.add_argument("--cache", default="/tmp/rev88-stand-in")
+    parser.add_argument("--serve-args", default="", help="more rev88 serve flags")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--skip-evaluation", action="store_true")
+    args = parser.parse_args(argv)
+
+    from learner.data import bundled_mnist_dir
+    from learner.evaluate import dataset_seed
+    from learner.taskio import make_task, task_to_npz_bytes
+
+    lrs = [round(0.05 + 0.01 * i, 4) for i in range(args.lrs)]
+    draws = {}
+    for k in range(11 if not args.skip_evaluation else 1):
+        task, _ = make_task(bundled_mnist_dir(), dataset_seed(k))
+        draws[k] = task_to_npz_bytes(task)
+    body = draws[0]
+    digest = "sha256:" + hashlib.sha256(body).hexdigest()
+    sweep_cells = [(body, {"learning_rate": lr, "seed": s}) for lr in lrs for s in range(args.seeds)]
+    eval_cells = [] if args.skip_evaluation else [
+        (draws[k], {"seed": s}) for s in range(args.eval_seeds) for k in range(11)]
+    t0 = time.perf_counter()
+    folder = Path(args.cache) / f"lrs{args.lrs}-seeds{args.seeds}-eval{0 if args.skip_evaluation else args.eval_seeds}"
+    precompute(folder, sweep_cells + eval_cells)
+    print(f"kept outputs ready in {time.perf_counter() - t0:.1f} s ({folder})", file=sys.stderr)
+    expected = expected_hashes(folder, len(sweep_cells) + len(eval_cells))
+    stand_in_rate = args.batch_max / (args.launch_ms / 1000.0)
+    doc: dict = {"machine": machine(), "batch_max": args.batch_max, "launch_ms": args.launch_ms,
+                 "stand_in_cells_per_s": stand_in_rate}
+    queue = 2 * args.batch_max
+    serve = ["--batch-max", str(args.batch_max), "--workers", "1", "--queue-size", str(queue),
+             "--sweep-max-cells", str(len(sweep_cells)), *args.serve_args.split()]
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = Path(tmp) / "stand-in.json"
+        proc, port = start_server("cpu-fast", Path(tmp) / "server.log", Path(tmp) / "data",
+                                  env={DIR_ENV: str(folder), LAUNCH_ENV: str(args.launch_ms), STATS_ENV: str(stats)},
+                                  args=serve, launcher=[str(HERE / "device_stand_in.py")])
+        try:
+            status, _, data = request(port, "PUT", f"/datasets/{digest}", body)
+            assert status in (200, 201), data
+            status, _, data = request(port, "POST", f"/tasks?dataset={digest}&learning_rate={lrs[0]}&seed=0")
+            assert status == 200, data  # warm: the dataset parsed, the worker warmed
+            assert json.loads(data)["predictions_sha256"] == expected[0]
+
+            def start_sweep():
+                definition = json.dumps({"dataset": digest, "grid": {"learning_rate": lrs},
+                                         "seeds": {"start": 0, "count": args.seeds}}).encode()
+                status, _, data = request(port, "POST", "/sweeps", definition, "application/json")
+                assert status == 202, data
+                return json.loads(data)["id"]
+
+            def sweep_done(sweep_id):
+                status, _, data = request(port, "GET", f"/sweeps/{sweep_id}")
+                return json.loads(data)["status"] in ("completed", "cancelled")
+
+            sweep = measure(stats, proc.pid, len(sweep_cells), start_sweep, sweep_done, stand_in_rate)
+            status, _, data = request(port, "GET", f"/sweeps/{sweep.pop('handle')}")
+            state = json.loads(data)
+            got = [row.get("predictions_sha256") for row in state["cells"]]
+            assert got == expected[:len(sweep_cells)], "a cell's predictions differ from the kept output's"
+            sweep["succeeded"] = state["counts"]["succeeded"]
+            doc["sweep"] = sweep
+            print(json.dumps({"sweep": sweep}, indent=2), file=sys.stderr)
+
+            if not args.skip_evaluation:
+                # warm: the eleven draws built and stored (once per process), then measured
+                definition = json.dumps({"draws": "0-10", "config": {"seed": 0}}).encode()
+                status, _, data = request(port, "POST", "/evaluations", definition, "application/json")
+                assert status == 202, data
+                warm = json.loads(data)["id"]
+                while json.loads(request(port, "GET", f"/evaluations/{warm}")[2])["status"] != "completed":
+                    time.sleep(POLL_S)
+
+                def start_evaluations():
+                    ids = []
+                    for s in range(args.eval_seeds):
+                        definition = json.dumps({"draws": "0-10", "config": {"seed": s}}).encode()
+                        status, _, data = request(port, "POST", "/evaluations", definition, "application/json")
+                        assert status == 202, data
+                        ids.append(json.loads(data)["id"])
+                    return ids
+
+                def evaluations_done(ids):
+                    for ev in ids:
+                        status, _, data = request(port, "GET", f"/evaluations/{ev}")
+                        if json.loads(data)["status"] not in ("completed", "failed", "cancelled"):
+                            return False
+                    return True
+
+                evaluation = measure(stats, proc.pid, len(eval_cells), start_evaluations, evaluations_done,
+                                     stand_in_rate)
+                ids = evaluation.pop("handle")
+                for s, ev in enumerate(ids):
+                    status, _, data = request(port, "GET", f"/evaluations/{ev}")
+                    rows = json.loads(data)["draws"]
+                    for row in rows:
+                        want = expected[len(sweep_cells) + s * 11 + row["draw"]]
+                        assert row["predictions_sha256"] == want, f"evaluation seed {s} draw {row['draw']} differs"
+                evaluation["evaluations"] = len(ids)
+                doc["evaluation"] = evaluation
+        finally:
+            stop_server(proc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launches.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""A stand-in device for the host's cost alone (issue #46), for the benchmarks only (never a backend).
+
+On a GPU the fused kernel trains a launch of 132 draw-0 tasks in ~28 ms; here nothing trains that
+fast, so the service's host path (claims, preparation, answers, hashes, ledger writes) cannot be
+pushed to a GPU's rate with a real backend. ``ReplayDevice`` stands in for the device: for each
+task of a launch it returns the real output of that (dataset, config, seed) -- computed earlier
+by cpu-fast and kept in memory-mapped files (``precompute``) -- after a fixed device time per
+launch (a sleep: it costs no CPU). Answers and hashes are therefore real and checked, and the
+server's CPU measures the host's work: the replay's own CPU (reading the kept outputs) is counted
+apart (``replay_cpu_s``, written after every launch to the file $REV88_STAND_IN_STATS names) and
+subtracted by the bench.
+
+    python bench/device_stand_in.py serve --backend cpu-fast --batch-max 132 ...
+
+is the real ``rev88 serve`` command line with every cpu-fast backend the service creates replaced
+by the stand-in (its kept outputs: $REV88_STAND_IN_DIR; its device time per launch:
+$REV88_STAND_IN_LAUNCH_MS, default 132). A launch's task whose output was not kept fails, naming
+it; a single task whose output was not kept (the warm-up's) really runs on cpu-fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DIR_ENV, LAUNCH_ENV, STATS_ENV = "REV88_STAND_IN_DIR", "REV88_STAND_IN_LAUNCH_MS", "REV88_STAND_IN_STATS"
+
+
+def key_of(task, config) -> str:
+    """A task's output key: its training images' hash and its whole config."""
+    return hashlib.sha256((task.input_hashes()["train_images"] + json.dumps(config.as_dict(), sort_keys=True))
+                          .encode()).hexdigest()
+
+
+def _compute(args) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(row, scores, final parameters, final velocity) of one cell on cpu-fast (a worker process)."""
+    row, body, config_dict = args
+    from learner.backends import get_backend
+    from learner.config import make_config
+    from learner.taskio import load_task
+    from learner.train import prepare
+
+    task = _TASKS.get(body) or _TASKS.setdefault(body, load_task(body))
+    config = make_config(config_dict)
+    out = get_backend("cpu-fast").run(task, prepare(task, config))
+    return row, out.scores, np.concatenate([p.ravel() for p in out.final_parameters]), \
+        np.concatenate([v.ravel() for v in out.final_velocity])
+
+
+_TASKS: dict = {}
+
+
+def precompute(folder: Path, cells: list[tuple[bytes, dict]], processes: int = 2) -> dict:
+    """Keep cpu-fast's output of each (npz body, config) in ``folder`` (skipped when an index of
+    the same cells is there already). Returns the index."""
+    from learner.config import make_config
+    from learner.taskio import load_task
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks = {}
+    keys = []
+    for body, config in cells:
+        digest = hashlib.sha256(body).hexdigest()
+        if digest not in tasks:
+            tasks[digest] = load_task(body)
+        keys.append(key_of(tasks[digest], make_config(config)))
+    index_path = folder / "index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        if index["keys"] == keys:
+            return index
+    first = tasks[hashlib.sha256(cells[0][0]).hexdigest()]
+    m = first.test_count
+    size = sum(p.size for p in _shapes(make_config(cells[0][1])))
+    scores = np.lib.format.open_memmap(folder / "scores.npy", "w+", np.float32, (len(cells), m, 10))
+    params = np.lib.format.open_memmap(folder / "params.npy", "w+", np.float32, (len(cells), size))
+    velocity = np.lib.format.open_memmap(folder / "velocity.npy", "w+", np.float32, (len(cells), size))
+    import multiprocessing
+
+    jobs = [(row, body, config) for row, (body, config) in enumerate(cells)]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        for row, s, p, v in pool.imap_unordered(_compute, jobs, chunksize=8):
+            scores[row], params[row], velocity[row] = s, p, v
+    for mm in (scores, params, velocity):
+        mm.flush()
+    index = {"keys": keys, "shapes": [list(p.shape) for p in _shapes(make_config(cells[0][1]))]}
+    index_path.write_text(json.dumps(index))
+    return index
+
+
+def _shapes(config) -> list[np.ndarray]:
+    from learner.train import initial_parameters
+
+    return [p.numpy() for p in initial_parameters(config)]
+
+
+class ReplayDevice:
+    """cpu-fast's name and device; ``run`` and ``run_many`` replay the kept outputs after the
+    launch's device time."""
+
+    def __init__(self, inner, folder: Path, launch_s: float, stats: Path | None = None) -> None:
+        self.inner, self.stats = inner, stats
+        self.name, self.device = inner.name, inner.device
+        self.launch_s = launch_s
+        index = json.loads((folder / "index.json").read_text())
+        self.rows = {k: i for i, k in enumerate(index["keys"])}
+        self.shapes = [tuple(s) for s in index["shapes"]]
+        self.scores = np.load(folder / "scores.npy", mmap_mode="r")
+        self.params = np.load(folder / "params.npy", mmap_mode="r")
+        self.velocity = np.load(folder / "velocity.npy", mmap_mode="r")
+        self.launches = self.tasks = 0
+        self.replay_cpu_s = 0.0
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "stand_in": "replay (bench/device_stand_in.py)",
+                "launch_ms": self.launch_s * 1000.0, "launches": self.launches, "tasks": self.tasks,
+                "replay_cpu_s": round(self.replay_cpu_s, 6)}
+
+    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
+        out, at = [], 0
+        for shape in self.shapes:
+            n = int(np.prod(shape))
+            out.append(flat[at:at + n].reshape(shape))
+            at += n
+        return out
+
+    def _replay(self, task, prepared):
+        from learner.backends.base import RunOutput
+
+        row = self.rows.get(key_of(task, prepared.config))
+        if row is None:
+            raise RuntimeError(f"the stand-in device kept no output for config {prepared.config.as_dict()} "
+                               "(bench/device_stand_in.py precompute)")
+        return RunOutput(final_parameters=self._split(np.array(self.params[row])),
+                         final_velocity=self._split(np.array(self.velocity[row])),
+                         scores=np.array(self.scores[row]), training_prediction_seconds=self.launch_s,
+                         preparation_seconds=0.0)
+
+    def run(self, task, prepared):
+        if key_of(task, prepared.config) not in self.rows:  # (the warm-up's tiny task, say: really run)
+            return self.inner.run(task, prepared)
+        return self.run_many([task], [prepared])[0]
+
+    def run_many(self, tasks, prepareds):
+        t0 = time.thread_time()
+        outs = [self._replay(t, p) for t, p in zip(tasks, prepareds)]
+        with self._lock:
+            self.launches += 1
+            self.tasks += len(tasks)
+            if self.stats is not None:
+                tmp = self.stats.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"launches": self.launches, "tasks": self.tasks,
+                                           "replay_cpu_s": self.replay_cpu_s}))
+                tmp.replace(self.stats)
+            self.replay_cpu_s += time.thread_time() - t0  # (the replay and this file's write)
+        time.sleep(self.launch_s)  # the device's time: no CPU
+        return outs
+
+
+def stand_in_engines(folder: Path, launch_s: float, stats: Path | None = None):
+    from learner.backends import get_backend
+
+    cache: dict[tuple, ReplayDevice] = {}
+    lock = threading.Lock()
+
+    def engines(name: str, device: str | None = None):
+        inner = get_backend(name, device)
+        if inner.name != "cpu-fast":
+            return inner
+        with lock:
+            key = (inner.name, inner.device)
+            if key not in cache:
+                cache[key] = ReplayDevice(inner, folder, launch_s, stats)
+            return cache[key]
+
+    return engines
+
+
+def main(argv: list[str]) -> int:
+    import app.service
+    from rev88.cli import main as rev88_main
+
+    folder = Path(os.environ[DIR_ENV])
+    stats = Path(os.environ[STATS_ENV]) if os.environ.get(STATS_ENV) else None
+    app.service.get_backend = stand_in_engines(folder, float(os.environ.get(LAUNCH_ENV, "132")) / 1000.0, stats)
+    return rev88_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
