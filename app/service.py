@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from learner import seed_state
 from learner.backends import get_backend, loaded_backends
 from learner.config import Config
 from learner.result import run_task, versions
@@ -106,6 +107,7 @@ class Service:
         self.ledger_writer = LedgerWriter(self.ledger)  # running marks and results, off the device workers
         # Datasets stored once and parsed once (app/tasks/datasets.py): beside the ledger
         self.datasets = DatasetCatalog(open_datasets(settings, self.ledger), settings.dataset_cache_bytes)
+        seed_state.configure(settings.seed_cache_bytes)  # seed-derived state kept per process (learner/seed_state.py)
         self.recovered: dict[str, int] | None = None
         self.started_at = time.time()
         self._t0 = time.monotonic()
@@ -236,6 +238,10 @@ class Service:
 
     def versions(self) -> dict[str, Any]:
         return versions()
+
+    def seed_cache(self) -> dict[str, Any]:
+        """The seed-derived state kept (learner/seed_state.py): states, bytes, bound, hits, misses."""
+        return seed_state.states.snapshot()
 
     def admission(self) -> dict[str, Any]:
         """Admission by tenant as /health and /metrics show it (issue #44): the device queue (its

@@ -45,6 +45,8 @@
 
     REV88_DATASET_BYTES     stored datasets and labels, in all     4294967296 (4 GiB)
     REV88_DATASET_CACHE_BYTES  parsed datasets kept in memory      536870912 (512 MiB)
+    REV88_SEED_CACHE_BYTES  seed-derived state kept in memory      268435456 (256 MiB)
+                            (initial parameters, permutations)
     REV88_SWEEP_MAX_CELLS   cells of one sweep                     1000
     REV88_SWEEP_MAX_WORK    a sweep's estimated work in all        200 x the task default
 
@@ -140,6 +142,7 @@ class Settings:
     # hold at most dataset_bytes; parsed datasets kept in memory, at most dataset_cache_bytes.
     dataset_bytes: int = 4 << 30
     dataset_cache_bytes: int = 512 << 20
+    seed_cache_bytes: int = 256 << 20  # seed-derived state kept per process (learner/seed_state.py)
     # Sweeps (app/tasks/sweeps.py): at most sweep_max_cells cells, sweep_max_work estimated work in all
     sweep_max_cells: int = 1000
     sweep_max_work: int = 200 * DEFAULT_MAX_TASK_WORK
@@ -196,7 +199,8 @@ class Settings:
             if value < 1:
                 raise SettingsError(f"{name} must be >= 1, got {value}")
         for name, value in (("REV88_DATASET_BYTES", self.dataset_bytes),
-                            ("REV88_DATASET_CACHE_BYTES", self.dataset_cache_bytes)):
+                            ("REV88_DATASET_CACHE_BYTES", self.dataset_cache_bytes),
+                            ("REV88_SEED_CACHE_BYTES", self.seed_cache_bytes)):
             if value < 0:
                 raise SettingsError(f"{name} must be >= 0 bytes, got {value}")
         if self.max_connections < 16:
@@ -342,6 +346,7 @@ class Settings:
             backlog_bytes=integer("REV88_BACKLOG_BYTES", None),
             dataset_bytes=integer("REV88_DATASET_BYTES", defaults.dataset_bytes),
             dataset_cache_bytes=integer("REV88_DATASET_CACHE_BYTES", defaults.dataset_cache_bytes),
+            seed_cache_bytes=integer("REV88_SEED_CACHE_BYTES", defaults.seed_cache_bytes),
             sweep_max_cells=integer("REV88_SWEEP_MAX_CELLS", defaults.sweep_max_cells),
             sweep_max_work=integer("REV88_SWEEP_MAX_WORK", defaults.sweep_max_work),
             webhook_retry_schedule=schedule("REV88_WEBHOOK_RETRY_SCHEDULE", defaults.webhook_retry_schedule),

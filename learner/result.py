@@ -178,8 +178,10 @@ def finish_task(
         "test_count": task.test_count,
         **DESCRIPTION,
         "input_hashes": task.input_hashes(),  # computed once per task, by load_task where it came from an npz
-        "epoch_permutation_sha256": [array_sha256(p) for p in prepared.permutations],
-        "initial_parameter_sha256": named_sha256(names, prepared.initial),
+        "epoch_permutation_sha256": (list(prepared.permutation_sha256) if prepared.permutation_sha256 is not None
+                                     else [array_sha256(p) for p in prepared.permutations]),
+        "initial_parameter_sha256": (dict(prepared.initial_sha256) if prepared.initial_sha256 is not None
+                                     else named_sha256(names, prepared.initial)),
         "final_parameter_sha256": named_sha256(names, out.final_parameters),
         "final_velocity_sha256": named_sha256(names, out.final_velocity),
         "state_vector_sha256": array_sha256(state_vector(out.final_parameters)),

@@ -155,7 +155,10 @@ def train_predict(
 
 
 def prepare(task: TaskArrays, config: Config, cancel: CancelToken | None = None) -> Prepared:
-    """Seed-derived initial parameters and epoch permutations (identical on every backend);
-    ``cancel`` travels with them to the backend."""
-    initial = [p.numpy().copy() for p in initial_parameters(config)]
-    return Prepared(config, initial, epoch_permutations(config, task.train_count, cancel), cancel)
+    """Seed-derived initial parameters and epoch permutations (identical on every backend), with
+    their hashes: computed once per (seed, shape) and kept (learner/seed_state.py); ``cancel``
+    travels with them to the backend."""
+    from .seed_state import states
+
+    state = states.get(config, task.train_count, cancel)
+    return Prepared(config, state.initial, state.permutations, cancel, state.initial_sha256, state.permutation_sha256)

@@ -82,6 +82,7 @@ def health(service: Service) -> tuple[int, dict[str, Any]]:
             "learner": service.learner_state(),
             "queue": service.executor.snapshot(),
             "admission": service.admission(),
+            "seed_cache": service.seed_cache(),
             "uptime_s": round(service.uptime_s, 3),
             "started_at": datetime.datetime.fromtimestamp(service.started_at, datetime.UTC).isoformat(
                 timespec="seconds"

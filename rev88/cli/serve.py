@@ -56,6 +56,7 @@ SERVE_ENV = {
     "backlog_bytes": "REV88_BACKLOG_BYTES",
     "dataset_bytes": "REV88_DATASET_BYTES",
     "dataset_cache_bytes": "REV88_DATASET_CACHE_BYTES",
+    "seed_cache_bytes": "REV88_SEED_CACHE_BYTES",
     "sweep_max_cells": "REV88_SWEEP_MAX_CELLS",
     "sweep_max_work": "REV88_SWEEP_MAX_WORK",
     "webhook_retry_schedule": "REV88_WEBHOOK_RETRY_SCHEDULE",
@@ -279,6 +280,8 @@ def add_serve(sub) -> None:
                    "beyond, 413 naming it [REV88_DATASET_BYTES, default 4 GiB]")
     p.add_argument("--dataset-cache-bytes", type=int, help="parsed datasets kept in memory per process "
                    "[REV88_DATASET_CACHE_BYTES, default 512 MiB]")
+    p.add_argument("--seed-cache-bytes", type=int, help="seed-derived state (initial parameters, epoch permutations and "
+                   "their hashes) kept per process, least recently used out first [REV88_SEED_CACHE_BYTES, default 256 MiB]")
     p.add_argument("--sweep-max-cells", type=int, help="cells one sweep may have [REV88_SWEEP_MAX_CELLS, default 1000]")
     p.add_argument("--sweep-max-work", type=int, help="estimated work of one sweep's cells together "
                    "[REV88_SWEEP_MAX_WORK, default 10,000,000,000]")

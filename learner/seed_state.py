@@ -1,0 +1,110 @@
+"""Seed-derived state, computed once per (seed, shape) and kept: a task's initial parameters and its
+epoch permutations, with their SHA-256s (issue #46).
+
+Both are functions of the config's seed, depth and epochs and of the task's training count alone
+(``learner.train.initial_parameters``, ``learner.train.epoch_permutations``), so the cells of a
+sweep over learning rate x momentum x 10 seeds prepare 10 states, not one per cell. The cache is
+an LRU bounded by bytes (``configure``; the service's REV88_SEED_CACHE_BYTES, default
+``DEFAULT_BYTES``); a state larger than the whole bound is computed and not kept.
+
+Kept arrays are shared by every task that uses them: no backend may write into a ``Prepared``'s
+``initial`` or ``permutations`` (none does: each copies them to its own buffers; a test runs every
+CPU backend and checks the kept arrays' hashes afterwards).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import numpy as np
+
+from .cancel import CancelToken
+from .config import Config
+from .hashing import array_sha256, named_sha256
+
+DEFAULT_BYTES = 256 << 20  # ~1,400 states of a 10k-row, 2-epoch task (180 KB each)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedState:
+    initial: list[np.ndarray]  # float32, in parameter order
+    permutations: list[np.ndarray]  # int64, one per epoch
+    initial_sha256: dict[str, str]
+    permutation_sha256: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.initial) + sum(p.nbytes for p in self.permutations)
+
+
+class SeedStateCache:
+    def __init__(self, max_bytes: int = DEFAULT_BYTES) -> None:
+        self.max_bytes = int(max_bytes)
+        self._states: collections.OrderedDict[tuple, SeedState] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(config: Config, train_count: int) -> tuple:
+        return (config.seed, config.depth, config.epochs, int(train_count))
+
+    def get(self, config: Config, train_count: int, cancel: CancelToken | None = None) -> SeedState:
+        """The state of ``config``'s seed for a task of ``train_count`` rows (computed on a miss)."""
+        from .train import (  # (train imports this module)
+            epoch_permutations,
+            initial_parameters,
+            parameter_names,
+        )
+
+        key = self.key(config, train_count)
+        with self._lock:
+            state = self._states.get(key)
+            if state is not None:
+                self._states.move_to_end(key)
+                self.hits += 1
+                return state
+            self.misses += 1
+        initial = [p.numpy().copy() for p in initial_parameters(config)]
+        permutations = epoch_permutations(config, train_count, cancel)
+        state = SeedState(initial, permutations, named_sha256(parameter_names(config.depth), initial),
+                          [array_sha256(p) for p in permutations])
+        self._keep(key, state)
+        return state
+
+    def _keep(self, key: tuple, state: SeedState) -> None:
+        size = state.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._states:
+                return
+            self._states[key] = state
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._states.popitem(last=False)
+                self._bytes -= old.nbytes
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = int(max_bytes)
+            while self._bytes > self.max_bytes and self._states:
+                _, old = self._states.popitem(last=False)
+                self._bytes -= old.nbytes
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"states": len(self._states), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "hits": self.hits, "misses": self.misses}
+
+
+states = SeedStateCache()  # the process's (learner.train.prepare uses it)
+
+
+def configure(max_bytes: int) -> None:
+    """Bound the process's seed-state cache to ``max_bytes`` (0: keep nothing)."""
+    if max_bytes < 0:
+        raise ValueError(f"the seed-state cache's bound must be >= 0 bytes, got {max_bytes}")
+    states.resize(max_bytes)

@@ -1,0 +1,64 @@
+"""Seed-derived state computed once per (seed, shape) and kept (issue #46): the same arrays and
+hashes as computing them afresh, an LRU bound by bytes, and no backend writes into the kept arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from learner.config import make_config
+from learner.hashing import array_sha256, named_sha256
+from learner.result import run_task
+from learner.seed_state import SeedStateCache, states
+from learner.train import epoch_permutations, initial_parameters, parameter_names, prepare
+
+from .helpers import small_task
+
+
+def test_a_kept_state_equals_one_computed_afresh():
+    cache = SeedStateCache()
+    config = make_config({"seed": 77, "epochs": 3})
+    state = cache.get(config, 50)
+    fresh_initial = [p.numpy() for p in initial_parameters(config)]
+    fresh_perms = epoch_permutations(config, 50)
+    assert all(np.array_equal(a, b) for a, b in zip(state.initial, fresh_initial))
+    assert all(np.array_equal(a, b) for a, b in zip(state.permutations, fresh_perms))
+    assert state.initial_sha256 == named_sha256(parameter_names(config.depth), fresh_initial)
+    assert state.permutation_sha256 == [array_sha256(p) for p in fresh_perms]
+    # another learning rate, the same seed and shape: the same state, kept
+    assert cache.get(make_config({"seed": 77, "epochs": 3, "learning_rate": 0.3}), 50) is state
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert cache.get(make_config({"seed": 77, "epochs": 2}), 50) is not state  # epochs differ
+    assert cache.get(config, 51) is not state  # the training count differs
+
+
+def test_the_cache_is_bounded_by_bytes():
+    one = SeedStateCache().get(make_config({"seed": 1}), 1000).nbytes
+    cache = SeedStateCache(max_bytes=3 * one)
+    for seed in range(5):
+        cache.get(make_config({"seed": seed}), 1000)
+    snap = cache.snapshot()
+    assert snap["states"] == 3 and snap["bytes"] <= 3 * one
+    first = cache.get(make_config({"seed": 4}), 1000)
+    assert cache.get(make_config({"seed": 4}), 1000) is first  # the newest kept
+    tiny = SeedStateCache(max_bytes=10)
+    tiny.get(make_config({"seed": 1}), 1000)
+    assert tiny.snapshot()["states"] == 0  # larger than the whole bound: computed, not kept
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        from learner.seed_state import configure
+
+        configure(-1)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-fast"])
+def test_no_backend_writes_into_the_kept_arrays(backend):
+    task = small_task(40, 6, seed=46)
+    config = make_config({"seed": 4646, "epochs": 2})
+    state = states.get(config, task.train_count)
+    before = [array_sha256(a) for a in state.initial + state.permutations]
+    result = run_task(task, config, backend)
+    assert [array_sha256(a) for a in state.initial + state.permutations] == before
+    prepared = prepare(task, config)
+    assert prepared.initial is state.initial and prepared.permutation_sha256 == state.permutation_sha256
+    assert result.metadata["epoch_permutation_sha256"] == state.permutation_sha256
+    assert result.metadata["initial_parameter_sha256"] == state.initial_sha256
