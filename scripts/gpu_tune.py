@@ -8,7 +8,7 @@ Every candidate:
 
   fused, one program per task (learner/kernels/fused_train.py): each (chunk, num_warps) of
          FUSED_ONE at each product precision (ieee, tf32x3)
-  fused, split (fused_step.py + fused_predict.py: a lone task's minibatch over several programs):
+  fused, split (fused_rows.py + fused_update.py + fused_predict.py: a lone task's minibatch over programs):
          each (chunk, num_warps) of FUSED_SPLIT at each precision
   cuda   each step of learner/backends/cuda.py (autograd, explicit, explicit-bmm) with this
          process's cuBLAS workspace, and the autograd step with the other workspace (ALT_WORKSPACE)
@@ -97,11 +97,11 @@ DEVICE_LIMIT_S = 360  # what a device run must fit: 6 minutes on one H200
 DEVICE_COST_S = {
     "start": 12,  # imports, CUDA start, the libcuda lookup
     "draws": 6,  # the eleven draws from MNIST, and SM count - 1 reorderings of draw 0 for the launches
-    "compile_kernel": 6,  # one kernel for sm_90 (the split variant has two), in a worker process
+    "compile_kernel": 6,  # one kernel for sm_90 (the split variant has three), in a worker process
     "compile_workers": 6,  # worker processes compiling at once (16 host cores)
     "compile_worker_start": 15,  # a worker's imports and CUDA context
     "fused_one": 5,  # the eleven draws in one launch, 1 + 5 single runs, 1 + 3 launches of 132 (staging ~0.7 s each)
-    "fused_split": 2,  # the eleven draws (one launch per step: ~160 launches each), 1 + 5 single runs
+    "fused_split": 3,  # the eleven draws (two launches per step: ~320 launches each), 1 + 5 single runs
     "cuda": 4,  # capture, the eleven draws one after another, 1 + 5 timed runs
     "cuda_other_workspace": 15,  # a child process: imports, CUDA, capture, the draws, timing
     "reference": 12,  # the cpu backend on the eleven draws (child process, beside the compiles)
@@ -141,7 +141,7 @@ def candidates() -> list[Candidate]:
 
 
 def kernels_to_compile(cands: list[Candidate]) -> int:
-    return sum(2 if c.variant == "split" else 1 for c in cands if c.kind == "fused")
+    return sum(3 if c.variant == "split" else 1 for c in cands if c.kind == "fused")
 
 
 def estimate_device_s(cands: list[Candidate]) -> dict:
@@ -484,7 +484,7 @@ def _compile_one(c: Candidate, shapes: dict) -> dict:
         import torch
 
         import learner  # noqa: F401
-        from learner.kernels import fused_predict, fused_step, fused_train
+        from learner.kernels import fused_predict, fused_rows, fused_train, fused_update
 
         dev = dict(dtype=torch.float32, device="cuda")
         f, i = torch.empty(64, **dev), torch.empty(64, dtype=torch.int32, device="cuda")
@@ -493,8 +493,15 @@ def _compile_one(c: Candidate, shapes: dict) -> dict:
                       num_warps=c.num_warps, precision=c.precision)
         train = torch.empty((1, 64), **dev)
         if c.variant == "split":
-            fused_step.launch_step(train, i, i, f, f, f, f, step=0, n_steps=shapes["steps"], warmup=True, **common)
-            fused_predict.launch_predict(train, f, f, f, param_stride=4 * fused_train.state_size(shapes["depth"]),
+            bpad = fused_rows.programs_per_task(shapes["batch"], c.chunk) * c.chunk
+            fused_rows.launch_rows(train, i, i, f, f, f, step=0, n_train=shapes["n"], n_epochs=shapes["epochs"],
+                                   batch_size=shapes["batch"], alpha=0.5, depth=shapes["depth"], chunk=c.chunk,
+                                   num_warps=c.num_warps, precision=c.precision, warmup=True)
+            fused_update.launch_update(train, f, f, f, step=0, bpad=bpad, n_train=shapes["n"],
+                                       batch_size=shapes["batch"], learning_rate=0.1, momentum=0.9, weight_decay=0.0,
+                                       depth=shapes["depth"], num_warps=c.num_warps, precision=c.precision,
+                                       warmup=True)
+            fused_predict.launch_predict(train, f, f, f, param_stride=fused_train.state_size(shapes["depth"]),
                                          n_test=shapes["m"], alpha=0.5, depth=shapes["depth"], chunk=c.chunk,
                                          num_warps=c.num_warps, precision=c.precision, warmup=True)
         else:
@@ -523,9 +530,9 @@ def compile_check_sm90(cands: list[Candidate], log) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from learner.kernels import fused_predict, fused_step, fused_train
+    from learner.kernels import fused_predict, fused_rows, fused_train, fused_update
 
-    ints = {"n_train", "n_test", "n_epochs", "batch_size", "step", "param_stride"}
+    ints = {"n_train", "n_test", "n_epochs", "batch_size", "step", "param_stride", "bpad"}
 
     def usage(kernel, constexprs, warps):
         sig = {}
@@ -556,7 +563,11 @@ def compile_check_sm90(cands: list[Candidate], log) -> dict:
         base = {"DEPTH": 2, "CHUNK": c.chunk, "HAS_WD": False, "PRECISION": c.precision}
         try:
             if c.variant == "split":
-                entry = {"step": usage(fused_step.fused_step_kernel, {**base, "NPROG": 128 // c.chunk}, c.num_warps),
+                entry = {"rows": usage(fused_rows.fused_rows_kernel, {"DEPTH": 2, "CHUNK": c.chunk,
+                                                                      "NPROG": 128 // c.chunk,
+                                                                      "PRECISION": c.precision}, c.num_warps),
+                         "update": usage(fused_update.fused_update_kernel, {"DEPTH": 2, "HAS_WD": False,
+                                                                            "PRECISION": c.precision}, c.num_warps),
                          "predict": usage(fused_predict.fused_predict_kernel,
                                           {"DEPTH": 2, "CHUNK": c.chunk, "PRECISION": c.precision}, c.num_warps)}
             else:

@@ -48,7 +48,8 @@ SMALL_CASES = {
     ),
 }
 # name -> (the SMALL_CASES case it repeats, backend options): the split variant (learner/kernels/
-# fused_step.py: one launch per step, the minibatch's chunks over programs) at its base case's chunk
+# fused_rows.py and fused_update.py: two launches per step, the minibatch's chunks over programs,
+# then each weight's gradient and update) at its base case's chunk
 SPLIT_CASES = {
     "depth2_split": ("depth2", {"chunk": 16, "variant": "split"}),  # the default batch of 16: one program
     "chunks_wd_split": ("chunks_wd", {"chunk": 16, "variant": "split"}),  # batches of 40 over 3 programs, wd
@@ -204,11 +205,11 @@ def test_three_task_launch_equals_three_single_launches(small_runs, draw0):
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_split_variant_equals_the_one_program_kernel_byte_for_byte(small_runs, draw0, name):
-    """The split variant sums the same 16-row slices in the same order as the one-program kernel and
-    updates from them the same way (learner/kernels/fused_step.py), so at one chunk the two give the
-    same bytes here; on a GPU, where each row's products are FMA chains in one order, the bytes do
-    not depend on the chunk either (scripts/gpu_tune.py checks that there: numpy's matmul rounds a
-    row differently with the number of rows, so the interpreter cannot)."""
+    """The split variant sums every weight gradient with the one-program kernel's own function, down
+    the same rows in the same order, and updates the same way (learner/kernels/fused_rows.py,
+    fused_update.py), so the two give the same bytes; on a GPU, where each sum is one FMA chain, the
+    bytes do not depend on the chunk either (scripts/gpu_tune.py checks that there: numpy's matmul
+    rounds a row differently with the number of rows, so the interpreter can check one chunk only)."""
     from learner.config import make_config
 
     base, _ = SPLIT_CASES[name]

@@ -76,7 +76,7 @@ def test_fused_backend_reads_the_table():
 def test_split_limit_is_the_kernels():
     pytest.importorskip("triton")
     from learner.backends.fused import SPLIT_MAX_BATCH
-    from learner.kernels.fused_step import SPLIT_MAX_BATCH as KERNEL_LIMIT
+    from learner.kernels.fused_rows import SPLIT_MAX_BATCH as KERNEL_LIMIT
 
     assert SPLIT_MAX_BATCH == KERNEL_LIMIT
 

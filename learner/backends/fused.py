@@ -11,9 +11,10 @@ Two variants (the tuned table, learner/kernels/tuned.py, picks per GPU and per l
     one     fused_train.py: one program per task, one launch: reset of parameters and velocity,
             the lift of raw pixels, every epoch of SGD-momentum in the seed's permutation order,
             scoring all queries
-    split   fused_step.py once per step (the minibatch's chunks over several programs; the launch
-            boundary is the barrier between steps), then fused_predict.py over the queries: more
-            of the GPU for a lone task
+    split   fused_rows.py and fused_update.py once per step (the minibatch's chunks over several
+            programs, then each weight's gradient and update by a program of its own; the launch
+            boundaries are the barriers), then fused_predict.py over the queries: more of the GPU
+            for a lone task
 
 Both give a task the same bytes (learner/kernels/fused_parts.py: one arithmetic for every chunk,
 number of warps and variant): only the product precision changes them, and it is said in every
@@ -81,7 +82,7 @@ def default_warps(chunk: int) -> int:
     return 8 if chunk >= 64 else 4
 
 
-SPLIT_MAX_BATCH = 1024  # = learner.kernels.fused_step.SPLIT_MAX_BATCH (no triton import here)
+SPLIT_MAX_BATCH = 4096  # = learner.kernels.fused_rows.SPLIT_MAX_BATCH (no triton import here)
 
 
 def choose(tuned: Any, config: Config, tasks: int, chunk: int | None = None, num_warps: int | None = None,
@@ -89,8 +90,8 @@ def choose(tuned: Any, config: Config, tasks: int, chunk: int | None = None, num
     """What a launch of ``tasks`` tasks of ``config`` runs: each value given here (the backend's
     fixed one, a request's precision) first, else the tuned row's (``tuned.for_launch(tasks)``), its
     chunk the largest one: a smaller minibatch gets the smallest power of two >= 16 that holds it.
-    The split variant only for minibatches of at most SPLIT_MAX_BATCH rows (its gradient slices
-    take 2 * ceil(B / 16) states per task)."""
+    The split variant only for minibatches of at most SPLIT_MAX_BATCH rows (it keeps every row's
+    operands of the weight gradients: fused_parts.rows_size floats per task)."""
     from ..kernels.tuned import Choice
 
     base = tuned.for_launch(tasks)
@@ -159,7 +160,7 @@ def check_launch(tasks: list[TaskArrays], prepareds: list[Prepared]) -> Config:
 
 class FusedBackend:
     """Runs tasks through the fused kernels: one program (one SM) per task, or for the split
-    variant one launch per step with a task's minibatch over several programs.
+    variant two launches per step with a task's minibatch over several programs.
 
     ``chunk``, ``num_warps``, ``precision`` and ``variant`` fix a choice for every launch; each
     one left None comes from the tuned table's row for this GPU (learner/kernels/tuned.py: the
@@ -185,7 +186,7 @@ class FusedBackend:
                 "(triton's simulator, for tests)"
             )
         try:
-            from ..kernels import fused_predict, fused_step, fused_train
+            from ..kernels import fused_predict, fused_rows, fused_train, fused_update
         except ImportError as exc:
             raise BackendUnavailable(
                 f"backend 'fused' needs triton (pip install 'rev88[gpu]'): {exc}"
@@ -200,7 +201,8 @@ class FusedBackend:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if variant is not None and variant not in VARIANTS:
             raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-        self.kernel, self.step_kernel, self.predict_kernel = fused_train, fused_step, fused_predict
+        self.kernel, self.predict_kernel = fused_train, fused_predict
+        self.rows_kernel, self.update_kernel = fused_rows, fused_update
         self.chunk, self.num_warps, self.precision, self.variant = chunk, num_warps, precision, variant
         self.device = str(self.torch_device)
         self.gpu_name = torch.cuda.get_device_name(self.torch_device) if self.torch_device.type == "cuda" else None
@@ -243,7 +245,7 @@ class FusedBackend:
         return PrecisionView(self, precision)
 
     def run(self, task: TaskArrays, prepared: Prepared, precision: str | None = None) -> RunOutput:
-        """One task, one launch (the split variant: one launch per step). Cancellation: only a
+        """One task, one launch (the split variant: two launches per step). Cancellation: only a
         task not yet launched can be dropped; a running launch is not interrupted, but if the
         task's token was cancelled while it ran, its result is discarded (TaskCancelled) once the
         launch returns."""
@@ -358,37 +360,45 @@ class FusedBackend:
         return run, {"launches_per_task_run": 1}
 
     def _split(self, data: dict, scores: torch.Tensor, size: int, m: int, common: dict):
-        """fused_step.py once per step (grid: the minibatch's chunks x tasks), once more for the
-        last update, then fused_predict.py over the queries; the reset (state <- initial, 0) is
-        inside the timing too, as in the one-program kernel."""
-        sk, pk, count = self.step_kernel, self.predict_kernel, data["train"].shape[0]
+        """fused_rows.py then fused_update.py once per step (grids: the minibatch's chunks x tasks,
+        the weights x tasks), then fused_predict.py over the queries; the reset (parameters <-
+        initial, velocity <- 0) is inside the timing too, as in the one-program kernel."""
+        rk, uk, pk, count = self.rows_kernel, self.update_kernel, self.predict_kernel, data["train"].shape[0]
         f32 = dict(dtype=torch.float32, device=self.torch_device)
-        n, bs, chunk = common["n_train"], common["batch_size"], common["chunk"]
+        n, bs, chunk, depth = common["n_train"], common["batch_size"], common["chunk"], common["depth"]
         n_steps = common["n_epochs"] * -(-n // bs)
-        nprog = sk.programs_per_task(bs, chunk)
-        state = torch.empty((count, 2, 2, size), **f32)  # [parity][params, velocity]
-        work = torch.empty((count, nprog, size), **f32)
-        parts = torch.empty((count, 2, sk.slices_per_step(bs), size), **f32)
+        nprog = rk.programs_per_task(bs, chunk)
+        bpad = nprog * chunk
+        params = torch.empty((count, size), **f32)
+        velocity = torch.empty((count, size), **f32)
+        grads = torch.empty((count, size), **f32)  # scratch, written before it is read
+        rows = torch.empty((count, self.kernel.rows_size(depth, bpad)), **f32)
         scratch = torch.empty((count, nprog, self.kernel.scratch_size(chunk)), **f32)
         qscratch = torch.empty((count, pk.query_programs(m, chunk), self.kernel.scratch_size(chunk)), **f32)
-        final = state[:, n_steps % 2, 0]
-        step_args = (data["train"], data["labels"], data["perms"], state, work, parts, scratch)
-        predict = dict(param_stride=4 * size, n_test=m, alpha=common["alpha"], depth=common["depth"], chunk=chunk,
+        row_args = (data["train"], data["labels"], data["perms"], params, rows, scratch)
+        row_meta = dict(n_train=n, n_epochs=common["n_epochs"], batch_size=bs, alpha=common["alpha"], depth=depth,
+                        chunk=chunk, num_warps=common["num_warps"], precision=common["precision"])
+        update_meta = dict(bpad=bpad, n_train=n, batch_size=bs, learning_rate=common["learning_rate"],
+                           momentum=common["momentum"], weight_decay=common["weight_decay"], depth=depth,
+                           num_warps=common["num_warps"], precision=common["precision"])
+        predict = dict(param_stride=size, n_test=m, alpha=common["alpha"], depth=depth, chunk=chunk,
                        num_warps=common["num_warps"], precision=common["precision"])
 
         def run(warmup: bool):
             if warmup:
-                touch_launcher(sk.launch_step(*step_args, step=0, n_steps=n_steps, warmup=True, **common))
-                touch_launcher(pk.launch_predict(data["test"], final, qscratch, scores, warmup=True, **predict))
+                touch_launcher(rk.launch_rows(*row_args, step=0, warmup=True, **row_meta))
+                touch_launcher(uk.launch_update(params, velocity, grads, rows, step=0, warmup=True, **update_meta))
+                touch_launcher(pk.launch_predict(data["test"], params, qscratch, scores, warmup=True, **predict))
                 return None
-            state[:, 0, 0].copy_(data["init"])
-            state[:, 0, 1].zero_()
-            for step in range(n_steps + 1):
-                sk.launch_step(*step_args, step=step, n_steps=n_steps, **common)
-            pk.launch_predict(data["test"], final, qscratch, scores, **predict)
-            return final, state[:, n_steps % 2, 1]
+            params.copy_(data["init"])
+            velocity.zero_()
+            for step in range(n_steps):
+                rk.launch_rows(*row_args, step=step, **row_meta)
+                uk.launch_update(params, velocity, grads, rows, step=step, **update_meta)
+            pk.launch_predict(data["test"], params, qscratch, scores, **predict)
+            return params, velocity
 
-        return run, {"launches_per_task_run": n_steps + 2, "programs_per_task": nprog}
+        return run, {"launches_per_task_run": 2 * n_steps + 1, "programs_per_task": nprog}
 
 
 class PrecisionView:

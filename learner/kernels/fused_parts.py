@@ -3,7 +3,8 @@
 The kernels (one per file) are built from these pieces:
 
     fused_train.py    one program trains one task end to end (the ``fused`` backend's kernel)
-    fused_step.py     one launch is one SGD step of a task spread over several programs
+    fused_rows.py     the split variant: a step's minibatch rows over several programs ...
+    fused_update.py   ... then each weight's gradient summed and updated by a program of its own
     fused_predict.py  the queries of a trained task, spread over many programs
 
 Padded layout (``pack_state``): each half of the 82 features is padded 41 -> 64 lanes and the 10
@@ -25,17 +26,19 @@ Products: every matrix product is a loop of ``tl.dot`` over 16-wide slices of th
 dimension, reading both operands from memory: weights from the state, activations and gradients
 from the program's scratch (``_stage``). ``_mm``: a reduction of compile-time length (48 feature
 lanes, 41 real + zero padding, or the 16 class lanes), one row's result computed from that row
-alone. ``_grad_rows``: a weight gradient, a sum over the minibatch's rows in one fixed order
-(16-row slices, each product on its own, added one after another), whatever the chunk, the
-number of warps or the variant. Slicing matters for speed too: a plain 128x64 @ 64x64 ``tl.dot``
+alone. ``grad_rows``: a weight gradient, a sum over the minibatch's rows in one fixed order (one
+accumulator carried down the rows, 16 at a time, from chunk to chunk), whatever the chunk, the
+number of warps or the variant. (Triton folds ``acc + tl.dot(a, b)`` into ``tl.dot(a, b, acc)``
+when it compiles for a GPU -- the interpreter does not -- so every sum here is written in the
+form the GPU runs.) Slicing matters for speed too: a plain 128x64 @ 64x64 ``tl.dot``
 with fp32 operands is lowered to FMAs that hold the whole reduction dimension in registers (255
 registers and spills for one product on sm_90), while K = 16 slices need ~85.
 
 One arithmetic for every variant: each row's values come from that row alone, every sum has a
-fixed order (over rows: ``_grad_rows`` and ``_bias_rows``; over the 16 class lanes: ``_row_sums``,
+fixed order (over rows: ``grad_rows`` and ``bias_rows``; over the 16 class lanes: ``_row_sums``,
 an FMA chain, where ``tl.sum`` would add in an order that follows the register layout, which
 depends on CHUNK and the number of warps). So a task's bytes depend on its data, its config and
-the product precision only: a lone task on the split variant (fused_step.py) equals the same
+the product precision only: a lone task on the split variant (fused_rows.py) equals the same
 task in a launch of 132 on the one-program kernel, byte for byte, and the tuning run may choose
 chunk, warps and variant per GPU without changing any answer (tests/test_fused.py checks it in
 the interpreter; scripts/gpu_tune.py on the GPU).
@@ -78,6 +81,20 @@ def scratch_size(chunk: int) -> int:
     return 2 * chunk * HALF + chunk * CLASS_PAD
 
 
+def rows_size(depth: int, bpad: int) -> int:
+    """The split variant's kept operands of one task's minibatch (``rows_layout``), in floats."""
+    return (4 * depth * HALF + CLASS_PAD + 2 * HALF) * bpad
+
+
+def rows_layout(depth: int, bpad: int) -> dict[str, int]:
+    """Where fused_rows.py keeps each product's operands (float offsets; every block has ``bpad``
+    rows): for weight k, a = alpha*relu(input) at block 2k and the gradient g at block 2k+1, each
+    (bpad, 64); then the head's g (bpad, 16), left and right (bpad, 64)."""
+    head = 4 * depth * HALF * bpad
+    return {"weights": 0, "head_g": head, "head_left": head + CLASS_PAD * bpad,
+            "head_right": head + (CLASS_PAD + HALF) * bpad}
+
+
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -118,59 +135,49 @@ def _mm(a_ptr, a_sm, a_sk, b_ptr, b_sk, b_sn, K: tl.constexpr, M: tl.constexpr, 
 
 
 @triton.jit
-def _grad_rows(G, offs, a_ptr, a_sm, a_sk, b_ptr, b_sk, b_sn, k_end, c0, slice_stride, M: tl.constexpr,
-               N: tl.constexpr, PRECISION: tl.constexpr, APART: tl.constexpr):
-    """A gradient summed over a chunk's rows, ``sum_k A[m, k] * B[k, n]`` for k < k_end (the chunk's
-    real rows rounded up to 16), in the one order every variant keeps: 16-row slices, each
-    ``s_i = A[:, 16i:16i+16] @ B[16i:16i+16, :]`` on its own, added one after another to the sum of
-    the minibatch's earlier slices: G = ((0 + s_0) + s_1) + ...
-
-    APART false (one program sums a minibatch): G <- G + s_0 + s_1 + ... in place (G read as 0 on
-    the minibatch's first chunk, ``c0 == 0``). APART true (the split variant): slice i of the chunk
-    is stored alone at ``G + ((c0 + 16 i) / 16) * slice_stride``, and the next step's update sums
-    the slices in the same order (fused_step.py). Either way the bytes do not depend on CHUNK, on
-    the number of warps or on the variant."""
+def grad_rows(G, offs, a_ptr, a_sm, a_sk, b_ptr, b_sk, b_sn, k_end, c0, M: tl.constexpr, N: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """G <- G + sum_k A[m, k] * B[k, n] over k < k_end (a chunk's real rows rounded up to 16): a
+    weight gradient, summed over the minibatch's rows in one order -- ``tl.dot``'s accumulator runs
+    on from slice to slice, from chunk to chunk (G read as 0 on the minibatch's first chunk,
+    ``c0 == 0``; the store and load between chunks are exact). Compiled, each (m, n) is one fp32
+    FMA chain down the rows (Triton would fold ``acc + tl.dot(a, b)`` into this form anyway), so
+    the result does not depend on CHUNK or the number of warps; fused_update.py runs this same
+    function over a whole minibatch at once and gets the same bytes."""
     m = tl.arange(0, M)
     n = tl.arange(0, N)
     kk = tl.arange(0, 16)
+    acc = tl.load(G + offs, mask=offs * 0 + c0 > 0, other=0.0)
     k0 = k_end * 0
-    if APART:
-        while k0 < k_end:
-            a = tl.load(a_ptr + m[:, None] * a_sm + (k0 + kk)[None, :] * a_sk)
-            b = tl.load(b_ptr + (k0 + kk)[:, None] * b_sk + n[None, :] * b_sn)
-            tl.store(G + ((c0 + k0) // 16) * slice_stride + offs, tl.dot(a, b, input_precision=PRECISION))
-            k0 += 16
-    else:
-        acc = tl.load(G + offs, mask=offs * 0 + c0 > 0, other=0.0)
-        while k0 < k_end:
-            a = tl.load(a_ptr + m[:, None] * a_sm + (k0 + kk)[None, :] * a_sk)
-            b = tl.load(b_ptr + (k0 + kk)[:, None] * b_sk + n[None, :] * b_sn)
-            acc = acc + tl.dot(a, b, input_precision=PRECISION)
-            k0 += 16
-        tl.store(G + offs, acc)
+    while k0 < k_end:
+        a = tl.load(a_ptr + m[:, None] * a_sm + (k0 + kk)[None, :] * a_sk)
+        b = tl.load(b_ptr + (k0 + kk)[:, None] * b_sk + n[None, :] * b_sn)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        k0 += 16
+    tl.store(G + offs, acc)
 
 
 @triton.jit
-def _bias_rows(G, XG, k_end, c0, slice_stride, APART: tl.constexpr):
-    """The head bias's gradient, sum over rows of g (staged in XG, (CHUNK, 16)), in ``_grad_rows``'
-    order: per 16-row slice ``ones(16, 16) @ g[slice]`` (an fp32 FMA chain down the rows; every row
-    of the product is the slice's column sums: row 0 is taken), then the slices one after another."""
+def bias_rows(G, XG, k_end, c0):
+    """The head bias's gradient, the sum over rows of g (staged in XG, (rows, 16)): per 16-row
+    slice ``ones(16, 16) @ g[slice]`` (an fp32 FMA chain down the slice; every row of the product is
+    the slice's column sums: row 0 is taken, exactly), added to the sum of the earlier slices."""
     kk = tl.arange(0, 16)
     c = tl.arange(0, 16)
     ones = tl.full([16, 16], 1.0, tl.float32)
+    acc = tl.load(G + c, mask=c * 0 + c0 > 0, other=0.0)
     k0 = k_end * 0
-    if APART:
-        while k0 < k_end:
-            s = tl.dot(ones, tl.load(XG + (k0 + kk)[:, None] * 16 + c[None, :]), input_precision="ieee")
-            tl.store(G + ((c0 + k0) // 16) * slice_stride + c, tl.sum(tl.where(kk[:, None] == 0, s, 0.0), axis=0))
-            k0 += 16
-    else:
-        acc = tl.load(G + c, mask=c * 0 + c0 > 0, other=0.0)
-        while k0 < k_end:
-            s = tl.dot(ones, tl.load(XG + (k0 + kk)[:, None] * 16 + c[None, :]), input_precision="ieee")
-            acc = acc + tl.sum(tl.where(kk[:, None] == 0, s, 0.0), axis=0)
-            k0 += 16
-        tl.store(G + c, acc)
+    while k0 < k_end:
+        s = tl.dot(ones, tl.load(XG + (k0 + kk)[:, None] * 16 + c[None, :]), input_precision="ieee")
+        acc = acc + tl.sum(tl.where(kk[:, None] == 0, s, 0.0), axis=0)
+        k0 += 16
+    tl.store(G + c, acc)
+
+
+@triton.jit
+def _keep(R, rows, lanes, tile, LANES: tl.constexpr):
+    """Store a (CHUNK, LANES) register tile at rows ``rows`` of the (rows, LANES) block R."""
+    tl.store(R + rows[:, None] * LANES + lanes[None, :], tile)
 
 
 @triton.jit
@@ -190,7 +197,7 @@ def _stage(ptr, x, r, lanes, LANES: tl.constexpr):
 
 
 @triton.jit
-def _sgd(p_ptrs, v_ptrs, g_ptrs, mask, lr, momentum, weight_decay, HAS_WD: tl.constexpr):
+def sgd_update(p_ptrs, v_ptrs, g_ptrs, mask, lr, momentum, weight_decay, HAS_WD: tl.constexpr):
     """torch.optim.SGD with momentum (dampening 0, no nesterov), in place."""
     p = tl.load(p_ptrs, mask=mask, other=0.0)
     g = tl.load(g_ptrs, mask=mask, other=0.0)
@@ -228,16 +235,18 @@ def _head(P, XA, XB, left, right, r, j, c, DEPTH: tl.constexpr, CHUNK: tl.conste
 
 
 @triton.jit
-def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, slice_stride, alpha,
+def chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, alpha, R, bpad,
                      r, j, c, w_off, h_off, cls_ok, DEPTH: tl.constexpr, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr, APART: tl.constexpr):
+                     PRECISION: tl.constexpr, ROWS: tl.constexpr):
     """One chunk of a minibatch: rows ``order[c0 : c0 + CHUNK]`` (those below ``rows_in_batch``)
-    forward and back, their weight gradients into G by ``_grad_rows`` (APART false: summed in G
-    with the minibatch's earlier chunks; true: each 16-row slice stored alone, ``slice_stride``
-    apart). ``inv_b`` = 1 / rows in the minibatch. The index vectors come from ``_indices``.
+    forward and back. ROWS false (one program trains the task): the weight gradients into G by
+    ``grad_rows`` and ``bias_rows``, summed with the minibatch's earlier chunks. ROWS true (the
+    split variant's rows phase, fused_rows.py): the operands of those products kept instead, at
+    rows c0.. of the blocks of R (``rows_layout``, ``bpad`` rows each), for fused_update.py to sum
+    in the same order. ``inv_b`` = 1 / rows in the minibatch; the index vectors from ``chunk_indices``.
 
     Every value of one row (its forward, softmax, backward) is computed by that row alone, and
-    every sum over rows or lanes has a fixed order (``_grad_rows``, ``_bias_rows``, ``_row_sums``),
+    every sum over rows or lanes has a fixed order (``grad_rows``, ``bias_rows``, ``_row_sums``),
     so the result is the same bytes for any CHUNK, number of warps and variant."""
     HEAD: tl.constexpr = 2 * DEPTH * 4096
     ok = c0 + r < rows_in_batch
@@ -259,9 +268,15 @@ def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, 
     _stage(XG, g, r, c, 16)
 
     # head: dHL = g.T @ left, dHR = g.T @ right (left, right staged by _head), dbias = sum(g)
-    _grad_rows(G + HEAD, h_off, XG, 1, 16, XA, 64, 1, k_rows, c0, slice_stride, 16, 64, PRECISION, APART)
-    _grad_rows(G + HEAD + 1024, h_off, XG, 1, 16, XB, 64, 1, k_rows, c0, slice_stride, 16, 64, PRECISION, APART)
-    _bias_rows(G + HEAD + 2048, XG, k_rows, c0, slice_stride, APART)
+    if ROWS:
+        RH = R + (4 * DEPTH) * bpad * 64  # g (bpad, 16), then left and right (bpad, 64) each
+        _keep(RH, c0 + r, c, g, 16)
+        _keep(RH + bpad * 16, c0 + r, j, left, 64)
+        _keep(RH + bpad * 80, c0 + r, j, right, 64)
+    else:
+        grad_rows(G + HEAD, h_off, XG, 1, 16, XA, 64, 1, k_rows, c0, 16, 64, PRECISION)
+        grad_rows(G + HEAD + 1024, h_off, XG, 1, 16, XB, 64, 1, k_rows, c0, 16, 64, PRECISION)
+        bias_rows(G + HEAD + 2048, XG, k_rows, c0)
     # gradients into the core: g @ HL, g @ HR  (B[k, n] = H[k, n] at k*64 + n)
     g_left = _mm(XG, 16, 1, P + HEAD, 64, 1, 16, CHUNK, 64, PRECISION)
     g_right = _mm(XG, 16, 1, P + HEAD + 1024, 64, 1, 16, CHUNK, 64, PRECISION)
@@ -278,16 +293,22 @@ def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, 
         tl.store(XB + r[:, None] * 64 + j[None, :], g_right)
         tl.debug_barrier()
         right = right - _mm(XA, 64, 1, w_r, 1, 64, 48, CHUNK, 64, PRECISION)
-        _grad_rows(G + (2 * b + 1) * 4096, w_off, XB, 1, 64, XA, 64, 1, k_rows, c0, slice_stride, 64, 64,
-                   PRECISION, APART)
+        if ROWS:  # the operands of dW[2b+1]: a at block 2(2b+1), g at block 2(2b+1)+1
+            _keep(R + (4 * b + 2) * bpad * 64, c0 + r, j, alpha * tl.maximum(left, 0.0), 64)
+            _keep(R + (4 * b + 3) * bpad * 64, c0 + r, j, g_right, 64)
+        else:
+            grad_rows(G + (2 * b + 1) * 4096, w_off, XB, 1, 64, XA, 64, 1, k_rows, c0, 64, 64, PRECISION)
         g_left = g_left + tl.where(left > 0.0, _mm(XB, 64, 1, w_r, 64, 1, 48, CHUNK, 64, PRECISION) * alpha, 0.0)
         # left_out = left_in + branch(right_in, w_l): the same with the roles swapped
         tl.debug_barrier()
         tl.store(XA + r[:, None] * 64 + j[None, :], alpha * tl.maximum(right, 0.0))
         tl.store(XB + r[:, None] * 64 + j[None, :], g_left)
         tl.debug_barrier()
-        _grad_rows(G + (2 * b) * 4096, w_off, XB, 1, 64, XA, 64, 1, k_rows, c0, slice_stride, 64, 64,
-                   PRECISION, APART)
+        if ROWS:  # the operands of dW[2b]
+            _keep(R + (4 * b) * bpad * 64, c0 + r, j, alpha * tl.maximum(right, 0.0), 64)
+            _keep(R + (4 * b + 1) * bpad * 64, c0 + r, j, g_left, 64)
+        else:
+            grad_rows(G + (2 * b) * 4096, w_off, XB, 1, 64, XA, 64, 1, k_rows, c0, 64, 64, PRECISION)
         if b > 0:  # block 0's input (the lifted batch) needs neither value nor gradient
             left = left - _mm(XA, 64, 1, w_l, 1, 64, 48, CHUNK, 64, PRECISION)
             g_right = g_right + tl.where(
@@ -297,7 +318,7 @@ def _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, 
 
 
 @triton.jit
-def _predict_chunk(P, XA, XB, test, scores, q0, n_test, alpha, r, j, c, cls_ok, DEPTH: tl.constexpr,
+def predict_chunk(P, XA, XB, test, scores, q0, n_test, alpha, r, j, c, cls_ok, DEPTH: tl.constexpr,
                    CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """Plain forward of queries q0 .. q0 + CHUNK - 1 (those below n_test); their 10 real scores out."""
     rows = q0 + r
@@ -309,7 +330,7 @@ def _predict_chunk(P, XA, XB, test, scores, q0, n_test, alpha, r, j, c, cls_ok, 
 
 
 @triton.jit
-def _indices(CHUNK: tl.constexpr):
+def chunk_indices(CHUNK: tl.constexpr):
     """r: row within a chunk; j: lane within a half; c: class lane; the (64, 64) offsets of one
     branch weight; the (16, 64) offsets of one head half; which class lanes are real."""
     r = tl.arange(0, CHUNK)

@@ -1,9 +1,9 @@
 """The queries of trained tasks, spread over many programs: program ``(q, t)`` of a launch with
 grid ``(ceil(M / CHUNK), T)`` scores queries ``q*CHUNK ..`` of task ``t`` with its trained
-parameters (a plain forward: fused_parts._predict_chunk, the code fused_train.py's one program
+parameters (a plain forward: fused_parts.predict_chunk, the code fused_train.py's one program
 runs over all of its queries). Each query's score depends only on the parameters and that query,
-so the scores are the same bytes as the one program's for the same CHUNK. Used by the split
-variant (fused_step.py), whose training leaves the parameters in ``state[t, n_steps % 2, 0]``.
+so the scores are the same bytes as the one program's. Used by the split variant (fused_rows.py,
+fused_update.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_parts import _indices, _predict_chunk
+from .fused_parts import chunk_indices, predict_chunk
 
 
 @triton.jit
@@ -31,8 +31,8 @@ def fused_predict_kernel(
     t = tl.program_id(1).to(tl.int64)
     XA = scratch_ptr + (t * tl.num_programs(0) + q) * (CHUNK * 144)
     XB = XA + CHUNK * 64
-    r, j, c, w_off, h_off, cls_ok = _indices(CHUNK)
-    _predict_chunk(param_ptr + t * param_stride, XA, XB, test_ptr + t * n_test * 81, scores_ptr + t * n_test * 10,
+    r, j, c, w_off, h_off, cls_ok = chunk_indices(CHUNK)
+    predict_chunk(param_ptr + t * param_stride, XA, XB, test_ptr + t * n_test * 81, scores_ptr + t * n_test * 10,
                    q * CHUNK, n_test, alpha, r, j, c, cls_ok, DEPTH, CHUNK, PRECISION)
 
 

@@ -4,7 +4,7 @@ Program ``t`` of a launch with grid ``(T,)`` owns task ``t``:
 
     reset      params <- initial, velocity <- 0                       (its own slice of P, V)
     for each epoch e, each minibatch of order perm[e] (short last batch included):
-        for each CHUNK rows of the minibatch:                          (fused_parts._chunk_gradients)
+        for each CHUNK rows of the minibatch:                          (fused_parts.chunk_gradients)
             lift       h = [4*x - 0.5, 0];  L = h[:, :41], R = h[:, 41:]   (gathered by perm, on load)
             forward    L += alpha*relu(R) @ W[2b].T ;  R += alpha*relu(L) @ W[2b+1].T      b = 0..d-1
             head       s = L @ HL.T + R @ HR.T + bias ;  g = softmax(s)/B - onehot(y)/B
@@ -17,7 +17,7 @@ Program ``t`` of a launch with grid ``(T,)`` owns task ``t``:
 
 The padded state layout, the products (``_mm``, ``PRECISION``) and why the padded lanes stay
 exactly zero: learner/kernels/fused_parts.py, which holds the pieces this kernel and the split
-variant (fused_step.py, fused_predict.py) share.
+variant (fused_rows.py, fused_update.py, fused_predict.py) share.
 
 Where the state lives: parameters, velocity, the gradient sums and the staging scratch
 are the program's own slices of global memory. Only one program (one SM) ever touches a
@@ -44,13 +44,15 @@ from .fused_parts import (  # noqa: F401 - the layout is this module's public AP
     PRECISIONS,
     W_SIZE,
     WIDTH,
-    _chunk_gradients,
-    _indices,
-    _predict_chunk,
-    _sgd,
     check_precision,
+    chunk_gradients,
+    chunk_indices,
     pack_state,
+    predict_chunk,
+    rows_layout,
+    rows_size,
     scratch_size,
+    sgd_update,
     state_size,
     unpack_state,
 )
@@ -94,7 +96,7 @@ def fused_train_kernel(
     XB = XA + CHUNK * 64  # (CHUNK, 64)
     XG = XB + CHUNK * 64  # (CHUNK, 16)
     scores = scores_ptr + t * n_test * 10
-    r, j, c, w_off, h_off, cls_ok = _indices(CHUNK)
+    r, j, c, w_off, h_off, cls_ok = chunk_indices(CHUNK)
 
     # ---- reset: params <- initial, velocity <- 0
     k = tl.arange(0, 1024)
@@ -116,22 +118,22 @@ def fused_train_kernel(
         order = perm + epoch * n_train + start
         c0 = rows_in_batch * 0
         while c0 < rows_in_batch:
-            _chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, 0, alpha,
-                             r, j, c, w_off, h_off, cls_ok, DEPTH, CHUNK, PRECISION, False)
+            chunk_gradients(P, G, XA, XB, XG, train, labels, order, c0, rows_in_batch, inv_b, alpha, G, 0,
+                            r, j, c, w_off, h_off, cls_ok, DEPTH, CHUNK, PRECISION, False)
             c0 += CHUNK
 
         # SGD-momentum on every parameter, from the minibatch's gradient sums
         # (elementwise over the flat state; padded lanes have p = v = g = 0 and keep 0)
         for off in range(0, S, 1024):
             m = off + k < S
-            _sgd(P + off + k, V + off + k, G + off + k, m, lr, momentum, weight_decay, HAS_WD)
+            sgd_update(P + off + k, V + off + k, G + off + k, m, lr, momentum, weight_decay, HAS_WD)
         tl.debug_barrier()
         step += 1
 
     # ---- predict: plain forward of every query, scores of the 10 real classes
     q0 = n_test * 0
     while q0 < n_test:
-        _predict_chunk(P, XA, XB, test, scores, q0, n_test, alpha, r, j, c, cls_ok, DEPTH, CHUNK, PRECISION)
+        predict_chunk(P, XA, XB, test, scores, q0, n_test, alpha, r, j, c, cls_ok, DEPTH, CHUNK, PRECISION)
         q0 += CHUNK
 
 

@@ -8,7 +8,7 @@ A row holds, for the ``fused`` backend:
     launch  (chunk, num_warps, precision) of the one-program-per-task kernel (fused_train.py), for
             launches of several tasks -- and for a lone task unless ``lone`` says otherwise
     lone    the choice for a launch of one task: the same keys plus ``variant`` ("one": that
-            kernel; "split": fused_step.py's kernel, the minibatch spread over several programs)
+            kernel; "split": fused_rows.py and fused_update.py, each step over several programs)
             -- or None: as ``launch``
 
 and for the ``cuda`` backend its ``cuda_step`` ("autograd": train.train_step, as the cpu backend;
