@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from learner import energy
-from learner.energy import IdleBaseline, SimulatedMeter, read, request_energy
+from learner.energy import IdleBaseline, SimulatedMeter, nvml_device, read, request_energy
 from learner.measure import repeats_for, summarize, summary, timing_stats, trial_figures, window
 
 REL = 1e-9
@@ -396,7 +396,7 @@ def test_driver_version_degrades_to_none():
 
 
 class _FakeNvml:
-    """Just enough of pynvml for ``energy._select``: devices as (bus id, uuid) pairs."""
+    """Just enough of pynvml for ``nvml_device._select``: devices as (bus id, uuid) pairs."""
 
     class NVMLError(Exception):
         pass
@@ -466,29 +466,29 @@ def test_uuid_spellings_compare_equal():
 
 def test_handle_chosen_by_pci_bus_id_when_it_matches(one_cuda_device):
     nv = _FakeNvml([("00000000:4F:00.0", UUID_A), ("00000000:50:00.0", UUID_B)])
-    device, reason = energy._select(nv, None)
+    device, reason = nvml_device._select(nv, None)
     assert reason is None and device.handle == 1
     assert device.selected_by == "pci_bus_id" and device.selected_by_cuda_pci_bus_id
 
 
 def test_handle_falls_back_to_uuid_when_the_bus_lookup_fails(one_cuda_device):
     nv = _FakeNvml([("00000000:4F:00.0", UUID_A), ("00000000:51:00.0", UUID_B)], bus_lookup_fails=True)
-    device, reason = energy._select(nv, None)
+    device, reason = nvml_device._select(nv, None)
     assert reason is None and device.handle == 1 and device.selected_by == "uuid"
     assert not device.selected_by_cuda_pci_bus_id
     assert device.cuda_uuid == energy.normalize_uuid(UUID_B)
-    assert energy._hardware(nv, device)["nvml_handle_selected_by"] == "uuid"
+    assert nvml_device._hardware(nv, device)["nvml_handle_selected_by"] == "uuid"
 
 
 def test_handle_falls_back_to_uuid_when_the_bus_answer_differs(one_cuda_device):
     nv = _FakeNvml([("00000000:4F:00.0", UUID_A), ("00000000:51:00.0", UUID_B)], bus_answer=0)
-    device, reason = energy._select(nv, None)
+    device, reason = nvml_device._select(nv, None)
     assert reason is None and device.handle == 1 and device.selected_by == "uuid"
 
 
 def test_no_match_by_bus_id_or_uuid_is_a_reason(one_cuda_device):
     nv = _FakeNvml([("00000000:4F:00.0", UUID_A)], bus_lookup_fails=True)
-    device, reason = energy._select(nv, None)
+    device, reason = nvml_device._select(nv, None)
     assert device is None
     assert "0000:50:00.0" in reason and energy.normalize_uuid(UUID_B) in reason
 
@@ -497,7 +497,7 @@ def test_without_cuda_nvml_index_0_is_named_as_such(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    device, reason = energy._select(_FakeNvml([("00000000:4F:00.0", UUID_A)]), None)
+    device, reason = nvml_device._select(_FakeNvml([("00000000:4F:00.0", UUID_A)]), None)
     assert reason is None and device.handle == 0 and device.selected_by == "index"
 
 
@@ -533,7 +533,6 @@ class _MeteredNvml(_FakeNvml):
 
 
 def test_an_nvml_meter_reads_instant_power_and_watches_its_counter(monkeypatch):
-    from learner.energy import nvml_device
 
     clock = _Clock()
     monkeypatch.setattr(nvml_device, "time", clock)
@@ -557,7 +556,6 @@ def test_an_nvml_meter_reads_instant_power_and_watches_its_counter(monkeypatch):
 
 def test_the_service_records_the_cold_idle_at_open_and_watches_the_counter_once(monkeypatch):
     from app.runtime.energy import Energy
-    from learner.energy import nvml_device
 
     clock = _Clock()
     monkeypatch.setattr(nvml_device, "time", clock)

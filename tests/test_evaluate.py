@@ -19,7 +19,7 @@ from learner.report_plot import Frame, accuracy_svg, spread_labels, y_range
 from learner.taskio import ALLOWED_MEMBERS, TaskArrays, read_npz
 from rev88.cli import main
 from rev88.cli.common import CliError
-from rev88.cli.evaluate import ServiceRunner, parse_draws
+from rev88.cli.evaluate import ServerEvaluation, ServiceRunner, parse_draws
 from rev88.client import retry_after_seconds
 
 from .conftest import small_task
@@ -248,6 +248,14 @@ def test_service_client_errors(status, words):
     )
     with pytest.raises(CliError, match=words):
         runner(task)
+
+
+def test_a_server_evaluations_errors_name_its_own_retries(tmp_path):
+    """POST /evaluations answered 503 throughout: the message counts the retries this run asked for."""
+    graded = ServerEvaluation("http://svc", Config(), None, retries=0,
+                              transport=httpx.MockTransport(lambda r: httpx.Response(503, json={"error": "busy"})))
+    with pytest.raises(CliError, match=r"stayed busy \(503\) after 0 retries: busy"):
+        graded.run(tmp_path, [0], tmp_path / "out", None)
 
 
 # --------------------------------------------------------------------------- command-line checks

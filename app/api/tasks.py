@@ -19,7 +19,8 @@ from .openapi import TASK_OPENAPI, TASK_RESPONSES
 router = APIRouter(tags=["tasks"])
 
 
-async def _record(service, task_id: str, tenant=None):
+async def visible_task(service, task_id: str, tenant=None):
+    """The task's record, 404 unless it exists and the tenant may see it (tasks and their deliveries)."""
     record = await service.runner.get(task_id)
     if record is None or (tenant is not None and not visible(tenant, record.options.get("owner"))):
         # (another tenant's task is as absent as one never made: its existence is not revealed)
@@ -58,7 +59,7 @@ async def list_tasks(service: ServiceDep, tenant: TenantDep, limit: Annotated[in
                              "status document. Accept: application/x-npz: the predictions (and scores) as npz"},
                        **error_responses(401, 404, 422, 503)})
 async def get_task(task_id: str, request: Request, service: ServiceDep, tenant: TenantDep) -> Response:
-    record = await _record(service, task_id, tenant)
+    record = await visible_task(service, task_id, tenant)
     if wants_npz(request.headers.get("accept")) and record.status == "succeeded" and record.answer:
         return Response(answer_npz(record.answer), media_type=NPZ_TYPE, headers={
             "Content-Disposition": f'attachment; filename="rev88-{task_id}.npz"',
@@ -72,7 +73,7 @@ async def get_task(task_id: str, request: Request, service: ServiceDep, tenant: 
                              "description": "the predictions, as np.save writes them"},
                        **error_responses(401, 404, 409, 422, 503)})
 async def get_predictions(task_id: str, service: ServiceDep, tenant: TenantDep) -> Response:
-    record = await _record(service, task_id, tenant)
+    record = await visible_task(service, task_id, tenant)
     if record.status != "succeeded" or not record.answer or "predictions" not in record.answer:
         raise Conflict(f"task {task_id} has no predictions: it is {record.status}")
     return Response(predictions_npy(record.answer["predictions"]), media_type="application/octet-stream",
@@ -83,7 +84,7 @@ async def get_predictions(task_id: str, service: ServiceDep, tenant: TenantDep) 
 @router.post("/tasks/{task_id}/cancel", summary="Cancel a task: queued never runs, running is stopped",
              response_model=TaskStatus, responses=error_responses(401, 404, 409, 422, 503))
 async def cancel_task(task_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
-    before = await _record(service, task_id, tenant)
+    before = await visible_task(service, task_id, tenant)
     if before.finished:
         raise Conflict(f"task {task_id} has already finished ({before.status}); nothing to cancel",
                        task_status=before.status)

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import Conflict, Forbidden, NotFound
 from ..models import DeliveryLog, Redelivered, StoppedWebhooks, WebhookSecret, error_responses
 from .deps import ServiceDep, TenantDep
-from .tasks import _record
+from .tasks import visible_task
 
 router = APIRouter(tags=["webhooks"])
 
@@ -56,7 +56,7 @@ async def resume_stopped(service: ServiceDep, tenant: TenantDep,
 async def _subject(service, kind: str, subject_id: str, tenant) -> None:
     """404 unless the tenant may see the task, sweep or evaluation."""
     if kind == "task":
-        await _record(service, subject_id, tenant)
+        await visible_task(service, subject_id, tenant)
     elif kind == "sweep":
         sweep = await run_in_threadpool(service.datasets.store.get_sweep, subject_id)
         if sweep is None or (tenant.owner is not None and sweep.owner != tenant.owner):

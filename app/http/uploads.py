@@ -67,32 +67,39 @@ class UploadBudget:
     def reservation(self) -> Reservation:
         return Reservation(self)
 
-
-class Reservation:
-    def __init__(self, budget: UploadBudget) -> None:
-        self.budget, self.bytes, self._open = budget, 0, False
-
-    def take(self, n: int) -> bool:
-        b = self.budget
-        with b._lock:
-            if b.held + n > b.capacity:
+    def take(self, reservation: Reservation, n: int) -> bool:
+        """``n`` more bytes for ``reservation`` if they fit (its first bytes count one more upload);
+        False, taking nothing, if they do not."""
+        with self._lock:
+            if self.held + n > self.capacity:
                 return False
-            b.held += n
-            if not self._open:
-                self._open = True
-                b.uploads += 1
-        self.bytes += n
+            self.held += n
+            if not reservation.open:
+                reservation.open = True
+                self.uploads += 1
+        reservation.bytes += n
         return True
 
+    def release(self, reservation: Reservation) -> None:
+        """Everything ``reservation`` holds back to the budget."""
+        with self._lock:
+            self.held -= reservation.bytes
+            if reservation.open:
+                self.uploads -= 1
+        reservation.bytes, reservation.open = 0, False
+
+
+class Reservation:
+    """One request's bytes in the budget (``open``: it holds some, counted as an upload)."""
+
+    def __init__(self, budget: UploadBudget) -> None:
+        self.budget, self.bytes, self.open = budget, 0, False
+
+    def take(self, n: int) -> bool:
+        return self.budget.take(self, n)
+
     def release(self) -> None:
-        b = self.budget
-        with b._lock:
-            b.held -= self.bytes
-            if self._open:
-                b.uploads -= 1
-        self.bytes, self._open = 0, False
-
-
+        self.budget.release(self)
 
 
 def budget_full(budget: UploadBudget) -> QueueFull:

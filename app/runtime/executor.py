@@ -207,27 +207,7 @@ class Worker:
     def _loop(self) -> None:
         name_os_thread(f"rev88-w{self.index}")
         _local.worker = self
-        ex = self.executor
-        try:
-            (ex._select_device or select_cuda_device)(self.device)  # (looked up now: tests replace it)
-        except Exception as exc:  # noqa: BLE001 - said loudly; its jobs then fail on the device itself
-            log.error("worker cannot select its device", extra={"device": self.device, "error": str(exc)})
-        while True:
-            with ex._cond:
-                head = ex._next_for(self)
-                if head is None and not ex._stop:
-                    ex._cond.wait(ex._idle_interval_s if ex._idle_hook else None)
-                    head = ex._next_for(self)
-                if head is None and ex._stop:
-                    return
-            if head is None:
-                ex._idle()
-                continue
-            batched = head.batch is not None and ex.batch_max > 1 and ex._batch_ready(head.batch)
-            with ex._cond:
-                group = ex._gather(self, head) if batched else ex._take(self, [head])
-            if group:
-                ex._run(self, group)
+        self.executor.serve(self)
 
 
 class DeviceExecutor:
@@ -633,6 +613,32 @@ class DeviceExecutor:
             }
 
     # ------------------------------------------------------------------ the workers' side
+    def serve(self, worker: Worker) -> None:
+        """The loop of a worker's thread (``Worker.thread`` runs it; nothing else calls it): select
+        the worker's device, then until ``stop``, take the job it runs next (``_next_for``) and run
+        it -- alone, or with the queued jobs of its batch key gathered into one call -- and, while
+        no job waits for it, call the idle hook every ``idle_interval_s``."""
+        try:
+            (self._select_device or select_cuda_device)(worker.device)  # (looked up now: tests replace it)
+        except Exception as exc:  # noqa: BLE001 - said loudly; its jobs then fail on the device itself
+            log.error("worker cannot select its device", extra={"device": worker.device, "error": str(exc)})
+        while True:
+            with self._cond:
+                head = self._next_for(worker)
+                if head is None and not self._stop:
+                    self._cond.wait(self._idle_interval_s if self._idle_hook else None)
+                    head = self._next_for(worker)
+                if head is None and self._stop:
+                    return
+            if head is None:
+                self._idle()
+                continue
+            batched = head.batch is not None and self.batch_max > 1 and self._batch_ready(head.batch)
+            with self._cond:
+                group = self._gather(worker, head) if batched else self._take(worker, [head])
+            if group:
+                self._run(worker, group)
+
     def _next_for(self, worker: Worker) -> Job | None:
         """(Lock held.) The job this worker runs next: of each tenant's oldest job it may run (not
         pinned elsewhere, not of a batch key another worker is gathering, its tenant below its

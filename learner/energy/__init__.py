@@ -14,12 +14,6 @@ from .counter import ASSUMED_UPDATE_S, counter_resolution, measure_update_period
 from .meter import Meter, Reading, read
 from .nvml_device import (
     NvmlMeter,
-    _by_uuid,
-    _Device,
-    _hardware,
-    _select,
-    _text,
-    _try,
     cuda_pci_bus_id,
     cuda_uuid,
     driver_version,
@@ -39,5 +33,5 @@ __all__ = [
     "Meter", "NvmlMeter", "Reading", "SimulatedMeter", "counter_resolution", "cuda_pci_bus_id", "cuda_uuid",
     "driver_version", "gpu_telemetry", "measure_update_period",
     "normalize_uuid", "nvml", "open_meter", "parse_pci_bus_id", "power_reader", "rapl_delta_j", "rapl_packages",
-    "rapl_read", "read", "request_energy", "_by_uuid", "_Device", "_hardware", "_select", "_text", "_try",
+    "rapl_read", "read", "request_energy",
 ]

@@ -25,7 +25,7 @@ import json
 
 from . import gates as gates_mod
 from . import paired as measure
-from .figures import DERIVED_PLACES, RECORD_FORMAT, _task, canonical_sha256, derive, normalized
+from .figures import DERIVED_PLACES, RECORD_FORMAT, canonical_sha256, derive, normalized, task_repeat_check
 
 _MISSING = object()
 
@@ -150,7 +150,7 @@ def _paired_idle(record: dict) -> dict:
     gates["round_spread"]["reason"] += " (on idle-adjusted mJ per task: this record has no harness control)"
     before, after = energy.get("before_metadata"), energy.get("after_metadata")
     if isinstance(before, dict) and isinstance(after, dict):
-        task = _task({"before": {k: before.get(k) for k in measure.STATE_HASH_KEYS},
+        task = task_repeat_check({"before": {k: before.get(k) for k in measure.STATE_HASH_KEYS},
                       "after": {k: after.get(k) for k in measure.STATE_HASH_KEYS},
                       "predictions_array_equal": bool(energy.get("repeat_predictions_equal"))})
         gates["task_verified"] = gates_mod.task_verified_gate(task, th["task_verified"])

@@ -218,7 +218,8 @@ def _process_check(check: dict, own_pid: int) -> dict:
     return out
 
 
-def _task(raw_task: dict) -> dict:
+def task_repeat_check(raw_task: dict) -> dict:
+    """Whether the repeat run gave the first run's hashes and predictions (the record's ``task``)."""
     before, after = raw_task["before"], raw_task["after"]
     differing = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     return {"hashes_identical": not differing, "predictions_equal": bool(raw_task["predictions_array_equal"]),
@@ -328,7 +329,7 @@ def derive(raw: dict, plan: dict, thresholds: dict) -> dict:
         "reference": reference,
         "telemetry": _telemetry(raw, phases),
         "processes": processes,
-        "task": _task(raw["task"]),
+        "task": task_repeat_check(raw["task"]),
     }
     gates = gates_mod.all_gates(figures, thresholds)
     failed = [name for name in gates_mod.GATE_NAMES if not gates[name]["passed"]]

@@ -173,7 +173,7 @@ class NvmlBoard:
 
 
 def open_board(engine: Any) -> tuple[Board | None, str | None]:
-    device = measure._cuda_device(engine)
+    device = measure.cuda_device(engine)
     if device is None:
         return None, f"backend {engine.name!r} runs on the CPU; the GPU energy counter (NVML) measures GPUs only"
     from ..energy.nvml_device import open_meter
@@ -279,11 +279,11 @@ class _Run:
 def _prepare(task: TaskArrays, config: Config, engine: Any, run_engine: Any, board: Board, target_seconds: float,
              reference_seconds: float) -> _Run:
     clock = board.meter.now
-    before, memory, memory_reason = measure._first_run(task, config, run_engine)
-    runner = measure._Runner(task, config, run_engine, clock)
+    before, memory, memory_reason = measure.first_run(task, config, run_engine)
+    runner = measure.Runner(task, config, run_engine, clock)
     calibration_wall_ms, calibration_cuda_ms = runner.once()
     calibration_ms = calibration_cuda_ms if calibration_cuda_ms is not None else calibration_wall_ms
-    harness_runner = measure._Runner(task, config, board.harness_engine(engine), clock)
+    harness_runner = measure.Runner(task, config, board.harness_engine(engine), clock)
     kernel = board.reference_kernel()
     kernel.prepare()
     t0 = clock()
@@ -385,7 +385,7 @@ def measure_gated(task: TaskArrays, config: Config | None, backend: str | Backen
                   "window, each after a settle that ends when the power stops falling, at most "
                   f"{options['settle_seconds']} s); cold idle recorded beside it (figures.idle), not subtracted; "
                   f"gated: {RECORD_FORMAT} (figures.headline is the gated figure)",
-        "counter_note": measure._energy_note(legacy_trials, idle_seconds),
+        "counter_note": measure.energy_note(legacy_trials, idle_seconds),
         "before_metadata": before.metadata,
         "after_metadata": after.metadata,
     }
@@ -437,7 +437,7 @@ def measure_energy(task: TaskArrays, config: Config | None = None, backend: str 
     engine = get_backend(backend) if isinstance(backend, str) else backend
     reason = None
     if board is None:
-        device = measure._cuda_device(engine)
+        device = measure.cuda_device(engine)
         if meter is not None and device is not None:
             board = NvmlBoard(meter, str(device))
         else:

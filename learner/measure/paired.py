@@ -31,7 +31,8 @@ the reason; settle and idle waits are skipped (there is nothing to measure in
 them). Where RAPL is readable the CPU package energy is added, labelled as such.
 
 The gated protocol (two meters, reference windows, a sham, a harness control and gates:
-learner/measure/gated.py, docs/energy.md) builds on these functions; ``rev88 measure``
+learner/measure/gated.py, docs/energy.md) builds on these functions and on the runs here
+(``first_run``, ``Runner``, ``cuda_device``, ``energy_note``); ``rev88 measure``
 (rev88/cli/measure.py) runs it.
 
 Not verified on the development machine (no GPU): the CUDA paths (CUDA-event
@@ -252,7 +253,8 @@ def cpu_hardware() -> dict:
     }
 
 
-def _cuda_device(engine: Backend) -> torch.device | None:
+def cuda_device(engine: Backend) -> torch.device | None:
+    """The CUDA device the backend runs on; None for one that does not run on CUDA."""
     device = torch.device(engine.device)
     return device if device.type == "cuda" else None
 
@@ -269,9 +271,9 @@ def compare_runs(before: TaskResult, after: TaskResult) -> dict:
 # --------------------------------------------------------------------------- running
 
 
-def _first_run(task: TaskArrays, config: Config, engine: Backend) -> tuple[TaskResult, dict | None, str | None]:
+def first_run(task: TaskArrays, config: Config, engine: Backend) -> tuple[TaskResult, dict | None, str | None]:
     """prepare + the first run, with the allocator's peak on CUDA."""
-    device = _cuda_device(engine)
+    device = cuda_device(engine)
     if device is None:
         return run_task(task, config, engine), None, f"backend {engine.name!r} does not run on CUDA"
     torch.cuda.synchronize(device)
@@ -290,13 +292,13 @@ def _first_run(task: TaskArrays, config: Config, engine: Backend) -> tuple[TaskR
     return result, memory, None
 
 
-class _Runner:
+class Runner:
     """``repeats`` complete fresh tasks back to back, each timed by ``clock``."""
 
     def __init__(self, task: TaskArrays, config: Config, engine: Backend, clock: Callable[[], float]):
         self.task, self.engine, self.clock = task, engine, clock
         self.prepared = prepare(task, config)
-        self.device = _cuda_device(engine)
+        self.device = cuda_device(engine)
 
     def once(self) -> tuple[float, float | None]:
         """(wall ms, cuda ms or None) of one task."""
@@ -326,7 +328,7 @@ def _idle_window(meter: energy_mod.Meter, settle: float, idle: float, sleep: Cal
     return out
 
 
-def _energy_trial(i: int, runner: _Runner, meter: energy_mod.Meter, repeats: int, settle: float, idle: float,
+def _energy_trial(i: int, runner: Runner, meter: energy_mod.Meter, repeats: int, settle: float, idle: float,
                   sleep: Callable[[float], None]) -> tuple[dict, list[float], list[float] | None]:
     read = energy_mod.read
     idle_before = _idle_window(meter, settle, idle, sleep)
@@ -355,7 +357,8 @@ PAIRED_COUNTER_NOTE = (
 )
 
 
-def _energy_note(trials: list[dict], idle_seconds: float) -> str:
+def energy_note(trials: list[dict], idle_seconds: float) -> str:
+    """The counter's note of a record: its resolution, and a warning where windows are short."""
     note = PAIRED_COUNTER_NOTE
     shortest = min(t["active"]["duration_s"] for t in trials)
     if shortest < 1.0 or idle_seconds < 1.0:
@@ -381,7 +384,7 @@ def measure_run(
     check_protocol(trials, target_seconds, settle_seconds, idle_seconds)
     config = config or Config()
     engine = get_backend(backend) if isinstance(backend, str) else backend
-    device = _cuda_device(engine)
+    device = cuda_device(engine)
     energy_reason = None
     if meter is None:
         if device is not None:
@@ -393,8 +396,8 @@ def measure_run(
     clock = meter.now if meter is not None else time.perf_counter
 
     cold = idle_mod.cold_idle(meter, idle_seconds, sleep) if meter is not None else None
-    before, memory, memory_reason = _first_run(task, config, engine)
-    runner = _Runner(task, config, engine, clock)
+    before, memory, memory_reason = first_run(task, config, engine)
+    runner = Runner(task, config, engine, clock)
     calibration_wall_ms, calibration_cuda_ms = runner.once()
     calibration_ms = calibration_cuda_ms if calibration_cuda_ms is not None else calibration_wall_ms
     repeats = repeats_for(calibration_ms, target_seconds)
@@ -444,7 +447,7 @@ def measure_run(
                       f"{settle_seconds} s); cold idle (before any work) recorded beside it (cold_idle), not subtracted",
             "cold_idle": cold_idle_figures(cold, trial_docs),
             "settle": idle_mod.SETTLE_PLAN,
-            "counter_note": _energy_note(trial_docs, idle_seconds),
+            "counter_note": energy_note(trial_docs, idle_seconds),
             "before_metadata": before.metadata,
             "after_metadata": after.metadata,
         }

@@ -100,7 +100,7 @@ class ServiceRunner:
                 answer = client.run(body, backend=self.backend, **self.config.as_dict())
             predictions = answer.predictions  # decoded, checked against predictions_sha256
         except ClientError as exc:
-            raise self._error(exc) from None
+            raise self.error(exc) from None
         wall = time.perf_counter() - t0
         meta = answer.metadata
         if len(predictions) != task.test_count:
@@ -114,7 +114,8 @@ class ServiceRunner:
         service = {key: doc.get(key) for key in ("id", "timing", "device", "energy", "energy_reason")}
         return RunAnswer(predictions, meta, wall, service=service, versions=doc.get("versions"))
 
-    def _error(self, exc: ClientError) -> CliError:
+    def error(self, exc: ClientError) -> CliError:
+        """The CliError (message, exit status) of a client error from this service."""
         if isinstance(exc, Unavailable):
             return CliError(f"the service at {self.url} stayed busy (503) after {self.retries} retries: "
                             f"{exc.message}", 1)
@@ -190,7 +191,8 @@ class ServerEvaluation:
                 predictions = {k: client.predictions(rows[k]["task_id"]) for k in draws}  # checked against their hash
                 versions = got.document.get("versions")
         except ClientError as exc:
-            raise ServiceRunner(self.url, self.config, self.backend)._error(exc) from None
+            raise ServiceRunner(self.url, self.config, self.backend, retries=self.retries,
+                                timeout_s=self.timeout_s).error(exc) from None
         pred_dir = output / "predictions"
         pred_dir.mkdir(parents=True, exist_ok=True)
         records = []
