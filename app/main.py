@@ -63,6 +63,7 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     app.add_middleware(RequestMiddleware, api_key=settings.api_key, metrics=service.metrics,  # (who: app/tasks/tenants.py)
                        resolve=service.keys.resolve, resolve_fast=service.keys.resolve_fast, limit=service.keys.rate)
     errors.install(app)
-    app.include_router(api.router)  # every resource's routes (app/api/__init__.py)
+    for router in api.ROUTERS:  # each resource's routes (app/api/__init__.py)
+        app.include_router(router)
     web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, /docs and /redoc, scripts and styles under /static
     return app
