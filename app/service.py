@@ -434,7 +434,10 @@ class Service:
         ended = await asyncio.to_thread(self.executor.stop, left + 1.0)
         for timer in self._timers:
             timer.cancel()
-        if self.runner.background:  # let settling asynchronous tasks record what the workers answered
+        # launches being finished (app/tasks/launches.py) record their cells, then settling
+        # asynchronous tasks record what the workers answered
+        await asyncio.to_thread(self.runner.launches.close)
+        if self.runner.background:
             await asyncio.wait(list(self.runner.background), timeout=5.0)
         await self.runner.feeder.stop()  # stop claiming; (PostgreSQL) leases of unfinished tasks given back
         self._unhook_signals()

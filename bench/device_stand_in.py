@@ -4,7 +4,8 @@ On a GPU the fused kernel trains a launch of 132 draw-0 tasks in ~28 ms; here no
 fast, so the service's host path (claims, preparation, answers, hashes, ledger writes) cannot be
 pushed to a GPU's rate with a real backend. ``ReplayDevice`` stands in for the device: for each
 task of a launch it returns the real output of that (dataset, config, seed) -- computed earlier
-by cpu-fast and kept in memory-mapped files (``precompute``) -- after a fixed device time per
+by cpu-fast and kept in memory-mapped files (``precompute``), its predictions with it as a GPU
+backend computes them beside its scores -- after a fixed device time per
 launch (a sleep: it costs no CPU). Answers and hashes are therefore real and checked, and the
 server's CPU measures the host's work: the replay's own CPU (reading the kept outputs) is counted
 apart (``replay_cpu_s``, written after every launch to the file $REV88_STAND_IN_STATS names) and
@@ -78,6 +79,7 @@ def precompute(folder: Path, cells: list[tuple[bytes, dict]], processes: int = 2
     if index_path.exists():
         index = json.loads(index_path.read_text())
         if index["keys"] == keys:
+            _keep_predictions(folder)
             return index
     first = tasks[hashlib.sha256(cells[0][0]).hexdigest()]
     m = first.test_count
@@ -94,8 +96,22 @@ def precompute(folder: Path, cells: list[tuple[bytes, dict]], processes: int = 2
     for mm in (scores, params, velocity):
         mm.flush()
     index = {"keys": keys, "shapes": [list(p.shape) for p in _shapes(make_config(cells[0][1]))]}
+    _keep_predictions(folder)
     index_path.write_text(json.dumps(index))
     return index
+
+
+def _keep_predictions(folder: Path) -> None:
+    """Each kept output's predictions too (what a GPU backend computes beside its scores, on the
+    device: the fused kernel's ``RunOutput.predictions``)."""
+    path = folder / "predictions.npy"
+    if path.exists():
+        return
+    scores = np.load(folder / "scores.npy", mmap_mode="r")
+    predictions = np.lib.format.open_memmap(path, "w+", np.uint8, scores.shape[:2])
+    for row in range(scores.shape[0]):
+        predictions[row] = np.asarray(scores[row]).argmax(axis=1)
+    predictions.flush()
 
 
 def _shapes(config) -> list[np.ndarray]:
@@ -118,6 +134,7 @@ class ReplayDevice:
         self.scores = np.load(folder / "scores.npy", mmap_mode="r")
         self.params = np.load(folder / "params.npy", mmap_mode="r")
         self.velocity = np.load(folder / "velocity.npy", mmap_mode="r")
+        self.predictions = np.load(folder / "predictions.npy", mmap_mode="r")
         self.launches = self.tasks = 0
         self.replay_cpu_s = 0.0
         self._lock = threading.Lock()
@@ -145,7 +162,7 @@ class ReplayDevice:
         return RunOutput(final_parameters=self._split(np.array(self.params[row])),
                          final_velocity=self._split(np.array(self.velocity[row])),
                          scores=np.array(self.scores[row]), training_prediction_seconds=self.launch_s,
-                         preparation_seconds=0.0)
+                         preparation_seconds=0.0, predictions=self.predictions[row].astype(np.int64))
 
     def run(self, task, prepared):
         if key_of(task, prepared.config) not in self.rows:  # (the warm-up's tiny task, say: really run)

@@ -102,16 +102,33 @@ def versions() -> dict[str, Any]:
     return dict(_static_versions())
 
 
-def check_finite(out: RunOutput) -> None:
+def device_predictions(out: RunOutput) -> np.ndarray:
+    """Each query's class: the first of its highest scores. A backend may have computed them
+    where the scores were (``RunOutput.predictions``: the fused kernel's device, torch's argmax,
+    which takes the first maximum as numpy's does); they must be that, of the right shape."""
+    predictions = getattr(out, "predictions", None)
+    if predictions is None:
+        return out.scores.argmax(axis=1).astype(np.int64)
+    predictions = np.asarray(predictions)
+    if predictions.shape != (out.scores.shape[0],) or predictions.dtype != np.int64:
+        raise ValueError(f"a backend's predictions must be int64 of shape ({out.scores.shape[0]},), got "
+                         f"{predictions.dtype} {predictions.shape}")
+    return predictions
+
+
+def check_finite(out: RunOutput, parameters: np.ndarray | None = None) -> None:
     """After training: every score, parameter and velocity entry finite. (Backends stop at
     the first non-finite loss they see, with the epoch and step; this catches the rest, and
-    everything on the fused backend, which checks only here.)"""
+    everything on the fused backend, which checks only here.) ``parameters``: the final
+    parameters as one state vector, when the caller has it already."""
     problems = []
     if not np.isfinite(out.scores).all():
         problems.append("scores")
-    if not all(np.isfinite(p).all() for p in out.final_parameters):
+    if parameters is None:
+        parameters = state_vector(out.final_parameters)
+    if not np.isfinite(parameters).all():
         problems.append("parameters")
-    if not all(np.isfinite(v).all() for v in out.final_velocity):
+    if not np.isfinite(state_vector(out.final_velocity)).all():
         problems.append("velocity")
     if problems:
         raise TrainingDivergedError(
@@ -165,8 +182,9 @@ def finish_task(
     # a cancelled task gets no result, even when its run had just finished (on the fused
     # backend this is where a task cancelled during its launch is dropped)
     check_cancel(prepared.cancel, config.epochs, 0, config.epochs)
-    check_finite(out)
-    predictions = out.scores.argmax(axis=1).astype(np.int64)
+    parameters = state_vector(out.final_parameters)
+    check_finite(out, parameters)
+    predictions = device_predictions(out)
     with _count_lock:
         _run_counts[engine.name] = _run_counts.get(engine.name, 0) + 1
         run_count = _run_counts[engine.name]
@@ -184,7 +202,7 @@ def finish_task(
                                      else named_sha256(names, prepared.initial)),
         "final_parameter_sha256": named_sha256(names, out.final_parameters),
         "final_velocity_sha256": named_sha256(names, out.final_velocity),
-        "state_vector_sha256": array_sha256(state_vector(out.final_parameters)),
+        "state_vector_sha256": array_sha256(parameters),
         "predictions_sha256": array_sha256(predictions),
         "scores_sha256": array_sha256(out.scores),
         "preparation_seconds": host_prep + out.preparation_seconds,

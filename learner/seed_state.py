@@ -40,7 +40,10 @@ class SeedState:
 
 
 class SeedStateCache:
-    def __init__(self, max_bytes: int = DEFAULT_BYTES) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_BYTES, compute=None) -> None:
+        """``compute``: (initial_parameters, epoch_permutations, parameter_names), learner.train's
+        (which binds the process's cache to them: this module imports nothing of it)."""
+        self.compute = compute
         self.max_bytes = int(max_bytes)
         self._states: collections.OrderedDict[tuple, SeedState] = collections.OrderedDict()
         self._bytes = 0
@@ -53,12 +56,7 @@ class SeedStateCache:
 
     def get(self, config: Config, train_count: int, cancel: CancelToken | None = None) -> SeedState:
         """The state of ``config``'s seed for a task of ``train_count`` rows (computed on a miss)."""
-        from .train import (  # (train imports this module)
-            epoch_permutations,
-            initial_parameters,
-            parameter_names,
-        )
-
+        initial_parameters, epoch_permutations, parameter_names = self.compute
         key = self.key(config, train_count)
         with self._lock:
             state = self._states.get(key)
@@ -100,7 +98,7 @@ class SeedStateCache:
                     "hits": self.hits, "misses": self.misses}
 
 
-states = SeedStateCache()  # the process's (learner.train.prepare uses it)
+states = SeedStateCache()  # the process's: learner.train binds it to its functions and prepares with it
 
 
 def configure(max_bytes: int) -> None:

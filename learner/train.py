@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import seed_state
 from .cancel import CancelToken, check
 from .config import Config
 from .errors import TrainingDivergedError
@@ -158,7 +159,8 @@ def prepare(task: TaskArrays, config: Config, cancel: CancelToken | None = None)
     """Seed-derived initial parameters and epoch permutations (identical on every backend), with
     their hashes: computed once per (seed, shape) and kept (learner/seed_state.py); ``cancel``
     travels with them to the backend."""
-    from .seed_state import states
-
-    state = states.get(config, task.train_count, cancel)
+    state = seed_state.states.get(config, task.train_count, cancel)
     return Prepared(config, state.initial, state.permutations, cancel, state.initial_sha256, state.permutation_sha256)
+
+
+seed_state.states.compute = (initial_parameters, epoch_permutations, parameter_names)

@@ -106,13 +106,29 @@ def make_service(recorder, **settings) -> Service:
 
 
 def submit_task(service: Service, task, config=CONFIG, label=""):
-    """What the task runner (app/tasks/runner.py) does for a task job."""
+    """What the task runner (app/tasks/runner.py) does for a task job (one a client waits for:
+    not on the launch path; its result is finished off the worker, ``resolved``)."""
     from app.tasks.device import run_on_device
+    from app.tasks.runner import Accepted, new_task_id
 
+    acc = Accepted(task_id=label or new_task_id(), task=task, config=config, backend="cpu")
     return service.executor.submit(
         lambda: run_on_device(task, config, "cpu", service.energy, service.engines),
-        kind="task", label=label, batch=service.runner.task_batch(task, config, "cpu"),
+        kind="task", label=label, batch=service.runner.task_batch(acc),
     )
+
+
+def resolved(job, timeout: float):
+    """A job's outcome: a launch's task is answered with its place in the launch's finishing
+    (app/tasks/launches.py), resolved here; a job run alone, with its value."""
+    from app.tasks.launches import Finishing
+
+    value = job.future.result(timeout)
+    if isinstance(value, Finishing):
+        value = value.outcome(value.future.result(timeout))
+        if isinstance(value, BaseException):
+            raise value
+    return value
 
 
 def block_device(service: Service, recorder: LaunchRecorder) -> threading.Event:
@@ -142,7 +158,7 @@ def test_queued_matching_tasks_share_launches_of_at_most_batch_max(recorder):
         jobs = [submit_task(service, t, c, label=str(i)) for i, (t, c) in enumerate(zip(tasks, configs))]
         assert service.executor.depth == 10
         release.set()
-        outcomes = [j.future.result(120) for j in jobs]
+        outcomes = [resolved(j, 120) for j in jobs]
         assert recorder.sizes() == [1, 4, 4, 2]  # the blocker, then launches of <= batch_max in queue order
         assert [kind for kind, _, _ in recorder.launches[1:]] == ["run_many"] * 3
         assert [s for _, _, seeds in recorder.launches[1:] for s in seeds] == [c.seed for c in configs]
@@ -170,7 +186,7 @@ def test_different_keys_never_share_a_launch_and_stay_fifo(recorder):
         jobs = [submit_task(service, t, cfg, label=name) for name, t, cfg in order]
         release.set()
         for job, (_, task, config) in zip(jobs, order):
-            assert_same_result(job.future.result(120).result, task, config)
+            assert_same_result(resolved(job, 120).result, task, config)
         # heads in arrival order: a (gathers every a, whatever its seed), then b, then c
         launched = [(kind, counts) for kind, counts, _ in recorder.launches[1:]]
         assert launched == [("run_many", [30, 30, 30]), ("run_many", [25, 25]), ("run", [30])]
@@ -191,7 +207,7 @@ def test_batch_max_1_turns_batching_off(recorder):
         assert all(j.batch is None for j in jobs)
         release.set()
         for job, task in zip(jobs, tasks):
-            result = job.future.result(120).result
+            result = resolved(job, 120).result
             assert_same_result(result, task, CONFIG)
             assert "tasks_in_launch" not in result.metadata
         assert [kind for kind, _, _ in recorder.launches] == ["run"] * 5
@@ -211,7 +227,7 @@ def test_a_backend_without_run_many_runs_tasks_one_by_one():
         jobs = [submit_task(service, t) for t in tasks]
         gate.set()
         for job, task in zip(jobs, tasks):
-            assert_same_result(job.future.result(120).result, task, CONFIG)
+            assert_same_result(resolved(job, 120).result, task, CONFIG)
             assert job.launch_size == 1
         assert service.executor.stats.batched == 0
     finally:
@@ -225,8 +241,8 @@ def test_the_gathering_waits_for_a_late_match_within_batch_wait(recorder):
         j1 = submit_task(service, first)
         time.sleep(0.05)  # the device thread is idle: it took the first and waits for company
         j2 = submit_task(service, late)
-        assert_same_result(j1.future.result(120).result, first, CONFIG)
-        assert_same_result(j2.future.result(120).result, late, CONFIG)
+        assert_same_result(resolved(j1, 120).result, first, CONFIG)
+        assert_same_result(resolved(j2, 120).result, late, CONFIG)
         assert recorder.sizes() == [2]  # batch full: launched without waiting out the 1 s
     finally:
         stop(service)
@@ -246,7 +262,7 @@ def test_an_expired_queued_task_is_not_in_the_launch(recorder):
         assert service.executor.depth == 2
         release.set()
         for i in (0, 2):
-            assert_same_result(jobs[i].future.result(120).result, same_shape[i], CONFIG)
+            assert_same_result(resolved(jobs[i], 120).result, same_shape[i], CONFIG)
         assert recorder.launches[1][0] == "run_many" and recorder.launches[1][2] == [CONFIG.seed] * 2
         assert recorder.sizes() == [1, 2]
         assert isinstance(jobs[1].future.exception(), TaskTimeout) and jobs[1].started is None
@@ -274,7 +290,7 @@ def test_a_head_that_expires_while_gathering_never_runs():
         ex.expire(head, 0.0)
         assert isinstance(head.future.exception(5), TaskTimeout)
         follow = ex.submit(lambda: "alone")
-        assert follow.future.result(10) == "alone"  # the gathering ended as soon as its head left
+        assert resolved(follow, 10) == "alone"  # the gathering ended as soon as its head left
         assert ran == [] and head.started is None
         assert (ex.stats.expired, ex.stats.launches) == (1, 1)
     finally:
@@ -297,10 +313,12 @@ def test_one_failing_task_of_a_launch_fails_alone(recorder):
         tasks = [small_task(30, 5, seed=i) for i in range(3)]
         jobs = [submit_task(service, t) for t in tasks]
         release.set()
-        assert_same_result(jobs[0].future.result(120).result, tasks[0], CONFIG)
-        assert isinstance(jobs[1].future.exception(120), TrainingDivergedError)
-        assert_same_result(jobs[2].future.result(120).result, tasks[2], CONFIG)
-        assert (service.executor.stats.completed, service.executor.stats.failed) == (3, 1)
+        assert_same_result(resolved(jobs[0], 120).result, tasks[0], CONFIG)
+        with pytest.raises(TrainingDivergedError):  # found as its result is finished, off the device
+            resolved(jobs[1], 120)
+        assert_same_result(resolved(jobs[2], 120).result, tasks[2], CONFIG)
+        # the device ran the launch to its end: the divergence is the task's own outcome
+        assert (service.executor.stats.completed, service.executor.stats.failed) == (4, 0)
     finally:
         stop(service)
 
@@ -320,7 +338,7 @@ def test_a_failed_launch_answers_each_of_its_jobs_once():
         gate.set()
         for job in jobs:
             with pytest.raises(RuntimeError, match="launch failed"):
-                job.future.result(10)
+                resolved(job, 10)
         s = ex.stats
         assert (s.failed, s.completed, s.launches, s.batched) == (3, 1, 2, 3)
         assert s.answered() == s.accepted
@@ -402,13 +420,16 @@ while not ex.busy:
     time.sleep(0.01)
 config = make_config({"depth": 1, "batch_size": 16})
 items = [(small_task(40, 8, seed=i), config.replace(seed=3 + i % 2)) for i in range(3)]
+from app.tasks.runner import Accepted
+from tests.test_app_batching import resolved
 jobs = [ex.submit(lambda t=t, c=c: run_on_device(t, c, "fused", service.energy, service.engines),
-                  batch=service.runner.task_batch(t, c, "fused")) for t, c in items]
+                  batch=service.runner.task_batch(Accepted(task_id=str(i), task=t, config=c, backend="fused")))
+        for i, (t, c) in enumerate(items)]
 gate.set()
 keys = ("predictions_sha256", "scores_sha256", "final_parameter_sha256", "final_velocity_sha256")
 out = []
 for job, (task, cfg) in zip(jobs, items):
-    batched = job.future.result(600).result
+    batched = resolved(job, 600).result
     single = run_task(task, cfg, fused)
     out.append({"launch_size": job.launch_size, "tasks_in_launch": batched.metadata["tasks_in_launch"],
                 "backend_tasks_in_launch": batched.metadata["backend_details"]["tasks_in_launch"],

@@ -648,7 +648,7 @@ def test_a_version_1_ledger_is_migrated_with_its_rows(tmp_path):
     data.mkdir()
     (data / "uploads").mkdir()
     done_id, queued_id = new_id(), new_id()
-    blob, json_bytes = encode_answer(answer_for(done_id))
+    blob, json_bytes, _ = encode_answer(answer_for(done_id))
     with sqlite3.connect(data / "ledger.sqlite3") as raw:
         for statement in ledger_mod._split_sql(dict(ledger_mod.MIGRATIONS)[1]):
             raw.execute(statement)

@@ -14,9 +14,11 @@ from learner.train import epoch_permutations, initial_parameters, parameter_name
 
 from .helpers import small_task
 
+COMPUTE = (initial_parameters, epoch_permutations, parameter_names)
+
 
 def test_a_kept_state_equals_one_computed_afresh():
-    cache = SeedStateCache()
+    cache = SeedStateCache(compute=COMPUTE)
     config = make_config({"seed": 77, "epochs": 3})
     state = cache.get(config, 50)
     fresh_initial = [p.numpy() for p in initial_parameters(config)]
@@ -33,15 +35,15 @@ def test_a_kept_state_equals_one_computed_afresh():
 
 
 def test_the_cache_is_bounded_by_bytes():
-    one = SeedStateCache().get(make_config({"seed": 1}), 1000).nbytes
-    cache = SeedStateCache(max_bytes=3 * one)
+    one = SeedStateCache(compute=COMPUTE).get(make_config({"seed": 1}), 1000).nbytes
+    cache = SeedStateCache(max_bytes=3 * one, compute=COMPUTE)
     for seed in range(5):
         cache.get(make_config({"seed": seed}), 1000)
     snap = cache.snapshot()
     assert snap["states"] == 3 and snap["bytes"] <= 3 * one
     first = cache.get(make_config({"seed": 4}), 1000)
     assert cache.get(make_config({"seed": 4}), 1000) is first  # the newest kept
-    tiny = SeedStateCache(max_bytes=10)
+    tiny = SeedStateCache(max_bytes=10, compute=COMPUTE)
     tiny.get(make_config({"seed": 1}), 1000)
     assert tiny.snapshot()["states"] == 0  # larger than the whole bound: computed, not kept
     with pytest.raises(ValueError, match=">= 0 bytes"):

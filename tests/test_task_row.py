@@ -11,7 +11,15 @@ import pytest
 from app.ledger.rows import ALL_COLUMNS, SUMMARY_COLUMNS, record_from_row
 from app.ledger.store import Ledger
 from app.models import TaskStatus, TaskSummary
-from app.task_row import API_COLUMNS, KIND_TYPES, LISTED_COLUMNS, RECORD_COLUMNS, TASK_ROW, TaskRecord, columns_of
+from app.task_row import (
+    API_COLUMNS,
+    KIND_TYPES,
+    LISTED_COLUMNS,
+    RECORD_COLUMNS,
+    TASK_ROW,
+    TaskRecord,
+    columns_of,
+)
 
 from . import pg
 
@@ -70,7 +78,7 @@ def test_the_mapper_decodes_the_json_and_answer_columns():
     values.update(id="t", status="succeeded", kind="task", mode="sync", created_at=2.0, backend="cpu",
                   config=dumps({"seed": 3}), options=dumps({"owner": "k"}), train_count=5, test_count=2,
                   body_bytes=10, attempts=1, answer_bytes=7, error=None, input_hashes=dumps({"x": "y"}))
-    blob, _ = encode_answer({"predictions": [1, 2]})
+    blob, _, _ = encode_answer({"predictions": [1, 2]})
     row = tuple(values[c.name] for c in LISTED_COLUMNS) + (blob, "zlib+json")
     record = record_from_row(row, with_answer=True)
     assert record.config == {"seed": 3} and record.options == {"owner": "k"} and record.input_hashes == {"x": "y"}
@@ -105,3 +113,27 @@ def test_a_record_makes_the_trip_through_either_engine(engine, tmp_path, request
     assert got.summary() == done.summary() and listed[0].summary() == got.summary() == {
         **created.summary(), "status": "succeeded", "finished_at": got.finished_at,
         "predictions_sha256": "c" * 64, "run_ms": 1.5, "energy_j": 0.25}
+
+
+def test_an_answer_with_class_predictions_is_stored_compactly_and_read_back_the_same():
+    import numpy as np
+    import orjson
+
+    from app.ledger.rows import ANSWER_CODEC, COMPACT_CODEC, decode_answer, encode_answer
+
+    predictions = np.random.default_rng(4).integers(0, 10, 10_000).astype(np.int64)
+    predictions[:3] = [12, 100, 255]
+    answer = {"id": "t", "request_id": None, "predictions": predictions, "predictions_sha256": "ab" * 32,
+              "metadata": {"seed": 3, "x": [1.5, 2]}, "energy": None}
+    blob, json_bytes, codec = encode_answer(answer)
+    assert codec == COMPACT_CODEC and len(blob) < 20_000
+    as_sent = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    assert json_bytes == len(as_sent)  # the JSON text it stands for, to the byte
+    back = decode_answer(blob, codec)
+    assert list(back) == list(answer) and back["predictions"] == predictions.tolist()
+    assert orjson.dumps(back) == as_sent  # the same document, key order included
+    # what is not a class-index array is stored as JSON, as before
+    _, _, plain = encode_answer({**answer, "predictions": predictions.tolist()})
+    assert plain == ANSWER_CODEC
+    _, _, big = encode_answer({**answer, "predictions": np.array([256, 1])})
+    assert big == ANSWER_CODEC

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import InvalidRequest
 from ..models import SweepAccepted, SweepList, SweepRequest, SweepState, error_responses
+from ..tasks.answers import encode_json
 from ..tasks.options import parse_options
 from ..tasks.sweeps import as_csv
 from .deps import ServiceDep, TenantDep
@@ -47,7 +48,8 @@ async def get_sweep(sweep_id: str, service: ServiceDep, tenant: TenantDep,
     if format == "csv":
         return Response(as_csv(doc), media_type="text/csv",
                         headers={"Content-Disposition": f'attachment; filename="rev88-{sweep_id}.csv"'})
-    return JSONResponse(doc)
+    # (a sweep's document lists every cell: encoded once by orjson, not the standard encoder)
+    return Response(encode_json(doc), media_type="application/json")
 
 
 @router.get("/sweeps", summary="The sweeps, newest first, each with its status and counts (no cell rows)",

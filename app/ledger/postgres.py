@@ -83,7 +83,6 @@ from .database import PostgresDatabase
 from .outbox import insert_messages, task_rows
 from .rows import (
     ALL_COLUMNS,
-    ANSWER_CODEC,
     SUMMARY_COLUMNS,
     SUMMARY_WIDTH,
     columns_as,
@@ -673,10 +672,10 @@ class PostgresLedger(TaskReads):
         when another replica holds (or has taken over) its lease: fenced by owner and epoch (the
         attempt's ``epoch`` when given: then only that lease writes, whoever holds the task now)."""
         check_outcome(status, answer, error, answer_json)
-        blob, json_bytes = encode_answer(answer, answer_json) if answer is not None else (None, 0)
+        blob, json_bytes, codec = encode_answer(answer, answer_json) if answer is not None else (None, 0, None)
         sha, run_ms, energy_j = _answer_columns(answer)
         columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
-        params = {"status": status, "answer": blob, "codec": ANSWER_CODEC if blob is not None else None,
+        params = {"status": status, "answer": blob, "codec": codec,
                   "bytes": len(blob or b""), "json_bytes": json_bytes, "error": None if error is None else _dumps(error),
                   "sha": sha, "run_ms": run_ms, "energy_j": energy_j, "owner": self.owner, "id": task_id,
                   "hashes": None if input_hashes is None else _dumps(input_hashes)}
@@ -729,14 +728,14 @@ class PostgresLedger(TaskReads):
         for t in tasks:
             check_finished_task(t)
             hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
-            blob, json_bytes = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0)
+            blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
             sha, run_ms, energy_j = _answer_columns(t.answer)
             added += len(blob or b"")
             rows.append((
                 t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at,
                 1 if t.started_at is not None else 0, t.backend, _dumps(t.config), _dumps(t.options),
                 int(t.train_count), int(t.test_count), None if hashes is None else _dumps(hashes),
-                t.body_sha256, int(t.body_bytes), t.device, blob, ANSWER_CODEC if blob is not None else None,
+                t.body_sha256, int(t.body_bytes), t.device, blob, codec,
                 len(blob or b""), json_bytes, None if t.error is None else _dumps(t.error), sha, run_ms, energy_j,
             ))
         if not rows:

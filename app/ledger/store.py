@@ -32,12 +32,9 @@ each in one transaction together with its version bump.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import dataclasses
 import errno
-import json
 import logging
 import math
 import os
@@ -53,7 +50,6 @@ from .database import MIGRATIONS_DIR, SqliteDatabase, load_migrations
 from .outbox import insert_messages, task_rows
 from .rows import (
     ALL_COLUMNS,
-    ANSWER_CODEC,
     SUMMARY_COLUMNS,
     dumps,
     encode_answer,
@@ -219,33 +215,6 @@ def check_finished_task(t: FinishedTask) -> None:
     if (t.status == "succeeded") != (t.answer is not None) or (t.answer is None and t.error is None):
         raise ValueError(f"finished task {t.task_id}: a succeeded task has its answer, any other its error")
     check_task_id(t.task_id)
-
-
-def check_page(limit: int, status: str | None) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit!r}")
-    if status is not None and status not in STATUSES:
-        raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-
-
-def _encode_cursor(created_at: float, task_id: str) -> str:
-    raw = json.dumps([created_at, task_id], separators=(",", ":")).encode("utf-8")
-    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[float, str]:
-    try:
-        padded = cursor + "=" * (-len(cursor) % 4)
-        created_at, task_id = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
-        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not isinstance(task_id, str):
-            raise ValueError
-        if not math.isfinite(created_at):
-            raise ValueError
-    except (ValueError, TypeError, UnicodeError, binascii.Error):
-        raise ValueError(
-            f"bad cursor {cursor[:80]!r}: pass the next_cursor of a previous page unchanged"
-        ) from None
-    return float(created_at), task_id
 
 
 def _split_sql(script: str) -> list[str]:
@@ -644,9 +613,9 @@ class Ledger(TaskReads):
             except ValueError as exc:
                 results[i] = exc
                 continue
-            blob, json_bytes = encode_answer(o.answer, o.answer_json) if o.answer is not None else (None, 0)
+            blob, json_bytes, codec = encode_answer(o.answer, o.answer_json) if o.answer is not None else (None, 0, None)
             sha, run_ms, energy_j = _answer_columns(o.answer)
-            rows.append((i, (o.status, blob, ANSWER_CODEC if blob is not None else None, len(blob or b""),
+            rows.append((i, (o.status, blob, codec, len(blob or b""),
                              json_bytes, None if o.error is None else _dumps(o.error), sha, run_ms, energy_j,
                              None if (hashes := o.hashes()) is None else _dumps(hashes), o.task_id)))
         if not rows:
@@ -712,14 +681,14 @@ class Ledger(TaskReads):
         for t in tasks:
             check_finished_task(t)
             hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
-            blob, json_bytes = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0)
+            blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
             sha, run_ms, energy_j = _answer_columns(t.answer)
             added_bytes += len(blob or b"")
             rows.append((
                 t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at, time.time(),
                 1 if t.started_at is not None else 0, t.backend, _dumps(t.config), _dumps(t.options),
                 int(t.train_count), int(t.test_count), None if hashes is None else _dumps(hashes),
-                t.body_sha256, int(t.body_bytes), t.device, blob, ANSWER_CODEC if blob is not None else None,
+                t.body_sha256, int(t.body_bytes), t.device, blob, codec,
                 len(blob or b""), json_bytes, None if t.error is None else _dumps(t.error), sha, run_ms, energy_j,
             ))
         if not rows:

@@ -4,11 +4,15 @@ how their database runs a query (app/ledger/database.py's public API)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
-from ..task_row import TaskRecord
+from ..task_row import STATUSES, TaskRecord
 from .rows import ALL_COLUMNS, SUMMARY_COLUMNS, record_from_row
 
 IN_CHUNK = 500  # ids per statement (SQLite's limit on a statement's parameters)
@@ -25,6 +29,33 @@ class Dialect:
 SQLITE = Dialect("tasks", "json_extract(options, '$.owner')", "date(finished_at, 'unixepoch')", ids_any=False)
 POSTGRESQL = Dialect("rev88_tasks", "(options::json ->> 'owner')",
                      "to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')", ids_any=True)
+
+
+def check_page(limit: int, status: str | None) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    if status is not None and status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+
+
+def encode_cursor(created_at: float, task_id: str) -> str:
+    raw = json.dumps([created_at, task_id], separators=(",", ":")).encode("utf-8")
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        created_at, task_id = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not isinstance(task_id, str):
+            raise ValueError
+        if not math.isfinite(created_at):
+            raise ValueError
+    except (ValueError, TypeError, UnicodeError, binascii.Error):
+        raise ValueError(
+            f"bad cursor {cursor[:80]!r}: pass the next_cursor of a previous page unchanged"
+        ) from None
+    return float(created_at), task_id
 
 
 class TaskReads:
@@ -73,8 +104,6 @@ class TaskReads:
              owner: str | None = None) -> tuple[list[TaskRecord], str | None]:
         """Newest first (created_at, then id), keyset-paged; ``owner``: only that tenant's. Returns
         (records without their answers, the cursor of the next page or None at the end)."""
-        from .store import _decode_cursor, _encode_cursor, check_page
-
         check_page(limit, status)
         where, args = [], []
         if status is not None:
@@ -84,7 +113,7 @@ class TaskReads:
             where.append(f"{self.dialect.owner} = ?")
             args.append(owner)
         if cursor is not None:
-            created_at, last_id = _decode_cursor(cursor)
+            created_at, last_id = decode_cursor(cursor)
             where.append("(created_at, id) < (?, ?)")
             args += [created_at, last_id]
         sql = f"SELECT {SUMMARY_COLUMNS} FROM {self.dialect.table}"
@@ -97,7 +126,7 @@ class TaskReads:
         next_cursor = None
         if len(rows) > limit:
             last = records[-1]
-            next_cursor = _encode_cursor(last.created_at, last.id)
+            next_cursor = encode_cursor(last.created_at, last.id)
         return records, next_cursor
 
     def usage(self, owner: str | None, since: float) -> list[tuple]:

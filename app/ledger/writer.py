@@ -82,6 +82,15 @@ class LedgerWriter:
         self._queue.put(("outcome" if linger else "outcome-now", (outcome, future)))
         return future
 
+    def finish_launch(self, outcomes: list[Outcome]) -> concurrent.futures.Future:
+        """A launch's outcomes (app/tasks/launches.py), written together in the next transaction of
+        outcomes, at once (the finisher thread waits for it); the future's result is one item per
+        outcome: its record, or the exception ``finish`` raised for it (LeaseLost for a stale
+        attempt's, say). A failure of the database itself is the future's exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(("launch", (list(outcomes), future)))
+        return future
+
     def written(self) -> concurrent.futures.Future | None:
         """None when every ``finished`` record handed over is written; else a future done once
         they are (their commit taken at once, not after its linger)."""
@@ -127,6 +136,10 @@ class LedgerWriter:
                     continue
                 if kind in ("outcome", "outcome-now"):
                     outcomes.append(payload)
+                    continue
+                if kind == "launch":
+                    launch, future = payload
+                    outcomes.append((launch, future))
                     continue
                 self._mark(running)  # (a task's running mark was queued before its outcome)
                 self._add(finished)
@@ -196,17 +209,27 @@ class LedgerWriter:
         for _, future in live:
             future.set_result(None)
 
-    def _finish(self, outcomes: list[tuple[Outcome, concurrent.futures.Future]]) -> None:
+    def _finish(self, outcomes: list[tuple[Outcome | list[Outcome], concurrent.futures.Future]]) -> None:
+        """Every outcome handed over (single ones, and launches': a list with one future) in one
+        ``finish_many``: one transaction."""
         live = [(o, future) for o, future in outcomes if future.set_running_or_notify_cancel()]
         if not live:
             return
+        flat = [x for o, _ in live for x in (o if isinstance(o, list) else [o])]
         try:
-            results = self.ledger.finish_many([o for o, _ in live])
+            results = self.ledger.finish_many(flat)
         except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the failure
             for _, future in live:
                 future.set_exception(exc)
             return
-        for (_, future), result in zip(live, results, strict=True):
+        at = 0
+        for o, future in live:
+            if isinstance(o, list):
+                future.set_result(results[at:at + len(o)])
+                at += len(o)
+                continue
+            result = results[at]
+            at += 1
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:

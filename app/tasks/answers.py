@@ -48,6 +48,16 @@ def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, np.ndarray) else str(value)
 
 
+def input_hashes(task) -> dict[str, str]:
+    """The task's input hashes (computed once per task where TaskArrays caches them)."""
+    cached = getattr(task, "input_hashes", None)
+    if callable(cached):
+        return cached()
+    from learner.hashing import array_sha256
+
+    return {name: array_sha256(arr) for name, arr in task.as_dict().items()}
+
+
 def task_answer(task_id: str, request_id: str | None, outcome: DeviceOutcome, timing: dict, include_scores: bool) -> dict:
     result = outcome.result
     answer: dict[str, Any] = {

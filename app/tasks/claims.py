@@ -78,6 +78,7 @@ BACKLOG_SIZE = 100_000  # REV88_BACKLOG_SIZE's default: waiting asynchronous tas
 # long (a task another replica claimed is simply forgotten; this one then reads no body back)
 OFFER_CACHE_BYTES = 256 << 20
 OFFER_CACHE_S = 30.0
+CELL_WEIGHT = 1 / 40  # an offered task on a stored dataset (no arrays of its own) against an upload
 
 
 class SharedQueue:
@@ -102,6 +103,7 @@ class SharedQueue:
         # task id -> (its acceptance, when offered, its arrays' bytes), oldest first
         self.offered: collections.OrderedDict[str, tuple[Accepted, float, int]] = collections.OrderedDict()
         self.offered_bytes = 0
+        self.offered_weight = 0.0  # entries, an upload counting 1 and a dataset's cell CELL_WEIGHT
         self.cache_size = max(1, queue_size)  # offered tasks kept here at most (and OFFER_CACHE_BYTES)
         self.depth: dict[str, Any] | None = None  # the backlog as last counted
         self.counters = {"claimed": 0, "from_stored_input": 0, "leases_lost": 0, "cancels_noticed": 0,
@@ -204,6 +206,7 @@ class SharedQueue:
         size = acc.task.train_images.nbytes + acc.task.test_images.nbytes if acc.dataset is None else 0
         self.offered[acc.task_id] = (acc, time.monotonic(), size)
         self.offered_bytes += size
+        self.offered_weight += 1.0 if size else CELL_WEIGHT
         self._trim_offered()
         if not self.leases:
             self.ledger.add(acc.task_id, acc.owner, acc.created_at, 0 if acc.dataset is not None else acc.body_bytes)
@@ -235,9 +238,10 @@ class SharedQueue:
             self._failed("give back a returned task", exc)
             return
         if released:
-            self.offered[acc.task_id] = (acc, time.monotonic(), 0 if acc.dataset is not None else
-                                         acc.task.train_images.nbytes + acc.task.test_images.nbytes)
-            self.offered_bytes += self.offered[acc.task_id][2]
+            size = 0 if acc.dataset is not None else acc.task.train_images.nbytes + acc.task.test_images.nbytes
+            self.offered[acc.task_id] = (acc, time.monotonic(), size)
+            self.offered_bytes += size
+            self.offered_weight += 1.0 if size else CELL_WEIGHT
             self._trim_offered()
         self.wake()
 
@@ -246,16 +250,21 @@ class SharedQueue:
         if entry is None:
             return None
         self.offered_bytes -= entry[2]
+        self.offered_weight -= 1.0 if entry[2] else CELL_WEIGHT
         return entry[0]
 
     def _trim_offered(self) -> None:
+        """Oldest out first, past the cache's bounds: OFFER_CACHE_BYTES of uploads' arrays, this many
+        entries (a sweep's cells hold no arrays of their own -- they share their dataset's --, so
+        each counts a fortieth of an upload: a 1,320-cell sweep stays here), OFFER_CACHE_S."""
         old = time.monotonic() - OFFER_CACHE_S
         while self.offered:
             _, (_, at, _) = next(iter(self.offered.items()))
-            if (len(self.offered) <= self.cache_size and self.offered_bytes <= OFFER_CACHE_BYTES and at >= old):
+            if (self.offered_weight <= self.cache_size and self.offered_bytes <= OFFER_CACHE_BYTES and at >= old):
                 break
             _, (_, _, size) = self.offered.popitem(last=False)
             self.offered_bytes -= size
+            self.offered_weight -= 1.0 if size else CELL_WEIGHT
 
     def wake(self) -> None:
         """Look for work now (thread-safe)."""
@@ -390,7 +399,7 @@ class SharedQueue:
                                 extra={"task_id": task_id, "error": str(exc)})
                     continue
                 attempts.add(task_id)
-                self.runner.settle_in_background(acc)
+                self.runner.settle_fed(acc)
         finally:
             await self._give_back([c.record.id for c in claims if c.record.id not in attempts])
         return len(attempts)

@@ -27,6 +27,7 @@ from ..errors import BodyTooLarge, Conflict, InvalidRequest, NotFound
 from ..ledger.datasets import DIGEST, DatasetRecord, DatasetsFull, DatasetStore, LabelsConflict
 from ..ledger.owners import open_owners
 
+NO_LABELS_S = 2.0  # a dataset found without labels is asked again after this (app/tasks/datasets.py labels)
 MAX_LABELS_BYTES = 16 << 20  # a labels .npy: (M,) int64 for the largest M the task limits allow, and more
 
 
@@ -51,6 +52,7 @@ class DatasetCatalog:
         self.cache_bytes = int(cache_bytes)
         self._cache: collections.OrderedDict[str, tuple[TaskArrays, int]] = collections.OrderedDict()
         self._labels: dict[str, np.ndarray] = {}
+        self._no_labels: dict[str, float] = {}  # digest -> until when "no labels" stands (monotonic)
         self._cached = 0
         self._lock = threading.Lock()
 
@@ -163,15 +165,24 @@ class DatasetCatalog:
             raise BodyTooLarge(str(exc), limit=exc.capacity) from None
         with self._lock:
             self._labels[digest] = labels
+            self._no_labels.pop(digest, None)
         return stored, created
 
     def labels(self, digest: str) -> np.ndarray | None:
-        """The dataset's scoring labels (blocking when not cached), or None. Never returned to a client."""
+        """The dataset's scoring labels (blocking when not cached), or None. Never returned to a client.
+        A dataset without labels is asked again after NO_LABELS_S (labels may be attached later,
+        through another replica), not for each of a sweep's cells."""
         with self._lock:
             if digest in self._labels:
                 return self._labels[digest]
+            if self._no_labels.get(digest, 0.0) > time.monotonic():
+                return None
         npy = self.store.labels(digest)
         if npy is None:
+            with self._lock:
+                if len(self._no_labels) > 10_000:
+                    self._no_labels.clear()
+                self._no_labels[digest] = time.monotonic() + NO_LABELS_S
             return None
         labels = parse_labels(npy, None)
         with self._lock:

@@ -149,60 +149,102 @@ def share_energy(reading: dict, tasks: int) -> dict:
     return out
 
 
-def run_many_on_device(
-    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend, precision: str | None = None
-) -> list[DeviceOutcome | BaseException]:
-    """The executor's call for gathered tasks of one launch key: one ``run_many`` launch,
-    metered as a whole where a GPU meter exists; one outcome per item, in order. An item is
-    ``(task, config)`` or ``(task, config, cancel_token)``.
+@dataclasses.dataclass
+class Launch:
+    """A launch run on the device, its results not yet finished: per item, the task's run (or the
+    exception that is its answer), and the launch's energy share and device time."""
 
-    A task whose preparation or result fails (say, its training diverged) is answered
-    with its own error; the others are unaffected. An error of the launch itself is
-    raised, and the executor answers every task of the launch with it. A launch cannot be
-    interrupted: a task cancelled before it starts is left out of it; one cancelled while it
-    runs has its result discarded (TaskCancelled)."""
+    items: list[tuple]
+    engine: Any
+    runs: list[tuple | BaseException | None]  # (task, config, prepared, out, host_prep) per item
+    share: dict | None
+    reason: str | None
+    device_s: float
+
+
+def launch_on_device(
+    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend, precision: str | None = None
+) -> Launch:
+    """The device's part of a launch of gathered tasks of one launch key: each task prepared (its
+    seed-derived state from learner/seed_state.py), one ``run_many``, metered as a whole where a
+    GPU meter exists. An item is ``(task, config)`` or ``(task, config, cancel_token, ...)``.
+
+    A task whose preparation fails is answered with its own error; a task cancelled before the
+    launch is left out of it. An error of the launch itself is raised (the executor answers every
+    task of the launch with it). Its results are finished apart (``finish_launch``), off the
+    device worker."""
     engine = worker_engine(backend, engines, precision)
     cached_validation()  # as run_task: computed once per process, before the first run
-    outcomes: list[DeviceOutcome | BaseException | None] = [None] * len(items)
+    runs: list[tuple | BaseException | None] = [None] * len(items)
     slots, tasks, prepareds, host_prep = [], [], [], []
     for i, item in enumerate(items):
         task, config = item[0], item[1]
         cancel = item[2] if len(item) > 2 else None
         if cancel is not None and cancel.cancelled:
-            outcomes[i] = TaskCancelled(cancel.reason or "cancelled", 0, 0, config.epochs)
+            runs[i] = TaskCancelled(cancel.reason or "cancelled", 0, 0, config.epochs)
             continue
         t0 = time.perf_counter()
         try:
             prepared = prepare(task, config)
         except Exception as exc:  # noqa: BLE001 - this task's answer
-            outcomes[i] = exc
+            runs[i] = exc
             continue
         slots.append(i)
         tasks.append(task)
         prepareds.append(prepared)
         host_prep.append(time.perf_counter() - t0)
     if not tasks:
-        return outcomes
+        return Launch(items, engine, runs, None, None, 0.0)
     meter, reason = energy.meter_for(engine)
     reading = None
+    t0 = time.monotonic()
     if meter is None:
         outs = engine.run_many(tasks, prepareds)
     else:
         outs, reading = energy.request_energy(meter, lambda: engine.run_many(tasks, prepareds), energy.idle_for(engine))
+    device_s = time.monotonic() - t0
     if len(outs) != len(tasks):
         raise RuntimeError(f"backend {engine.name!r} returned {len(outs)} outputs for a launch of {len(tasks)} tasks")
-    share = None if reading is None else share_energy(reading, len(tasks))
     for k, i in enumerate(slots):
-        config = items[i][1]
-        cancel = items[i][2] if len(items[i]) > 2 else None
-        if cancel is not None and cancel.cancelled:  # stopped while the launch ran: discard its result
-            outcomes[i] = TaskCancelled(cancel.reason or "cancelled", config.epochs, 0, config.epochs)
-            continue
+        runs[i] = (tasks[k], items[i][1], prepareds[k], outs[k], host_prep[k])
+    share = None if reading is None else share_energy(reading, len(tasks))
+    return Launch(items, engine, runs, share, None if share is not None else reason, device_s)
+
+
+def finish_launch(launch: Launch, pool: Any = None) -> list[DeviceOutcome | BaseException]:
+    """The host's part after a launch, off the device: each task's result checked, hashed and
+    assembled (``learner.result.finish_task``, the same code as a single task's), on ``pool``'s
+    threads when given (hashlib and numpy let go of the GIL on large buffers). One outcome per
+    item, in order. A task cancelled while the launch ran has its result discarded (TaskCancelled)."""
+    count = sum(1 for run in launch.runs if isinstance(run, tuple))
+
+    def one(i: int) -> DeviceOutcome | BaseException:
+        run = launch.runs[i]
+        if not isinstance(run, tuple):
+            return run  # (its error, or a cancel before the launch)
+        task, config, prepared, out, host_prep = run
+        item = launch.items[i]
+        cancel = item[2] if len(item) > 2 else None
+        if cancel is not None and cancel.cancelled:
+            return TaskCancelled(cancel.reason or "cancelled", config.epochs, 0, config.epochs)
         try:
-            result = finish_task(tasks[k], config, engine, prepareds[k], outs[k], host_prep[k],
-                                 tasks_in_launch=len(tasks))
+            result = finish_task(task, config, launch.engine, prepared, out, host_prep, tasks_in_launch=count)
         except Exception as exc:  # noqa: BLE001 - e.g. TrainingDivergedError: this task's answer
-            outcomes[i] = exc
-            continue
-        outcomes[i] = DeviceOutcome(result, share, None if share is not None else reason)
-    return outcomes
+            return exc
+        return DeviceOutcome(result, launch.share, launch.reason)
+
+    indexes = range(len(launch.runs))
+    if pool is None or count < 2:
+        return [one(i) for i in indexes]
+    return list(pool.map(one, indexes))
+
+
+def run_many_on_device(
+    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend, precision: str | None = None
+) -> list[DeviceOutcome | BaseException]:
+    """A launch and its results, in one call (``launch_on_device`` then ``finish_launch``): one
+    outcome per item, in order. A task whose preparation or result fails (say, its training
+    diverged) is answered with its own error; the others are unaffected. An error of the launch
+    itself is raised. A launch cannot be interrupted: a task cancelled before it starts is left
+    out of it; one cancelled while it runs has its result discarded (TaskCancelled)."""
+    return finish_launch(launch_on_device(items, backend, energy, engines, precision))

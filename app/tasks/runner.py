@@ -50,7 +50,7 @@ from ..ledger import (
 )
 from ..runtime.executor import Batch, DeviceExecutor, Job
 from ..runtime.metrics import Metrics
-from .answers import Settled, encode_json, run_timing, task_answer
+from .answers import Settled, encode_json, input_hashes, run_timing, task_answer
 from .datasets import score
 from .device import (
     DeviceOutcome,
@@ -58,10 +58,10 @@ from .device import (
     has_run_many,
     launch_key,
     measure_on_device,
-    run_many_on_device,
     run_on_device,
     worker_engine,
 )
+from .launches import Finishing, Launches
 from .options import measure_timeout_s
 
 log = logging.getLogger("rev88." + __name__)
@@ -132,6 +132,10 @@ class Accepted:
     evaluation: str | None = None  # the evaluation it is a cell of (app/tasks/evaluations.py)
     owner: str | None = None  # the tenant whose key made it (app/tasks/tenants.py); None: admin or open
     webhook: dict | None = None  # {"url", "events"}: its webhook (app/webhooks/; the ledger writes its messages)
+    # fed from the ledger to a batching backend: answered with its launch by the finisher thread,
+    # no coroutine of its own (app/tasks/launches.py); ``timer``: its timeout on the loop
+    launch_path: bool = False
+    timer: Any = None
     precision: str | None = None  # ?precision=: its products' precision (None: the backend's own, the tuned table's)
 
     @property
@@ -217,16 +221,6 @@ def with_dataset(body: dict[str, Any], acc: Accepted, outcome: DeviceOutcome) ->
     return body
 
 
-def input_hashes(task: TaskArrays) -> dict[str, str]:
-    """The task's input hashes (computed once per task where TaskArrays caches them)."""
-    cached = getattr(task, "input_hashes", None)
-    if callable(cached):
-        return cached()
-    from learner.hashing import array_sha256
-
-    return {name: array_sha256(arr) for name, arr in task.as_dict().items()}
-
-
 class TaskRunner:
     """Accept, settle, cancel and recover tasks over the ledger and the device executor."""
 
@@ -254,6 +248,7 @@ class TaskRunner:
         self.shared: Any = None
         self.record_retry_s = 60.0  # a claimed task's result: retried this long while the database is away
         self.datasets: Any = None  # the DatasetCatalog (app/tasks/datasets.py): tasks on stored datasets
+        self.launches = Launches(self)  # batched launches' host side: the finisher thread (app/tasks/launches.py)
 
     def dataset_task(self, digest: str) -> tuple[TaskArrays, Any]:
         """(blocking) A stored dataset's parsed arrays and scoring labels (None without), for a
@@ -319,17 +314,18 @@ class TaskRunner:
             body_sha256=acc.dataset.split(":", 1)[1], body_bytes=acc.body_bytes, input_hashes=input_hashes(acc.task))
             for acc in accs], messages)
 
-    def task_batch(self, task: TaskArrays, config: Config, backend: str, cancel=None,
-                   precision: str | None = None) -> Batch | None:
+    def task_batch(self, acc: Accepted) -> Batch | None:
         """How a task job may share a launch with queued tasks of its launch key
         (None when REV88_BATCH_MAX is 1). Whether it does is decided on the device
-        thread: only when the backend object has ``run_many``."""
+        thread: only when the backend object has ``run_many``. The launch's host side is
+        app/tasks/launches.py's."""
         if self.batch_max <= 1:
             return None
+        backend, precision = acc.backend, acc.precision
         return Batch(
-            key=launch_key(task, config, backend, precision),
-            item=(task, config, cancel),
-            run=lambda items: run_many_on_device(items, backend, self.energy, self.engines, precision),
+            key=launch_key(acc.task, acc.config, backend, precision),
+            item=(acc.task, acc.config, acc.cancel, acc),
+            run=lambda items: self.launches.run(items, backend, precision),
             ready=lambda: has_run_many(worker_engine(backend, self.engines)),
         )
 
@@ -357,7 +353,11 @@ class TaskRunner:
                 kind="measure", label=acc.task_id, cancel=acc.cancel, on_start=started, **share,
             )
         else:
-            def run() -> DeviceOutcome | Answered:
+            acc.launch_path = fed and self.batch_max > 1  # answered with its launch (app/tasks/launches.py)
+
+            def run() -> DeviceOutcome | Answered | Finishing:
+                if acc.launch_path:
+                    return self.launches.run_alone(acc)
                 if acc.task is None:  # a deferred task's body: parsed here, on the worker
                     acc.task = self._parse_late(acc)
                 outcome = run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel,
@@ -374,7 +374,7 @@ class TaskRunner:
             job = self.executor.submit(
                 run,
                 kind="task", label=acc.task_id,
-                batch=self.task_batch(acc.task, acc.config, acc.backend, acc.cancel, acc.precision),
+                batch=self.task_batch(acc),
                 cancel=acc.cancel, on_start=started, **share,
             )
         acc.job = job
@@ -420,6 +420,10 @@ class TaskRunner:
         job = acc.job
         try:
             value = await self.executor.wait(job, self.timeout_for(acc), gone)
+            if isinstance(value, Finishing):  # a launch's task, its result finished off the worker
+                value = value.outcome(await asyncio.wrap_future(value.future))
+                if isinstance(value, BaseException):
+                    raise value
         except NotAccepted as refused:  # its body, parsed by its job: answered as refused on arrival, not recorded
             # (the job's future holds ``refused``, whose traceback holds this frame: without ``job``
             # here that is no reference cycle, tests/test_memory_soak.py)
@@ -431,7 +435,7 @@ class TaskRunner:
             return Settled(exc.status, {"error": exc.message})
         except BaseException as exc:  # noqa: BLE001 - every failure is answered and recorded
             settled = self.failed(acc, exc)
-            await self._record_failure(acc, exc, settled)
+            await self.record_failure(acc, exc, settled)
             return settled
         if acc.measure is not None:
             settled = Settled(200, self.measure_answer(acc, job, value))
@@ -566,7 +570,7 @@ class TaskRunner:
         log.info("measurement answered", extra={"task_id": acc.task_id, "timing": timing})
         return answer
 
-    async def _record_failure(self, acc: Accepted, exc: BaseException, settled: Settled) -> None:
+    async def record_failure(self, acc: Accepted, exc: BaseException, settled: Settled) -> None:
         if isinstance(exc, Unavailable) and acc.mode == "async":
             # the drain deadline: an accepted asynchronous task stays queued in the ledger and the
             # next start runs it again; nothing accepted is lost
@@ -634,6 +638,58 @@ class TaskRunner:
             options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
             body_bytes=acc.body_bytes, created_at=acc.created_at, status=status,
             input_hashes=lambda: input_hashes(task), started_at=acc.started_at, device=acc.device, **outcome)
+
+    def settle_fed(self, acc: Accepted) -> None:
+        """Work the feeder queued (a claim): answered with its launch when it is on the launch path
+        (app/tasks/launches.py), else settled in the background as any asynchronous task."""
+        if acc.launch_path:
+            self.launches.watch(acc, self.timeout_for(acc))
+        else:
+            self.settle_in_background(acc)
+
+    def launch_recorded(self, rows: list[tuple[Accepted, Outcome]], results: list) -> None:
+        """(the loop, once per launch) A launch's fed cells are in the ledger: their hooks (sweeps'
+        rows, webhooks, tenants' counts), and each out of ``pending``."""
+        for (acc, outcome), result in zip(rows, results):
+            try:
+                if isinstance(result, BaseException):
+                    _unrecorded(acc, result)
+                    continue
+                for hook in self.recorded_hooks:
+                    hook(acc, outcome)
+                self._finished(acc, outcome.status, outcome.answer)
+            except Exception:  # noqa: BLE001 - a hook must not keep the others from running
+                log.exception("a launch cell's hooks failed", extra={"task_id": acc.task_id})
+            finally:
+                self.launch_cell_done(acc)
+
+    def retry_launch_outcomes(self, rows: list[tuple[Accepted, Outcome]]) -> None:
+        """(the loop) A launch's outcomes the ledger refused together (unavailable): each retried on
+        its own, as a settled task's outcome is (``_write_outcome``)."""
+        async def one(acc: Accepted, outcome: Outcome) -> None:
+            try:
+                await self._write_outcome(acc, outcome)
+            except Exception as exc:  # noqa: BLE001 - logged
+                _unrecorded(acc, exc)
+            finally:
+                self.launch_cell_done(acc)
+
+        for acc, outcome in rows:
+            task = asyncio.get_running_loop().create_task(one(acc, outcome))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+
+    def launch_cell_done(self, acc: Accepted) -> None:
+        """(the loop) A launch-path cell has its outcome (or its failure) recorded, or went back to
+        the ledger: its timer off, out of ``pending``, its lease no longer renewed."""
+        if acc.timer is not None:
+            acc.timer.cancel()
+            acc.timer = None
+        if self.pending.get(acc.task_id) is acc:
+            self.pending.pop(acc.task_id, None)
+        if self.shared is not None and acc.epoch is not None:
+            self.shared.attempt_ended(acc)
+        acc.job = None
 
     def settle_in_background(self, acc: Accepted) -> None:
         """An asynchronous task: settle it without a waiting client."""
@@ -712,6 +768,7 @@ class TaskRunner:
         a synchronous task (its client's connection went with the stop) is recorded failed. With a
         shared ledger, unfinished tasks may be other replicas' live work: only expired leases are
         reaped (app/tasks/claims.py)."""
+        self.launches.loop = asyncio.get_running_loop()
         failed = 0
         if self.shared is None:
             for rec in await asyncio.to_thread(self.ledger.unfinished):

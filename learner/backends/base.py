@@ -22,6 +22,9 @@ class RunOutput:
     preparation_seconds: float  # backend-side setup: transfers, allocation, capture
     cuda_ms: float | None = None  # CUDA-event time of the same span, on GPU
     extra: dict | None = None  # backend facts for metadata (graph cache hits, threads, ...)
+    # each query's class (int64), when the backend computed it beside the scores (the fused kernel's
+    # device: the first of the highest scores, as numpy's argmax); None: learner.result computes it
+    predictions: np.ndarray | None = None
 
 
 class Backend(Protocol):
