@@ -40,10 +40,15 @@ def test_different_precisions_never_share_a_launch():
     assert key != launch_key(task, config, "fused", "ieee")
     assert key != launch_key(task, config, "fused")  # the backend's own precision: kept apart too
     # the runner's batch for a task carries its precision in the key and into the launch
-    runner = types.SimpleNamespace(batch_max=8, energy=None, engines=None)
-    a = TaskRunner.task_batch(runner, task, config, "fused", None, "ieee")
-    b = TaskRunner.task_batch(runner, task, config, "fused", None, "tf32x3")
+    launched = []
+    runner = types.SimpleNamespace(batch_max=8, energy=None, engines=None, launches=types.SimpleNamespace(
+        run=lambda items, backend, precision: launched.append((backend, precision))))
+    a, b = (TaskRunner.task_batch(runner, Accepted(task_id=p, task=task, config=config, backend="fused", precision=p))
+            for p in ("ieee", "tf32x3"))
     assert a.key != b.key and a.key == launch_key(task, config, "fused", "ieee")
+    a.run([])
+    b.run([])
+    assert launched == [("fused", "ieee"), ("fused", "tf32x3")]
 
 
 def test_the_precision_is_kept_with_the_task():
