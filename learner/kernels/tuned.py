@@ -29,8 +29,11 @@ block between the BEGIN and END lines below with the winners (and nothing else i
 Until a GPU has run it, the H200's row is the best one the first GPU run measured by hand
 (../shared/notes/gpu-h200.md, 2026-12-04: chunk 128, 8 warps, ieee: 24.1 ms for a lone draw-0
 task, 0.208 ms per task in a launch of 132, the eleven draws 98,208 with every draw's count the
-published one). tf32x3 (17.5 ms / 0.161 ms there, its predictions not compared query by query),
-the split variant and the explicit cuda step are candidates for the tuning run, not choices.
+published one). That kernel summed the softmax's denominator and the bias's gradient with
+``tl.sum``; today's sums them in one fixed order (learner/kernels/fused_parts.py), so its eleven
+draws are the tuning run's to check again. tf32x3 (17.5 ms / 0.161 ms there, its predictions not
+compared query by query), the split variant and the explicit cuda step are candidates for the
+tuning run, not choices.
 """
 
 from __future__ import annotations
