@@ -306,7 +306,7 @@ def test_the_list_carries_each_evaluations_status_and_counts_read_without_answer
     asked: list[str] = []
     for name in ("statuses", "get_many"):
         real = getattr(ledger, name)
-        setattr(ledger, name, lambda ids, real=real, name=name: (asked.append(name), real(ids))[1])
+        setattr(ledger, name, lambda ids, *more, real=real, name=name: (asked.append(name), real(ids, *more))[1])
     with inprocess_server(app) as server, server.client() as c:
         gate.hold()
         try:

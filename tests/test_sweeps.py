@@ -135,7 +135,7 @@ def test_the_list_carries_each_sweeps_status_and_counts_read_without_answers(sto
     asked: list[tuple[str, int]] = []
     for name in ("statuses", "get_many"):
         real = getattr(ledger, name)
-        setattr(ledger, name, lambda ids, real=real, name=name: (asked.append((name, len(ids))), real(ids))[1])
+        setattr(ledger, name, lambda ids, *more, real=real, name=name: (asked.append((name, len(ids))), real(ids, *more))[1])
 
     def listed() -> dict[str, dict]:
         asked.clear()
@@ -244,7 +244,7 @@ def test_a_poll_reads_no_answer_back_for_cells_this_process_recorded(tmp_path):
         service = app.state.service
         asked: list[list[str]] = []
         real = service.ledger.get_many
-        service.ledger.get_many = lambda ids: (asked.append(list(ids)), real(ids))[1]
+        service.ledger.get_many = lambda ids, *more: (asked.append(list(ids)), real(ids, *more))[1]
         doc = completed(c, sweep_id)
         assert doc["counts"]["succeeded"] == 4
         asked.clear()

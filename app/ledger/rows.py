@@ -69,23 +69,27 @@ def _encode_compact(answer: dict, predictions: np.ndarray) -> tuple[bytes, int, 
     return struct.pack("<I", len(packed)) + packed + predictions.astype(np.uint8).tobytes(), text_bytes, COMPACT_CODEC
 
 
-def decode_answer(blob: bytes | None, codec: str | None) -> dict | None:
+def decode_answer(blob: bytes | None, codec: str | None, predictions: bool = True) -> dict | None:
+    """A stored answer. ``predictions=False``: a reader that needs none of them (a sweep's or an
+    evaluation's rows) may get the answer without (its "predictions" None) where the codec allows."""
     if blob is None:
         return None
     if codec == COMPACT_CODEC:
         (size,) = struct.unpack_from("<I", blob)
         doc = orjson.loads(zlib.decompress(blob[4:4 + size]))
-        doc["predictions"] = np.frombuffer(blob, np.uint8, offset=4 + size).astype(np.int64).tolist()
+        if predictions:
+            doc["predictions"] = np.frombuffer(blob, np.uint8, offset=4 + size).astype(np.int64).tolist()
         return doc
     if codec != ANSWER_CODEC:
         raise ValueError(f"stored answer has an unknown encoding {codec!r}")
     return orjson.loads(zlib.decompress(blob))
 
 
-def record_from_row(row: Any, with_answer: bool) -> TaskRecord:
+def record_from_row(row: Any, with_answer: bool, predictions: bool = True) -> TaskRecord:
     """A row of ``SUMMARY_COLUMNS`` (``ALL_COLUMNS`` when ``with_answer``), from either engine."""
     values = {c.name: (loads(v) if c.name in _JSON else v) for c, v in zip(LISTED_COLUMNS, row)}
     if with_answer:
         blob = row[SUMMARY_WIDTH]
-        values["answer"] = decode_answer(bytes(blob) if blob is not None else None, row[SUMMARY_WIDTH + 1])
+        values["answer"] = decode_answer(bytes(blob) if blob is not None else None, row[SUMMARY_WIDTH + 1],
+                                         predictions)
     return TaskRecord(**values)

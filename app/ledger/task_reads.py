@@ -82,13 +82,14 @@ class TaskReads:
                           (task_id,))
         return record_from_row(rows[0], True) if rows else None
 
-    def get_many(self, task_ids: list[str]) -> dict[str, TaskRecord]:
-        """The records (with answers) of those of ``task_ids`` the ledger has, by id."""
+    def get_many(self, task_ids: list[str], predictions: bool = True) -> dict[str, TaskRecord]:
+        """The records (with answers) of those of ``task_ids`` the ledger has, by id
+        (``predictions=False``: answers without their predictions where stored apart: rows.py)."""
         out: dict[str, TaskRecord] = {}
         for where, args in self._by_ids(task_ids) if task_ids else ():
             for row in self._rows(f"read {len(task_ids)} task(s)",
                                   f"SELECT {ALL_COLUMNS} FROM {self.dialect.table} WHERE {where}", args):
-                out[row[0]] = record_from_row(row, True)
+                out[row[0]] = record_from_row(row, True, predictions)
         return out
 
     def statuses(self, task_ids: list[str]) -> dict[str, str]:

@@ -455,7 +455,7 @@ class Evaluations:
         """The draws' rows from their tasks' records; when all have finished, the result recorded."""
         await self.runner.written()
         ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
-        records = await asyncio.to_thread(self.runner.ledger.get_many, ids)
+        records = await asyncio.to_thread(self.runner.ledger.get_many, ids, False)  # (no predictions needed)
         rows = []
         for cell in ev.cells:
             row = draw_row(cell, records.get(cell["task_id"]), records.get(cell.get("measure_task_id", "")))

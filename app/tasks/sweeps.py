@@ -247,7 +247,7 @@ class Sweeps:
         # a finished cell's row never changes: kept here, so that a poll reads only the rest
         rows = {c["task_id"]: self._finished.get(c["task_id"]) for c in sweep.cells}
         missing = [task_id for task_id, row in rows.items() if row is None]
-        records = await asyncio.to_thread(self.runner.ledger.get_many, missing) if missing else {}
+        records = await asyncio.to_thread(self.runner.ledger.get_many, missing, False) if missing else {}
         for cell in sweep.cells:
             if rows[cell["task_id"]] is None:
                 row = rows[cell["task_id"]] = cell_row(cell, records.get(cell["task_id"]))
