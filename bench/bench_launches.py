@@ -45,7 +45,8 @@ from bench_shell import cpu_by_group  # noqa: E402
 from bench_sweep import request  # noqa: E402
 from device_stand_in import DIR_ENV, LAUNCH_ENV, STATS_ENV, precompute  # noqa: E402
 
-POLL_S = 0.2  # how often the bench asks whether the cells have finished (each ask costs the server a little)
+POLL_S = 0.2  # how often the bench asks whether the cells have finished (each ask costs the server a little:
+# the lists' rows are asked, not the documents with every cell, which are read once at the end)
 
 
 def replay_cpu(stats: Path) -> float:
@@ -134,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                 assert status == 202, data
                 return json.loads(data)["id"]
 
-            def sweep_done(sweep_id):
-                status, _, data = request(port, "GET", f"/sweeps/{sweep_id}")
-                return json.loads(data)["status"] in ("completed", "cancelled")
+            def sweep_done(sweep_id):  # (the list's row: its status and counts, not its 1,320 cells)
+                status, _, data = request(port, "GET", "/sweeps?limit=1")
+                row = json.loads(data)["sweeps"][0]
+                return row["id"] == sweep_id and row["status"] in ("completed", "cancelled")
 
             sweep = measure(stats, proc.pid, len(sweep_cells), start_sweep, sweep_done, stand_in_rate)
             status, _, data = request(port, "GET", f"/sweeps/{sweep.pop('handle')}")
@@ -165,12 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                         ids.append(json.loads(data)["id"])
                     return ids
 
-                def evaluations_done(ids):
-                    for ev in ids:
-                        status, _, data = request(port, "GET", f"/evaluations/{ev}")
-                        if json.loads(data)["status"] not in ("completed", "failed", "cancelled"):
-                            return False
-                    return True
+                def evaluations_done(ids):  # (one list of their statuses, not twelve documents)
+                    status, _, data = request(port, "GET", f"/evaluations?limit={len(ids) + 1}")
+                    rows = {row["id"]: row for row in json.loads(data)["evaluations"]}
+                    return all(rows.get(ev, {}).get("status") in ("completed", "failed", "cancelled") for ev in ids)
 
                 evaluation = measure(stats, proc.pid, len(eval_cells), start_evaluations, evaluations_done,
                                      stand_in_rate)

@@ -6,7 +6,8 @@ pushed to a GPU's rate with a real backend. ``ReplayDevice`` stands in for the d
 task of a launch it returns the real output of that (dataset, config, seed) -- computed earlier
 by cpu-fast and kept in memory-mapped files (``precompute``), its predictions with it as a GPU
 backend computes them beside its scores -- after a fixed device time per
-launch (a sleep: it costs no CPU). Answers and hashes are therefore real and checked, and the
+launch (its replay included; the rest a sleep: it costs no CPU). Answers and hashes are therefore
+real and checked, and the
 server's CPU measures the host's work: the replay's own CPU (reading the kept outputs) is counted
 apart (``replay_cpu_s``, written after every launch to the file $REV88_STAND_IN_STATS names) and
 subtracted by the bench.
@@ -170,7 +171,7 @@ class ReplayDevice:
         return self.run_many([task], [prepared])[0]
 
     def run_many(self, tasks, prepareds):
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.monotonic()
         outs = [self._replay(t, p) for t, p in zip(tasks, prepareds)]
         with self._lock:
             self.launches += 1
@@ -181,7 +182,8 @@ class ReplayDevice:
                                            "replay_cpu_s": self.replay_cpu_s}))
                 tmp.replace(self.stats)
             self.replay_cpu_s += time.thread_time() - t0  # (the replay and this file's write)
-        time.sleep(self.launch_s)  # the device's time: no CPU
+        # the launch takes launch_s in all, its replay included: the rest of it asleep (no CPU)
+        time.sleep(max(0.0, self.launch_s - (time.monotonic() - w0)))
         return outs
 
 

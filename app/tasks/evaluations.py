@@ -355,6 +355,7 @@ class Evaluations:
         self.store = open_evaluations(datasets.store)
         self.draws = PublishedDraws(datasets, None)  # $REV88_MNIST_DIR, else the checkout's data/mnist
         self._grading: set[asyncio.Task] = set()
+        self._to_grade: set[str] = set()  # evaluations whose grading is scheduled, not begun
         runner.recorded_hooks.append(self._recorded)
 
     async def submit(self, body: dict[str, Any], backend: str, key: str | None,
@@ -407,6 +408,11 @@ class Evaluations:
         have = await asyncio.to_thread(runner.ledger.get_many, ids)
         config = make_config(ev.definition["config"])
         protocol = ev.definition.get("protocol")
+
+        def inputs(digests: list[str]) -> dict[str, tuple]:  # (blocking: one thread hop for every draw)
+            return {d: (catalog.task(d), catalog.labels(d), catalog.get(d).bytes) for d in digests}
+
+        draws = await asyncio.to_thread(inputs, sorted({c["dataset"] for c in ev.cells}))
         accs = []
         for cell in ev.cells:
             wanted = [(cell["task_id"], None)]
@@ -416,9 +422,7 @@ class Evaluations:
             if not wanted:
                 continue
             digest = cell["dataset"]
-            task = catalog.cached(digest) or await asyncio.to_thread(catalog.task, digest)
-            labels = await asyncio.to_thread(catalog.labels, digest)
-            size = (await asyncio.to_thread(catalog.get, digest)).bytes
+            task, labels, size = draws[digest]
             accs += [Accepted(task_id=t, task=task, config=config, backend=ev.definition["backend"], measure=m,
                               mode="async", body_bytes=size, dataset=digest, labels=labels, evaluation=ev.id,
                               owner=ev.owner)
@@ -479,11 +483,15 @@ class Evaluations:
         process whose outcome commits last sees every cell finished)."""
         if acc.evaluation is None or outcome.status not in FINISHED:
             return
+        if acc.evaluation in self._to_grade:  # (a launch answers many cells of one evaluation: graded once)
+            return
+        self._to_grade.add(acc.evaluation)
         task = asyncio.get_running_loop().create_task(self._grade_quietly(acc.evaluation))
         self._grading.add(task)
         task.add_done_callback(self._grading.discard)
 
     async def _grade_quietly(self, evaluation_id: str) -> None:
+        self._to_grade.discard(evaluation_id)  # (cells recorded from now on ask again)
         try:
             ev = await asyncio.to_thread(self.store.get, evaluation_id)
             if ev is not None and ev.result is None:
