@@ -20,6 +20,7 @@ from pathlib import Path
 from learner.backends import get_backend
 
 GATE_ENV = "REV88_TEST_GATE_FILE"
+BATCHING_ENV = "REV88_TEST_BATCHING"  # "1": the gated backends batch (a run_many over their run)
 
 
 class Gate:
@@ -82,16 +83,28 @@ class GatedBackend:
         return self.inner.run(task, prepared)
 
 
-def gated_engines(gate):
-    """An ``engines`` hook for ``create_app``: every backend name -> its real backend, gated."""
+class GatedBatchingBackend(GatedBackend):
+    """A gated backend that batches: ``run_many`` runs each task in turn (the gate held first), so
+    the service's launch path runs on the CPU with real answers."""
+
+    def run_many(self, tasks, prepareds):
+        return [self.run(t, p) for t, p in zip(tasks, prepareds)]
+
+
+def gated_engines(gate, batching: bool | None = None):
+    """An ``engines`` hook for ``create_app``: every backend name -> its real backend, gated
+    (``batching``, default $REV88_TEST_BATCHING == "1": with a ``run_many``)."""
     cache: dict[str, GatedBackend] = {}
     lock = threading.Lock()
+    if batching is None:
+        batching = os.environ.get(BATCHING_ENV) == "1"
+    kind = GatedBatchingBackend if batching else GatedBackend
 
     def engines(name: str, device: str | None = None) -> GatedBackend:
         inner = get_backend(name, device)
         with lock:
             if inner.name not in cache:
-                cache[inner.name] = GatedBackend(inner, gate)
+                cache[inner.name] = kind(inner, gate)
             return cache[inner.name]
 
     return engines

@@ -1,0 +1,139 @@
+"""Launches, not cells (issue #46): a launch's cells are answered, hashed and recorded as single
+tasks are -- on SQLite and on PostgreSQL -- and a kill -9 in the middle of a sweep loses none.
+
+The backend batches on the CPU (tests/gates.py: the real cpu-fast backend with a ``run_many``
+over its ``run``, held at a gate where the test needs the order), so the service takes the launch
+path (app/tasks/launches.py): the finisher thread answers a launch's cells together and records
+them in one transaction."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import sqlite3
+
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from learner.config import make_config
+from learner.result import run_task
+from learner.taskio import load_task, task_to_npz_bytes
+
+from . import pg
+from .gates import FileGate, Gate, gated_engines
+from .helpers import small_task
+from .server import inprocess_server, running_server, wait_for
+
+pg_server, pg_url = pg.pg_server, pg.pg_url  # the fixtures (tests/pg.py)
+
+BODY = task_to_npz_bytes(small_task(90, 12, seed=46))
+DIGEST = "sha256:" + hashlib.sha256(BODY).hexdigest()
+NPZ = {"Content-Type": "application/octet-stream"}
+HASHES = ("predictions_sha256", "scores_sha256")
+META = ("epoch_permutation_sha256", "initial_parameter_sha256", "final_parameter_sha256", "final_velocity_sha256",
+        "state_vector_sha256", "input_hashes", "config", "precision", "train_count", "test_count")
+
+
+def _sweep_then_singles(c, cells: int = 8) -> tuple[dict, list[dict], list[dict]]:
+    assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+    sweep = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1, 0.2]},
+                                    "seeds": {"start": 0, "count": cells // 2}}).json()["id"]
+    doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 180, 0.1,
+                   "the sweep")
+    records = [c.get(f"/tasks/{row['task_id']}").json() for row in doc["cells"]]
+    singles = [c.post("/tasks", params={"dataset": DIGEST, **{k: str(v) for k, v in row["config"].items()}}).json()
+               for row in doc["cells"]]
+    return doc, records, singles
+
+
+def _check_as_single_tasks(doc, records, singles) -> None:
+    assert doc["counts"]["succeeded"] == len(records)
+    assert max(r["timing"]["tasks_in_launch"] for r in records) > 1  # (cells did share launches)
+    for row, record, single in zip(doc["cells"], records, singles):
+        assert record["status"] == "succeeded"
+        for key in HASHES:
+            assert record[key] == single[key] == row.get(key, record[key]), key
+        for key in META:
+            assert record["metadata"][key] == single["metadata"][key], key
+        assert record["predictions"] == single["predictions"]  # stored compactly, read back the same
+        assert set(single) - {"timing", "request_id", "energy_reason"} <= set(record) | {"status"}
+        task = load_task(BODY)
+        expected = run_task(task, make_config(row["config"]), "cpu-fast")
+        assert record["predictions_sha256"] == expected.predictions_sha256
+
+
+def test_a_launchs_cells_are_recorded_as_single_tasks_on_sqlite(tmp_path):
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=4, batch_wait_ms=50,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(Gate(), batching=True))
+    with inprocess_server(app) as server, server.client() as c:
+        doc, records, singles = _sweep_then_singles(c)
+        launches = app.state.service.runner.launches.counters
+    _check_as_single_tasks(doc, records, singles)
+    assert launches["cells_answered"] >= 8 and launches["ledger_transactions"] < 8  # answered together
+
+
+def test_a_launchs_cells_are_recorded_as_single_tasks_on_postgresql(tmp_path, pg_url):
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=4, batch_wait_ms=50, database_url=pg_url,
+                              data_dir=str(tmp_path / "d"), claim_poll_s=0.1, lease_renew_s=0.2),
+                     engines=gated_engines(Gate(), batching=True))
+    with inprocess_server(app) as server, server.client() as c:
+        doc, records, singles = _sweep_then_singles(c)
+    _check_as_single_tasks(doc, records, singles)
+
+
+def test_one_bad_cell_of_a_launch_fails_alone(tmp_path):
+    """A cell whose training diverges (a learning rate that blows up) fails with its own error; the
+    other cells of its launch succeed."""
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=4, batch_wait_ms=200,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(Gate(), batching=True))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1, 1e30]},
+                                        "seeds": [0, 1]}).json()["id"]
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 120, 0.1,
+                       "the sweep")
+    by_lr = {}
+    for row in doc["cells"]:
+        by_lr.setdefault(row["config"]["learning_rate"], []).append(row)
+    assert all(r["status"] == "succeeded" for r in by_lr[0.1])
+    assert all(r["status"] == "failed" and "diverged" in r["error"] for r in by_lr[1e30])
+
+
+def test_a_kill_9_in_the_middle_of_a_sweep_loses_no_cell(tmp_path):
+    data = tmp_path / "data"
+    gate = FileGate(tmp_path / "hold")
+    env = {"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "1", "REV88_BATCH_MAX": "4", "REV88_BATCH_WAIT_MS": "50",
+           "REV88_DATA_DIR": str(data), "REV88_TEST_BATCHING": "1"}
+    with running_server(tmp_path, env=env, gate=gate.path) as srv, srv.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        gate.hold()
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "seeds": {"start": 0, "count": 12}}).json()["id"]
+        # a launch on the device (held at the gate), the rest claimed or waiting in the ledger: kill
+        wait_for(lambda: c.get(f"/sweeps/{sweep}").json()["counts"]["running"] > 0, 60, 0.05, "a launch running")
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(30)
+    gate.release()
+    with sqlite3.connect(data / "ledger.sqlite3") as db:
+        statuses = [row[0] for row in db.execute("SELECT status FROM tasks")]
+    assert len(statuses) == 12 and "succeeded" not in statuses, statuses  # every cell recorded, none finished
+    with running_server(tmp_path, env=env) as srv, srv.client() as c:
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 180, 0.1,
+                       "the sweep after the restart")
+    assert doc["counts"]["succeeded"] == 12
+    task = load_task(BODY)
+    for row in doc["cells"]:
+        assert row["predictions_sha256"] == run_task(task, make_config(row["config"]), "cpu-fast").predictions_sha256
+
+
+@pytest.mark.parametrize("n", [1])
+def test_a_cell_run_alone_on_a_backend_that_cannot_batch_takes_the_same_path(tmp_path, n):
+    """batch_max > 1 but a backend without run_many: each cell runs alone, answered by the finisher."""
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=4, data_dir=str(tmp_path / "d")),
+                     engines=gated_engines(Gate(), batching=False))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "seeds": [0, 1, 2]}).json()["id"]
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 120, 0.1,
+                       "the sweep")
+    assert doc["counts"]["succeeded"] == 3 and {r["timing"]["tasks_in_launch"] for r in doc["cells"]} == {1}
