@@ -83,7 +83,7 @@ class SweepRecord:
     owner: str | None = None  # the tenant whose key made it (None: the admin, or an open service)
 
 
-_SWEEP_COLUMNS = "id, created_at, dataset, definition, cells, idempotency_key, cancelled_at, owner"
+SWEEP_COLUMNS = "id, created_at, dataset, definition, cells, idempotency_key, cancelled_at, owner"
 
 
 def sweep_of(row) -> SweepRecord:
@@ -140,7 +140,7 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         raise ValueError(f"cursor {cursor!r} is not one this service gave (use next_cursor as it is)") from exc
 
 
-def _next(rows: list, limit: int, key) -> str | None:
+def next_cursor_of(rows: list, limit: int, key) -> str | None:
     """Trim a page read with one row more than ``limit``: the next page's cursor, or None."""
     if len(rows) <= limit:
         return None
@@ -148,13 +148,13 @@ def _next(rows: list, limit: int, key) -> str | None:
     return encode_cursor(*key(rows[-1]))
 
 
-def _hex(digest: str) -> str:
+def hex_of(digest: str) -> str:
     if not DIGEST.match(digest):
         raise ValueError(f"a dataset digest is sha256:<64 lowercase hex digits>, got {digest!r}")
     return digest.split(":", 1)[1]
 
 
-_COLUMNS = "digest, bytes, train_count, test_count, input_hashes, created_at, labels_sha256, labels_bytes"
+DATASET_COLUMNS = "digest, bytes, train_count, test_count, input_hashes, created_at, labels_sha256, labels_bytes"
 
 
 def record_of(row) -> DatasetRecord:
@@ -211,7 +211,7 @@ class SqliteDatasets:
                 self._conn.execute("DELETE FROM datasets WHERE digest = ?", (digest,))
 
     def _file(self, digest: str, labels: bool = False) -> Path:
-        return self.folder / (_hex(digest) + (".labels.npy" if labels else ".npz"))
+        return self.folder / (hex_of(digest) + (".labels.npy" if labels else ".npz"))
 
     @contextlib.contextmanager
     def _db(self, doing: str):
@@ -230,14 +230,14 @@ class SqliteDatasets:
             if used + len(body) > self.capacity:
                 raise DatasetsFull(len(body), used, self.capacity)
             write_durably(self._file(record.digest), body)
-            conn.execute(f"INSERT INTO datasets ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, 0)",
+            conn.execute(f"INSERT INTO datasets ({DATASET_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, 0)",
                          (record.digest, record.bytes, record.train_count, record.test_count,
                           json.dumps(record.input_hashes), record.created_at or time.time()))
             return self._get(conn, record.digest), True
 
     @staticmethod
     def _get(conn, digest: str) -> DatasetRecord | None:
-        row = conn.execute(f"SELECT {_COLUMNS} FROM datasets WHERE digest = ?", (digest,)).fetchone()
+        row = conn.execute(f"SELECT {DATASET_COLUMNS} FROM datasets WHERE digest = ?", (digest,)).fetchone()
         return None if row is None else record_of(row)
 
     @staticmethod
@@ -245,7 +245,7 @@ class SqliteDatasets:
         return int(conn.execute("SELECT COALESCE(sum(bytes + labels_bytes), 0) FROM datasets").fetchone()[0])
 
     def get(self, digest: str) -> DatasetRecord | None:
-        _hex(digest)
+        hex_of(digest)
         with self._db(f"read dataset {digest}") as conn:
             return self._get(conn, digest)
 
@@ -284,8 +284,8 @@ class SqliteDatasets:
             return self._get(conn, digest), True
 
     def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
-        records = self._page("datasets", _COLUMNS, "digest", limit, cursor, record_of)
-        return records, _next(records, limit, lambda r: (r.created_at, r.digest))
+        records = self._page("datasets", DATASET_COLUMNS, "digest", limit, cursor, record_of)
+        return records, next_cursor_of(records, limit, lambda r: (r.created_at, r.digest))
 
     def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make,
               owner: str | None = None) -> list:
@@ -306,7 +306,7 @@ class SqliteDatasets:
             return [make(r) for r in conn.execute(sql, args).fetchall()]
 
     def delete(self, digest: str) -> bool:
-        _hex(digest)
+        hex_of(digest)
         with self._db(f"delete dataset {digest}") as conn:
             gone = conn.execute("DELETE FROM datasets WHERE digest = ?", (digest,)).rowcount
             for path in (self._file(digest), self._file(digest, labels=True)):  # after the commit
@@ -323,23 +323,23 @@ class SqliteDatasets:
         """Record a sweep; an Idempotency-Key recorded already: (that sweep, False)."""
         with self._db(f"record sweep {sweep.id}") as conn:
             if sweep.idempotency_key is not None:
-                row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM sweeps WHERE idempotency_key = ?",
+                row = conn.execute(f"SELECT {SWEEP_COLUMNS} FROM sweeps WHERE idempotency_key = ?",
                                    (sweep.idempotency_key,)).fetchone()
                 if row is not None:
                     return sweep_of(row), False
-            conn.execute(f"INSERT INTO sweeps ({_SWEEP_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
+            conn.execute(f"INSERT INTO sweeps ({SWEEP_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
                          (sweep.id, sweep.created_at, sweep.dataset, json.dumps(sweep.definition),
                           json.dumps(sweep.cells), sweep.idempotency_key, sweep.owner))
             return sweep, True
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None:
         with self._db(f"read sweep {sweep_id}") as conn:
-            row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM sweeps WHERE id = ?", (sweep_id,)).fetchone()
+            row = conn.execute(f"SELECT {SWEEP_COLUMNS} FROM sweeps WHERE id = ?", (sweep_id,)).fetchone()
         return None if row is None else sweep_of(row)
 
     def list_sweeps(self, limit: int, cursor: str | None, owner: str | None = None) -> tuple[list[SweepRecord], str | None]:
-        sweeps = self._page("sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of, owner)
-        return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
+        sweeps = self._page("sweeps", SWEEP_COLUMNS, "id", limit, cursor, sweep_of, owner)
+        return sweeps, next_cursor_of(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None:
         with self._db(f"cancel sweep {sweep_id}") as conn:

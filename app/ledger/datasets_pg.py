@@ -11,15 +11,15 @@ import json
 from typing import Any
 
 from .datasets import (
-    _COLUMNS,
-    _SWEEP_COLUMNS,
+    DATASET_COLUMNS,
+    SWEEP_COLUMNS,
     DatasetRecord,
     DatasetsFull,
     LabelsConflict,
     SweepRecord,
-    _hex,
-    _next,
     decode_cursor,
+    hex_of,
+    next_cursor_of,
     record_of,
     sweep_of,
 )
@@ -37,7 +37,7 @@ class PostgresDatasets:
         self.database = ledger.database  # (the side stores beside it use the same)
 
     def _get(self, conn, digest: str) -> DatasetRecord | None:
-        row = conn.execute(f"SELECT {_COLUMNS} FROM rev88_datasets WHERE digest = %s", (digest,)).fetchone()
+        row = conn.execute(f"SELECT {DATASET_COLUMNS} FROM rev88_datasets WHERE digest = %s", (digest,)).fetchone()
         return None if row is None else record_of(row)
 
     def _reserve(self, conn, size: int) -> None:
@@ -54,7 +54,7 @@ class PostgresDatasets:
             self._reserve(conn, len(body))
             row = conn.execute(
                 f"INSERT INTO rev88_datasets (digest, bytes, train_count, test_count, input_hashes, created_at, body)"
-                f" VALUES (%s, %s, %s, %s, %s, {NOW}, %b) ON CONFLICT (digest) DO NOTHING RETURNING {_COLUMNS}",
+                f" VALUES (%s, %s, %s, %s, %s, {NOW}, %b) ON CONFLICT (digest) DO NOTHING RETURNING {DATASET_COLUMNS}",
                 (record.digest, record.bytes, record.train_count, record.test_count, json.dumps(record.input_hashes),
                  body)).fetchone()
             if row is None:  # another replica stored the same bytes meanwhile
@@ -62,24 +62,24 @@ class PostgresDatasets:
             return record_of(row), True
 
     def get(self, digest: str) -> DatasetRecord | None:
-        _hex(digest)
+        hex_of(digest)
         return self.database.read(f"read dataset {digest}", lambda conn: self._get(conn, digest))
 
     def body(self, digest: str) -> bytes | None:
-        _hex(digest)
+        hex_of(digest)
         row = self.database.read(f"read dataset {digest}", lambda conn: conn.execute(
             "SELECT body FROM rev88_datasets WHERE digest = %s", (digest,), binary=True).fetchone())
         return None if row is None else bytes(row[0])
 
     def labels(self, digest: str) -> bytes | None:
-        _hex(digest)
+        hex_of(digest)
         row = self.database.read(f"read the labels of dataset {digest}", lambda conn: conn.execute(
             "SELECT labels FROM rev88_datasets WHERE digest = %s", (digest,), binary=True).fetchone())
         return None if row is None or row[0] is None else bytes(row[0])
 
     def put_labels(self, digest: str, npy: bytes, sha256: str) -> tuple[DatasetRecord, bool]:
         with self.database.transaction(f"store the labels of dataset {digest}") as conn:
-            row = conn.execute(f"SELECT {_COLUMNS} FROM rev88_datasets WHERE digest = %s FOR UPDATE",
+            row = conn.execute(f"SELECT {DATASET_COLUMNS} FROM rev88_datasets WHERE digest = %s FOR UPDATE",
                                (digest,)).fetchone()
             if row is None:
                 raise KeyError(digest)
@@ -90,12 +90,12 @@ class PostgresDatasets:
                 raise LabelsConflict(f"dataset {digest} has other labels attached (sha256 {record.labels_sha256})")
             self._reserve(conn, len(npy))
             row = conn.execute(f"UPDATE rev88_datasets SET labels = %b, labels_sha256 = %s, labels_bytes = %s"
-                               f" WHERE digest = %s RETURNING {_COLUMNS}", (npy, sha256, len(npy), digest)).fetchone()
+                               f" WHERE digest = %s RETURNING {DATASET_COLUMNS}", (npy, sha256, len(npy), digest)).fetchone()
             return record_of(row), True
 
     def list(self, limit: int, cursor: str | None) -> tuple[list[DatasetRecord], str | None]:
-        records = self._page("rev88_datasets", _COLUMNS, "digest", limit, cursor, record_of)
-        return records, _next(records, limit, lambda r: (r.created_at, r.digest))
+        records = self._page("rev88_datasets", DATASET_COLUMNS, "digest", limit, cursor, record_of)
+        return records, next_cursor_of(records, limit, lambda r: (r.created_at, r.digest))
 
     def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make,
               owner: str | None = None) -> list:
@@ -115,7 +115,7 @@ class PostgresDatasets:
         return [make(r) for r in rows]
 
     def delete(self, digest: str) -> bool:
-        _hex(digest)
+        hex_of(digest)
         with self.database.transaction(f"delete dataset {digest}") as conn:
             return conn.execute("DELETE FROM rev88_datasets WHERE digest = %s", (digest,)).rowcount > 0
 
@@ -126,24 +126,24 @@ class PostgresDatasets:
     def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]:
         with self.database.transaction(f"record sweep {sweep.id}") as conn:
             row = conn.execute(
-                f"INSERT INTO rev88_sweeps ({_SWEEP_COLUMNS}) VALUES (%s, {NOW}, %s, %s, %s, %s, NULL, %s)"
-                f" ON CONFLICT (idempotency_key) DO NOTHING RETURNING {_SWEEP_COLUMNS}",
+                f"INSERT INTO rev88_sweeps ({SWEEP_COLUMNS}) VALUES (%s, {NOW}, %s, %s, %s, %s, NULL, %s)"
+                f" ON CONFLICT (idempotency_key) DO NOTHING RETURNING {SWEEP_COLUMNS}",
                 (sweep.id, sweep.dataset, json.dumps(sweep.definition), json.dumps(sweep.cells),
                  sweep.idempotency_key, sweep.owner)).fetchone()
             if row is not None:
                 return sweep_of(row), True
-            row = conn.execute(f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps WHERE idempotency_key = %s",
+            row = conn.execute(f"SELECT {SWEEP_COLUMNS} FROM rev88_sweeps WHERE idempotency_key = %s",
                                (sweep.idempotency_key,)).fetchone()
             return sweep_of(row), False
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None:
         row = self.database.read(f"read sweep {sweep_id}", lambda conn: conn.execute(
-            f"SELECT {_SWEEP_COLUMNS} FROM rev88_sweeps WHERE id = %s", (sweep_id,)).fetchone())
+            f"SELECT {SWEEP_COLUMNS} FROM rev88_sweeps WHERE id = %s", (sweep_id,)).fetchone())
         return None if row is None else sweep_of(row)
 
     def list_sweeps(self, limit: int, cursor: str | None, owner: str | None = None) -> tuple[list[SweepRecord], str | None]:
-        sweeps = self._page("rev88_sweeps", _SWEEP_COLUMNS, "id", limit, cursor, sweep_of, owner)
-        return sweeps, _next(sweeps, limit, lambda r: (r.created_at, r.id))
+        sweeps = self._page("rev88_sweeps", SWEEP_COLUMNS, "id", limit, cursor, sweep_of, owner)
+        return sweeps, next_cursor_of(sweeps, limit, lambda r: (r.created_at, r.id))
 
     def cancel_sweep(self, sweep_id: str) -> None:
         with self.database.transaction(f"cancel sweep {sweep_id}") as conn:

@@ -66,6 +66,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,7 @@ from .store import (
     LedgerError,
     LedgerUnavailable,
     Outcome,
-    _answer_columns,
+    answer_columns,
     check_finished_task,
     check_new_task,
     check_outcome,
@@ -215,6 +216,7 @@ class PostgresLedger(TaskReads):
         self._pool: ConnectionPool | None = None
         self._upkeep_conn: psycopg.Connection | None = None  # the lease renewals' own connection
         self._upkeep_lock = threading.Lock()
+        self._last_used: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pooled connection -> monotonic
         # the public connection API the side stores use (keys, owners, evaluations, datasets, the
         # webhook outbox: app/ledger/database.py)
         self.database = PostgresDatabase(read=self._read, write=lambda doing, durable: self._conn(doing))
@@ -261,7 +263,7 @@ class PostgresLedger(TaskReads):
         return options
 
     def _make_pool(self) -> ConnectionPool:
-        ledger = self
+        ledger, last_used = self, self._last_used
 
         class Connection(psycopg.Connection):
             """Remembers why the last connection attempt failed (named in the 503s)."""
@@ -279,7 +281,7 @@ class PostgresLedger(TaskReads):
         def check(conn: psycopg.Connection) -> None:
             # a connection in use a moment ago is taken as it is (a broken one fails its request
             # once and is discarded); one idle longer -- after an outage, say -- is checked first
-            used = getattr(conn, "_rev88_used", None)
+            used = last_used.get(conn)
             if used is None or time.monotonic() - used > CHECK_IDLE_S:
                 ConnectionPool.check_connection(conn)
 
@@ -320,7 +322,7 @@ class PostgresLedger(TaskReads):
                         yield conn
                 else:
                     yield conn
-                conn._rev88_used = time.monotonic()
+                self._last_used[conn] = time.monotonic()
         except psycopg.IntegrityError:
             raise
         except PoolClosed as exc:
@@ -673,7 +675,7 @@ class PostgresLedger(TaskReads):
         attempt's ``epoch`` when given: then only that lease writes, whoever holds the task now)."""
         check_outcome(status, answer, error, answer_json)
         blob, json_bytes, codec = encode_answer(answer, answer_json) if answer is not None else (None, 0, None)
-        sha, run_ms, energy_j = _answer_columns(answer)
+        sha, run_ms, energy_j = answer_columns(answer)
         columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
         params = {"status": status, "answer": blob, "codec": codec,
                   "bytes": len(blob or b""), "json_bytes": json_bytes, "error": None if error is None else _dumps(error),
@@ -729,7 +731,7 @@ class PostgresLedger(TaskReads):
             check_finished_task(t)
             hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
             blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
-            sha, run_ms, energy_j = _answer_columns(t.answer)
+            sha, run_ms, energy_j = answer_columns(t.answer)
             added += len(blob or b"")
             rows.append((
                 t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at,

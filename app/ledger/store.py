@@ -120,7 +120,7 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _answer_columns(answer: dict | None) -> tuple[str | None, float | None, float | None]:
+def answer_columns(answer: dict | None) -> tuple[str | None, float | None, float | None]:
     """(predictions_sha256, run_ms, energy_j) of an answer, as the list columns keep them."""
     if answer is None:
         return None, None, None
@@ -614,7 +614,7 @@ class Ledger(TaskReads):
                 results[i] = exc
                 continue
             blob, json_bytes, codec = encode_answer(o.answer, o.answer_json) if o.answer is not None else (None, 0, None)
-            sha, run_ms, energy_j = _answer_columns(o.answer)
+            sha, run_ms, energy_j = answer_columns(o.answer)
             rows.append((i, (o.status, blob, codec, len(blob or b""),
                              json_bytes, None if o.error is None else _dumps(o.error), sha, run_ms, energy_j,
                              None if (hashes := o.hashes()) is None else _dumps(hashes), o.task_id)))
@@ -682,7 +682,7 @@ class Ledger(TaskReads):
             check_finished_task(t)
             hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
             blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
-            sha, run_ms, energy_j = _answer_columns(t.answer)
+            sha, run_ms, energy_j = answer_columns(t.answer)
             added_bytes += len(blob or b"")
             rows.append((
                 t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at, time.time(),
