@@ -88,6 +88,7 @@ from .rows import (
     SUMMARY_WIDTH,
     columns_as,
     encode_answer,
+    finished_values,
     record_from_row,
 )
 from .rows import dumps as _dumps
@@ -725,21 +726,11 @@ class PostgresLedger(TaskReads):
     def add_finished(self, tasks: list[FinishedTask]) -> None:
         """Record tasks that ran and finished without a record before, in one transaction, then
         apply retention. ValueError for a bad outcome or an id already in the ledger."""
-        rows = []
-        added = 0
         for t in tasks:
             check_finished_task(t)
-            hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
-            blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
-            sha, run_ms, energy_j = answer_columns(t.answer)
-            added += len(blob or b"")
-            rows.append((
-                t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at,
-                1 if t.started_at is not None else 0, t.backend, _dumps(t.config), _dumps(t.options),
-                int(t.train_count), int(t.test_count), None if hashes is None else _dumps(hashes),
-                t.body_sha256, int(t.body_bytes), t.device, blob, codec,
-                len(blob or b""), json_bytes, None if t.error is None else _dumps(t.error), sha, run_ms, energy_j,
-            ))
+        values = [finished_values(t) for t in tasks]
+        rows = [tuple(v.values()) for v in values]
+        added = sum(v["answer_bytes"] for v in values)
         if not rows:
             return
         try:
@@ -747,18 +738,15 @@ class PostgresLedger(TaskReads):
                 # Their clients hold the answers (issue #21): the commit need not wait for the WAL's
                 # flush (lost only with the database server, within 3 x wal_writer_delay; never torn).
                 cur.execute("SET LOCAL synchronous_commit = off")
-                cur.executemany(
-                    "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, started_at, finished_at, attempts,"
-                    " backend, config, options, train_count, test_count, input_hashes, body_sha256, body_bytes,"
-                    " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
-                    f" run_ms, energy_j) VALUES (%s, %s, %s, %s, %s, %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
-                    " %s, %b, %s, %s, %s, %s, %s, %s, %s)", rows)
+                marks = ", ".join("%b" if name == "answer" else "%s" for name in values[0])
+                cur.executemany(f"INSERT INTO rev88_tasks ({', '.join(values[0])}, finished_at) VALUES ({marks}, {NOW})",
+                                rows)
                 insert_messages(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)], "postgresql")
         except psycopg.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({_first_line(exc)})") from exc
         if self._totals is not None:
             self._totals = (self._totals[0] + len(rows), self._totals[1] + added)
-        self._retain(keep=rows[-1][0])
+        self._retain(keep=values[-1]["id"])
 
     # ------------------------------------------------------------------ retention
 

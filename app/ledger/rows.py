@@ -5,6 +5,7 @@ of the JSON columns and of the stored answer."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from typing import Any
@@ -26,6 +27,41 @@ SUMMARY_COLUMNS = ", ".join(c.name for c in LISTED_COLUMNS)
 ALL_COLUMNS = SUMMARY_COLUMNS + ", answer, answer_codec"
 SUMMARY_WIDTH = len(LISTED_COLUMNS)  # (a statement that returns more after them finds them from here)
 _JSON = frozenset(c.name for c in LISTED_COLUMNS if c.kind == "json")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def answer_columns(answer: dict | None) -> tuple[str | None, float | None, float | None]:
+    """(predictions_sha256, run_ms, energy_j) of an answer, as the list columns keep them."""
+    if answer is None:
+        return None, None, None
+    sha = answer.get("predictions_sha256") if isinstance(answer.get("predictions_sha256"), str) else None
+    timing = answer.get("timing")
+    energy = answer.get("energy")
+    return (sha, _number(timing.get("run_ms")) if isinstance(timing, dict) else None,
+            _number(energy.get("gross_j")) if isinstance(energy, dict) else None)
+
+
+def finished_values(t: Any) -> dict[str, Any]:
+    """A task that ran and finished without a record before (a ``FinishedTask``): its row's values
+    by column, but for ``finished_at`` (each engine's clock) and its engine's own bookkeeping, with
+    its answer encoded. Both ledgers' ``add_finished`` insert it."""
+    hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
+    blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
+    sha, run_ms, energy_j = answer_columns(t.answer)
+    return {"id": t.task_id, "status": t.status, "kind": t.kind, "mode": t.mode, "created_at": t.created_at,
+            "started_at": t.started_at, "attempts": 1 if t.started_at is not None else 0, "backend": t.backend,
+            "config": dumps(t.config), "options": dumps(t.options), "train_count": int(t.train_count),
+            "test_count": int(t.test_count), "input_hashes": None if hashes is None else dumps(hashes),
+            "body_sha256": t.body_sha256, "body_bytes": int(t.body_bytes), "device": t.device, "answer": blob,
+            "answer_codec": codec, "answer_bytes": len(blob or b""), "answer_json_bytes": json_bytes,
+            "error": None if t.error is None else dumps(t.error), "predictions_sha256": sha, "run_ms": run_ms,
+            "energy_j": energy_j}
 
 
 def columns_as(alias: str, with_answer: bool = False) -> str:

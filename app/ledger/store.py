@@ -36,23 +36,23 @@ import contextlib
 import dataclasses
 import errno
 import logging
-import math
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from ..task_row import FINISHED, KINDS, MODES, STATUSES, UNFINISHED, TaskRecord  # noqa: F401 - (re-exported)
 from .database import MIGRATIONS_DIR, SqliteDatabase, load_migrations
 from .outbox import insert_messages, task_rows
-from .rows import (
+from .rows import (  # noqa: F401 - (answer_columns: re-exported)
     ALL_COLUMNS,
     SUMMARY_COLUMNS,
+    answer_columns,
     dumps,
     encode_answer,
+    finished_values,
     loads,
     record_from_row,
 )
@@ -111,24 +111,6 @@ class AlreadyFinished(ValueError):
 
 
 _dumps, _loads = dumps, loads  # (the names the stores have always used)
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def answer_columns(answer: dict | None) -> tuple[str | None, float | None, float | None]:
-    """(predictions_sha256, run_ms, energy_j) of an answer, as the list columns keep them."""
-    if answer is None:
-        return None, None, None
-    sha = answer.get("predictions_sha256") if isinstance(answer.get("predictions_sha256"), str) else None
-    timing = answer.get("timing")
-    energy = answer.get("energy")
-    return (sha, _number(timing.get("run_ms")) if isinstance(timing, dict) else None,
-            _number(energy.get("gross_j")) if isinstance(energy, dict) else None)
 
 
 @dataclasses.dataclass
@@ -676,38 +658,25 @@ class Ledger(TaskReads):
         without an Idempotency-Key: their client holds the answer, so nothing is written before it
         runs), all in one transaction, then apply retention once. ValueError for a bad outcome or
         an id already in the ledger (nothing is written then)."""
-        rows = []
-        added_bytes = 0
         for t in tasks:
             check_finished_task(t)
-            hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
-            blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
-            sha, run_ms, energy_j = answer_columns(t.answer)
-            added_bytes += len(blob or b"")
-            rows.append((
-                t.task_id, t.status, t.kind, t.mode, t.created_at, t.started_at, time.time(),
-                1 if t.started_at is not None else 0, t.backend, _dumps(t.config), _dumps(t.options),
-                int(t.train_count), int(t.test_count), None if hashes is None else _dumps(hashes),
-                t.body_sha256, int(t.body_bytes), t.device, blob, codec,
-                len(blob or b""), json_bytes, None if t.error is None else _dumps(t.error), sha, run_ms, energy_j,
-            ))
+        now = time.time()
+        values = [{**finished_values(t), "finished_at": now} for t in tasks]
+        rows = [tuple(v.values()) for v in values]
+        added_bytes = sum(v["answer_bytes"] for v in values)
         if not rows:
             return
         try:
             # Their clients hold the answers (issue #21): the commit need not wait for the disk.
             with self._write(f"record {len(rows)} finished task(s)", synced=False) as conn:
-                conn.executemany(
-                    "INSERT INTO tasks (id, status, kind, mode, created_at, started_at, finished_at, attempts,"
-                    " backend, config, options, train_count, test_count, input_hashes, body_sha256, body_bytes,"
-                    " device, answer, answer_codec, answer_bytes, answer_json_bytes, error, predictions_sha256,"
-                    " run_ms, energy_j, has_upload) VALUES"
-                    " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)", rows)
+                conn.executemany(f"INSERT INTO tasks ({', '.join(values[0])}) VALUES ({', '.join('?' * len(values[0]))})",
+                                 rows)
                 insert_messages(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)], "sqlite")
         except sqlite3.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({exc})") from exc
         if self._totals is not None:
             self._totals = (self._totals[0] + len(rows), self._totals[1] + added_bytes)
-        self._retain(keep=rows[-1][0], synced=False)
+        self._retain(keep=values[-1]["id"], synced=False)
 
     def _apply_retention(self, conn: sqlite3.Connection, keep: str | None) -> int:
         # Finished tasks and their stored bytes: counted once by a scan, then kept up to date
