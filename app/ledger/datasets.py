@@ -148,6 +148,25 @@ def next_cursor_of(rows: list, limit: int, key) -> str | None:
     return encode_cursor(*key(rows[-1]))
 
 
+def page(db: Any, table: str, columns: str, key: str, limit: int, cursor: str | None, make,
+         owner: str | None = None) -> list:
+    """Newest first (created_at, then ``key``), ``limit`` + 1 rows from ``cursor`` on (``owner``:
+    its only), on either engine's database (app/ledger/database.py)."""
+    sql, args, where = f"SELECT {columns} FROM {table}", [], []
+    if cursor is not None:
+        created_at, last = decode_cursor(cursor)
+        where.append(f"(created_at, {key}) < (?, ?)")
+        args += [created_at, last]
+    if owner is not None:
+        where.append("owner = ?")
+        args.append(owner)
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY created_at DESC, {key} DESC LIMIT ?"
+    args.append(limit + 1)
+    return [make(r) for r in db.read(f"list {table}", lambda conn: db.query(conn, sql, args).fetchall())]
+
+
 def hex_of(digest: str) -> str:
     if not DIGEST.match(digest):
         raise ValueError(f"a dataset digest is sha256:<64 lowercase hex digits>, got {digest!r}")
@@ -289,21 +308,7 @@ class SqliteDatasets:
 
     def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make,
               owner: str | None = None) -> list:
-        """Newest first (created_at, then ``key``), ``limit`` + 1 rows from ``cursor`` on (``owner``: its only)."""
-        sql, args, where = f"SELECT {columns} FROM {table}", [], []
-        if cursor is not None:
-            created_at, last = decode_cursor(cursor)
-            where.append(f"(created_at < ? OR (created_at = ? AND {key} < ?))")
-            args += [created_at, created_at, last]
-        if owner is not None:
-            where.append("owner = ?")
-            args.append(owner)
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += f" ORDER BY created_at DESC, {key} DESC LIMIT ?"
-        args.append(limit + 1)
-        with self._db(f"list {table}") as conn:
-            return [make(r) for r in conn.execute(sql, args).fetchall()]
+        return page(self.database, table, columns, key, limit, cursor, make, owner)
 
     def delete(self, digest: str) -> bool:
         hex_of(digest)

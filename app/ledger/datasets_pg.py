@@ -17,9 +17,9 @@ from .datasets import (
     DatasetsFull,
     LabelsConflict,
     SweepRecord,
-    decode_cursor,
     hex_of,
     next_cursor_of,
+    page,
     record_of,
     sweep_of,
 )
@@ -99,20 +99,7 @@ class PostgresDatasets:
 
     def _page(self, table: str, columns: str, key: str, limit: int, cursor: str | None, make,
               owner: str | None = None) -> list:
-        sql, args, where = f"SELECT {columns} FROM {table}", [], []
-        if cursor is not None:
-            created_at, last = decode_cursor(cursor)
-            where.append(f"(created_at, {key}) < (%s, %s)")
-            args += [created_at, last]
-        if owner is not None:
-            where.append("owner = %s")
-            args.append(owner)
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += f" ORDER BY created_at DESC, {key} DESC LIMIT %s"
-        args.append(limit + 1)
-        rows = self.database.read(f"list {table}", lambda conn: conn.execute(sql, args).fetchall())
-        return [make(r) for r in rows]
+        return page(self.database, table, columns, key, limit, cursor, make, owner)
 
     def delete(self, digest: str) -> bool:
         hex_of(digest)
