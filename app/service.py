@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from learner import seed_state
-from learner.backends import get_backend, loaded_backends
+from learner.backends import device_datasets, get_backend, loaded_backends
 from learner.config import Config
 from learner.result import run_task, versions
 from learner.taskio import validate_task
@@ -108,6 +108,7 @@ class Service:
         # Datasets stored once and parsed once (app/tasks/datasets.py): beside the ledger
         self.datasets = DatasetCatalog(open_datasets(settings, self.ledger), settings.dataset_cache_bytes)
         seed_state.configure(settings.seed_cache_bytes)  # seed-derived state kept per process (learner/seed_state.py)
+        device_datasets.configure(settings.device_dataset_bytes)  # datasets kept per device (fused backend)
         self.recovered: dict[str, int] | None = None
         self.started_at = time.time()
         self._t0 = time.monotonic()

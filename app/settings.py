@@ -47,6 +47,8 @@
     REV88_DATASET_CACHE_BYTES  parsed datasets kept in memory      536870912 (512 MiB)
     REV88_SEED_CACHE_BYTES  seed-derived state kept in memory      268435456 (256 MiB)
                             (initial parameters, permutations)
+    REV88_DEVICE_DATASET_BYTES  datasets kept on each GPU           2147483648 (2 GiB)
+                            (fused backend: images, labels)
     REV88_SWEEP_MAX_CELLS   cells of one sweep                     1000
     REV88_SWEEP_MAX_WORK    a sweep's estimated work in all        200 x the task default
 
@@ -143,6 +145,7 @@ class Settings:
     dataset_bytes: int = 4 << 30
     dataset_cache_bytes: int = 512 << 20
     seed_cache_bytes: int = 256 << 20  # seed-derived state kept per process (learner/seed_state.py)
+    device_dataset_bytes: int = 2 << 30  # datasets kept on each device (learner/backends/device_datasets.py)
     # Sweeps (app/tasks/sweeps.py): at most sweep_max_cells cells, sweep_max_work estimated work in all
     sweep_max_cells: int = 1000
     sweep_max_work: int = 200 * DEFAULT_MAX_TASK_WORK
@@ -200,7 +203,8 @@ class Settings:
                 raise SettingsError(f"{name} must be >= 1, got {value}")
         for name, value in (("REV88_DATASET_BYTES", self.dataset_bytes),
                             ("REV88_DATASET_CACHE_BYTES", self.dataset_cache_bytes),
-                            ("REV88_SEED_CACHE_BYTES", self.seed_cache_bytes)):
+                            ("REV88_SEED_CACHE_BYTES", self.seed_cache_bytes),
+                            ("REV88_DEVICE_DATASET_BYTES", self.device_dataset_bytes)):
             if value < 0:
                 raise SettingsError(f"{name} must be >= 0 bytes, got {value}")
         if self.max_connections < 16:
@@ -347,6 +351,7 @@ class Settings:
             dataset_bytes=integer("REV88_DATASET_BYTES", defaults.dataset_bytes),
             dataset_cache_bytes=integer("REV88_DATASET_CACHE_BYTES", defaults.dataset_cache_bytes),
             seed_cache_bytes=integer("REV88_SEED_CACHE_BYTES", defaults.seed_cache_bytes),
+            device_dataset_bytes=integer("REV88_DEVICE_DATASET_BYTES", defaults.device_dataset_bytes),
             sweep_max_cells=integer("REV88_SWEEP_MAX_CELLS", defaults.sweep_max_cells),
             sweep_max_work=integer("REV88_SWEEP_MAX_WORK", defaults.sweep_max_work),
             webhook_retry_schedule=schedule("REV88_WEBHOOK_RETRY_SCHEDULE", defaults.webhook_retry_schedule),

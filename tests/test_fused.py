@@ -56,6 +56,11 @@ SPLIT_CASES = {
 }
 BATCH_TASKS = [((400, 120, 24), 11), ((600, 120, 24), 11), ((800, 120, 24), 12)]  # (slice, seed)
 BATCH_CONFIG = {"depth": 2, "batch_size": 16}
+# Datasets resident on the device (learner/backends/device_datasets.py): two small datasets X and Y
+# of one shape, cells of a few seeds on them
+RESIDENT_SLICES = {"X": (1000, 64, 16), "Y": (1100, 64, 16)}
+RESIDENT_CONFIG = {"depth": 1, "batch_size": 16}
+RESIDENT_SEEDS = (21, 22, 23)
 
 
 # --------------------------------------------------------------------------- the child process
@@ -76,6 +81,8 @@ def _save(out_dir: Path, name: str, out) -> None:
         np.save(d / f"p{i}.npy", p)
         np.save(d / f"v{i}.npy", v)
     np.save(d / "scores.npy", out.scores)
+    if out.predictions is not None:  # RunOutput: the argmax taken on the device; TaskResult: the answer's
+        np.save(d / "predictions.npy", out.predictions)
     extra = out.metadata.get("backend_details") if hasattr(out, "metadata") else out.extra
     (d / "extra.json").write_text(json.dumps(extra))
 
@@ -118,6 +125,8 @@ def _child(cases: str, out_dir: Path) -> None:
         spec, overrides, _ = SMALL_CASES["depth1"]
         result = run_task(mnist_slice(full, *spec), make_config(overrides), FusedBackend("cpu").with_precision("tf32x3"))
         (out_dir / "precision.json").write_text(json.dumps(result.metadata, default=str))
+    elif cases == "resident":
+        _resident_child(full, out_dir)
     elif cases == "draw0":
         result = run_task(full, Config(), FusedBackend("cpu"))
         np.save(out_dir / "predictions.npy", result.predictions)
@@ -128,6 +137,48 @@ def _child(cases: str, out_dir: Path) -> None:
         (out_dir / "run_task.json").write_text(json.dumps(result.metadata, default=str))
     else:
         raise SystemExit(f"unknown case set {cases!r}")
+
+
+def _resident_child(full, out_dir: Path) -> None:
+    """Launches whose tasks share datasets kept on the device, against today's copy: each task alone
+    in a launch that stages its own data and keeps nothing (bound 0)."""
+    from learner.backends import device_datasets
+    from learner.backends.fused import FusedBackend
+    from learner.config import make_config
+    from learner.train import prepare
+
+    backend = FusedBackend("cpu")
+    data = {name: mnist_slice(full, *spec) for name, spec in RESIDENT_SLICES.items()}
+    prepared = {(name, seed): prepare(task, make_config({**RESIDENT_CONFIG, "seed": seed}))
+                for name, task in data.items() for seed in RESIDENT_SEEDS}
+    facts: dict = {}
+
+    def launch(label: str, cells: list[tuple[str, int]], backend=backend) -> None:
+        outs = backend.run_many([data[name] for name, _ in cells], [prepared[cell] for cell in cells])
+        for i, out in enumerate(outs):
+            _save(out_dir, f"{label}_{i}", out)
+        facts[label] = {"cells": cells, "extra": outs[0].extra,
+                        "kept": device_datasets.datasets.snapshot(backend.torch_device)}
+
+    device_datasets.configure(0)  # today's copy: every launch stages its task's data, nothing kept
+    for name in data:
+        for seed in RESIDENT_SEEDS:
+            launch(f"copy_{name}{seed}", [(name, seed)])
+    device_datasets.configure(device_datasets.DEFAULT_BYTES)
+    shared = [("X", seed) for seed in RESIDENT_SEEDS]
+    launch("shared", shared)  # X staged once for three tasks
+    launch("resident", shared)  # X kept: nothing staged
+    launch("mixed", [("X", 21), ("Y", 22), ("X", 23)])  # two datasets in one launch: rows 0, 1, 0
+    # the split variant's kernels read through the same index (fused_rows.py, fused_predict.py)
+    launch("mixed_split", [("X", 22), ("Y", 23), ("X", 21)], FusedBackend("cpu", chunk=16, variant="split"))
+    one = device_datasets.stage(data["X"], backend.torch_device).nbytes
+    device_datasets.configure(one)  # room for one dataset: Y (the latest used) stays, X is evicted
+    launch("evicted_y", [("Y", 21)])
+    launch("restaged_x", [("X", 21)])  # X staged again; Y evicted
+    launch("again_y", [("Y", 21)])
+    device_datasets.configure(one - 1)  # every dataset larger than the bound: staged, not kept
+    launch("too_large", [("X", 22), ("X", 23)])
+    (out_dir / "resident.json").write_text(json.dumps({"facts": facts, "one_dataset_bytes": one}))
 
 
 def _run_child(cases: str, out_dir: Path, timeout: float) -> Path:
@@ -155,6 +206,11 @@ def _load(d: Path, count: int):
 @pytest.fixture(scope="module")
 def small_runs(tmp_path_factory, mnist_dir) -> Path:
     return _run_child("small", tmp_path_factory.mktemp("fused_small"), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def resident_runs(tmp_path_factory, mnist_dir) -> Path:
+    return _run_child("resident", tmp_path_factory.mktemp("fused_resident"), timeout=600)
 
 
 def _cpu(task, config):
@@ -254,6 +310,59 @@ def test_run_task_through_fused_backend(small_runs, draw0):
     assert meta["predictions_sha256"] == ref["predictions_sha256"]
     for key in ("input_hashes", "epoch_permutation_sha256", "initial_parameter_sha256", "config"):
         assert meta[key] == ref[key]
+
+
+def _same_bytes(a: Path, b: Path, count: int = 4) -> bool:
+    x, y = _load(a, count), _load(b, count)
+    return all(p.tobytes() == q.tobytes() for p, q in zip(x[0] + x[1] + [x[2]], y[0] + y[1] + [y[2]])) and (
+        np.load(a / "predictions.npy").tobytes() == np.load(b / "predictions.npy").tobytes())
+
+
+def test_a_launch_on_a_resident_dataset_gives_todays_bytes(resident_runs):
+    """Tasks sharing a dataset kept on the device (one copy, each task's row in the launch's index)
+    give the bytes of each task alone in a launch that copies its own data (the path before
+    device-resident datasets: bound 0, nothing kept)."""
+    facts = json.loads((resident_runs / "resident.json").read_text())["facts"]
+    for label in ("shared", "resident", "mixed", "mixed_split"):
+        for i, (name, seed) in enumerate(facts[label]["cells"]):
+            assert _same_bytes(resident_runs / f"{label}_{i}", resident_runs / f"copy_{name}{seed}_0"), (label, i)
+    assert facts["copy_X21"]["kept"]["datasets"] == 0 and facts["copy_X21"]["extra"]["datasets_staged"] == 1
+    assert facts["shared"]["extra"]["datasets_in_launch"] == 1 and facts["shared"]["extra"]["datasets_staged"] == 1
+    assert facts["resident"]["extra"]["datasets_in_launch"] == 1 and facts["resident"]["extra"]["datasets_staged"] == 0
+    assert facts["mixed"]["extra"]["datasets_in_launch"] == 2 and facts["mixed"]["extra"]["datasets_staged"] == 1
+    assert facts["mixed"]["kept"]["datasets"] == 2
+    assert facts["mixed_split"]["extra"]["variant"] == "split" and facts["mixed_split"]["extra"]["datasets_staged"] == 0
+    # the two datasets' results differ: each task read its own dataset's row
+    assert not _same_bytes(resident_runs / "mixed_0", resident_runs / "mixed_1")
+
+
+def test_an_evicted_dataset_is_staged_again_not_failed(resident_runs):
+    doc = json.loads((resident_runs / "resident.json").read_text())
+    facts = doc["facts"]
+    assert facts["evicted_y"]["kept"]["datasets"] == 1 and facts["evicted_y"]["kept"]["bytes"] == doc["one_dataset_bytes"]
+    assert facts["evicted_y"]["extra"]["datasets_staged"] == 0  # Y was the latest used: kept
+    assert facts["restaged_x"]["extra"]["datasets_staged"] == 1  # X had been evicted: staged again
+    assert facts["again_y"]["extra"]["datasets_staged"] == 1  # ... which evicted Y
+    assert facts["again_y"]["kept"]["evictions"] >= 2
+    assert _same_bytes(resident_runs / "restaged_x_0", resident_runs / "copy_X21_0")
+    assert _same_bytes(resident_runs / "again_y_0", resident_runs / "copy_Y21_0")
+    # larger than the whole bound: staged for its launch (once for both tasks), not kept
+    too_large = facts["too_large"]
+    assert too_large["extra"]["datasets_staged"] == 1 and too_large["kept"]["datasets"] == 0
+    assert too_large["kept"]["not_kept"] >= 1
+    assert _same_bytes(resident_runs / "too_large_0", resident_runs / "copy_X22_0")
+    assert _same_bytes(resident_runs / "too_large_1", resident_runs / "copy_X23_0")
+
+
+def test_predictions_taken_on_the_device_are_numpys_argmax(small_runs, resident_runs):
+    """RunOutput.predictions (torch.argmax over the scores where they are) equal numpy's argmax of
+    the scores handed back, int64, in every interpreted run."""
+    dirs = [d for runs in (small_runs, resident_runs) for d in sorted(runs.iterdir()) if (d / "scores.npy").exists()]
+    assert len(dirs) > 20
+    for d in dirs:
+        predictions, scores = np.load(d / "predictions.npy"), np.load(d / "scores.npy")
+        assert predictions.dtype == np.int64 and predictions.shape == (scores.shape[0],), d.name
+        np.testing.assert_array_equal(predictions, scores.argmax(axis=1), err_msg=d.name)
 
 
 @pytest.mark.slow

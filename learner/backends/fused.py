@@ -19,6 +19,16 @@ Two variants (the tuned table, learner/kernels/tuned.py, picks per GPU and per l
 Both give a task the same bytes (learner/kernels/fused_parts.py: one arithmetic for every chunk,
 number of warps and variant): only the product precision changes them, and it is said in every
 answer (``backend_details.precision``) and kept apart in launches (app/tasks/device.py's key).
+A launch's data: each task's dataset (train images, labels, query images) is on the device once,
+kept between launches by learner/backends/device_datasets.py (an LRU by bytes per device; a sweep's
+launches stage draw 0 once), and the kernels read task t's data at row ``data_index[t]`` of the
+launch's datasets; the per-task inputs (that row, the epoch permutations, the initial parameters)
+go in one copy from one pinned host buffer (``launch_inputs``); the outputs (predictions -- the
+argmax of the scores taken on the device, ``RunOutput.predictions`` -- final parameters, velocity
+and scores) come back in one copy (``LaunchOutputs``). None of this changes what a task computes:
+the kernels' arithmetic is the same, only where they read a task's data (tests/test_fused.py
+compares a launch that shares a resident dataset with single launches, byte for byte).
+
 ``cuda_ms`` is the CUDA-event time of all the launches of one call. For a batched launch each
 task's ``cuda_ms`` and ``training_prediction_seconds`` are the whole launch's (what the task
 waited for); ``extra`` says how many tasks shared it and the per-task share.
@@ -50,7 +60,7 @@ from ..cancel import check as check_cancel
 from ..config import Config
 from ..errors import ConfigError
 from ..taskio import TaskArrays
-from . import BackendUnavailable
+from . import BackendUnavailable, device_datasets
 from .base import Prepared, RunOutput
 
 log = logging.getLogger(__name__)
@@ -158,6 +168,108 @@ def check_launch(tasks: list[TaskArrays], prepareds: list[Prepared]) -> Config:
     return config
 
 
+# --------------------------------------------------------------------------- a launch's data in and out
+
+ALIGN = 256  # bytes: each part of a packed buffer starts on a boundary the kernels' pointers assume (16)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def launch_datasets(tasks: list[TaskArrays], device: torch.device) -> tuple[dict, list[int], int]:
+    """The datasets of a launch's tasks on ``device``, each once (device_datasets: kept there between
+    launches, staged when missing), as the kernels read them: ``train`` (D, N, 81), ``labels`` (D, N),
+    ``test`` (D, M, 81) for the launch's D distinct datasets; with each task's row in them and how many
+    of the D this launch staged. One dataset (a sweep's launch): the kept tensors themselves, no copy;
+    several (uploads, an evaluation's draws): stacked on the device."""
+    slots: dict[tuple, int] = {}
+    residents, rows, staged = [], [], 0
+    for task in tasks:
+        key = device_datasets.dataset_key(task)
+        slot = slots.get(key)
+        if slot is None:
+            slot = slots[key] = len(residents)
+            resident, new = device_datasets.datasets.get(task, device, key)
+            residents.append(resident)
+            staged += new
+        rows.append(slot)
+    if len(residents) == 1:
+        r = residents[0]
+        data = {"train": r.train.unsqueeze(0), "labels": r.labels.unsqueeze(0), "test": r.test.unsqueeze(0)}
+    else:
+        data = {name: torch.stack([getattr(r, name) for r in residents]) for name in ("train", "labels", "test")}
+    return data, rows, staged
+
+
+def launch_inputs(prepareds: list[Prepared], rows: list[int], epochs: int, n: int, depth: int,
+                  device: torch.device) -> dict:
+    """A launch's per-task inputs -- each task's dataset row, epoch permutations and padded initial
+    parameters -- packed on the host into one int32 buffer (pinned where CUDA is: a copy from it need
+    not be staged by the driver) and copied to ``device`` in one non-blocking copy; views of the copy:
+    ``index`` (T,) int32, ``perms`` (T, E, N) int32, ``init`` (T, S) float32 (its bits in the buffer)."""
+    from ..kernels.fused_parts import pack_state, state_size
+
+    count, size = len(prepareds), state_size(depth)
+    o_perm = _aligned(count * 4) // 4
+    o_init = o_perm + _aligned(count * epochs * n * 4) // 4
+    host = torch.empty(o_init + count * size, dtype=torch.int32, pin_memory=device.type == "cuda")
+    a = host.numpy()
+    a[:count] = rows
+    perms = a[o_perm:o_perm + count * epochs * n].reshape(count, epochs, n)
+    init = a[o_init:].view(np.float32).reshape(count, size)
+    for i, prep in enumerate(prepareds):
+        for e, order in enumerate(prep.permutations):
+            perms[i, e] = order  # int64 -> int32 (check_launch: epochs x N < 2**31)
+        init[i] = pack_state(prep.initial, depth)
+    dev = host.to(device, non_blocking=True)  # the one copy (on the CPU: the buffer itself)
+    return {"index": dev[:count], "perms": dev[o_perm:o_perm + count * epochs * n].view(count, epochs, n),
+            "init": dev[o_init:].view(torch.float32).view(count, size)}
+
+
+def device_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Each query's class from (T, M, 10) scores where they are: int64, the first of the highest scores
+    (torch.argmax takes the first maximum, as numpy's argmax does: tests/test_device_datasets.py)."""
+    return torch.argmax(scores, dim=-1)
+
+
+class LaunchOutputs:
+    """A launch's outputs in one buffer on the device -- predictions (T, M) int64, final parameters and
+    velocity (T, S) float32, scores (T, M, 10) float32 -- which the kernels write into (views), and
+    ``bring_back`` returns to the host in one copy (into pinned memory where CUDA is, from torch's
+    caching host allocator: the arrays handed back are views of it, returned to that cache once the
+    launch's last output is dropped)."""
+
+    def __init__(self, count: int, m: int, size: int, device: torch.device):
+        self.count, self.device = count, device
+        parts = (("predictions", torch.int64, (count, m)), ("params", torch.float32, (count, size)),
+                 ("velocity", torch.float32, (count, size)), ("scores", torch.float32, (count, m, 10)))
+        self.layout, offset = [], 0
+        for name, dtype, shape in parts:
+            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            self.layout.append((name, offset, nbytes, dtype, shape))
+            offset += _aligned(nbytes)
+        self.buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+        views = {name: self.buffer[o:o + nb].view(dtype).view(shape) for name, o, nb, dtype, shape in self.layout}
+        self.predictions, self.params, self.velocity, self.scores = (
+            views["predictions"], views["params"], views["velocity"], views["scores"])
+
+    def bring_back(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The predictions computed on the device (``device_argmax`` of the scores), then the whole
+        buffer in one copy: (predictions, params, velocity, scores) as numpy views of the host copy."""
+        self.predictions.copy_(device_argmax(self.scores))
+        if self.device.type == "cuda":
+            host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(self.buffer, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            host = self.buffer  # the kernels ran in the interpreter on this very memory
+        raw = host.numpy()
+        np_dtype = {torch.int64: np.int64, torch.float32: np.float32}
+        out = [raw[o:o + nb].view(np_dtype[dtype]).reshape(shape) for _, o, nb, dtype, shape in self.layout]
+        return out[0], out[1], out[2], out[3]
+
+
 class FusedBackend:
     """Runs tasks through the fused kernels: one program (one SM) per task, or for the split
     variant two launches per step with a task's minibatch over several programs.
@@ -226,6 +338,7 @@ class FusedBackend:
             "tuned": self.tuned.as_dict(),
             "launches": self.launches,
             "tasks_run": self.tasks_run,
+            "device_datasets": device_datasets.datasets.snapshot(self.torch_device),
         }
         if self.gpu_name is not None:
             out["gpu_name"] = self.gpu_name
@@ -271,32 +384,20 @@ class FusedBackend:
         k = self.kernel
         t0 = time.perf_counter()
         n, m, depth, count = tasks[0].train_count, tasks[0].test_count, config.depth, len(tasks)
-        f32 = dict(dtype=torch.float32, device=self.torch_device)
-        i32 = dict(dtype=torch.int32, device=self.torch_device)
         size = k.state_size(depth)
-        data = dict(
-            train=torch.empty((count, n, 81), **f32),
-            labels=torch.empty((count, n), **i32),
-            perms=torch.empty((count, config.epochs, n), **i32),
-            test=torch.empty((count, m, 81), **f32),
-            init=torch.empty((count, size), **f32),
-        )
-        for i, (task, prep) in enumerate(zip(tasks, prepareds)):  # task by task: no host-side stacking
-            data["train"][i].copy_(torch.from_numpy(task.train_images.reshape(n, 81)))
-            data["labels"][i].copy_(torch.from_numpy(task.train_labels.astype(np.int32)))
-            data["perms"][i].copy_(torch.from_numpy(np.stack(prep.permutations).astype(np.int32)))
-            data["test"][i].copy_(torch.from_numpy(task.test_images.reshape(m, 81)))
-            data["init"][i].copy_(torch.from_numpy(k.pack_state(prep.initial, depth)))
-        scores = torch.full((count, m, 10), float("nan"), **f32)  # NaN shows any row left unwritten
+        cuda = self.torch_device.type == "cuda"
+        data, rows, staged = launch_datasets(tasks, self.torch_device)  # each dataset once, kept on the device
+        data.update(launch_inputs(prepareds, rows, config.epochs, n, depth, self.torch_device))  # one copy
+        out = LaunchOutputs(count, m, size, self.torch_device)
+        out.scores.fill_(float("nan"))  # NaN shows any row left unwritten
         common = dict(n_train=n, n_epochs=config.epochs, batch_size=config.batch_size, alpha=config.alpha,
                       learning_rate=config.learning_rate, momentum=config.momentum,
                       weight_decay=config.weight_decay, depth=depth, chunk=choice.chunk,
                       num_warps=choice.num_warps, precision=choice.precision)
         if choice.variant == "split":
-            run, extra = self._split(data, scores, size, m, common)
+            run, extra = self._split(data, out, size, m, common)
         else:
-            run, extra = self._one(data, scores, size, m, common)
-        cuda = self.torch_device.type == "cuda"
+            run, extra = self._one(data, out, size, m, common)
         if cuda:
             run(warmup=True)  # compile (or find) the kernels and load them onto the GPU, outside the timing
             torch.cuda.synchronize(self.torch_device)
@@ -304,17 +405,19 @@ class FusedBackend:
         t1 = time.perf_counter()
         if cuda:
             start.record()
-        params, velocity = run(warmup=False)
+        run(warmup=False)
         if cuda:
             end.record()
             end.synchronize()
         t2 = time.perf_counter()
         launch_ms = float(start.elapsed_time(end)) if cuda else None
-        params, velocity, scores = params.cpu().numpy(), velocity.cpu().numpy(), scores.cpu().numpy()
+        predictions, params, velocity, scores = out.bring_back()  # argmax on the device, then one copy
         self.launches += 1
         self.tasks_run += count
         extra.update({
             "tasks_in_launch": count,
+            "datasets_in_launch": int(data["train"].shape[0]),
+            "datasets_staged": staged,
             "chunk": choice.chunk,
             "num_warps": choice.num_warps,
             "precision": choice.precision,
@@ -334,43 +437,41 @@ class FusedBackend:
                 preparation_seconds=t1 - t0,
                 cuda_ms=launch_ms,
                 extra=dict(extra),
+                predictions=predictions[i],
             )
             for i in range(count)
         ]
 
-    def _one(self, data: dict, scores: torch.Tensor, size: int, m: int, common: dict):
+    def _one(self, data: dict, out: LaunchOutputs, size: int, m: int, common: dict):
         """fused_train.py: one program per task, one launch (reset, every step, predict)."""
-        k, count = self.kernel, data["train"].shape[0]
+        k, count = self.kernel, out.count
         f32 = dict(dtype=torch.float32, device=self.torch_device)
-        params = torch.empty((count, size), **f32)  # written by the kernel's reset
-        velocity = torch.empty((count, size), **f32)
         grads = torch.empty((count, size), **f32)  # scratch, written before it is read
         scratch = torch.empty((count, k.scratch_size(common["chunk"])), **f32)  # staged operands
-        common = {**common, "n_test": m}
+        common = {**common, "n_test": m, "data_index": data["index"]}
 
         def run(warmup: bool):
-            args = (data["train"], data["labels"], data["perms"], data["test"], data["init"], params, velocity, grads,
-                    scratch, scores)
+            # the parameters and velocity are written by the kernel's reset
+            args = (data["train"], data["labels"], data["perms"], data["test"], data["init"], out.params, out.velocity,
+                    grads, scratch, out.scores)
             if warmup:
                 touch_launcher(k.launch(*args, **common, warmup=True))
-                return None
+                return
             k.launch(*args, **common)
-            return params, velocity
 
         return run, {"launches_per_task_run": 1}
 
-    def _split(self, data: dict, scores: torch.Tensor, size: int, m: int, common: dict):
+    def _split(self, data: dict, out: LaunchOutputs, size: int, m: int, common: dict):
         """fused_rows.py then fused_update.py once per step (grids: the minibatch's chunks x tasks,
         the weights x tasks), then fused_predict.py over the queries; the reset (parameters <-
         initial, velocity <- 0) is inside the timing too, as in the one-program kernel."""
-        rk, uk, pk, count = self.rows_kernel, self.update_kernel, self.predict_kernel, data["train"].shape[0]
+        rk, uk, pk, count = self.rows_kernel, self.update_kernel, self.predict_kernel, out.count
         f32 = dict(dtype=torch.float32, device=self.torch_device)
         n, bs, chunk, depth = common["n_train"], common["batch_size"], common["chunk"], common["depth"]
         n_steps = common["n_epochs"] * -(-n // bs)
         nprog = rk.programs_per_task(bs, chunk)
         bpad = nprog * chunk
-        params = torch.empty((count, size), **f32)
-        velocity = torch.empty((count, size), **f32)
+        params, velocity, scores, index = out.params, out.velocity, out.scores, data["index"]
         grads = torch.empty((count, size), **f32)  # scratch, written before it is read
         rows = torch.empty((count, self.kernel.rows_size(depth, bpad)), **f32)
         scratch = torch.empty((count, nprog, self.kernel.scratch_size(chunk)), **f32)
@@ -386,17 +487,17 @@ class FusedBackend:
 
         def run(warmup: bool):
             if warmup:
-                touch_launcher(rk.launch_rows(*row_args, step=0, warmup=True, **row_meta))
+                touch_launcher(rk.launch_rows(*row_args, step=0, warmup=True, data_index=index, **row_meta))
                 touch_launcher(uk.launch_update(params, velocity, grads, rows, step=0, warmup=True, **update_meta))
-                touch_launcher(pk.launch_predict(data["test"], params, qscratch, scores, warmup=True, **predict))
-                return None
+                touch_launcher(pk.launch_predict(data["test"], params, qscratch, scores, warmup=True, data_index=index,
+                                                 **predict))
+                return
             params.copy_(data["init"])
             velocity.zero_()
             for step in range(n_steps):
-                rk.launch_rows(*row_args, step=step, **row_meta)
+                rk.launch_rows(*row_args, step=step, data_index=index, **row_meta)
                 uk.launch_update(params, velocity, grads, rows, step=step, **update_meta)
-            pk.launch_predict(data["test"], params, qscratch, scores, **predict)
-            return params, velocity
+            pk.launch_predict(data["test"], params, qscratch, scores, data_index=index, **predict)
 
         return run, {"launches_per_task_run": 2 * n_steps + 1, "programs_per_task": nprog}
 

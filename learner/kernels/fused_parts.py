@@ -95,6 +95,18 @@ def rows_layout(depth: int, bpad: int) -> dict[str, int]:
             "head_right": head + (CLASS_PAD + HALF) * bpad}
 
 
+def data_rows(data_index, data):
+    """A launch's dataset index: task t reads row ``data_index[t]`` of the data tensors (train, labels,
+    test: one row per dataset, so the tasks of a launch that share a dataset resident on the device
+    read one copy of it); None: each task its own row (row t), a fresh int32 tensor on ``data``'s device.
+    Only where a task's data is read depends on it, never the arithmetic."""
+    if data_index is not None:
+        return data_index
+    import torch
+
+    return torch.arange(int(data.shape[0]), dtype=torch.int32, device=data.device)
+
+
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")

@@ -11,15 +11,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_parts import chunk_indices, predict_chunk
+from .fused_parts import chunk_indices, data_rows, predict_chunk
 
 
 @triton.jit
 def fused_predict_kernel(
-    test_ptr,  # (T, M, 81) float32 raw query pixels
+    test_ptr,  # (D, M, 81) float32 raw query pixels of the launch's D datasets
     param_ptr,  # task t's padded parameters at param_ptr + t * param_stride
     scratch_ptr,  # (T, ceil(M / CHUNK), scratch_size(CHUNK)) float32 scratch
     scores_ptr,  # (T, M, 10) float32 out: query scores
+    data_ptr,  # (T,) int32: the row of test that holds task t's dataset
     n_test,
     param_stride,
     alpha,
@@ -31,8 +32,9 @@ def fused_predict_kernel(
     t = tl.program_id(1).to(tl.int64)
     XA = scratch_ptr + (t * tl.num_programs(0) + q) * (CHUNK * 144)
     XB = XA + CHUNK * 64
+    d = tl.load(data_ptr + t).to(tl.int64)  # task t's dataset
     r, j, c, w_off, h_off, cls_ok = chunk_indices(CHUNK)
-    predict_chunk(param_ptr + t * param_stride, XA, XB, test_ptr + t * n_test * 81, scores_ptr + t * n_test * 10,
+    predict_chunk(param_ptr + t * param_stride, XA, XB, test_ptr + d * n_test * 81, scores_ptr + t * n_test * 10,
                    q * CHUNK, n_test, alpha, r, j, c, cls_ok, DEPTH, CHUNK, PRECISION)
 
 
@@ -41,10 +43,12 @@ def query_programs(n_test: int, chunk: int) -> int:
 
 
 def launch_predict(test, params, scratch, scores, *, param_stride: int, n_test: int, alpha: float, depth: int,
-                   chunk: int, num_warps: int, precision: str, warmup: bool = False):
-    """Score every query of every task: grid (ceil(M / CHUNK), T)."""
-    grid = (query_programs(n_test, chunk), int(test.shape[0]))
-    args = (test, params, scratch, scores, n_test, param_stride, alpha)
+                   chunk: int, num_warps: int, precision: str, warmup: bool = False, data_index=None):
+    """Score every query of every task: grid (ceil(M / CHUNK), T), T = len(data_index)
+    (fused_train.launch says what ``data_index`` is)."""
+    data_index = data_rows(data_index, test)
+    grid = (query_programs(n_test, chunk), int(data_index.shape[0]))
+    args = (test, params, scratch, scores, data_index, n_test, param_stride, alpha)
     meta = dict(DEPTH=depth, CHUNK=chunk, PRECISION=precision, num_warps=num_warps, num_stages=1,
                 enable_fp_fusion=True)
     if warmup:

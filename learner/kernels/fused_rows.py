@@ -29,19 +29,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_parts import chunk_gradients, chunk_indices
+from .fused_parts import chunk_gradients, chunk_indices, data_rows
 
 SPLIT_MAX_BATCH = 4096  # the row blocks take rows_size(depth, B) floats per task (= backends/fused.py's)
 
 
 @triton.jit(do_not_specialize=["step"])  # one compiled kernel for every step (no step == 1 variant)
 def fused_rows_kernel(
-    train_ptr,  # (T, N, 81) float32 raw train pixels
-    labels_ptr,  # (T, N) int32
+    train_ptr,  # (D, N, 81) float32 raw train pixels of the launch's D datasets
+    labels_ptr,  # (D, N) int32
     perm_ptr,  # (T, E, N) int32: epoch e trains in the order perm[t, e]
     param_ptr,  # (T, S) float32: the parameters before step `step`'s update
     rows_ptr,  # (T, rows_size(DEPTH, bpad)) float32 out: the kept operands (fused_parts.rows_layout)
     scratch_ptr,  # (T, NPROG, scratch_size(CHUNK)) float32 scratch: staged operands of the products
+    data_ptr,  # (T,) int32: the row of train and labels that holds task t's dataset
     n_train,
     n_epochs,
     batch_size,
@@ -67,8 +68,9 @@ def fused_rows_kernel(
         order = perm_ptr + t * n_epochs * n_train + epoch * n_train + start
         R = rows_ptr + t * ((4 * DEPTH * 64 + 144) * bpad)
         r, j, c, w_off, h_off, cls_ok = chunk_indices(CHUNK)
-        chunk_gradients(param_ptr + t * S, R, XA, XA + CHUNK * 64, XA + CHUNK * 128, train_ptr + t * n_train * 81,
-                        labels_ptr + t * n_train, order, c0, rows_in_batch, inv_b, alpha, R, bpad,
+        d = tl.load(data_ptr + t).to(tl.int64)  # task t's dataset
+        chunk_gradients(param_ptr + t * S, R, XA, XA + CHUNK * 64, XA + CHUNK * 128, train_ptr + d * n_train * 81,
+                        labels_ptr + d * n_train, order, c0, rows_in_batch, inv_b, alpha, R, bpad,
                         r, j, c, w_off, h_off, cls_ok, DEPTH, CHUNK, PRECISION, True)
 
 
@@ -78,11 +80,14 @@ def programs_per_task(batch_size: int, chunk: int) -> int:
 
 def launch_rows(train, labels, perms, params, rows, scratch, *, step: int, n_train: int, n_epochs: int,
                 batch_size: int, alpha: float, depth: int, chunk: int, num_warps: int, precision: str,
-                warmup: bool = False):
-    """Step ``step``'s rows of every task: grid (ceil(B / CHUNK), T)."""
+                warmup: bool = False, data_index=None):
+    """Step ``step``'s rows of every task: grid (ceil(B / CHUNK), T), T = len(data_index)
+    (fused_train.launch says what ``data_index`` is)."""
+    data_index = data_rows(data_index, train)
     nprog = programs_per_task(batch_size, chunk)
-    grid = (nprog, int(train.shape[0]))
-    args = (train, labels, perms, params, rows, scratch, n_train, n_epochs, batch_size, step, nprog * chunk, alpha)
+    grid = (nprog, int(data_index.shape[0]))
+    args = (train, labels, perms, params, rows, scratch, data_index, n_train, n_epochs, batch_size, step,
+            nprog * chunk, alpha)
     meta = dict(DEPTH=depth, CHUNK=chunk, NPROG=nprog, PRECISION=precision, num_warps=num_warps, num_stages=1,
                 enable_fp_fusion=True)
     if warmup:

@@ -1,6 +1,7 @@
 """One Triton program trains one rev88 task end to end, then scores its queries.
 
-Program ``t`` of a launch with grid ``(T,)`` owns task ``t``:
+Program ``t`` of a launch with grid ``(T,)`` owns task ``t``, whose data is row ``data_index[t]`` of
+the launch's datasets (tasks of one dataset read one copy of it, resident on the device):
 
     reset      params <- initial, velocity <- 0                       (its own slice of P, V)
     for each epoch e, each minibatch of order perm[e] (short last batch included):
@@ -47,6 +48,7 @@ from .fused_parts import (  # noqa: F401 - the layout is this module's public AP
     check_precision,
     chunk_gradients,
     chunk_indices,
+    data_rows,
     pack_state,
     predict_chunk,
     rows_layout,
@@ -60,16 +62,17 @@ from .fused_parts import (  # noqa: F401 - the layout is this module's public AP
 
 @triton.jit
 def fused_train_kernel(
-    train_ptr,  # (T, N, 81) float32 raw train pixels
-    labels_ptr,  # (T, N) int32
+    train_ptr,  # (D, N, 81) float32 raw train pixels of the launch's D datasets
+    labels_ptr,  # (D, N) int32
     perm_ptr,  # (T, E, N) int32: epoch e trains in the order perm[t, e]
-    test_ptr,  # (T, M, 81) float32 raw query pixels
+    test_ptr,  # (D, M, 81) float32 raw query pixels
     init_ptr,  # (T, S) float32 padded initial parameters
     param_ptr,  # (T, S) float32 out: final parameters (padded)
     vel_ptr,  # (T, S) float32 out: final velocity (padded)
     grad_ptr,  # (T, S) float32 scratch: one minibatch's gradient sums
     scratch_ptr,  # (T, scratch_size(CHUNK)) float32 scratch: staged operands of the products
     scores_ptr,  # (T, M, 10) float32 out: query scores
+    data_ptr,  # (T,) int32: the row d of train, labels and test that holds task t's dataset (tasks may share one)
     n_train,
     n_test,
     n_epochs,
@@ -85,10 +88,11 @@ def fused_train_kernel(
 ):
     S: tl.constexpr = 2 * DEPTH * 4096 + 2 * 1024 + 16
     t = tl.program_id(0).to(tl.int64)
-    train = train_ptr + t * n_train * 81
-    labels = labels_ptr + t * n_train
+    d = tl.load(data_ptr + t).to(tl.int64)  # task t's dataset: only where its data is read changes
+    train = train_ptr + d * n_train * 81
+    labels = labels_ptr + d * n_train
     perm = perm_ptr + t * n_epochs * n_train
-    test = test_ptr + t * n_test * 81
+    test = test_ptr + d * n_test * 81
     P = param_ptr + t * S
     V = vel_ptr + t * S
     G = grad_ptr + t * S
@@ -141,11 +145,14 @@ def launch(
     train, labels, perms, test, init, params, velocity, grads, scratch, scores, *,
     n_train: int, n_test: int, n_epochs: int, batch_size: int,
     alpha: float, learning_rate: float, momentum: float, weight_decay: float,
-    depth: int, chunk: int, num_warps: int, precision: str = "ieee", warmup: bool = False,
+    depth: int, chunk: int, num_warps: int, precision: str = "ieee", warmup: bool = False, data_index=None,
 ):
-    """Launch (or with ``warmup`` only compile) one program per task: grid = (T,)."""
-    grid = (int(train.shape[0]),)
-    args = (train, labels, perms, test, init, params, velocity, grads, scratch, scores,
+    """Launch (or with ``warmup`` only compile) one program per task: grid = (T,), T = len(data_index).
+    ``data_index`` (T,) int32: the row of train, labels and test holding each task's dataset (a
+    dataset resident on the device is shared by the tasks of a launch that use it); None: row t."""
+    data_index = data_rows(data_index, train)
+    grid = (int(data_index.shape[0]),)
+    args = (train, labels, perms, test, init, params, velocity, grads, scratch, scores, data_index,
             n_train, n_test, n_epochs, batch_size, alpha, learning_rate, momentum, weight_decay)
     meta = dict(DEPTH=depth, CHUNK=chunk, HAS_WD=weight_decay != 0.0, PRECISION=check_precision(precision),
                 num_warps=num_warps, num_stages=1, enable_fp_fusion=True)

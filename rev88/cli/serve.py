@@ -57,6 +57,7 @@ SERVE_ENV = {
     "dataset_bytes": "REV88_DATASET_BYTES",
     "dataset_cache_bytes": "REV88_DATASET_CACHE_BYTES",
     "seed_cache_bytes": "REV88_SEED_CACHE_BYTES",
+    "device_dataset_bytes": "REV88_DEVICE_DATASET_BYTES",
     "sweep_max_cells": "REV88_SWEEP_MAX_CELLS",
     "sweep_max_work": "REV88_SWEEP_MAX_WORK",
     "webhook_retry_schedule": "REV88_WEBHOOK_RETRY_SCHEDULE",
@@ -282,6 +283,8 @@ def add_serve(sub) -> None:
                    "[REV88_DATASET_CACHE_BYTES, default 512 MiB]")
     p.add_argument("--seed-cache-bytes", type=int, help="seed-derived state (initial parameters, epoch permutations and "
                    "their hashes) kept per process, least recently used out first [REV88_SEED_CACHE_BYTES, default 256 MiB]")
+    p.add_argument("--device-dataset-bytes", type=int, help="datasets (images, labels) kept on each GPU by the fused "
+                   "backend, least recently used out first; 0 keeps none [REV88_DEVICE_DATASET_BYTES, default 2 GiB]")
     p.add_argument("--sweep-max-cells", type=int, help="cells one sweep may have [REV88_SWEEP_MAX_CELLS, default 1000]")
     p.add_argument("--sweep-max-work", type=int, help="estimated work of one sweep's cells together "
                    "[REV88_SWEEP_MAX_WORK, default 10,000,000,000]")
