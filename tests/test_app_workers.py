@@ -47,6 +47,7 @@ from learner.taskio import task_to_npz_bytes
 from .gates import Gate, gated_engines
 from .helpers import small_task
 from .server import inprocess_server, post_task, wait_for
+from .test_app_batching import resolved
 
 CONFIG = make_config({"batch_size": 16, "epochs": 2})
 HASHES = ("predictions_sha256", "scores_sha256", "final_parameter_sha256", "final_velocity_sha256",
@@ -70,10 +71,13 @@ def assert_same_result(result, expected):
 
 def submit_task(service: Service, task, config, backend: str, pin: int | None = None, label: str = ""):
     """What the task runner (app/tasks/runner.py) does for a task job (optionally pinned to one worker)."""
+    from app.tasks.runner import Accepted, new_task_id
+
     token = CancelToken()
+    acc = Accepted(task_id=label or new_task_id(), task=task, config=config, backend=backend, cancel=token)
     return service.executor.submit(
         lambda: run_on_device(task, config, backend, service.energy, service.engines, cancel=token),
-        kind="task", label=label, batch=service.runner.task_batch(task, config, backend, token), cancel=token, pin=pin,
+        kind="task", label=label, batch=service.runner.task_batch(acc), cancel=token, pin=pin,
     )
 
 
@@ -249,7 +253,7 @@ def test_n_workers_answer_with_the_same_hashes_as_one_worker(backend):
             assert ex.busy_workers() == workers and ex.depth == len(items) - workers
             held = sorted(w.device for w in ex.workers if w.running)
             gate.release()
-            results = [j.future.result(120).result for j in jobs]
+            results = [resolved(j, 120).result for j in jobs]
             assert counts == [1] * len(jobs)
             assert ex.stats.completed == len(items) and ex.stats.failed == 0
             assert_stats_add_up(ex)
@@ -352,7 +356,7 @@ def test_a_worker_whose_device_fails_loses_none_of_the_other_workers_tasks(fake_
                 failed += 1
             else:
                 assert error is None, error
-                result = job.future.result().result
+                result = resolved(job, 120).result
                 assert result.metadata["device"] == job.worker  # run by that worker's backend object
                 assert_same_result(result, run_task(task, config, "cpu"))
                 ok += 1
@@ -387,9 +391,9 @@ def test_a_task_whose_run_raises_fails_alone_among_the_workers():
         for job, (task, config) in zip(jobs, items):
             if config.seed == 402:
                 with pytest.raises(RuntimeError, match="seed 402 failed"):
-                    job.future.result(120)
+                    resolved(job, 120)
             else:
-                assert_same_result(job.future.result(120).result, run_task(task, config, "cpu"))
+                assert_same_result(resolved(job, 120).result, run_task(task, config, "cpu"))
         assert counts == [1] * len(jobs)
         assert (ex.stats.completed, ex.stats.failed) == (5, 1)
         assert {j.worker for j in jobs} == {"cpu:0", "cpu:1", "cpu:2"}
@@ -417,9 +421,9 @@ def test_a_batched_launch_that_raises_fails_only_its_own_workers_jobs(fake_gpus)
         for job, (task, config), pin in zip(jobs, same_shape, pins):
             if pin == 0:
                 with pytest.raises(RuntimeError, match="cuda:0: launch failed"):
-                    job.future.result(120)
+                    resolved(job, 120)
             else:
-                result = job.future.result(120).result
+                result = resolved(job, 120).result
                 assert_same_result(result, run_task(task, config, "cpu"))
                 assert result.metadata["device"] == "cuda:1" and result.metadata["tasks_in_launch"] == 3
             assert job.worker == f"cuda:{pin}" and job.launch_size == 3
@@ -456,7 +460,7 @@ def test_each_worker_uses_its_own_devices_backend_object(fake_gpus):
         items = tasks_and_configs(3, first_seed=600)
         jobs = [submit_task(service, t, c, "fused", pin=i) for i, (t, c) in enumerate(items)]
         for i, (job, (task, config)) in enumerate(zip(jobs, items)):
-            outcome = job.future.result(120)
+            outcome = resolved(job, 120)
             assert outcome.result.metadata["device"] == f"cuda:{i}" == job.worker
             assert outcome.result.metadata["backend"] == "fused"
             assert_same_result(outcome.result, run_task(task, config, "cpu"))
@@ -531,7 +535,7 @@ def test_batches_are_gathered_per_worker_and_run_on_that_workers_backend(fake_gp
         assert ex.depth == 6
         for event in release:
             event.set()
-        outcomes = [j.future.result(120) for j in jobs]
+        outcomes = [resolved(j, 120) for j in jobs]
         launches = {seed: c for c in fleet.calls for seed in c.seeds}
         assert sorted(launches) == [c.seed for _, c in items]  # each task ran once
         # 6 queued before either worker was free, batch_max 3: two launches of 3, one per gathering
@@ -629,7 +633,7 @@ def test_each_worker_meters_its_tasks_with_its_own_gpus_meter_and_idle_baseline(
                 for i, (t, c) in enumerate(items)]
         for i, (job, (task, config)) in enumerate(zip(jobs, items)):
             device = devices[i]
-            outcome = job.future.result(120)
+            outcome = resolved(job, 120)
             assert outcome.result.metadata["device"] == device
             assert_same_result(outcome.result, run_task(task, config, "cpu"))
             reading = outcome.energy

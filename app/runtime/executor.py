@@ -361,7 +361,7 @@ class DeviceExecutor:
         share = shares[tenant]
         held = sum(1 for j in self._queue if j.tenant == tenant and not j.evictable and j.kind != "warmup")
         name = self.tenant_name(tenant)
-        if held >= share:
+        if held >= share and len(waiting) > 1:
             self.stats.refused_full += 1
             self.stats.refused_share += 1
             raise QueueFull(
@@ -372,6 +372,9 @@ class DeviceExecutor:
         if len(self._queue) < self.capacity:
             return None
         victim = self._victim_locked(shares)
+        if victim is None and len(waiting) == 1:  # a tenant alone: the queue is simply full
+            self.stats.refused_full += 1
+            raise self._full_locked()
         if victim is None:
             self.stats.refused_full += 1
             raise QueueFull(
