@@ -412,6 +412,8 @@ class FusedBackend:
         t2 = time.perf_counter()
         launch_ms = float(start.elapsed_time(end)) if cuda else None
         predictions, params, velocity, scores = out.bring_back()  # argmax on the device, then one copy
+        final_parameters = k.unpack_states(params, depth, "final parameters")  # padding checked at once
+        final_velocity = k.unpack_states(velocity, depth, "final velocity")
         self.launches += 1
         self.tasks_run += count
         extra.update({
@@ -430,8 +432,8 @@ class FusedBackend:
             extra["cuda_ms_share_per_task"] = launch_ms / count
         return [
             RunOutput(
-                final_parameters=k.unpack_state(params[i], depth, "final parameters"),
-                final_velocity=k.unpack_state(velocity[i], depth, "final velocity"),
+                final_parameters=final_parameters[i],
+                final_velocity=final_velocity[i],
                 scores=np.ascontiguousarray(scores[i]),
                 training_prediction_seconds=t2 - t1,
                 preparation_seconds=t1 - t0,

@@ -57,6 +57,8 @@ are the same loop.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import triton
 import triton.language as tl
@@ -374,28 +376,45 @@ def pack_state(params: list[np.ndarray], depth: int) -> np.ndarray:
     return out
 
 
-def unpack_state(state: np.ndarray, depth: int, what: str = "state") -> list[np.ndarray]:
-    """Padded flat state -> arrays in model order; raises if any padded lane is not exactly 0."""
-    state = np.asarray(state, dtype=np.float32)
-    if state.shape != (state_size(depth),):
-        raise ValueError(f"{what} must have shape ({state_size(depth)},), got {state.shape}")
-    pad = np.ones(state.shape, dtype=bool)  # True where a lane is padding
-    out = []
+@functools.cache
+def padding_mask(depth: int) -> np.ndarray:
+    """(state_size(depth),) bool: True where a lane of the padded state is padding (read-only)."""
+    pad = np.ones(state_size(depth), dtype=bool)
     for k in range(2 * depth):
-        block = state[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)
-        out.append(block[:WIDTH, :WIDTH].copy())
         pad[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)[:WIDTH, :WIDTH] = False
+    head = 2 * depth * W_SIZE
+    pad[head : head + H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = False
+    pad[head + H_SIZE : head + 2 * H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = False
+    pad[head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES] = False
+    pad.flags.writeable = False
+    return pad
+
+
+def _arrays(state: np.ndarray, depth: int) -> list[np.ndarray]:
+    out = [state[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)[:WIDTH, :WIDTH].copy() for k in range(2 * depth)]
     head = 2 * depth * W_SIZE
     hl = state[head : head + H_SIZE].reshape(CLASS_PAD, HALF)
     hr = state[head + H_SIZE : head + 2 * H_SIZE].reshape(CLASS_PAD, HALF)
     out.append(np.concatenate([hl[:CLASSES, :WIDTH], hr[:CLASSES, :WIDTH]], axis=1))
     out.append(state[head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES].copy())
-    pad[head : head + H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = False
-    pad[head + H_SIZE : head + 2 * H_SIZE].reshape(CLASS_PAD, HALF)[:CLASSES, :WIDTH] = False
-    pad[head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES] = False
-    nonzero = np.count_nonzero(state[pad])
-    if nonzero:
-        raise RuntimeError(
-            f"fused kernel bug: {nonzero} padded lane(s) of the {what} are not exactly zero"
-        )
     return out
+
+
+def unpack_states(states: np.ndarray, depth: int, what: str = "state") -> list[list[np.ndarray]]:
+    """(T, state_size) padded flat states -> each task's arrays in model order; raises if any padded
+    lane of any of them is not exactly 0 (checked for the T states at once)."""
+    states = np.asarray(states, dtype=np.float32)
+    if states.ndim != 2 or states.shape[1] != state_size(depth):
+        raise ValueError(f"{what} must have shape (T, {state_size(depth)}), got {states.shape}")
+    nonzero = np.count_nonzero(states[:, padding_mask(depth)])
+    if nonzero:
+        raise RuntimeError(f"fused kernel bug: {nonzero} padded lane(s) of the {what} are not exactly zero")
+    return [_arrays(state, depth) for state in states]
+
+
+def unpack_state(state: np.ndarray, depth: int, what: str = "state") -> list[np.ndarray]:
+    """Padded flat state -> arrays in model order; raises if any padded lane is not exactly 0."""
+    state = np.asarray(state, dtype=np.float32)
+    if state.shape != (state_size(depth),):
+        raise ValueError(f"{what} must have shape ({state_size(depth)},), got {state.shape}")
+    return unpack_states(state[None], depth, what)[0]

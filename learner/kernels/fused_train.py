@@ -57,6 +57,7 @@ from .fused_parts import (  # noqa: F401 - the layout is this module's public AP
     sgd_update,
     state_size,
     unpack_state,
+    unpack_states,
 )
 
 
