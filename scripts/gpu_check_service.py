@@ -1,8 +1,8 @@
 """The HTTP service on the GPU backend, end to end over HTTP only (scripts/gpu_check.py calls ``run``).
 
-Starts ``python -m rev88 serve --backend fused --batch-wait-ms 300 --batch-max 8`` in a child
-process on a free loopback port, waits for /v2/health/ready (the learner's checks and the
-backend's warm-up), then:
+Starts ``python -m rev88 serve --backend fused --batch-wait-ms 300 --batch-max <the SM count>
+--queue-size <2 launches> --sweep-max-cells 1320`` in a child process on a free loopback port, waits
+for /v2/health/ready (the learner's checks and the backend's warm-up), then:
 
   health       GET /health: ready, the backend, the ``gpu`` object (name, power, energy counter)
                and per-request energy on
@@ -23,9 +23,20 @@ backend's warm-up), then:
                ``energy`` document with an idle-adjusted mJ per task, measured with those windows
   metrics      GET /metrics: task counters, launch sizes, the GPU gauges (power, energy counter,
                summed task energy)
-  sweep        draw 0 stored once (PUT /datasets), a sweep of batch_max (8) seeds on it: completed,
-               every cell's predictions equal to its single POST /tasks?dataset=&seed=, and on the
-               GPU all 8 in one launch (``tasks_in_launch`` 8); cells/s against the single POSTs'
+  sweep        draw 0 stored once (PUT /datasets), a sweep of 8 seeds on it: completed, every cell's
+               predictions equal to its single POST /tasks?dataset=&seed=, and on the GPU all 8 in
+               one launch (``tasks_in_launch`` 8); cells/s against the single POSTs'
+  big_sweep    issue #46's figure: a sweep of 1,320 cells of draw 0 (10 learning rates x 132 seeds;
+               a dry run: 2 x 12), its cells/s (POST /sweeps until GET /sweeps?limit=1 says
+               completed, polled every BIG_SWEEP_POLL_S) and the server's CPU per cell (/proc of the
+               child server, every thread, and by thread group as bench/bench_shell.py's
+               cpu_by_group groups them), printed beside the kernel's tasks/s: the fused section's
+               SM-count launch in this run (from gpu_check.json beside service.json, when that
+               section ran) and a launch of the first learning rate's 132 cells in this process on
+               the same backend (twice: the dataset staged, then resident). Every cell succeeded
+               with a predictions_sha256; those of that launch's cells and of two seeds of every other
+               learning rate (launches of 2) equal this process's. The issue's >= 3,000 cells/s on an
+               H200's host is reported (``issue_46_goal``), not checked
   drain        a long task in flight, then SIGTERM: it is answered 200, new work is refused
                (``Unavailable`` 503 or ``ConnectionFailed``), readiness is no longer 200, and the
                process exits 0
@@ -64,6 +75,11 @@ import gpu_check_common as common  # noqa: E402
 
 ROOT = common.ROOT
 BATCH_TASKS = 8
+# The big_sweep step (issue #46): learning rates x seeds of draw 0, on the GPU and in a dry run
+BIG_SWEEP = {"device": (10, 132), "dry-run": (2, 12)}
+BIG_SWEEP_MAX_CELLS = 1320  # --sweep-max-cells: the GPU's sweep fits
+BIG_SWEEP_POLL_S = 0.02  # how often GET /sweeps?limit=1 asks whether it has finished (its CPU is the server's)
+CELLS_PER_S_GOAL = 3000  # issue #46 on an H200's 16-core host: reported, not checked
 BATCH_SHAPE = (1024, 256)  # both multiples of 16, like draw 0: the fused kernel variant compiled already
 BATCH_WAIT_MS = 300
 DRAIN_TARGET_S = 1.5  # how long the task in flight at SIGTERM should run
@@ -106,6 +122,98 @@ def metric_samples(text: str) -> dict[str, list[tuple[dict, float]]]:
         for sample in family.samples:
             out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     return out
+
+
+def big_sweep_lrs(count: int) -> list[float]:
+    """The big sweep's learning rates (bench/bench_launches.py's grid: 0.05, 0.06, ...)."""
+    return [round(0.05 + 0.01 * i, 4) for i in range(count)]
+
+
+def server_cpu(pid: int) -> dict[str, float]:
+    """The server's CPU seconds so far: ``process`` (every thread, /proc/<pid>/stat) and per thread group
+    (bench/bench_shell.py's cpu_by_group: main, workers, ledger, io, recv, other)."""
+    spec = importlib.util.spec_from_file_location("bench_shell", ROOT / "bench" / "bench_shell.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cpu_by_group(pid)
+
+
+def fused_section_kernel(out_dir: Path, max_age_s: float = 3600.0) -> dict | None:
+    """The kernel's tasks/s from this run's fused section, read from gpu_check.json (which gpu_check.py
+    rewrites after every section, ``finished`` false until the run ends): its SM-count launch
+    (``batched``) and its fused-T timing (``performance``). None when that section did not run in this run."""
+    import datetime
+
+    try:
+        doc = json.loads((Path(out_dir) / "gpu_check.json").read_text())
+        started = datetime.datetime.fromisoformat(doc["started_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    age = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
+    fused = (doc.get("sections") or {}).get("fused")
+    if doc.get("finished") is not False or age > max_age_s or not isinstance(fused, dict):
+        return None
+    batched = fused.get("batched") or {}
+    count, ms = batched.get("tasks_in_launch"), batched.get("launch_cuda_ms")
+    per_task = ((fused.get("performance") or {}).get("ms_per_task") or {}).get("fused-T")
+    return {"source": "this run's fused section (gpu_check.json)", "tasks_in_launch": count,
+            "launch_cuda_ms": ms,
+            "tasks_per_s": count / (ms / 1000.0) if common.finite(ms) and ms > 0 and count else None,
+            "fused_T_ms_per_task": per_task,
+            "fused_T_tasks_per_s": 1000.0 / per_task if common.finite(per_task) and per_task > 0 else None}
+
+
+def in_process_reference(task, lrs: list[float], seeds: int, backend: str, engine=None) -> dict:
+    """The big sweep's cells computed in this process: ``hashes`` {(learning rate, seed): predictions_sha256}
+    and ``kernel``, the launch figures. With ``engine`` (on the GPU: the fused backend object): the first
+    learning rate's ``seeds`` cells in one ``run_many`` launch, twice (its CUDA-event ms is the kernel's
+    tasks/s in this step; the walls hold the host's part: packing, the copies in and out, unpacking),
+    then two seeds (the first and the last) of every other learning rate, a launch of 2 each. Without
+    (a dry run: no batching backend) the same cells one ``run_task`` on ``backend`` at a time."""
+    from learner.config import Config
+    from learner.hashing import array_sha256
+    from learner.result import device_predictions, run_task
+    from learner.train import prepare
+
+    first = [(lrs[0], seed) for seed in range(seeds)]
+    others = [(lr, seed) for lr in lrs[1:] for seed in (0, seeds - 1)]
+    hashes: dict[tuple[float, int], str] = {}
+    if engine is None:
+        t = time.perf_counter()
+        for lr, seed in first + others:
+            hashes[(lr, seed)] = run_task(task, Config(learning_rate=lr, seed=seed), backend).predictions_sha256
+        wall = time.perf_counter() - t
+        return {"hashes": hashes, "kernel": {"backend": backend, "tasks": len(hashes), "wall_s": wall,
+                                             "tasks_per_s": len(hashes) / wall if wall > 0 else None,
+                                             "clock": "wall, one task at a time (dry run)"}}
+
+    def launch(cells):
+        prepareds = [prepare(task, Config(learning_rate=lr, seed=seed)) for lr, seed in cells]
+        t = time.perf_counter()
+        outs = engine.run_many([task] * len(cells), prepareds)
+        wall_ms = (time.perf_counter() - t) * 1000.0
+        for cell, out in zip(cells, outs):
+            hashes[cell] = array_sha256(device_predictions(out))
+        return outs[0], wall_ms
+
+    t = time.perf_counter()
+    for cell in first:  # the seeds' state computed and kept before the timed launches
+        prepare(task, Config(learning_rate=cell[0], seed=cell[1]))
+    prepare_s = time.perf_counter() - t
+    runs = [launch(first) for _ in range(2)]
+    for lr in lrs[1:]:
+        launch([cell for cell in others if cell[0] == lr])
+    out = runs[-1][0]
+    cuda_ms = out.cuda_ms
+    return {"hashes": hashes, "kernel": {
+        "backend": backend, "tasks_in_launch": len(first), "launch_cuda_ms": cuda_ms,
+        "tasks_per_s": len(first) / (cuda_ms / 1000.0) if common.finite(cuda_ms) and cuda_ms > 0 else None,
+        "launch_wall_ms": [wall for _, wall in runs],
+        "host_ms_per_launch": [wall - o.cuda_ms for o, wall in runs if common.finite(o.cuda_ms)],
+        "datasets_staged": [(o.extra or {}).get("datasets_staged") for o, _ in runs],
+        "prepare_seconds_first_time": prepare_s, "choice": {k: (out.extra or {}).get(k) for k in
+                                                             ("chunk", "num_warps", "precision", "variant")},
+        "clock": "CUDA events (the kernel), wall (the launch call)"}}
 
 
 def drain_epochs(run_ms: float | None) -> int:
@@ -220,7 +328,8 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, deadli
     steps = report["steps"]
 
     def finish(report: dict) -> None:
-        expected = ("start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "sweep", "drain")
+        expected = ("start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "sweep", "big_sweep",
+                    "drain")
         report["missing_steps"] = [name for name in expected if name not in steps]
         report["passed"] = (not report["missing_steps"] and "error" not in report
                             and all(steps[n]["passed"] for n in expected))
@@ -229,7 +338,9 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, deadli
                 "the fused and cuda backends' warm-up",
                 "/health's gpu object and /metrics' GPU gauges (their absence was checked)",
                 "per-request and ?measure=energy joules (their null with a reason was checked)",
-                "launch sharing (the CPU backends have no run_many; one task per launch was checked), also a sweep's"]
+                "launch sharing (the CPU backends have no run_many; one task per launch was checked), also a sweep's",
+                "the big sweep's size (2 x 12 cells, not 10 x 132) and its rates: cpu-fast runs each cell alone",
+                "the kernel's launch time beside the big sweep (no fused backend; cpu-fast in this process instead)"]
         report["seconds"] = time.perf_counter() - t_start
 
     with common.kept(report, out_dir / "service.json", finish):
@@ -245,6 +356,7 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, deadli
 def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadline: float | None) -> None:
     import httpx
 
+    from learner.backends import get_backend
     from learner.config import Config
     from learner.result import run_task
     from learner.taskio import make_task
@@ -297,6 +409,13 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
         if not is_cpu and answer.scores is not None:
             s.doc["vs_cpu"] = common.prediction_diff(name, answer.scores, "cpu", cpu_draw0().scores, labels0)
 
+    if on_gpu:
+        import torch
+
+        batch_max = int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+    else:
+        batch_max = BATCH_TASKS
+    report["batch_max"] = batch_max
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server_log = out_dir / "service_server.log"
@@ -304,8 +423,9 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "rev88", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--backend", main_backend, "--batch-wait-ms", str(BATCH_WAIT_MS), "--batch-max", str(BATCH_TASKS),
-           "--queue-size", "16", "--drain-timeout", "60", "--log-level", "info"]
+           "--backend", main_backend, "--batch-wait-ms", str(BATCH_WAIT_MS), "--batch-max", str(batch_max),
+           "--queue-size", str(2 * batch_max), "--sweep-max-cells", str(BIG_SWEEP_MAX_CELLS),
+           "--drain-timeout", "60", "--log-level", "info"]
     report["command"] = " ".join(cmd)
     client = httpx.Client(base_url=url, timeout=left(300))
     with open(server_log, "wb") as fh:
@@ -501,9 +621,63 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
             s.check("each_cell_equals_its_single_task", [row.get("predictions_sha256") for row in rows]
                     == [a.predictions_sha256 for a in singles])
             if on_gpu:
-                s.check("one_launch_of_batch_max", all(n == BATCH_TASKS for n in sizes))
+                s.check("one_launch_of_all_8", all(n == BATCH_TASKS for n in sizes))
             else:
                 s.check("one_task_per_launch_on_a_cpu_backend", all(n == 1 for n in sizes))
+
+        with Step(steps, "big_sweep", log) as s, service(600) as c:
+            # issue #46: a sweep of 1,320 cells through the server (cells/s, its CPU per cell), beside
+            # the kernel's tasks/s; the cells' hashes against this process's
+            n_lrs, n_seeds = BIG_SWEEP[common.mode_name(dry_run)]
+            lrs, cells = big_sweep_lrs(n_lrs), n_lrs * n_seeds
+            dataset = c.put_dataset(draw0_body)  # stored already (the sweep step): found by its digest
+            s.doc.update({"cells": cells, "learning_rates": lrs, "seeds": n_seeds, "batch_max": batch_max,
+                          "queue_size": 2 * batch_max, "poll_s": BIG_SWEEP_POLL_S, "server_pid": proc.pid})
+            before, t = server_cpu(proc.pid), time.perf_counter()
+            sweep_id = c.sweep(dataset, grid={"learning_rate": lrs}, seeds={"start": 0, "count": n_seeds})
+            status, wait = None, left(300)
+            while time.perf_counter() - t < wait:  # the list's row: its status, not its 1,320 cells
+                row = (client.get("/sweeps", params={"limit": 1}, timeout=left(10)).json().get("sweeps") or [{}])[0]
+                if row.get("id") == sweep_id and row.get("status") in ("completed", "cancelled"):
+                    status = row["status"]
+                    break
+                time.sleep(BIG_SWEEP_POLL_S)
+            wall = time.perf_counter() - t
+            after = server_cpu(proc.pid)
+            result = c.sweep_status(sweep_id)
+            rows = result.rows
+            by_cell = {(row["config"]["learning_rate"], row["config"]["seed"]): row for row in rows}
+            used = {k: after[k] - before[k] for k in after}
+            rate = cells / wall if status is not None and wall > 0 else None
+            sizes = [int((row.get("timing") or {}).get("tasks_in_launch") or 1) for row in rows]
+            s.doc.update({
+                "sweep_id": sweep_id, "status": result.status, "counts": result.counts, "wall_s": wall,
+                "cells_per_s": rate, "server_cpu_s": used["process"],
+                "server_cpu_ms_per_cell": used["process"] / cells * 1000.0,
+                "server_cpu_ms_per_cell_by_thread": {k: v / cells * 1000.0 for k, v in used.items() if k != "process"},
+                "launch_sizes": {str(n): sizes.count(n) for n in sorted(set(sizes))}})
+            s.check("completed", status == "completed" and result.counts.get("succeeded") == cells)
+            s.check("every_cell_has_a_predictions_hash", len(by_cell) == cells and all(
+                isinstance(row.get("predictions_sha256"), str) and len(row["predictions_sha256"]) == 64 for row in rows))
+            ref = in_process_reference(draw0, lrs, n_seeds, main_backend, get_backend(main_backend) if on_gpu else None)
+            section = fused_section_kernel(out_dir) if on_gpu else None
+            s.doc["kernel"] = {"fused_section": section, "in_process": ref["kernel"]}
+            differing = [f"lr {lr} seed {seed}" for (lr, seed), h in ref["hashes"].items()
+                         if (by_cell.get((lr, seed)) or {}).get("predictions_sha256") != h]
+            s.doc.update({"cells_checked_in_process": len(ref["hashes"]), "cells_differing": differing[:20],
+                          "cells_differing_count": len(differing)})
+            s.check(f"checked_cells_equal_in_process_{main_backend}", bool(ref["hashes"]) and not differing)
+            s.doc["issue_46_goal"] = {"cells_per_s_at_least": CELLS_PER_S_GOAL, "on": "an H200's 16-core host",
+                                      "met": (rate >= CELLS_PER_S_GOAL) if on_gpu and rate is not None else None,
+                                      "note": "reported, not checked"}
+            kernel_rates = [f"{k['tasks_per_s']:.0f} tasks/s ({where})" for k, where in
+                            ((section, "the fused section's launch"), (ref["kernel"], "this process"))
+                            if k and k.get("tasks_per_s") is not None]
+            log(f"  service big_sweep: {cells} cells in {wall:.2f} s = " + (f"{rate:.0f}" if rate else "n/a")
+                + f" cells/s, server CPU {s.doc['server_cpu_ms_per_cell']:.3f} ms per cell ("
+                + ", ".join(f"{k} {v:.3f}" for k, v in s.doc["server_cpu_ms_per_cell_by_thread"].items())
+                + f"); kernel: {', '.join(kernel_rates) or 'n/a'}; launch sizes {s.doc['launch_sizes']}"
+                + (f"; issue 46's >= {CELLS_PER_S_GOAL} cells/s: {s.doc['issue_46_goal']['met']}" if on_gpu else ""))
 
         with Step(steps, "drain", log) as s:
             epochs = drain_epochs(run_ms)

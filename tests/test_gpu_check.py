@@ -230,8 +230,17 @@ def test_dry_run_of_the_precheck_and_the_service(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert list(report["sections"]) == ["precheck", "service"] and report["passed"]
     steps = report["sections"]["service"]["steps"]
-    assert set(steps) == {"start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "sweep", "drain"}
+    assert set(steps) == {"start", "health", "draw0", "batch", "alt_backend", "measure", "metrics", "sweep", "big_sweep",
+                          "drain"}
     assert steps["sweep"]["checks"]["each_cell_equals_its_single_task"] and steps["sweep"]["counts"]["succeeded"] == 8
+    big = steps["big_sweep"]  # issue #46's 1,320-cell step, rehearsed with 2 x 12 cells
+    assert big["passed"] and big["cells"] == 24 and big["counts"]["succeeded"] == 24
+    assert big["checks"]["checked_cells_equal_in_process_cpu-fast"] and big["cells_checked_in_process"] == 12 + 2
+    assert big["cells_per_s"] > 0 and big["server_cpu_ms_per_cell"] > 0
+    assert set(big["server_cpu_ms_per_cell_by_thread"]) == {"main", "workers", "ledger", "io", "recv", "other"}
+    assert big["kernel"]["fused_section"] is None and big["kernel"]["in_process"]["tasks_per_s"] > 0
+    assert big["issue_46_goal"]["met"] is None  # a GPU figure: reported there, never checked
+    assert "--sweep-max-cells 1320" in report["sections"]["service"]["command"]
     assert steps["draw0"]["predictions_sha256"] == common.DRAW0_PREDICTIONS_SHA256
     assert steps["draw0"]["checks"]["predictions_equal_cpu"] and steps["draw0"]["checks"]["correct_8887"]
     assert steps["draw0"]["predictions_sha256_is_cpu_hash"] is True and "vs_cpu" not in steps["draw0"]
@@ -312,6 +321,63 @@ def test_service_helpers():
     assert samples["rev88_tasks_total"] == [({"outcome": "ok"}, 3.0)] and "rev88_queue_depth" in samples
     assert service._tasks_in_launch({"metadata": {"tasks_in_launch": 4}}) == 4
     assert service._tasks_in_launch({"metadata": {}, "timing": {}}) == 1
+    assert service.big_sweep_lrs(10) == [0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.11, 0.12, 0.13, 0.14]
+    lrs, seeds = service.BIG_SWEEP["device"]
+    assert lrs * seeds == 1320 == service.BIG_SWEEP_MAX_CELLS and service.CELLS_PER_S_GOAL == 3000
+    cpu = service.server_cpu(os.getpid())  # bench/bench_shell.py's groups, from /proc
+    assert set(cpu) == {"main", "workers", "ledger", "io", "recv", "other", "process"} and cpu["process"] > 0
+
+
+def test_the_big_sweep_reads_the_kernels_figures_of_this_run_only(tmp_path):
+    """The big sweep's kernel figures come from this run's fused section (gpu_check.json while the run
+    goes on), never from a finished or an old run's file."""
+    import datetime
+
+    service = _load("gpu_check_service")
+    assert service.fused_section_kernel(tmp_path) is None  # no file
+    now = datetime.datetime.now(datetime.UTC)
+    fused = {"batched": {"tasks_in_launch": 132, "launch_cuda_ms": 27.8},
+             "performance": {"ms_per_task": {"fused-T": 0.25}}}
+    doc = {"started_at": now.isoformat(timespec="seconds"), "finished": False, "sections": {"fused": fused}}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(doc))
+    got = service.fused_section_kernel(tmp_path)
+    assert got["tasks_per_s"] == pytest.approx(132 / 0.0278) and got["fused_T_tasks_per_s"] == pytest.approx(4000)
+    for stale in ({"finished": True}, {"started_at": (now - datetime.timedelta(hours=2)).isoformat()},
+                  {"sections": {"precheck": {}}}):
+        (tmp_path / "gpu_check.json").write_text(json.dumps({**doc, **stale}))
+        assert service.fused_section_kernel(tmp_path) is None, stale
+
+
+def test_the_big_sweeps_reference_launches_group_cells_by_learning_rate():
+    """The GPU path of the big sweep's in-process reference, with a stand-in engine whose run_many runs
+    cpu-fast per task (CUDA-event time made up): one launch of the first learning rate's seeds, twice,
+    then the first and last seed of each other learning rate; each hash that cell's single run's."""
+    from learner.backends import get_backend
+    from learner.config import Config
+    from learner.result import run_task
+
+    from .helpers import small_task
+
+    service = _load("gpu_check_service")
+    task, inner, launches = small_task(40, 9, seed=46), get_backend("cpu-fast"), []
+
+    class Engine:
+        def run_many(self, tasks, prepareds):
+            launches.append([p.config.as_dict() for p in prepareds])
+            outs = [inner.run(t, p) for t, p in zip(tasks, prepareds)]
+            for out in outs:
+                out.cuda_ms, out.extra = 4.0, {"datasets_staged": 0, "chunk": 64}
+            return outs
+
+    ref = service.in_process_reference(task, [0.05, 0.06, 0.07], 4, "stand-in", Engine())
+    assert [[(c["learning_rate"], c["seed"]) for c in launch] for launch in launches] == [
+        [(0.05, s) for s in range(4)], [(0.05, s) for s in range(4)], [(0.06, 0), (0.06, 3)], [(0.07, 0), (0.07, 3)]]
+    assert len(ref["hashes"]) == 8
+    for (lr, seed), digest in ref["hashes"].items():
+        assert digest == run_task(task, Config(learning_rate=lr, seed=seed), "cpu-fast").predictions_sha256
+    kernel = ref["kernel"]
+    assert kernel["tasks_in_launch"] == 4 and kernel["tasks_per_s"] == pytest.approx(1000.0)
+    assert len(kernel["launch_wall_ms"]) == 2 and kernel["datasets_staged"] == [0, 0]
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
