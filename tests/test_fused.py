@@ -58,7 +58,7 @@ BATCH_TASKS = [((400, 120, 24), 11), ((600, 120, 24), 11), ((800, 120, 24), 12)]
 BATCH_CONFIG = {"depth": 2, "batch_size": 16}
 # Datasets resident on the device (learner/backends/device_datasets.py): two small datasets X and Y
 # of one shape, cells of a few seeds on them
-RESIDENT_SLICES = {"X": (1000, 64, 16), "Y": (1100, 64, 16)}
+RESIDENT_SLICES = {"X": (1000, 32, 16), "Y": (1100, 32, 16)}
 RESIDENT_CONFIG = {"depth": 1, "batch_size": 16}
 RESIDENT_SEEDS = (21, 22, 23)
 
@@ -125,6 +125,8 @@ def _child(cases: str, out_dir: Path) -> None:
         spec, overrides, _ = SMALL_CASES["depth1"]
         result = run_task(mnist_slice(full, *spec), make_config(overrides), FusedBackend("cpu").with_precision("tf32x3"))
         (out_dir / "precision.json").write_text(json.dumps(result.metadata, default=str))
+        (out_dir / "resident").mkdir()
+        _resident_child(full, out_dir / "resident")  # in this child too: one start of the interpreter
     elif cases == "resident":
         _resident_child(full, out_dir)
     elif cases == "draw0":
@@ -209,8 +211,8 @@ def small_runs(tmp_path_factory, mnist_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resident_runs(tmp_path_factory, mnist_dir) -> Path:
-    return _run_child("resident", tmp_path_factory.mktemp("fused_resident"), timeout=600)
+def resident_runs(small_runs) -> Path:
+    return small_runs / "resident"
 
 
 def _cpu(task, config):
