@@ -8,6 +8,7 @@ import asyncio
 import email.utils
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -259,7 +260,17 @@ def test_503_retry_after_cancel_and_wait_on_a_held_server(tmp_path):
             running = c.submit(small_task(19, 7, seed=71))
             wait_for(lambda: c.get(running).status == "running", 60, 0.05, "the first task to run")
             queued = c.submit(small_task(19, 7, seed=72))
-            assert c.get(queued).status == "queued"  # the queue (of one) is full now
+            assert c.get(queued).status == "queued"
+            # a synchronous task of another client takes the queue's one place (an asynchronous task
+            # waits in the ledger and gives its place up to it): the queue is full of synchronous work
+            held: list = []
+            holder = threading.Thread(target=lambda: held.append(Client(srv.url, timeout=120).run(
+                small_task(19, 7, seed=75))), daemon=True)
+            holder.start()
+            wait_for(lambda: (httpx.get(srv.url + "/health").json()["admission"]["device_queue"]["depth"] == 1
+                              and any(r["synchronous"] == 1 for r in
+                                      httpx.get(srv.url + "/health").json()["admission"]["tenants"].values())),
+                     60, 0.05, "the synchronous task in the queue")
 
             with pytest.raises(NotFinished) as late:  # wait gives up; the task goes on
                 c.wait(running, timeout=0.2)
@@ -298,6 +309,8 @@ def test_503_retry_after_cancel_and_wait_on_a_held_server(tmp_path):
             assert len(notices) == 2 and waits == [min(notices[1][0].retry_after, MAX_RETRY_WAIT_S)]
             assert answer.predictions_sha256 == in_process_sha256(task)
             assert isinstance(c.wait(running, timeout=60), Answer)
+            holder.join(60)
+            assert held and held[0].predictions_sha256 == in_process_sha256(small_task(19, 7, seed=75))
     finally:
         gate.release()
 

@@ -329,7 +329,33 @@ class SharedQueue:
                  if present.get(t, 0) < shares[t] and any(n for u, n in present.items() if u != t)}
         if not under:
             return None
-        return min(room, sum(under.values())), sorted(under)
+        # one tenant at a time, up to its own deficit: a claim of several could give one the others' share
+        tenant = min(under, key=lambda t: (present.get(t, 0) / max(shares[t], 1), t))
+        return min(room, under[tenant]), [tenant]
+
+    async def claim_some(self) -> int:
+        """Claim while the plan says so; returns how many tasks were queued here."""
+        queued = 0
+        rounds = 0
+        while not self.runner.executor.closed and self.ready() and rounds < 64:
+            rounds += 1
+            plan = self.plan()
+            if plan is None:
+                break
+            limit, owners = plan
+            claims = await asyncio.to_thread(self._claim, limit, owners)
+            self._ok()
+            if not claims:  # (a tenant's backlog counted but gone meanwhile: the next wake or poll looks again)
+                break
+            self.counters["claimed"] += len(claims)
+            queued += await self._queue_claims(claims)
+        return queued
+
+    def _claim(self, limit: int, owners: list[str] | None) -> list:
+        executor = self.runner.executor
+        usage = executor.usage_snapshot()
+        return self.ledger.claim(limit, owners, rank=lambda t: (usage.get(t, 0.0), self.runner.weight_of(t)),
+                                 cost_s=executor.mean_device_seconds())
 
     async def _claim_loop(self) -> None:
         while True:
@@ -345,30 +371,6 @@ class SharedQueue:
                 self._failed("claim", exc)
             except Exception:  # noqa: BLE001 - the loop must go on
                 log.exception("claiming queued tasks failed")
-
-    async def claim_some(self) -> int:
-        """Claim while the plan says so; returns how many tasks were queued here."""
-        queued = 0
-        while not self.runner.executor.closed and self.ready():
-            plan = self.plan()
-            if plan is None:
-                break
-            limit, owners = plan
-            claims = await asyncio.to_thread(self._claim, limit, owners)
-            self._ok()
-            if not claims:
-                break
-            self.counters["claimed"] += len(claims)
-            queued += await self._queue_claims(claims)
-            if owners is not None:  # (a tenant's share: one claim, then look again after the workers move)
-                break
-        return queued
-
-    def _claim(self, limit: int, owners: list[str] | None) -> list:
-        executor = self.runner.executor
-        usage = executor.usage_snapshot()
-        return self.ledger.claim(limit, owners, rank=lambda t: (usage.get(t, 0.0), self.runner.weight_of(t)),
-                                 cost_s=executor.mean_device_seconds())
 
     async def _queue_claims(self, claims: list) -> int:
         """Each claim becomes an attempt queued here, or its lease is given back (whatever fails on
