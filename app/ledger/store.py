@@ -135,6 +135,7 @@ class FinishedTask:
     body_sha256: str | None = None
     started_at: float | None = None
     device: str | None = None
+    finished_at: float | None = None  # when it finished (this process's clock); None: when it is written
 
 
 
@@ -660,8 +661,9 @@ class Ledger(TaskReads):
         an id already in the ledger (nothing is written then)."""
         for t in tasks:
             check_finished_task(t)
-        now = time.time()
-        values = [{**finished_values(t), "finished_at": now} for t in tasks]
+        now = time.time()  # (a task's own finish time where it has one: a group commit writes several at once,
+        # and retention deletes the oldest finished first)
+        values = [{**finished_values(t), "finished_at": now if t.finished_at is None else t.finished_at} for t in tasks]
         rows = [tuple(v.values()) for v in values]
         added_bytes = sum(v["answer_bytes"] for v in values)
         if not rows:

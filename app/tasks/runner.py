@@ -637,7 +637,8 @@ class TaskRunner:
             task_id=acc.task_id, kind=acc.kind, mode=acc.mode, backend=acc.backend, config=acc.config.as_dict(),
             options=acc.options(), train_count=acc.task.train_count, test_count=acc.task.test_count,
             body_bytes=acc.body_bytes, created_at=acc.created_at, status=status,
-            input_hashes=lambda: input_hashes(task), started_at=acc.started_at, device=acc.device, **outcome)
+            input_hashes=lambda: input_hashes(task), started_at=acc.started_at, device=acc.device,
+            finished_at=acc.finished_at if acc.finished_at is not None else time.time(), **outcome)
 
     def settle_fed(self, acc: Accepted) -> None:
         """Work the feeder queued (a claim): answered with its launch when it is on the launch path
