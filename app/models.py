@@ -186,6 +186,9 @@ class EvaluationRequest(BaseModel):
     draws: StrictStr | list[StrictInt] = Field(
         "0-10", description="published draws k in 0..10: \"0-10\", \"0,3,5\", \"2\", or a list [0, 3, 5]")
     config: dict[str, int | float] = Field(default_factory=dict, description="config overrides (as a task takes)")
+    seeds: list[StrictInt] | dict[str, StrictInt] | None = Field(
+        None, description="run each draw at each of these seeds: a list, or {\"start\": S, \"count\": N} "
+        "(default: one run per draw at the config's seed)")
     backend: str | None = Field(None, description="learner backend (default: the server's)")
     name: str | None = Field(None, max_length=200, description="a label for the leaderboard")
     measure: Literal["energy"] | None = Field(None, description="energy: each draw also measured (docs/energy.md)")
@@ -206,6 +209,7 @@ class EvaluationAccepted(Open):
 
 class EvaluationDraw(Open):
     draw: int
+    seed: int | None = Field(None, description="the run's seed (evaluations with seeds: one row per draw and seed)")
     dataset_seed: int
     dataset: str
     task_id: str
@@ -238,6 +242,8 @@ class EvaluationState(Open):
     versions: dict[str, Any] | None = None
     comparison: str | None = Field(None, description="device, versions and draws: rows ranked together share it")
     draw_set: str | None = Field(None, description="the draws as ranges (\"0-10\")")
+    seeds: Any = Field(None, description="with seeds: each seed's mean over the draws and their SD once graded "
+                       "(the list of seeds before)")
 
 
 class EvaluationRow(Open):
@@ -248,6 +254,7 @@ class EvaluationRow(Open):
     created_at: float
     draws: list[int]
     draw_set: str | None = Field(None, description="the draws as ranges (\"0-10\")")
+    seed_set: str | None = Field(None, description="with seeds: the seeds as ranges (\"0-11\")")
     config_changes: dict[str, Any]
     backend: str
     device: Any = None

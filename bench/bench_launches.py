@@ -9,7 +9,7 @@ replay's own CPU (reading the kept outputs) is subtracted. Two runs in one:
 
     sweep        PUT /datasets (draw 0), POST /sweeps of --lrs learning rates x --seeds seeds
                  (1,320 cells by default), polled every second until completed
-    evaluation   --eval-seeds POST /evaluations of draws 0-10 (one per seed: 132 cells by default)
+    evaluation   one POST /evaluations of draws 0-10 x --eval-seeds seeds (132 cells by default)
 
 Reported for each: host CPU per cell (from /proc: every thread of the server, by thread group,
 the replay excluded), cells per second, and that rate against the stand-in's (its launch rate at
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lrs", type=int, default=10, help="learning rates in the sweep's grid")
     parser.add_argument("--seeds", type=int, default=132, help="seeds per learning rate")
-    parser.add_argument("--eval-seeds", type=int, default=12, help="evaluations of draws 0-10, one per seed")
+    parser.add_argument("--eval-seeds", type=int, default=12, help="seeds of the evaluation of draws 0-10")
     parser.add_argument("--batch-max", type=int, default=132)
     parser.add_argument("--launch-ms", type=float, default=132.0, help="the stand-in's device time per launch")
     parser.add_argument("--cache", default="/tmp/rev88-stand-in")
@@ -158,30 +158,28 @@ def main(argv: list[str] | None = None) -> int:
                 while json.loads(request(port, "GET", f"/evaluations/{warm}")[2])["status"] != "completed":
                     time.sleep(POLL_S)
 
-                def start_evaluations():
-                    ids = []
-                    for s in range(args.eval_seeds):
-                        definition = json.dumps({"draws": "0-10", "config": {"seed": s}}).encode()
-                        status, _, data = request(port, "POST", "/evaluations", definition, "application/json")
-                        assert status == 202, data
-                        ids.append(json.loads(data)["id"])
-                    return ids
+                def start_evaluation():  # one evaluation: 11 draws x --eval-seeds seeds
+                    definition = json.dumps({"draws": "0-10", "seeds": {"start": 0, "count": args.eval_seeds}})
+                    status, _, data = request(port, "POST", "/evaluations", definition.encode(), "application/json")
+                    assert status == 202, data
+                    return json.loads(data)["id"]
 
-                def evaluations_done(ids):  # (one list of their statuses, not twelve documents)
-                    status, _, data = request(port, "GET", f"/evaluations?limit={len(ids) + 1}")
-                    rows = {row["id"]: row for row in json.loads(data)["evaluations"]}
-                    return all(rows.get(ev, {}).get("status") in ("completed", "failed", "cancelled") for ev in ids)
+                def evaluation_done(ev):  # (the list's row: its status and counts, not its rows)
+                    status, _, data = request(port, "GET", "/evaluations?limit=1")
+                    row = json.loads(data)["evaluations"][0]
+                    return row["id"] == ev and row["status"] in ("completed", "failed", "cancelled")
 
-                evaluation = measure(stats, proc.pid, len(eval_cells), start_evaluations, evaluations_done,
+                evaluation = measure(stats, proc.pid, len(eval_cells), start_evaluation, evaluation_done,
                                      stand_in_rate)
-                ids = evaluation.pop("handle")
-                for s, ev in enumerate(ids):
-                    status, _, data = request(port, "GET", f"/evaluations/{ev}")
-                    rows = json.loads(data)["draws"]
-                    for row in rows:
-                        want = expected[len(sweep_cells) + s * 11 + row["draw"]]
-                        assert row["predictions_sha256"] == want, f"evaluation seed {s} draw {row['draw']} differs"
-                evaluation["evaluations"] = len(ids)
+                ev = evaluation.pop("handle")
+                status, _, data = request(port, "GET", f"/evaluations/{ev}")
+                state = json.loads(data)
+                assert state["status"] == "completed", state["status"]
+                for row in state["draws"]:  # (kept seed-major: seed s, draw k at s * 11 + k)
+                    want = expected[len(sweep_cells) + row["seed"] * 11 + row["draw"]]
+                    assert row["predictions_sha256"] == want, f"evaluation seed {row['seed']} draw {row['draw']} differs"
+                evaluation["rows"] = len(state["draws"])
+                evaluation["totals"] = state["totals"]["correct_over_total"]
                 doc["evaluation"] = evaluation
         finally:
             stop_server(proc)

@@ -853,10 +853,12 @@ class _Core:
 
     def _op_evaluate(self, draws: Any, backend: str | None, name: str | None, measure: str | None,
                      protocol: Mapping[str, Any] | None, idempotency_key: str | None,
-                     config: Mapping[str, Any]) -> Op:
+                     config: Mapping[str, Any], seeds: Any = None) -> Op:
         config, hook = _webhook_options(config)
         request: dict[str, Any] = {"draws": draws if isinstance(draws, str) else list(draws), "config": dict(config),
                                    **hook}
+        if seeds is not None:
+            request["seeds"] = dict(seeds) if isinstance(seeds, Mapping) else list(seeds)
         for key, value in (("backend", backend), ("name", name), ("measure", measure), ("protocol", protocol)):
             if value is not None:
                 request[key] = dict(value) if isinstance(value, Mapping) else value
@@ -893,8 +895,9 @@ class _Core:
 
     def _op_run_evaluation(self, draws: Any, backend: str | None, name: str | None, measure: str | None,
                            protocol: Mapping[str, Any] | None, idempotency_key: str | None, config: Mapping[str, Any],
-                           timeout: float, progress: Callable[[EvaluationResult], None] | None) -> Op:
-        evaluation_id = yield from self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config)
+                           timeout: float, progress: Callable[[EvaluationResult], None] | None, seeds: Any = None) -> Op:
+        evaluation_id = yield from self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config,
+                                                     seeds)
         return (yield from self._op_wait_evaluation(evaluation_id, timeout, progress))
 
     def _op_cancel_evaluation(self, evaluation_id: str) -> Op:
@@ -1088,22 +1091,26 @@ class Client(_Core):
         """The sweep's cell table as CSV (a column per config key)."""
         return self._drive(self._op_sweep_csv(sweep_id))
 
-    def evaluate(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None, name: str | None = None,
+    def evaluate(self, draws: str | Sequence[int] = "0-10", *, seeds: Sequence[int] | Mapping[str, int] | None = None,
+                 backend: str | None = None, name: str | None = None,
                  measure: str | None = None, protocol: Mapping[str, Any] | None = None,
                  idempotency_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                  progress: Callable[[EvaluationResult], None] | None = None, **config: Any) -> EvaluationResult:
         """POST /evaluations and wait for it: the published ``draws`` (``"0-10"``, ``"0,3"`` or a
-        list) graded on the server for ``config``; the labels stay there. Returns the finished
+        list) graded on the server for ``config``, each at every one of ``seeds`` when given (a list
+        or ``{"start": S, "count": N}``); the labels stay there. Returns the finished
         evaluation (``status`` completed, failed or cancelled); ``NotFinished`` after ``timeout``."""
         return self._drive(self._op_run_evaluation(draws, backend, name, measure, protocol, idempotency_key, config,
-                                                   timeout, progress))
+                                                   timeout, progress, seeds))
 
-    def submit_evaluation(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None,
+    def submit_evaluation(self, draws: str | Sequence[int] = "0-10", *,
+                          seeds: Sequence[int] | Mapping[str, int] | None = None, backend: str | None = None,
                           name: str | None = None, measure: str | None = None,
                           protocol: Mapping[str, Any] | None = None, idempotency_key: str | None = None,
                           **config: Any) -> str:
         """POST /evaluations without waiting: the evaluation's id."""
-        return self._drive(self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config))
+        return self._drive(self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config,
+                                             seeds))
 
     def evaluation(self, evaluation_id: str) -> EvaluationResult:
         return self._drive(self._op_evaluation(evaluation_id))
@@ -1293,18 +1300,21 @@ class AsyncClient(_Core):
     async def sweep_csv(self, sweep_id: str) -> str:
         return await self._drive(self._op_sweep_csv(sweep_id))
 
-    async def evaluate(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None,
+    async def evaluate(self, draws: str | Sequence[int] = "0-10", *,
+                       seeds: Sequence[int] | Mapping[str, int] | None = None, backend: str | None = None,
                        name: str | None = None, measure: str | None = None, protocol: Mapping[str, Any] | None = None,
                        idempotency_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                        progress: Callable[[EvaluationResult], None] | None = None, **config: Any) -> EvaluationResult:
         return await self._drive(self._op_run_evaluation(draws, backend, name, measure, protocol, idempotency_key,
-                                                         config, timeout, progress))
+                                                         config, timeout, progress, seeds))
 
-    async def submit_evaluation(self, draws: str | Sequence[int] = "0-10", *, backend: str | None = None,
+    async def submit_evaluation(self, draws: str | Sequence[int] = "0-10", *,
+                                seeds: Sequence[int] | Mapping[str, int] | None = None, backend: str | None = None,
                                 name: str | None = None, measure: str | None = None,
                                 protocol: Mapping[str, Any] | None = None, idempotency_key: str | None = None,
                                 **config: Any) -> str:
-        return await self._drive(self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key, config))
+        return await self._drive(self._op_evaluate(draws, backend, name, measure, protocol, idempotency_key,
+                                                   config, seeds))
 
     async def evaluation(self, evaluation_id: str) -> EvaluationResult:
         return await self._drive(self._op_evaluation(evaluation_id))

@@ -139,6 +139,51 @@ def test_counts_equal_an_independent_scoring_and_rev88_evaluate_in_process(store
     assert doc["totals"] == totals([rec["correct"] for rec in local], [rec["total"] for rec in local])
 
 
+def test_an_evaluation_over_seeds_runs_each_draw_at_each_seed_as_its_own_evaluation_would(tmp_path):
+    """draws x seeds in one evaluation (issue #46's "11 draws with 12 seeds", small here): one row
+    per draw and seed, draw-major, each counted right and hashed as a one-seed evaluation at that
+    seed hashes it; the totals pool each draw's seeds, by_seed is each seed's own evaluation, the
+    comparison names the seeds; the client sends seeds; the chart pools the seeds per draw."""
+    config = {"epochs": 1, "batch_size": 64}
+    with serve(data_dir=str(tmp_path / "d")) as server, server.client() as c:
+        r = c.post("/evaluations", json={"draws": [3, 7], "seeds": {"start": 5, "count": 2}, "config": config,
+                                         "backend": "cpu-fast"})
+        assert r.status_code == 202, r.text
+        doc = finished(c, r.json()["id"])
+        assert doc["status"] == "completed", doc
+        assert [(row["draw"], row["seed"]) for row in doc["draws"]] == [(3, 5), (3, 6), (7, 5), (7, 6)]
+        assert doc["counts"]["succeeded"] == 4 and doc["definition"]["seeds"] == [5, 6]
+        for row in doc["draws"]:
+            assert independent_count(c, row)[0] == row["correct"]
+        singles = {}
+        for seed in (5, 6):
+            one = c.post("/evaluations", json={"draws": [3, 7], "config": {**config, "seed": seed},
+                                               "backend": "cpu-fast"}).json()["id"]
+            singles[seed] = finished(c, one)
+            assert [row["predictions_sha256"] for row in singles[seed]["draws"]] == [
+                row["predictions_sha256"] for row in doc["draws"] if row["seed"] == seed]
+        by_draw = {k: [row for row in doc["draws"] if row["draw"] == k] for k in (3, 7)}
+        assert doc["totals"] == totals([sum(r["correct"] for r in rows) for rows in by_draw.values()],
+                                       [sum(r["total"] for r in rows) for rows in by_draw.values()])
+        assert doc["totals"]["draws"] == 2 and doc["seeds"]["runs"] == 4
+        assert [(e["seed"], e["correct"], e["mean_accuracy"]) for e in doc["seeds"]["by_seed"]] == [
+            (s, singles[s]["totals"]["correct"], singles[s]["totals"]["mean_accuracy"]) for s in (5, 6)]
+        means = [singles[s]["totals"]["mean_accuracy"] for s in (5, 6)]
+        assert doc["seeds"]["sd_across_seeds_pp"] == pytest.approx(statistics.stdev(means) * 100, abs=1e-12)
+        assert doc["comparison"].endswith(" · draws 3,7 · seeds 5-6")
+        assert doc["comparison"] != singles[5]["comparison"]
+        rows = {row["id"]: row for row in c.get("/evaluations").json()["evaluations"]}
+        assert rows[doc["id"]]["seed_set"] == "5-6" and rows[singles[5]["id"]]["seed_set"] is None
+        chart = c.get(f"/evaluations/{doc['id']}/accuracy.svg")
+        assert chart.status_code == 200 and chart.text.count('class="draw"') == 2  # (a point per draw)
+        from rev88 import Client
+
+        with Client(server.url) as client:
+            got = client.evaluate([3], seeds=[6], backend="cpu-fast", **config)
+        assert [(row["draw"], row["seed"], row["predictions_sha256"]) for row in got.document["draws"]] == [
+            (3, 6, by_draw[3][1]["predictions_sha256"])]
+
+
 def test_bad_requests_are_refused_naming_the_problem_and_record_nothing(tmp_path):
     from learner.budget import estimate
 
@@ -164,8 +209,16 @@ def test_bad_requests_are_refused_naming_the_problem_and_record_nothing(tmp_path
         ({"name": "x" * 201}, "name", "name"),
         ({"drawz": "0"}, "drawz", "drawz"),
         ({"backend": "tpu"}, None, "tpu"),
+        ({"seeds": []}, "seeds", "non-empty list"),
+        ({"seeds": [1, 1]}, "seeds", "more than once"),
+        ({"seeds": {"start": -1, "count": 2}}, "seeds", "start >= 0"),
+        ({"seeds": {"start": 0}}, "seeds", "seeds"),
+        ({"seeds": "0-3"}, "seeds", "seeds"),
+        ({"seeds": [0, 1], "config": {"seed": 3}}, "seeds", "not both"),
+        ({"draws": "0-10", "seeds": {"start": 0, "count": 100}}, "seeds", "REV88_SWEEP_MAX_CELLS"),
     ]
-    with serve(data_dir=str(tmp_path / "d"), max_task_work=max_work) as server, server.client() as c:
+    with serve(data_dir=str(tmp_path / "d"), max_task_work=max_work, sweep_max_cells=1000) as server, \
+            server.client() as c:
         for body, field, says in cases:
             r = c.post("/evaluations", json=body)
             assert r.status_code == 422, (body, r.status_code, r.text)

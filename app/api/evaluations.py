@@ -15,6 +15,7 @@ from learner.report_plot import accuracy_svg
 from ..errors import Conflict
 from ..http.middleware import prefers_html
 from ..models import EvaluationAccepted, EvaluationList, EvaluationRequest, EvaluationState, error_responses
+from ..tasks.evaluations import per_draw
 from ..tasks.options import parse_options
 from .deps import ServiceDep, TenantDep
 from .intake import gate, idempotency_key, webhook_of
@@ -60,7 +61,7 @@ async def get_chart(evaluation_id: str, service: ServiceDep, tenant: TenantDep) 
     if t is None:
         raise Conflict(f"evaluation {evaluation_id} is {doc['status']}: the chart needs every draw's count",
                        evaluation_status=doc["status"])
-    draws = doc["draws"]
+    draws = per_draw(doc["draws"])  # (with seeds: each draw's runs pooled, as the totals are)
     svg = accuracy_svg([r["draw"] for r in draws], [r["correct"] for r in draws], [r["total"] for r in draws],
                        t["mean_accuracy_percent"], t["sd_accuracy_pp"], [b["band_percent"] for b in t["error_bands"]],
                        [b["met"] for b in t["error_bands"]],

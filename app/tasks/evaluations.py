@@ -40,6 +40,7 @@ from ..ledger.evaluations import SORTS, EvaluationRecord, open_evaluations
 from ..ledger.outbox import message_rows
 from .options import MEASURE_PARAMS, measure_arguments
 from .runner import Accepted, new_task_id
+from .sweeps import seeds_of
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -77,12 +78,33 @@ def check_definition(body: dict[str, Any], backend: str, settings: Any) -> dict[
                              f"{', '.join(MEASURE_PARAMS)}", field="protocol")
     definition: dict[str, Any] = {"draws": draws, "config": config.as_dict(), "backend": backend,
                                   "name": body.get("name"), "measure": measure}
+    if body.get("seeds") is not None:
+        if "seed" in overrides:
+            raise InvalidRequest("give the seed in config or the seeds, not both", field="seeds")
+        definition["seeds"] = seeds_of(body["seeds"])
     if measure is not None:
         definition["protocol"] = measure_arguments({k: str(v) for k, v in (protocol or {}).items()})
     if body.get("webhook") is not None:  # checked by the route (app/webhooks): {"url", "events"}
         definition["webhook"] = body["webhook"]
-    check_budget(estimate(10000, 10000, config), settings.max_task_work, settings.max_task_bytes)  # each draw's
+    each = estimate(10000, 10000, config)
+    check_budget(each, settings.max_task_work, settings.max_task_bytes)  # each draw's
+    runs = len(draws) * len(definition.get("seeds", [0]))
+    if "seeds" in definition:  # bounded as a sweep of as many cells is
+        if runs > settings.sweep_max_cells:
+            raise InvalidRequest(f"the evaluation has {len(draws)} draws x {len(definition['seeds'])} seeds = {runs} "
+                                 f"runs; at most {settings.sweep_max_cells} (REV88_SWEEP_MAX_CELLS)",
+                                 field="seeds", limit=settings.sweep_max_cells)
+        if runs * each.work > settings.sweep_max_work:
+            raise InvalidRequest(f"the evaluation needs an estimated {runs * each.work:,} work units in all; at most "
+                                 f"{settings.sweep_max_work:,} (REV88_SWEEP_MAX_WORK)", field="seeds",
+                                 limit=settings.sweep_max_work)
     return definition
+
+
+def runs_of(definition: dict[str, Any]) -> int:
+    """Tasks an evaluation records: one per draw and seed, twice that when each is measured."""
+    runs = len(definition["draws"]) * len(definition.get("seeds") or [0])
+    return runs * (2 if definition.get("measure") is not None else 1)
 
 
 def config_changes(config: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +179,7 @@ def draw_row(cell: dict[str, Any], record: Any, measured: Any) -> dict[str, Any]
     """A draw's row: the figures of ``rev88 evaluate``'s per-draw record, from its task's answer."""
     row: dict[str, Any] = {"draw": cell["draw"], "dataset_seed": dataset_seed(cell["draw"]),
                            "dataset": cell["dataset"], "task_id": cell["task_id"], "status": cell_status(record),
+                           **({"seed": cell["seed"]} if "seed" in cell else {}),
                            "input_hashes": cell.get("input_hashes"),
                            "query_labels_sha256": cell.get("query_labels_sha256")}
     answer = record.answer if record is not None and record.status == "succeeded" else None
@@ -216,7 +239,10 @@ def grade(ev: EvaluationRecord, rows: list[dict[str, Any]]) -> dict[str, Any]:
     complete = len(done) == len(rows)
     figures: dict[str, Any] = {"totals": None, "time": None, "energy": None}
     if complete:
-        figures["totals"] = totals([r["correct"] for r in rows], [r["total"] for r in rows])
+        pooled = per_draw(rows)
+        figures["totals"] = totals([p["correct"] for p in pooled], [p["total"] for p in pooled])
+        if ev.definition.get("seeds"):
+            figures["seeds"] = seed_figures(rows)
     run_ms = [r["run_ms"] for r in done if r.get("run_ms") is not None]
     if run_ms:
         figures["time"] = {"ms_per_task": statistics.mean(run_ms),
@@ -239,12 +265,42 @@ def grade(ev: EvaluationRecord, rows: list[dict[str, Any]]) -> dict[str, Any]:
     figures["device"] = devices[0] if len(devices) == 1 else (devices or None)
     figures["versions"] = versions
     figures["backends_used"] = sorted({r["backend"] for r in done if r.get("backend")})
-    figures["comparison"] = comparison_label(figures["device"], versions, ev.definition["draws"])
+    figures["comparison"] = comparison_label(figures["device"], versions, ev.definition["draws"],
+                                             ev.definition.get("seeds"))
     return figures
 
 
+def per_draw(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each draw's count, its seeds' runs pooled (one run per draw without seeds: its own), in
+    draw order: a draw's accuracy is then the mean of its seeds' (every run has the same total)."""
+    pooled: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        p = pooled.setdefault(r["draw"], {"draw": r["draw"], "correct": 0, "total": 0, "runs": 0})
+        p["correct"] += r["correct"]
+        p["total"] += r["total"]
+        p["runs"] += 1
+    return [pooled[k] for k in sorted(pooled)]
+
+
+def seed_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """With seeds: each seed's mean accuracy over the draws, and how much the seed moves it."""
+    by_seed: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_seed.setdefault(r["seed"], []).append(r)
+    each = []
+    for seed in sorted(by_seed):
+        t = totals([r["correct"] for r in by_seed[seed]], [r["total"] for r in by_seed[seed]])
+        each.append({"seed": seed, "correct": t["correct"], "total": t["total"], "mean_accuracy": t["mean_accuracy"],
+                     "sd_accuracy_pp": t["sd_accuracy_pp"]})
+    means = [e["mean_accuracy"] for e in each]
+    return {"seeds": sorted(by_seed), "runs": len(rows), "by_seed": each,
+            "sd_across_seeds_pp": statistics.stdev(means) * 100 if len(means) > 1 else None,
+            "rule": "totals pool each draw's seeds (its accuracy the mean of its seeds'); by_seed: the mean over "
+                    "the draws at each seed, and sd_across_seeds_pp the sample SD of those means"}
+
+
 def draw_set(draws: list[int]) -> str:
-    """The draws as ranges, as ``draws`` takes them: [0, 1, ..., 10] -> "0-10", [0, 3, 4, 5] -> "0,3-5"."""
+    """The draws (or seeds) as ranges, as ``draws`` takes them: [0, 1, ..., 10] -> "0-10", [0, 3, 4, 5] -> "0,3-5"."""
     runs: list[list[int]] = []
     for k in sorted(draws):
         if runs and k == runs[-1][1] + 1:
@@ -254,10 +310,11 @@ def draw_set(draws: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def comparison_label(device: Any, versions: dict[str, Any] | None, draws: list[int]) -> str | None:
-    """What must match for two evaluations to be ranked together: the device, the versions and
-    the draws (accuracies over other draws are not comparable: a 3-draw mean is not ranked
-    against an 11-draw one)."""
+def comparison_label(device: Any, versions: dict[str, Any] | None, draws: list[int],
+                     seeds: list[int] | None = None) -> str | None:
+    """What must match for two evaluations to be ranked together: the device, the versions, the
+    draws and the seeds (accuracies over other draws are not comparable: a 3-draw mean is not
+    ranked against an 11-draw one, nor a mean over 12 seeds against one seed's)."""
     if device is None or versions is None:
         return None
     hardware = versions.get("gpu_name") or device
@@ -265,6 +322,8 @@ def comparison_label(device: Any, versions: dict[str, Any] | None, draws: list[i
     if versions.get("cuda"):
         parts.append(f"CUDA {versions['cuda']}")
     parts.append(f"draws {draw_set(draws)}")
+    if seeds:
+        parts.append(f"seeds {draw_set(seeds)}")
     return " · ".join(parts)
 
 
@@ -272,7 +331,8 @@ def comparison_of(ev: EvaluationRecord) -> str | None:
     """A graded evaluation's comparison label, from its result's device and versions and its
     draws (made now, so that a result recorded before the draws were part of it reads the same)."""
     result = ev.result or {}
-    return comparison_label(result.get("device"), result.get("versions"), ev.definition["draws"])
+    return comparison_label(result.get("device"), result.get("versions"), ev.definition["draws"],
+                            ev.definition.get("seeds"))
 
 
 def status_of(ev: EvaluationRecord, rows: list[dict[str, Any]]) -> str:
@@ -297,6 +357,7 @@ def document(ev: EvaluationRecord, rows: list[dict[str, Any]] | None = None,
            "counts": counts(rows), "draws": rows, "totals": result.get("totals"), "time": result.get("time"),
            "energy": result.get("energy"), "device": result.get("device"), "versions": result.get("versions"),
            "comparison": comparison_of(ev), "draw_set": draw_set(ev.definition["draws"]),
+           "seeds": result.get("seeds") if result.get("seeds") is not None else ev.definition.get("seeds"),
            "location": f"/evaluations/{ev.id}",
            "report": f"/evaluations/{ev.id}/report", "chart": f"/evaluations/{ev.id}/accuracy.svg"}
     return doc
@@ -335,6 +396,7 @@ def leaderboard_row(ev: EvaluationRecord, live: tuple[str, dict[str, int]] | Non
     status, draw_counts = live if live is not None and ev.result is None else (ev.status, counts(result.get("draws", [])))
     return {"id": ev.id, "name": ev.name, "status": status, "counts": draw_counts, "created_at": ev.created_at,
             "finished_at": ev.finished_at, "draws": ev.definition["draws"], "draw_set": draw_set(ev.definition["draws"]),
+            "seed_set": draw_set(ev.definition["seeds"]) if ev.definition.get("seeds") else None,
             "config_changes": config_changes(ev.definition["config"]), "backend": ev.definition["backend"],
             "device": result.get("device"), "comparison": comparison_of(ev),
             "correct": t.get("correct"), "total": t.get("total"), "correct_over_total": t.get("correct_over_total"),
@@ -370,10 +432,9 @@ class Evaluations:
                 self._replay(seen, definition)
                 await self._record_cells(seen)  # (cells a crash kept out of the ledger)
                 return seen, False
-        measured = definition.get("measure") is not None
         if tenant is not None:  # its cells are its tasks: max_queued counts them
-            await self.runner.check_queued(tenant, len(definition["draws"]) * (2 if measured else 1))
-        self.runner.feeder.check_capacity(len(definition["draws"]) * (2 if measured else 1), uploads=False)
+            await self.runner.check_queued(tenant, runs_of(definition))
+        self.runner.feeder.check_capacity(runs_of(definition), uploads=False)
         draws = [await asyncio.to_thread(self.draws.ensure, k) for k in definition["draws"]]
         if tenant is not None:  # the draws' datasets are the tenant's to see, as if it had sent them
             for d in draws:
@@ -381,13 +442,14 @@ class Evaluations:
         owner = None if tenant is None else tenant.owner
         measured = definition.get("measure") is not None
         cells = []
-        for d in draws:
-            cell = {"draw": d.draw, "dataset": d.digest, "task_id": new_task_id(),
-                    "input_hashes": d.input_hashes, "query_labels_sha256": d.query_labels_sha256,
-                    "build_seconds": round(d.build_seconds, 6)}
-            if measured:
-                cell["measure_task_id"] = new_task_id()
-            cells.append(cell)
+        for d in draws:  # (draw-major: a draw's seeds share its dataset, and on a batching backend launches)
+            for seed in definition.get("seeds") or [None]:
+                cell = {"draw": d.draw, **({} if seed is None else {"seed": seed}), "dataset": d.digest,
+                        "task_id": new_task_id(), "input_hashes": d.input_hashes,
+                        "query_labels_sha256": d.query_labels_sha256, "build_seconds": round(d.build_seconds, 6)}
+                if measured:
+                    cell["measure_task_id"] = new_task_id()
+                cells.append(cell)
         record = EvaluationRecord(id="ev-" + uuid.uuid4().hex, created_at=time.time(), name=definition.get("name"),
                                   definition=definition, cells=cells, idempotency_key=key, owner=owner)
         stored, created = await asyncio.to_thread(self.store.create, record)
@@ -406,7 +468,9 @@ class Evaluations:
         runner, catalog = self.runner, self.datasets
         ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
         have = await asyncio.to_thread(runner.ledger.get_many, ids)
-        config = make_config(ev.definition["config"])
+        base = ev.definition["config"]
+        configs = {seed: make_config(base if seed is None else {**base, "seed": seed})
+                   for seed in ev.definition.get("seeds") or [None]}
         protocol = ev.definition.get("protocol")
 
         def inputs(digests: list[str]) -> dict[str, tuple]:  # (blocking: one thread hop for every draw)
@@ -423,7 +487,7 @@ class Evaluations:
                 continue
             digest = cell["dataset"]
             task, labels, size = draws[digest]
-            accs += [Accepted(task_id=t, task=task, config=config, backend=ev.definition["backend"], measure=m,
+            accs += [Accepted(task_id=t, task=task, config=configs[cell.get("seed")], backend=ev.definition["backend"], measure=m,
                               mode="async", body_bytes=size, dataset=digest, labels=labels, evaluation=ev.id,
                               owner=ev.owner)
                      for t, m in wanted]

@@ -37,7 +37,8 @@
     pill(status, row.status);
     const counted = typeof row.correct === "number";
     return el("tr", { "data-draw": row.draw, "data-status": row.status, "data-correct": counted ? row.correct : null },
-      cell("draw", el("a", { href: taskURL(row.task_id), title: row.task_id }, row.draw), "num"),
+      cell("draw", el("a", { href: taskURL(row.task_id), title: row.task_id },
+        typeof row.seed === "number" ? `${row.draw} · seed ${row.seed}` : String(row.draw)), "num"),
       cell("dataset seed", row.dataset_seed, "num"),
       cell("status", status),
       cell("correct / total", counted ? `${row.correct.toLocaleString("en")} / ${row.total.toLocaleString("en")}` : dash, "num"),
@@ -65,6 +66,9 @@
       ["pooled accuracy", `${pct(t.pooled_accuracy)} (95 % interval ${pct(lo)} – ${pct(hi)})`],
       ["mean accuracy", `${num(t.mean_accuracy_percent, 3)} % ${sdText} over ${t.draws} draw(s)`],
       ["mean error", `${num(t.mean_error_percent, 3)} % (exactly ${t.mean_error_exact})`],
+      ...(data.seeds && data.seeds.by_seed ? [["across seeds", `${data.seeds.seeds.length} seeds, each draw's `
+        + `accuracy the mean of its seeds'; the seeds' means vary by ${data.seeds.sd_across_seeds_pp === null ? dash
+          : `${num(data.seeds.sd_across_seeds_pp, 2)} pp (SD)`}`]] : []),
       ["time per task", time.ms_per_task === undefined ? dash
         : `${num(time.ms_per_task)} ms${time.ms_sd ? ` ± ${num(time.ms_sd)}` : ""} (${(time.clock || []).join(", ")})`],
       ["energy per task", energy === null || energy === undefined ? "not measured"
@@ -101,6 +105,9 @@
       const c = data.counts;
       facts($("#evaluation-facts"), [
         ["draws", data.definition.draws.join(", ")],
+        ...(data.definition.seeds ? [["seeds", data.definition.seeds.length > 12
+          ? `${data.definition.seeds.length} (${data.definition.seeds[0]}…${data.definition.seeds.at(-1)})`
+          : data.definition.seeds.join(", ")]] : []),
         ["config", changes(data.config_changes)],
         ["backend", `${data.backend.requested}${data.backend.used ? ` (used: ${data.backend.used.join(", ")})` : ""}`],
         ["device", data.device === null ? dash : String(data.device)],
@@ -186,7 +193,7 @@
       cell("rank", rank === null ? dash : rank, "num"),
       cell("name", el("a", { href: reportURL(row.id), title: row.id }, row.name || row.id.slice(0, 11))),
       cell("status", status),
-      cell("draws", row.draw_set || row.draws.join(","), "num"),
+      cell("draws", (row.draw_set || row.draws.join(",")) + (row.seed_set ? ` × seeds ${row.seed_set}` : ""), "num"),
       cell("config", changes(row.config_changes)),
       cell("backend", row.backend),
       cell("correct", row.correct_over_total
@@ -231,7 +238,8 @@
       // their group; the groups over more draws first, the ones not graded yet last
       const groups = new Map();
       for (const row of rows) {
-        const label = row.status === "completed" ? (row.comparison || `unknown device · draws ${row.draw_set}`) : "";
+        const label = row.status === "completed" ? (row.comparison || `unknown device · draws ${row.draw_set}`
+          + (row.seed_set ? ` · seeds ${row.seed_set}` : "")) : "";
         if (!groups.has(label)) groups.set(label, []);
         groups.get(label).push(row);
       }
