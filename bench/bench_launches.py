@@ -12,8 +12,9 @@ replay's own CPU (reading the kept outputs) is subtracted. Two runs in one:
     evaluation   one POST /evaluations of draws 0-10 x --eval-seeds seeds (132 cells by default)
 
 Reported for each: host CPU per cell (from /proc: every thread of the server, by thread group,
-the replay excluded), cells per second, and that rate against the stand-in's (its launch rate at
-full launches). Every cell's predictions_sha256 is checked against the kept output's. CPU time,
+the replay excluded; also without the bench's own polls, whose cost it measures), cells per
+second as the client sees them (polling every POLL_S) and as the server's own span (acceptance
+to the last answer), and those rates against the stand-in's (its launch rate at full launches). Every cell's predictions_sha256 is checked against the kept output's. CPU time,
 not wall time, for the per-cell figure; the rate is wall time on whatever else the machine does.
 Not a test; run it by hand at a quiet moment:
 
@@ -45,8 +46,10 @@ from bench_shell import cpu_by_group  # noqa: E402
 from bench_sweep import request  # noqa: E402
 from device_stand_in import DIR_ENV, LAUNCH_ENV, STATS_ENV, precompute  # noqa: E402
 
-POLL_S = 0.2  # how often the bench asks whether the cells have finished (each ask costs the server a little:
-# the lists' rows are asked, not the documents with every cell, which are read once at the end)
+POLL_S = 0.05  # how often the bench asks whether the cells have finished (each ask costs the server a little:
+# the lists' rows are asked, not the documents with every cell, which are read once at the end; what an ask
+# costs is measured after the run and reported, with the host's figure without them)
+POLL_COST_ASKS = 20
 
 
 def replay_cpu(stats: Path) -> float:
@@ -62,20 +65,39 @@ def expected_hashes(folder: Path, count: int) -> list[str]:
 
 
 def measure(stats: Path, pid: int, cells: int, start, done, stand_in_rate: float) -> dict:
-    """CPU and wall from ``start()`` until ``done()`` says every cell finished."""
+    """CPU and wall from ``start()`` until ``done()`` says every cell finished; then what one of
+    those polls costs the server (POLL_COST_ASKS more of them, by CPU), so that the host's figure
+    is also given without the client's polling (a sweep.completed webhook costs none)."""
     replay0, before, w0 = replay_cpu(stats), cpu_by_group(pid), time.perf_counter()
     handle = start()
+    polls = 1
     while not done(handle):
         time.sleep(POLL_S)
+        polls += 1
     wall = time.perf_counter() - w0
     after, replay1 = cpu_by_group(pid), replay_cpu(stats)
     replay = replay1 - replay0
     groups = {k: round((after[k] - before[k]) / cells * 1000.0, 4) for k in after}
     host = (after["process"] - before["process"] - replay) / cells * 1000.0
+    p0 = cpu_by_group(pid)["process"]
+    for _ in range(POLL_COST_ASKS):
+        done(handle)
+    poll_ms = (cpu_by_group(pid)["process"] - p0) / POLL_COST_ASKS * 1000.0
     rate = cells / wall
     return {"cells": cells, "host_cpu_ms_per_cell": round(host, 4), "by_thread_ms_per_cell": groups,
-            "replay_cpu_ms_per_cell": round(replay / cells * 1000.0, 4), "wall_s": round(wall, 3),
-            "cells_per_s": round(rate, 2), "rate_vs_stand_in": round(rate / stand_in_rate, 3), "handle": handle}
+            "replay_cpu_ms_per_cell": round(replay / cells * 1000.0, 4), "polls": polls,
+            "poll_cpu_ms": round(poll_ms, 3),
+            "host_cpu_ms_per_cell_without_polls": round(host - polls * poll_ms / cells, 4),
+            "wall_s": round(wall, 3), "cells_per_s": round(rate, 2), "rate_vs_stand_in": round(rate / stand_in_rate, 3),
+            "handle": handle}
+
+
+def makespan(rows: list[dict], cells: int, stand_in_rate: float) -> dict:
+    """The server's own span: from the cells' acceptance to the last one's answer (the largest
+    timing.total_ms; the request that made them and the last commit are outside it)."""
+    span = max(row["timing"]["total_ms"] for row in rows) / 1000.0
+    return {"server_span_s": round(span, 3), "server_cells_per_s": round(cells / span, 2),
+            "server_rate_vs_stand_in": round(cells / span / stand_in_rate, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             got = [row.get("predictions_sha256") for row in state["cells"]]
             assert got == expected[:len(sweep_cells)], "a cell's predictions differ from the kept output's"
             sweep["succeeded"] = state["counts"]["succeeded"]
+            sweep.update(makespan(state["cells"], len(sweep_cells), stand_in_rate))
             doc["sweep"] = sweep
             print(json.dumps({"sweep": sweep}, indent=2), file=sys.stderr)
 
@@ -179,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     want = expected[len(sweep_cells) + row["seed"] * 11 + row["draw"]]
                     assert row["predictions_sha256"] == want, f"evaluation seed {row['seed']} draw {row['draw']} differs"
                 evaluation["rows"] = len(state["draws"])
+                evaluation.update(makespan(state["draws"], len(eval_cells), stand_in_rate))
                 evaluation["totals"] = state["totals"]["correct_over_total"]
                 doc["evaluation"] = evaluation
         finally:

@@ -176,12 +176,14 @@ class ReplayDevice:
         with self._lock:
             self.launches += 1
             self.tasks += len(tasks)
+            self.replay_cpu_s += time.thread_time() - t0  # (the replay; then this file's write, counted next time)
+            t1 = time.thread_time()
             if self.stats is not None:
                 tmp = self.stats.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"launches": self.launches, "tasks": self.tasks,
                                            "replay_cpu_s": self.replay_cpu_s}))
                 tmp.replace(self.stats)
-            self.replay_cpu_s += time.thread_time() - t0  # (the replay and this file's write)
+            self.replay_cpu_s += time.thread_time() - t1
         # the launch takes launch_s in all, its replay included: the rest of it asleep (no CPU)
         time.sleep(max(0.0, self.launch_s - (time.monotonic() - w0)))
         return outs
