@@ -131,7 +131,7 @@ def big_sweep_lrs(count: int) -> list[float]:
 
 def server_cpu(pid: int) -> dict[str, float]:
     """The server's CPU seconds so far: ``process`` (every thread, /proc/<pid>/stat) and per thread group
-    (bench/bench_shell.py's cpu_by_group: main, workers, ledger, io, recv, other)."""
+    (bench/bench_shell.py's cpu_by_group: main, workers, ledger, io, recv, finish, hash, to_thread, other)."""
     spec = importlib.util.spec_from_file_location("bench_shell", ROOT / "bench" / "bench_shell.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
