@@ -596,3 +596,28 @@ def test_the_key_box_says_which_key_is_in_use_and_its_usage(server, desktop, tas
     page.click("#key-save")
     page.wait_for_selector("#key-state[data-key-name='admin']")
     assert "admin" in page.inner_text("#key-state")
+
+
+def test_an_evaluation_over_seeds_shows_a_row_per_draw_and_seed(server, desktop):
+    """An evaluation with seeds: its report lists each draw at each seed, names the seeds, and its
+    totals say how much the seeds' means vary; the leaderboard row names the seeds."""
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        ev = c.post("/evaluations", json={"draws": "2", "seeds": [0, 1], "config": {"epochs": 1},
+                                          "name": "two seeds"}).json()["id"]
+        doc = wait_for(lambda: (d := c.get(f"/evaluations/{ev}").json())["status"] == "completed" and d, 300,
+                       what="the evaluation")
+    page = desktop
+    page.goto(f"{server.url}/evaluations/{ev}/report")
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#evaluation-status.status-completed", timeout=60_000)
+    assert page.eval_on_selector_all("#draw-rows tr td[data-label='draw']", "cs => cs.map(c => c.innerText)") == [
+        "2 · seed 0", "2 · seed 1"]
+    assert page.eval_on_selector_all("#draw-rows tr", "rs => rs.map(r => Number(r.dataset.correct))") == [
+        row["correct"] for row in doc["draws"]]
+    facts_text = page.inner_text("#evaluation-facts")
+    assert "seeds\n0, 1" in facts_text and "· seeds 0-1" in facts_text, facts_text
+    assert "2 seeds" in page.inner_text("#totals")
+    page.goto(f"{server.url}/ui/evaluations")
+    page.wait_for_selector(f"tr[data-id='{ev}']")
+    assert "× seeds 0-1" in page.inner_text(f"tr[data-id='{ev}'] td[data-label='draws']")
