@@ -34,7 +34,7 @@ def test_the_gated_windows_are_arguments_with_the_protocols_defaults():
 def test_the_timeout_covers_every_phase():
     args = {"trials": 2, "target_seconds": 4.0, "settle_seconds": 1.0, "idle_seconds": 2.0}
     frame = 2 * (1.0 + 2.0)
-    phases = 2 * (10.0 + frame) + (5.0 + frame) + 3 * (4.0 + frame)  # references, sham, harness + 2 trials
+    phases = 2.0 + 2 * (10.0 + frame) + (5.0 + frame) + 3 * (4.0 + frame)  # cold idle, references, sham, harness + 2 trials
     assert measure_timeout_s(args, 7.0) == pytest.approx(phases + OVERHEAD_ALLOWANCE_S + 5 * 7.0)
     longest = {name: spec[2] for name, spec in MEASURE_PARAMS.items()}
     assert measure_timeout_s(longest, 0.0) < 3600 - 600  # one measurement well under an hour

@@ -127,16 +127,17 @@ def measure_arguments(raw: dict[str, str]) -> dict[str, Any]:
 
 
 def measure_timeout_s(arguments: dict[str, Any], task_timeout_s: float) -> float:
-    """A measurement's timeout: every phase of the gated protocol -- two reference windows, the
-    sham, the harness control (a target-length window) and the trials, each framed by
-    2 x (settle + idle) -- plus the protocol's allowance for the reference matmul's preparation
+    """A measurement's timeout: every phase of the gated protocol -- the cold idle window before
+    any work, two reference windows, the sham, the harness control (a target-length window) and
+    the trials, each framed by 2 x (settle + idle; a settle ends at its cap at the latest) --
+    plus the protocol's allowance for the reference matmul's preparation
     and the sampler process's start and stop, plus the task timeout for each single run it makes
     outside the windows (first, calibration, after) and for each trial's last repeat."""
     from learner.measure.gated import OVERHEAD_ALLOWANCE_S
 
     a = {name: arguments.get(name, spec[3]) for name, spec in MEASURE_PARAMS.items()}
     frame = 2 * (a["settle_seconds"] + a["idle_seconds"])
-    windows = (2 * (a["reference_seconds"] + frame) + (a["sham_seconds"] + frame)
+    windows = (a["idle_seconds"] + 2 * (a["reference_seconds"] + frame) + (a["sham_seconds"] + frame)
                + (a["trials"] + 1) * (a["target_seconds"] + frame))
     return windows + OVERHEAD_ALLOWANCE_S + (3 + a["trials"]) * task_timeout_s
 
