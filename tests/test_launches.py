@@ -137,3 +137,39 @@ def test_a_cell_run_alone_on_a_backend_that_cannot_batch_takes_the_same_path(tmp
         doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 120, 0.1,
                        "the sweep")
     assert doc["counts"]["succeeded"] == 3 and {r["timing"]["tasks_in_launch"] for r in doc["cells"]} == {1}
+
+
+def test_a_cell_whose_tenants_key_was_revoked_while_it_waited_fails_alone(tmp_path):
+    """Tenants A and B each sweep the same dataset; their cells wait behind a held launch; the
+    admin revokes A's key. A's cells fail with the revocation named, without running; B's cells,
+    gathered into the same launches, succeed with the answers single tasks get."""
+    admin = {"Authorization": "Bearer admin-key-for-revocation"}
+    gate = Gate()
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=100,
+                              api_key="admin-key-for-revocation", data_dir=str(tmp_path / "d")),
+                     engines=gated_engines(gate, batching=True))
+    with inprocess_server(app) as server, server.client() as c:
+        made = {name: c.post("/keys", json={"name": name}, headers=admin).json() for name in ("a", "b")}
+        who = {name: {"Authorization": f"Bearer {made[name]['key']}"} for name in made}
+        for name in who:
+            assert c.put(f"/datasets/{DIGEST}", content=BODY, headers={**NPZ, **who[name]}).status_code in (200, 201)
+        gate.hold()
+        held = c.post("/tasks", content=BODY, headers={**NPZ, **admin, "Prefer": "respond-async"}).json()["id"]
+        wait_for(lambda: c.get(f"/tasks/{held}", headers=admin).json()["status"] == "running", 60, 0.05,
+                 "the admin's task on the device")
+        sweeps = {name: c.post("/sweeps", json={"dataset": DIGEST, "seeds": [0, 1, 2]}, headers=who[name]).json()["id"]
+                  for name in who}
+        assert c.delete(f"/keys/{made['a']['id']}", headers=admin).status_code == 200
+        gate.release()
+        docs = {name: wait_for(lambda s=sweep: (d := c.get(f"/sweeps/{s}", headers=admin).json())["status"]
+                               == "completed" and d, 120, 0.1, f"sweep {sweep}") for name, sweep in sweeps.items()}
+        records = {name: [c.get(f"/tasks/{row['task_id']}", headers=admin).json() for row in docs[name]["cells"]]
+                   for name in docs}
+    assert docs["b"]["counts"]["succeeded"] == 3
+    task = load_task(BODY)
+    for row, record in zip(docs["b"]["cells"], records["b"]):
+        assert record["predictions_sha256"] == run_task(task, make_config(row["config"]), "cpu-fast").predictions_sha256
+    assert docs["a"]["counts"]["failed"] == 3
+    for row, record in zip(docs["a"]["cells"], records["a"]):
+        assert row["status"] == "failed" and "key 'a'" in row["error"] and "was revoked" in row["error"], row
+        assert record["error"]["status"] == 403 and record.get("predictions_sha256") is None

@@ -163,14 +163,15 @@ class Launch:
 
 
 def launch_on_device(
-    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend, precision: str | None = None
+    items: list[tuple], backend: str, energy: Any, engines: Engines = get_backend, precision: str | None = None,
+    refuse: Callable[[tuple], BaseException | None] | None = None,
 ) -> Launch:
     """The device's part of a launch of gathered tasks of one launch key: each task prepared (its
     seed-derived state from learner/seed_state.py), one ``run_many``, metered as a whole where a
     GPU meter exists. An item is ``(task, config)`` or ``(task, config, cancel_token, ...)``.
 
     A task whose preparation fails is answered with its own error; a task cancelled before the
-    launch is left out of it. An error of the launch itself is raised (the executor answers every
+    launch, or one ``refuse`` answers an error for (its tenant's key revoked), is left out of it. An error of the launch itself is raised (the executor answers every
     task of the launch with it). Its results are finished apart (``finish_launch``), off the
     device worker."""
     engine = worker_engine(backend, engines, precision)
@@ -182,6 +183,10 @@ def launch_on_device(
         cancel = item[2] if len(item) > 2 else None
         if cancel is not None and cancel.cancelled:
             runs[i] = TaskCancelled(cancel.reason or "cancelled", 0, 0, config.epochs)
+            continue
+        refused = refuse(item) if refuse is not None else None
+        if refused is not None:
+            runs[i] = refused
             continue
         t0 = time.perf_counter()
         try:

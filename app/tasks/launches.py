@@ -21,7 +21,8 @@ CUDA streams, because what follows a launch is Python and hashing, not device wo
 A launch-path cell has no coroutine of its own: its failures before the launch (a timeout while
 queued, a cancel, a drain, taken back to the ledger) come through its job's future
 (``watch``), its timeout from one timer on the loop. One bad cell fails alone: its own error is
-its outcome, in the same transaction as the others'.
+its outcome, in the same transaction as the others' -- a cell that diverged, one cancelled, one
+whose tenant's key was revoked while it waited (checked as its launch is gathered: it does not run).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Launches:
     def run(self, items: list[tuple], backend: str, precision: str | None) -> list[Finishing]:
         """(a device worker) The launch on the device; its finishing handed to the finisher thread."""
         r = self.runner
-        launch = launch_on_device(items, backend, r.energy, r.engines, precision)
+        launch = launch_on_device(items, backend, r.energy, r.engines, precision, refuse=self._refusal)
         future = self.finisher.submit(self._finish, launch)
         future.add_done_callback(_log_failure)
         return [Finishing(future, i) for i in range(len(items))]
@@ -85,6 +86,11 @@ class Launches:
         the only one of its key): the single run, then the same finishing."""
         r = self.runner
         engine = worker_engine(acc.backend, r.engines, acc.precision)
+        refused = r.refusal(acc)
+        if refused is not None:  # (its tenant's key revoked while it waited: its answer, not run)
+            future = self.finisher.submit(self._record, [(0, acc)], [refused], 0.0, 0)
+            future.add_done_callback(_log_failure)
+            return Finishing(future, 0)
         if has_run_many(engine):
             return self.run([(acc.task, acc.config, acc.cancel, acc)], acc.backend, acc.precision)[0]
         t0 = time.monotonic()
@@ -97,6 +103,10 @@ class Launches:
         future = self.finisher.submit(self._record, [(0, acc)], [outcome], device_s, 1)
         future.add_done_callback(_log_failure)
         return Finishing(future, 0)
+
+    def _refusal(self, item: tuple) -> BaseException | None:
+        acc = item[3] if len(item) > 3 else None
+        return self.runner.refusal(acc) if acc is not None else None
 
     # ------------------------------------------------------------------ the finisher's part
     def _finish(self, launch) -> list:

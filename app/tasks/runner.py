@@ -37,7 +37,7 @@ from learner.cancel import CancelToken
 from learner.config import Config
 from learner.taskio import TaskArrays
 
-from ..errors import NotAccepted, Requeued, TaskStopped, Unavailable, error_answer, outcome_of
+from ..errors import Forbidden, NotAccepted, Requeued, TaskStopped, Unavailable, error_answer, outcome_of
 from ..ledger import (
     AlreadyFinished,
     FinishedTask,
@@ -278,6 +278,17 @@ class TaskRunner:
         """A tenant's fair-share weight ("" -- the admin, an open service -- weighs 1)."""
         return self.shares(tenant)[0] if tenant else 1.0
 
+    def refusal(self, acc: Accepted) -> Forbidden | None:
+        """(a device worker, blocking on a key cache miss) Why this task may not run now that it
+        reaches the device -- its tenant's key was revoked while it waited -- or None. Its answer
+        is that error, alone: the other tasks of its launch run."""
+        if acc.owner is None or self.keys is None:
+            return None
+        reason = self.keys.barred(acc.owner)
+        if reason is None:
+            return None
+        return Forbidden(f"{reason} while this task waited; it was not run")
+
     def others_waiting(self) -> dict[str, float]:
         """The tenants whose work waits in the ledger, with their weights (their shares of the
         device queue are kept for them: app/runtime/executor.py)."""
@@ -356,8 +367,11 @@ class TaskRunner:
             acc.launch_path = fed and self.batch_max > 1  # answered with its launch (app/tasks/launches.py)
 
             def run() -> DeviceOutcome | Answered | Finishing:
-                if acc.launch_path:
+                if acc.launch_path:  # (its tenant's key checked there, with its launch's)
                     return self.launches.run_alone(acc)
+                refused = self.refusal(acc)
+                if refused is not None:
+                    raise refused
                 if acc.task is None:  # a deferred task's body: parsed here, on the worker
                     acc.task = self._parse_late(acc)
                 outcome = run_on_device(acc.task, acc.config, acc.backend, self.energy, self.engines, cancel=acc.cancel,

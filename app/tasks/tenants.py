@@ -29,7 +29,7 @@ from ..ledger.keys import KeyRecord, open_keys
 
 SCOPES = ("read", "write", "admin")
 DEFAULT_SCOPES = ("read", "write")
-SHARE_CACHE_S = 5.0  # a tenant's weight and running limit, re-read this often
+SHARE_CACHE_S = 5.0  # a tenant's weight, running limit and revocation (for its waiting work), re-read this often
 CACHE_S = 1.0  # how long a resolved key is trusted before it is read again (revocation delay elsewhere)
 TOUCH_S = 60.0  # last_used_at is written at most once a minute per key
 GRACE_DEFAULT_S = 3600.0  # a rotated-out secret keeps working this long unless asked otherwise
@@ -82,7 +82,7 @@ class KeyRing:
         self.store = open_keys(datasets_store)
         self.admin_key = admin_key
         self._cache: dict[str, tuple[float, Tenant | str]] = {}  # hash -> (until, tenant or refusal)
-        self._shares: dict[str, tuple[float, tuple[float, int | None]]] = {}  # owner -> (until, share)
+        self._shares: dict[str, tuple[float, tuple[float, int | None, str | None]]] = {}  # owner -> (until, limits)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ who is asking
@@ -141,18 +141,33 @@ class KeyRing:
         return owner
 
     # ------------------------------------------------------------------ limits
-    def share(self, owner: str) -> tuple[float, int | None]:
-        """(blocking on a cache miss) The tenant's fair-share weight and running limit."""
+    def _limits(self, owner: str) -> tuple[float, int | None, str | None]:
+        """(blocking on a cache miss) (weight, max_running, why its work may no longer run)."""
         now = time.monotonic()
         with self._lock:
             hit = self._shares.get(owner)
         if hit is not None and hit[0] > now:
             return hit[1]
         record = self.store.get(owner)
-        share = (1.0, None) if record is None else (record.weight, record.max_running)
+        if record is None:
+            limits: tuple[float, int | None, str | None] = (1.0, None, None)
+        else:
+            barred = (f"key {record.name!r} ({record.prefix}…) was revoked" if record.revoked_at is not None
+                      else None)
+            limits = (record.weight, record.max_running, barred)
         with self._lock:
-            self._shares[owner] = (now + SHARE_CACHE_S, share)
-        return share
+            self._shares[owner] = (now + SHARE_CACHE_S, limits)
+        return limits
+
+    def share(self, owner: str) -> tuple[float, int | None]:
+        """(blocking on a cache miss) The tenant's fair-share weight and running limit."""
+        return self._limits(owner)[:2]
+
+    def barred(self, owner: str) -> str | None:
+        """(blocking on a cache miss) Why the tenant's waiting work may not run any more (its key
+        was revoked: at once on this replica, within SHARE_CACHE_S on the others), or None. Work
+        accepted before an expiry still runs: an expiry ends new requests, not answers owed."""
+        return self._limits(owner)[2]
 
     def rate(self, tenant: Tenant) -> dict[str, str]:
         """(blocking) One write request against the tenant's rate_per_minute: the RateLimit
