@@ -301,6 +301,7 @@ class Service:
         self.io_pool = concurrent.futures.ThreadPoolExecutor(
             thread_name_prefix="rev88-io", initializer=name_os_thread, initargs=("rev88-io",))
         self._loop.set_default_executor(self.io_pool)
+        self.runner.io_pool = self.io_pool
         if self.settings.threads:
             import torch
 

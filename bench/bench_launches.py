@@ -10,6 +10,10 @@ replay's own CPU (reading the kept outputs) is subtracted. Two runs in one:
     sweep        PUT /datasets (draw 0), POST /sweeps of --lrs learning rates x --seeds seeds
                  (1,320 cells by default), polled every second until completed
     evaluation   one POST /evaluations of draws 0-10 x --eval-seeds seeds (132 cells by default)
+    uploads      --uploads synchronous POST /tasks of the whole draw-0 npz (6.5 MB each; the sweep's
+                 first learning rate, seeds 0..), from --clients keep-alive connections at once:
+                 where an upload's host CPU goes, by thread group (the loop's share is what a
+                 many-core host cannot spread; the io pool's, sized to the cores, it can)
 
 Reported for each: host CPU per cell (from /proc: every thread of the server, by thread group,
 the replay excluded; also without the bench's own polls, whose cost it measures), cells per
@@ -18,7 +22,8 @@ to the last answer), and those rates against the stand-in's (its launch rate at 
 not wall time, for the per-cell figure; the rate is wall time on whatever else the machine does.
 Not a test; run it by hand at a quiet moment:
 
-    python bench/bench_launches.py [--lrs 10] [--seeds 132] [--eval-seeds 12] [--launch-ms 132] [--out bench/results]
+    python bench/bench_launches.py [--lrs 10] [--seeds 132] [--eval-seeds 12] [--uploads 132] [--clients 8]
+                                   [--launch-ms 132] [--out bench/results]
 
 The kept outputs (~600 MB for the defaults) go to --cache (default /tmp/rev88-stand-in); a
 second run reuses them.
@@ -100,6 +105,53 @@ def makespan(rows: list[dict], cells: int, stand_in_rate: float) -> dict:
             "server_rate_vs_stand_in": round(cells / span / stand_in_rate, 3)}
 
 
+def uploads(port: int, pid: int, stats: Path, body: bytes, lr: float, count: int, clients: int,
+            expected: list[str], seeds: int, stand_in_rate: float) -> dict:
+    """``count`` synchronous uploads of the whole npz (seeds 0..count-1 at the sweep's first
+    learning rate: the sweep's kept outputs) from ``clients`` connections at once; every answer's
+    predictions_sha256 checked against the kept output's. CPU per upload by thread group."""
+    import threading
+
+    from bench_load import Connection, build_request
+
+    lock, results = threading.Lock(), []
+
+    def send(mine: list[int]) -> None:
+        conn = Connection("127.0.0.1", port)
+        try:
+            for seed in mine:
+                raw = build_request("127.0.0.1", port, "POST", f"/tasks?learning_rate={lr}&seed={seed}", body)
+                status, _, data = conn.request(raw)
+                answer = json.loads(data)
+                with lock:
+                    results.append((seed, status, answer.get("predictions_sha256"),
+                                    answer.get("timing", {}).get("tasks_in_launch")))
+        finally:
+            conn.close()
+
+    replay0, before, w0 = replay_cpu(stats), cpu_by_group(pid), time.perf_counter()
+    threads = [threading.Thread(target=send, args=(list(range(count))[i::clients],)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - w0
+    time.sleep(0.3)  # (what follows an answer: its log line, the ledger's write)
+    after, replay = cpu_by_group(pid), replay_cpu(stats) - replay0
+    bad = [(seed, st) for seed, st, sha, _ in results if st != 200 or sha != expected[seed]]
+    assert not bad, f"uploads answered wrong: {bad[:3]}"
+    launch_sizes = [n for *_, n in results if n]
+    host = (after["process"] - before["process"] - replay) / count * 1000.0
+    return {"uploads": count, "clients": clients, "body_bytes": len(body),
+            "host_cpu_ms_per_upload": round(host, 3),
+            "by_thread_ms_per_upload": {k: round((after[k] - before[k]) / count * 1000.0, 3) for k in after},
+            "replay_cpu_ms_per_upload": round(replay / count * 1000.0, 3),
+            "mean_tasks_in_launch": round(sum(launch_sizes) / max(1, len(launch_sizes)), 2),
+            "wall_s": round(wall, 3), "uploads_per_s": round(count / wall, 2),
+            "note": "the stand-in's launch takes launch_ms whatever its size: the rate is bounded by "
+                    "clients / launch_ms (a GPU's lone task takes about a full launch's time too)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lrs", type=int, default=10, help="learning rates in the sweep's grid")
@@ -111,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-args", default="", help="more rev88 serve flags")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--skip-evaluation", action="store_true")
+    parser.add_argument("--uploads", type=int, default=132, help="synchronous uploads of draw 0 (0: none; at most --seeds)")
+    parser.add_argument("--clients", type=int, default=8, help="connections the uploads are sent from at once")
     args = parser.parse_args(argv)
 
     from learner.data import bundled_mnist_dir
@@ -205,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                 evaluation.update(makespan(state["draws"], len(eval_cells), stand_in_rate))
                 evaluation["totals"] = state["totals"]["correct_over_total"]
                 doc["evaluation"] = evaluation
+                print(json.dumps({"evaluation": evaluation}, indent=2), file=sys.stderr)
+
+            if args.uploads:
+                doc["uploads"] = uploads(port, proc.pid, stats, body, lrs[0], min(args.uploads, args.seeds),
+                                         args.clients, expected, args.seeds, stand_in_rate)
         finally:
             stop_server(proc)
     out = Path(args.out)

@@ -1,12 +1,11 @@
-"""POST /tasks from arrival to answer: gates, upload, parse (worker thread), ledger, queue, answer.
+"""POST /tasks from arrival to answer: gates, upload, parse, the runner's one entry, answer.
 
 Cheap checks come first (draining, content type, query options, a full queue),
 so a request that cannot succeed is refused before its body is read. Then the
-body is parsed and validated (on the loop when small, else in a thread), the budget checked,
-and the task recorded in the ledger by the task runner (app/tasks/runner.py) before it is
-queued. A synchronous task without an Idempotency-Key on a backend that does not batch is
-recorded only once it has finished, and its own job parses it and checks its budget, on the
-device worker: the event loop only reads its body (bench/bench_shell.py, docs/performance.md).
+body is parsed and validated and its budget checked where app/tasks/submit.py decides (by its
+own job on the device worker, on the loop when small, else on the io pool), and the task goes
+through the runner's one entry, ``TaskRunner.submit`` (the same as a sweep's cells and the
+feeder's claims): recorded now or once it has finished, offered to the feeder or queued here.
 
 ``Prefer: respond-async`` answers ``202 Accepted`` with ``Location: /tasks/{id}`` once the task
 and its npz are durable in the ledger; without it the request waits for the answer (and a
@@ -17,7 +16,6 @@ task already recorded instead of training again; another body is a 409.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import time
@@ -28,16 +26,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from learner.budget import check_budget, estimate
-from learner.hashing import bytes_sha256
-from learner.taskio import TaskArrays, load_task
 
-from ..errors import Conflict, InvalidRequest, QueueFull, Unavailable, outcome_of
+from ..errors import Conflict, InvalidRequest, Unavailable, outcome_of
 from ..http import uploads
 from ..http.protocol import GONE
 from ..ledger import IdempotencyConflict, TaskRecord
 from ..tasks.answers import Settled, status_answer, task_npz
 from ..tasks.options import parse_options, wants_npz
 from ..tasks.runner import Accepted, new_task_id
+from ..tasks.submit import parse_upload
 from ..webhooks.delivery import SubscriptionError
 from .deps import tenant_of
 
@@ -46,9 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rev88." + __name__)
 
-# Bodies up to this size are parsed (and their inputs hashed) on the event loop: for them the
-# hop to a thread and back costs more than the work (bench/bench_shell.py, docs/performance.md).
-PARSE_ON_LOOP_BYTES = 256 * 1024
 _KEY = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, 1-200 characters
 
 
@@ -91,31 +85,6 @@ async def _disconnect_message(request: Request) -> None:
             return
 
 
-def _hash_aside(task: TaskArrays, pool) -> None:
-    """A large synchronous task's input hashes (4.6 ms for draw 0), computed in the io pool while
-    it runs: only its answer needs them, where the run's result takes them (TaskArrays.input_hashes
-    waits for this thread if it has not finished). Handed to the pool directly: nobody awaits it,
-    so its end need not wake the event loop."""
-    if task.train_images.nbytes + task.test_images.nbytes > PARSE_ON_LOOP_BYTES:
-        pool.submit(task.input_hashes)
-
-
-def late_task(body: bytes | memoryview, config, max_work: float, max_bytes: float, pool) -> TaskArrays:
-    """A synchronous task's body, parsed and budget-checked by its job on the device worker."""
-    task = load_task(body, hash_inputs=False)
-    check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
-    _hash_aside(task, pool)
-    return task
-
-
-def _parse(body: bytes, hash_body: bool, hash_inputs: bool) -> tuple:
-    """In a worker thread: the task (validated; its input hashes computed when ``hash_inputs``)
-    and, when asked, the body's SHA-256 (None otherwise: 4.6 ms for a 6.5 MB body, needed only
-    to match an Idempotency-Key's replay and to keep an asynchronous task's stored npz)."""
-    task = load_task(body, hash_inputs=hash_inputs)
-    return task, bytes_sha256(body) if hash_body else None
-
-
 async def handle(request: Request, service: Service) -> Response:
     t0 = getattr(request.state, "t0", time.perf_counter())
     request_id = getattr(request.state, "request_id", None)
@@ -146,39 +115,26 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
         if kind == uploads.MULTIPART:
             body, form_config = await uploads.split_multipart(request.headers, bytes(body))
         config = options.config(form_config)
-        hash_body = asynchronous or key is not None or webhook is not None  # (recorded before it runs)
-        late = None
-        if not hash_body and options.measure is None and service.runner.batch_max <= 1:
-            # A synchronous task, recorded only once it has finished, on a backend that does not
-            # batch: its job parses it and checks its budget on the device worker, the hop it
-            # takes anyway (a body found invalid there is answered as refused, app.errors.NotAccepted).
-            task, body_sha256 = None, None
-            late = functools.partial(late_task, body, config, settings.max_task_work, settings.max_task_bytes,
-                                     service.io_pool)
-        elif len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
-            # (an asynchronous task's input hashes are recorded before its 202; a synchronous one's
-            # are computed by its run, on the device worker: the answer carries them)
-            task, body_sha256 = _parse(body, hash_body, asynchronous)
-        else:
-            task, body_sha256 = await asyncio.to_thread(_parse, body, hash_body, asynchronous)
-        parse_s = time.perf_counter() - t_parse
+        recorded_now = asynchronous or key is not None or webhook is not None
+        # where it is parsed, and its budget (app/tasks/submit.py): by its job, on the loop or on the io pool
+        parsed = await parse_upload(body, config, recorded_now=recorded_now, asynchronous=asynchronous,
+                                    measure=options.measure is not None, batching=service.runner.batch_max > 1,
+                                    max_work=settings.max_task_work, max_bytes=settings.max_task_bytes,
+                                    pool=service.io_pool)
     finally:
         reservation.release()
     gate(service)  # a drain may have begun while the body streamed in
-    if late is None:
-        service.metrics.parse_seconds.observe(parse_s)
-        # The budget, before the task is queued: its estimated work and memory (learner.budget).
-        check_budget(estimate(task.train_count, task.test_count, config),
-                     service.settings.max_task_work, service.settings.max_task_bytes)
+    if parsed.late is None:
+        service.metrics.parse_seconds.observe(parsed.parse_s)
 
     acc = Accepted(
-        task_id=new_task_id(), task=task, config=config, backend=options.backend,
+        task_id=new_task_id(), task=parsed.task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
-        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=0.0 if late else parse_s,
-        body_bytes=len(body), deferred=not hash_body,  # synchronous, no Idempotency-Key: recorded once, when finished
-        late=late, owner=tenant_of(request).owner, webhook=webhook, precision=options.precision,
+        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parsed.parse_s,
+        body_bytes=len(body), deferred=not recorded_now,  # synchronous, no Idempotency-Key: recorded once, when finished
+        late=parsed.late, owner=tenant_of(request).owner, webhook=webhook, precision=options.precision,
     )
-    return await _accepted(request, service, acc, body, body_sha256, key, asynchronous)
+    return await _accepted(request, service, acc, body, parsed.body_sha256, key, asynchronous)
 
 
 async def webhook_of(service: Service, url: str | None, events, allowed: tuple[str, ...]) -> dict | None:
@@ -241,33 +197,18 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
 
 async def _accepted(request: Request, service: Service, acc: Accepted, body: bytes | memoryview | None,
                     body_sha256: str | None, key: str | None, asynchronous: bool) -> Response:
-    """An accepted task, from its record to its answer (any body, or a stored dataset)."""
-    runner = service.runner
-    record = None
-    if not acc.deferred:
-        try:  # durable before the 202: an asynchronous task's npz is stored with its record
-            record, created = await asyncio.to_thread(
-                runner.record, acc, body_sha256, acc.body_bytes, body if asynchronous else None, key)
-        except IdempotencyConflict as exc:
-            raise Conflict(f"{exc}; use a new key for a new task", task_id=exc.task_id) from None
-        if not created:
-            return await _existing(request, service, record, asynchronous)
-    del body
-    if asynchronous:
-        runner.feeder.offer(acc)  # recorded queued: the feeder claims it by fair share (any replica's)
-        return accepted_response(record)
+    """An accepted task, from the runner's one entry (app/tasks/submit.py) to its response."""
     try:
-        runner.queue(acc)
-    except (QueueFull, Unavailable) as exc:  # the queue filled up meanwhile: not accepted after all
-        if record is not None:
-            await asyncio.to_thread(functools.partial(
-                service.ledger.finish, acc.task_id, "failed", None,
-                {"status": exc.status, "error": f"not accepted: {exc.message}"}, epoch=acc.epoch))
-        raise
-    if acc.task is not None:  # (else its job hashes it aside, once parsed)
-        _hash_aside(acc.task, service.io_pool)
-
-    settled = await runner.settle(acc, client_gone(request))
+        submitted = await service.runner.submit(acc, body=body, body_sha256=body_sha256, key=key,
+                                                gone=lambda: client_gone(request))
+    except IdempotencyConflict as exc:
+        raise Conflict(f"{exc}; use a new key for a new task", task_id=exc.task_id) from None
+    del body
+    if not submitted.created:
+        return await _existing(request, service, submitted.record, asynchronous)
+    if asynchronous:
+        return accepted_response(submitted.record)
+    settled = submitted.settled
     if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):
         return npz_response(acc.task_id, settled)
     return Response(settled.json(), status_code=settled.status, headers=settled.headers, media_type="application/json")

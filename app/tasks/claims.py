@@ -394,14 +394,13 @@ class SharedQueue:
                     self.counters["from_stored_input"] += 1
                 acc.epoch = claim.epoch
                 try:
-                    self.runner.queue(acc, fed=True)
+                    await self.runner.submit(acc, claimed=True)  # queued as this claim, settled with its launch
                 except Exception as exc:  # noqa: BLE001 - e.g. a drain began: let another replica run it
                     acc.epoch = None
                     log.warning("claimed task not queued here; its lease is given back",
                                 extra={"task_id": task_id, "error": str(exc)})
                     continue
                 attempts.add(task_id)
-                self.runner.settle_fed(acc)
         finally:
             await self._give_back([c.record.id for c in claims if c.record.id not in attempts])
         return len(attempts)

@@ -495,15 +495,7 @@ class Evaluations:
             return
         # its webhook's message, in the cells' transaction (the first time they are recorded)
         messages = message_rows("evaluation", ev.id, ev.definition.get("webhook"), ev.owner) if not have else []
-        try:
-            await asyncio.to_thread(runner.record_many, accs, messages)  # one transaction: all of them or none
-        except ValueError:  # (ids in the ledger already: the same Idempotency-Key's other request, at once)
-            have = await asyncio.to_thread(runner.ledger.get_many, [acc.task_id for acc in accs])
-            if len(have) == len(accs):
-                return  # recorded and queued by that request
-            raise
-        for acc in accs:  # each waits in the ledger; the feeder claims them by fair share (any replica's)
-            runner.feeder.offer(acc)
+        await runner.submit(accs, messages=messages)  # one transaction, then each waits in the ledger for the feeder
 
     # ------------------------------------------------------------------ reading and grading
     async def get(self, evaluation_id: str, viewer: str | None = None) -> EvaluationRecord:

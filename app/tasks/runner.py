@@ -63,6 +63,7 @@ from .device import (
 )
 from .launches import Finishing, Launches
 from .options import measure_timeout_s
+from .submit import Submitted, submit
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -249,6 +250,7 @@ class TaskRunner:
         self.record_retry_s = 60.0  # a claimed task's result: retried this long while the database is away
         self.datasets: Any = None  # the DatasetCatalog (app/tasks/datasets.py): tasks on stored datasets
         self.launches = Launches(self)  # batched launches' host side: the finisher thread (app/tasks/launches.py)
+        self.io_pool: concurrent.futures.Executor | None = None  # the service's io pool (a large body's hashes)
 
     def dataset_task(self, digest: str) -> tuple[TaskArrays, Any]:
         """(blocking) A stored dataset's parsed arrays and scoring labels (None without), for a
@@ -258,6 +260,11 @@ class TaskRunner:
         return self.datasets.task(digest), self.datasets.labels(digest)
 
     # ------------------------------------------------------------------ accept
+    async def submit(self, work: Accepted | list[Accepted], **how: Any) -> Submitted:
+        """The one way work enters (app/tasks/submit.py says what it decides): an upload, a
+        ``?dataset=`` task, a sweep's or an evaluation's cells, a claim (``claimed=True``)."""
+        return await submit(self, work, **how)
+
     def record(self, acc: Accepted, body_sha256: str | None, body_bytes: int, body: bytes | None,
                idempotency_key: str | None) -> tuple[TaskRecord, bool]:
         """Write the task to the ledger (blocking: call it in a thread). ``body`` makes it durable.

@@ -229,15 +229,7 @@ class Sweeps:
         # its webhook's message, in the cells' transaction (the first time they are recorded)
         messages = (message_rows("sweep", sweep.id, sweep.definition.get("webhook"), sweep.owner)
                     if len(missing) == len(sweep.cells) else [])
-        try:
-            await asyncio.to_thread(runner.record_many, accs, messages)  # one transaction: all of them or none
-        except ValueError:  # (ids in the ledger already: the same Idempotency-Key's other request, at once)
-            have = await asyncio.to_thread(runner.ledger.get_many, [acc.task_id for acc in accs])
-            if len(have) == len(accs):
-                return  # recorded and queued by that request
-            raise
-        for acc in accs:  # each waits in the ledger; the feeder claims them by fair share (any replica's)
-            runner.feeder.offer(acc)
+        await runner.submit(accs, messages=messages)  # one transaction, then each waits in the ledger for the feeder
 
     async def state(self, sweep_id: str, viewer: str | None = None) -> dict[str, Any]:
         sweep = await asyncio.to_thread(self.datasets.store.get_sweep, sweep_id)
