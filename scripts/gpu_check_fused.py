@@ -134,7 +134,8 @@ def _energy_per_task(engine, task, config, per_invocation: int, trials: int, tar
     summary = doc["energy"]["summary"]
     adjusted, unadjusted = summary["idle_adjusted_mj_per_task"], summary["unadjusted_mj_per_task"]
     if adjusted is None:
-        out["error"] = "the protocol gave no idle-adjusted figure (an idle window had no duration)"
+        reasons = sorted({t.get("idle_adjusted_reason") or "no reason given" for t in doc["energy"].get("trials", [])})
+        out["error"] = "the protocol gave no idle-adjusted figure: " + "; ".join(reasons)
         return out
     out.update({
         "idle_adjusted_mj_per_task": adjusted["mean"] / per_invocation,
