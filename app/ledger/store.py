@@ -151,6 +151,9 @@ class Outcome:
     with_answer: bool = True
     input_hashes: dict | Callable[[], dict] | None = None  # a callable is called where it is written
     epoch: int | None = None
+    # False: ``finish_many`` answers True for it once written, not its record read back (a launch's
+    # cells: their outcomes are what the hooks need, and a read per cell is a query per cell)
+    want_record: bool = True
 
     def hashes(self) -> dict | None:
         return self.input_hashes() if callable(self.input_hashes) else self.input_hashes
@@ -610,24 +613,29 @@ class Ledger(TaskReads):
             now = time.time()
             for i, values in rows:
                 task_id = values[-1]
-                try:
-                    self._unfinished_record(conn, task_id)
-                except (KeyError, AlreadyFinished) as exc:
-                    results[i] = exc
+                # its status and whether an upload is kept for it: one column each, not its record
+                found = conn.execute("SELECT status, has_upload FROM tasks WHERE id = ?", (task_id,)).fetchone()
+                if found is None:
+                    results[i] = KeyError(task_id)
+                    continue
+                if found[0] in FINISHED:
+                    results[i] = AlreadyFinished(self._get(conn, task_id, with_answer=False))
                     continue
                 conn.execute(
                     "UPDATE tasks SET status = ?, finished_at = ?, answer = ?, answer_codec = ?, answer_bytes = ?,"
                     " answer_json_bytes = ?, error = ?, predictions_sha256 = ?, run_ms = ?, energy_j = ?,"
                     " input_hashes = COALESCE(?, input_hashes), has_upload = 0 WHERE id = ?",
                     (values[0], now, *values[1:]))
-                results[i] = self._get(conn, task_id, outcomes[i].with_answer)
-                written.append((task_id, values[3]))
+                results[i] = self._get(conn, task_id, outcomes[i].with_answer) if outcomes[i].want_record else True
+                written.append((task_id, values[3], bool(found[1])))
         if not written:
             return results  # type: ignore[return-value]
         if self._totals is not None:
-            self._totals = (self._totals[0] + len(written), self._totals[1] + sum(size for _, size in written))
+            self._totals = (self._totals[0] + len(written), self._totals[1] + sum(w[1] for w in written))
         # After the commit: a crash (or a failed unlink) before it leaves an orphan, deleted at open.
-        for task_id, _ in written:
+        for task_id, _, kept in written:
+            if not kept:  # (no upload was kept for it: a task on a dataset, a cell)
+                continue
             upload = self.upload_path(task_id)
             try:
                 upload.unlink()

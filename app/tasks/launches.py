@@ -128,7 +128,7 @@ class Launches:
             if isinstance(value, DeviceOutcome):
                 body = r.answer_for(acc, value, acc.queue_wait_s, device_s, launch_size, worker=acc.job.worker if acc.job is not None else None)
                 rows.append((acc, Outcome(acc.task_id, "succeeded", body, None, None, False,
-                                          _hashes_of(acc), epoch=acc.epoch)))
+                                          _hashes_of(acc), epoch=acc.epoch, want_record=False)))
                 r.metrics.outcome("ok")
                 self.counters["cells_answered"] += 1
                 continue
@@ -142,7 +142,7 @@ class Launches:
             body.pop("request_id", None)
             state = "cancelled" if type(exc).__name__ in ("TaskCancelled", "TaskStopped") else "failed"
             rows.append((acc, Outcome(acc.task_id, state, None, {"status": status, **body},
-                                      input_hashes=_hashes_of(acc), epoch=acc.epoch)))
+                                      input_hashes=_hashes_of(acc), epoch=acc.epoch, want_record=False)))
             self.counters["cells_failed"] += 1
         try:
             results = r.writer.finish_launch([o for _, o in rows]).result()
