@@ -112,6 +112,7 @@ class SharedQueue:
         self.database_error: str | None = None  # the last failure of a loop, until one succeeds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._wake_scheduled = False  # a wake from another thread is on its way to the loop
         self._tasks: list[asyncio.Task] = []
         self._stop_listening = threading.Event()
         self._listener: threading.Thread | None = None
@@ -278,8 +279,17 @@ class SharedQueue:
             running = None
         if running is self._loop:
             self._wake.set()
-        else:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        elif not self._wake_scheduled:  # (a launch's jobs end together: one wake of the loop, not one each)
+            self._wake_scheduled = True
+            try:
+                self._loop.call_soon_threadsafe(self._woken)
+            except RuntimeError:  # the loop closed meanwhile (a stop)
+                self._wake_scheduled = False
+
+    def _woken(self) -> None:
+        self._wake_scheduled = False
+        if self._wake is not None:
+            self._wake.set()
 
     def job_done(self, _future: Any) -> None:
         """A local job ended (any thread): a worker may be free."""
