@@ -105,6 +105,19 @@ def makespan(rows: list[dict], cells: int, stand_in_rate: float) -> dict:
             "server_rate_vs_stand_in": round(cells / span / stand_in_rate, 3)}
 
 
+def one_launch_split(stats: Path, created_at: float, span_s: float) -> dict | None:
+    """A job of one launch (the evaluation): the host's time before the launch (from the job's
+    creation to the stand-in's start), the launch, and the host's after it (to the last answer),
+    from the stand-in's record of its launches (its stats are written at the next launch: the
+    warm-up task after the evaluation writes them)."""
+    spans = [s for s in json.loads(stats.read_text()).get("spans", []) if s[0] >= created_at]
+    if len(spans) != 1:
+        return None
+    start, end = spans[0]
+    return {"before_launch_ms": round((start - created_at) * 1000.0, 1), "launch_ms": round((end - start) * 1000.0, 1),
+            "after_launch_ms": round((created_at + span_s - end) * 1000.0, 1)}
+
+
 def uploads(port: int, pid: int, stats: Path, body: bytes, lr: float, count: int, clients: int,
             expected: list[str], seeds: int, stand_in_rate: float) -> dict:
     """``count`` synchronous uploads of the whole npz (seeds 0..count-1 at the sweep's first
@@ -263,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                 evaluation["rows"] = len(state["draws"])
                 evaluation.update(makespan(state["draws"], len(eval_cells), stand_in_rate))
                 evaluation["totals"] = state["totals"]["correct_over_total"]
+                status, _, data = request(port, "POST", f"/tasks?dataset={digest}&learning_rate={lrs[0]}&seed=0")
+                assert status == 200, data  # (a launch after it: the stand-in's stats then hold the evaluation's)
+                evaluation["one_launch_split"] = one_launch_split(stats, state["created_at"], evaluation["server_span_s"])
                 doc["evaluation"] = evaluation
                 print(json.dumps({"evaluation": evaluation}, indent=2), file=sys.stderr)
 

@@ -138,6 +138,7 @@ class ReplayDevice:
         self.predictions = np.load(folder / "predictions.npy", mmap_mode="r")
         self.launches = self.tasks = 0
         self.replay_cpu_s = 0.0
+        self.spans: list[tuple[float, float]] = []  # the last launches' (start, end), unix seconds
         self._lock = threading.Lock()
 
     def describe(self) -> dict:
@@ -171,7 +172,7 @@ class ReplayDevice:
         return self.run_many([task], [prepared])[0]
 
     def run_many(self, tasks, prepareds):
-        t0, w0 = time.thread_time(), time.monotonic()
+        t0, w0, started = time.thread_time(), time.monotonic(), time.time()
         outs = [self._replay(t, p) for t, p in zip(tasks, prepareds)]
         with self._lock:
             self.launches += 1
@@ -181,11 +182,13 @@ class ReplayDevice:
             if self.stats is not None:
                 tmp = self.stats.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"launches": self.launches, "tasks": self.tasks,
-                                           "replay_cpu_s": self.replay_cpu_s}))
+                                           "replay_cpu_s": self.replay_cpu_s, "spans": self.spans}))
                 tmp.replace(self.stats)
             self.replay_cpu_s += time.thread_time() - t1
         # the launch takes launch_s in all, its replay included: the rest of it asleep (no CPU)
         time.sleep(max(0.0, self.launch_s - (time.monotonic() - w0)))
+        with self._lock:
+            self.spans = [*self.spans[-15:], (started, time.time())]  # (written with the next launch's stats)
         return outs
 
 
