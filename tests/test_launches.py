@@ -173,3 +173,27 @@ def test_a_cell_whose_tenants_key_was_revoked_while_it_waited_fails_alone(tmp_pa
     for row, record in zip(docs["a"]["cells"], records["a"]):
         assert row["status"] == "failed" and "key 'a'" in row["error"] and "was revoked" in row["error"], row
         assert record["error"]["status"] == 403 and record.get("predictions_sha256") is None
+
+
+def test_a_cell_whose_tenants_key_expired_while_it_waited_still_runs(tmp_path):
+    """An expiry ends new requests, not answers owed: cells sent before the key expired run."""
+    import time
+
+    admin = {"Authorization": "Bearer admin-key-for-expiry"}
+    gate = Gate()
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=50,
+                              api_key="admin-key-for-expiry", data_dir=str(tmp_path / "d")),
+                     engines=gated_engines(gate, batching=True))
+    with inprocess_server(app) as server, server.client() as c:
+        expires = time.time() + 3.0
+        made = c.post("/keys", json={"name": "brief", "expires_at": expires}, headers=admin).json()
+        who = {"Authorization": f"Bearer {made['key']}"}
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers={**NPZ, **who}).status_code == 201
+        gate.hold()
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "seeds": [0, 1]}, headers=who).json()["id"]
+        wait_for(lambda: time.time() > expires + 0.2, 10, 0.1, "the key's expiry")
+        assert c.get("/key", headers=who).status_code == 401  # expired for requests
+        gate.release()
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}", headers=admin).json())["status"] == "completed" and d,
+                       120, 0.1, "the sweep")
+    assert doc["counts"]["succeeded"] == 2
