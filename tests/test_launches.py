@@ -185,13 +185,15 @@ def test_a_cell_whose_tenants_key_expired_while_it_waited_still_runs(tmp_path):
                               api_key="admin-key-for-expiry", data_dir=str(tmp_path / "d")),
                      engines=gated_engines(gate, batching=True))
     with inprocess_server(app) as server, server.client() as c:
-        expires = time.time() + 3.0
+        expires = time.time() + 6.0  # (room for the key's first two requests on a slow machine)
         made = c.post("/keys", json={"name": "brief", "expires_at": expires}, headers=admin).json()
         who = {"Authorization": f"Bearer {made['key']}"}
         assert c.put(f"/datasets/{DIGEST}", content=BODY, headers={**NPZ, **who}).status_code == 201
         gate.hold()
-        sweep = c.post("/sweeps", json={"dataset": DIGEST, "seeds": [0, 1]}, headers=who).json()["id"]
-        wait_for(lambda: time.time() > expires + 0.2, 10, 0.1, "the key's expiry")
+        posted = c.post("/sweeps", json={"dataset": DIGEST, "seeds": [0, 1]}, headers=who)
+        assert posted.status_code == 202, posted.text
+        sweep = posted.json()["id"]
+        wait_for(lambda: time.time() > expires + 0.2, 15, 0.1, "the key's expiry")
         assert c.get("/key", headers=who).status_code == 401  # expired for requests
         gate.release()
         doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}", headers=admin).json())["status"] == "completed" and d,
