@@ -199,3 +199,27 @@ def test_a_cell_whose_tenants_key_expired_while_it_waited_still_runs(tmp_path):
         doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}", headers=admin).json())["status"] == "completed" and d,
                        120, 0.1, "the sweep")
     assert doc["counts"]["succeeded"] == 2
+
+
+def test_a_measurement_whose_tenants_key_was_revoked_while_it_waited_is_not_run(tmp_path):
+    """The same for ?measure=energy, the other kind of job: refused as it reaches the worker."""
+    admin = {"Authorization": "Bearer admin-key-for-measure"}
+    gate = Gate()
+    app = create_app(Settings(backend="cpu-fast", workers=1, api_key="admin-key-for-measure",
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c:
+        made = c.post("/keys", json={"name": "gauge"}, headers=admin).json()
+        gate.hold()
+        held = c.post("/tasks", content=BODY, headers={**NPZ, **admin, "Prefer": "respond-async"}).json()["id"]
+        wait_for(lambda: c.get(f"/tasks/{held}", headers=admin).json()["status"] == "running", 60, 0.05,
+                 "the admin's task on the device")
+        measure = c.post("/tasks", content=BODY, params={"measure": "energy", "trials": "1", "target_seconds": "0.1",
+                                                         "settle_seconds": "0", "idle_seconds": "0"},
+                         headers={**NPZ, "Authorization": f"Bearer {made['key']}", "Prefer": "respond-async"})
+        assert measure.status_code == 202, measure.text
+        assert c.delete(f"/keys/{made['id']}", headers=admin).status_code == 200
+        gate.release()
+        record = wait_for(lambda: (d := c.get(f"/tasks/{measure.json()['id']}", headers=admin).json())["status"]
+                          in ("succeeded", "failed", "cancelled") and d, 120, 0.1, "the measurement")
+    assert record["status"] == "failed", record
+    assert record["error"]["status"] == 403 and "was revoked" in record["error"]["error"]

@@ -365,11 +365,16 @@ class TaskRunner:
                      evictable=fed, others=None if fed else self.others_waiting())
         if acc.measure is not None:
             arguments = acc.measure
-            job = self.executor.submit(
-                lambda: measure_on_device(acc.task, acc.config, acc.backend, arguments, self.energy, self.engines,
-                                          acc.precision),
-                kind="measure", label=acc.task_id, cancel=acc.cancel, on_start=started, **share,
-            )
+
+            def measure() -> dict:
+                refused = self.refusal(acc)  # (its tenant's key revoked while it waited: not run)
+                if refused is not None:
+                    raise refused
+                return measure_on_device(acc.task, acc.config, acc.backend, arguments, self.energy, self.engines,
+                                         acc.precision)
+
+            job = self.executor.submit(measure, kind="measure", label=acc.task_id, cancel=acc.cancel,
+                                       on_start=started, **share)
         else:
             acc.launch_path = fed and self.batch_max > 1  # answered with its launch (app/tasks/launches.py)
 
