@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import signal
 import sqlite3
+import time
 
 import pytest
 
@@ -139,24 +140,37 @@ def test_a_cell_run_alone_on_a_backend_that_cannot_batch_takes_the_same_path(tmp
     assert doc["counts"]["succeeded"] == 3 and {r["timing"]["tasks_in_launch"] for r in doc["cells"]} == {1}
 
 
+ADMIN_KEY = "admin-key-for-tenants"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def _keyed_app(tmp_path, gate, batching: bool = True, **settings):
+    """A service with keys (ADMIN_KEY the admin's) on one worker whose backend waits at ``gate``."""
+    return create_app(Settings(backend="cpu-fast", workers=1, api_key=ADMIN_KEY, data_dir=str(tmp_path / "d"),
+                               **settings), engines=gated_engines(gate, batching=batching))
+
+
+def _hold_the_worker(c) -> None:
+    """The admin's asynchronous task on the only worker, held at the gate: what follows waits."""
+    held = c.post("/tasks", content=BODY, headers={**NPZ, **ADMIN, "Prefer": "respond-async"}).json()["id"]
+    wait_for(lambda: c.get(f"/tasks/{held}", headers=ADMIN).json()["status"] == "running", 60, 0.05,
+             "the admin's task on the device")
+
+
 def test_a_cell_whose_tenants_key_was_revoked_while_it_waited_fails_alone(tmp_path):
     """Tenants A and B each sweep the same dataset; their cells wait behind a held launch; the
     admin revokes A's key. A's cells fail with the revocation named, without running; B's cells,
     gathered into the same launches, succeed with the answers single tasks get."""
-    admin = {"Authorization": "Bearer admin-key-for-revocation"}
+    admin = ADMIN
     gate = Gate()
-    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=100,
-                              api_key="admin-key-for-revocation", data_dir=str(tmp_path / "d")),
-                     engines=gated_engines(gate, batching=True))
+    app = _keyed_app(tmp_path, gate, batch_max=8, batch_wait_ms=100)
     with inprocess_server(app) as server, server.client() as c:
         made = {name: c.post("/keys", json={"name": name}, headers=admin).json() for name in ("a", "b")}
         who = {name: {"Authorization": f"Bearer {made[name]['key']}"} for name in made}
         for name in who:
             assert c.put(f"/datasets/{DIGEST}", content=BODY, headers={**NPZ, **who[name]}).status_code in (200, 201)
         gate.hold()
-        held = c.post("/tasks", content=BODY, headers={**NPZ, **admin, "Prefer": "respond-async"}).json()["id"]
-        wait_for(lambda: c.get(f"/tasks/{held}", headers=admin).json()["status"] == "running", 60, 0.05,
-                 "the admin's task on the device")
+        _hold_the_worker(c)
         sweeps = {name: c.post("/sweeps", json={"dataset": DIGEST, "seeds": [0, 1, 2]}, headers=who[name]).json()["id"]
                   for name in who}
         assert c.delete(f"/keys/{made['a']['id']}", headers=admin).status_code == 200
@@ -177,13 +191,9 @@ def test_a_cell_whose_tenants_key_was_revoked_while_it_waited_fails_alone(tmp_pa
 
 def test_a_cell_whose_tenants_key_expired_while_it_waited_still_runs(tmp_path):
     """An expiry ends new requests, not answers owed: cells sent before the key expired run."""
-    import time
-
-    admin = {"Authorization": "Bearer admin-key-for-expiry"}
+    admin = ADMIN
     gate = Gate()
-    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=50,
-                              api_key="admin-key-for-expiry", data_dir=str(tmp_path / "d")),
-                     engines=gated_engines(gate, batching=True))
+    app = _keyed_app(tmp_path, gate, batch_max=8, batch_wait_ms=50)
     with inprocess_server(app) as server, server.client() as c:
         expires = time.time() + 6.0  # (room for the key's first two requests on a slow machine)
         made = c.post("/keys", json={"name": "brief", "expires_at": expires}, headers=admin).json()
@@ -203,16 +213,13 @@ def test_a_cell_whose_tenants_key_expired_while_it_waited_still_runs(tmp_path):
 
 def test_a_measurement_whose_tenants_key_was_revoked_while_it_waited_is_not_run(tmp_path):
     """The same for ?measure=energy, the other kind of job: refused as it reaches the worker."""
-    admin = {"Authorization": "Bearer admin-key-for-measure"}
+    admin = ADMIN
     gate = Gate()
-    app = create_app(Settings(backend="cpu-fast", workers=1, api_key="admin-key-for-measure",
-                              data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
+    app = _keyed_app(tmp_path, gate, batching=False)
     with inprocess_server(app) as server, server.client() as c:
         made = c.post("/keys", json={"name": "gauge"}, headers=admin).json()
         gate.hold()
-        held = c.post("/tasks", content=BODY, headers={**NPZ, **admin, "Prefer": "respond-async"}).json()["id"]
-        wait_for(lambda: c.get(f"/tasks/{held}", headers=admin).json()["status"] == "running", 60, 0.05,
-                 "the admin's task on the device")
+        _hold_the_worker(c)
         measure = c.post("/tasks", content=BODY, params={"measure": "energy", "trials": "1", "target_seconds": "0.1",
                                                          "settle_seconds": "0", "idle_seconds": "0"},
                          headers={**NPZ, "Authorization": f"Bearer {made['key']}", "Prefer": "respond-async"})

@@ -86,13 +86,13 @@ class Launches:
         the only one of its key): the single run, then the same finishing."""
         r = self.runner
         engine = worker_engine(acc.backend, r.engines, acc.precision)
+        if has_run_many(engine):  # (its tenant's key checked there, as a launch's tasks are)
+            return self.run([(acc.task, acc.config, acc.cancel, acc)], acc.backend, acc.precision)[0]
         refused = r.refusal(acc)
         if refused is not None:  # (its tenant's key revoked while it waited: its answer, not run)
             future = self.finisher.submit(self._record, [(0, acc)], [refused], 0.0, 0)
             future.add_done_callback(_log_failure)
             return Finishing(future, 0)
-        if has_run_many(engine):
-            return self.run([(acc.task, acc.config, acc.cancel, acc)], acc.backend, acc.precision)[0]
         t0 = time.monotonic()
         try:
             outcome: DeviceOutcome | BaseException = run_on_device(
