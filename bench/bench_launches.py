@@ -73,13 +73,14 @@ def measure(stats: Path, pid: int, cells: int, start, done, stand_in_rate: float
     """CPU and wall from ``start()`` until ``done()`` says every cell finished; then what one of
     those polls costs the server (POLL_COST_ASKS more of them, by CPU), so that the host's figure
     is also given without the client's polling (a sweep.completed webhook costs none)."""
-    replay0, before, w0 = replay_cpu(stats), cpu_by_group(pid), time.perf_counter()
+    replay0, before, w0, u0 = replay_cpu(stats), cpu_by_group(pid), time.perf_counter(), time.time()
     handle = start()
     polls = 1
     while not done(handle):
         time.sleep(POLL_S)
         polls += 1
     wall = time.perf_counter() - w0
+    device = timeline(stats, u0, time.time())
     after, replay1 = cpu_by_group(pid), replay_cpu(stats)
     replay = replay1 - replay0
     groups = {k: round((after[k] - before[k]) / cells * 1000.0, 4) for k in after}
@@ -94,7 +95,24 @@ def measure(stats: Path, pid: int, cells: int, start, done, stand_in_rate: float
             "poll_cpu_ms": round(poll_ms, 3),
             "host_cpu_ms_per_cell_without_polls": round(host - polls * poll_ms / cells, 4),
             "wall_s": round(wall, 3), "cells_per_s": round(rate, 2), "rate_vs_stand_in": round(rate / stand_in_rate, 3),
-            "handle": handle}
+            "device": device, "handle": handle}
+
+
+def timeline(stats: Path, start: float, end: float) -> dict | None:
+    """When the stand-in device worked between ``start`` and ``end`` (unix seconds, the client's
+    request and its seeing the last cell done): its launches and their sizes, and where it waited
+    for the host -- before the first launch, between launches, after the last."""
+    if not stats.exists():
+        return None
+    spans = [s for s in json.loads(stats.read_text())["spans"] if s[0] >= start and s[1] <= end]
+    if not spans:
+        return None
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    return {"launches": len(spans), "tasks": [s[2] for s in spans], "buffers": json.loads(stats.read_text()).get("buffers"),
+            "busy_s": round(sum(s[1] - s[0] for s in spans), 3),
+            "before_first_ms": round((spans[0][0] - start) * 1000.0, 1),
+            "between_ms": [round(g * 1000.0, 1) for g in gaps],
+            "after_last_ms": round((end - spans[-1][1]) * 1000.0, 1)}
 
 
 def makespan(rows: list[dict], cells: int, stand_in_rate: float) -> dict:
@@ -108,12 +126,11 @@ def makespan(rows: list[dict], cells: int, stand_in_rate: float) -> dict:
 def one_launch_split(stats: Path, created_at: float, span_s: float) -> dict | None:
     """A job of one launch (the evaluation): the host's time before the launch (from the job's
     creation to the stand-in's start), the launch, and the host's after it (to the last answer),
-    from the stand-in's record of its launches (its stats are written at the next launch: the
-    warm-up task after the evaluation writes them)."""
+    from the stand-in's record of its launches."""
     spans = [s for s in json.loads(stats.read_text()).get("spans", []) if s[0] >= created_at]
     if len(spans) != 1:
         return None
-    start, end = spans[0]
+    start, end = spans[0][:2]
     return {"before_launch_ms": round((start - created_at) * 1000.0, 1), "launch_ms": round((end - start) * 1000.0, 1),
             "after_launch_ms": round((created_at + span_s - end) * 1000.0, 1)}
 
@@ -276,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
                 evaluation["rows"] = len(state["draws"])
                 evaluation.update(makespan(state["draws"], len(eval_cells), stand_in_rate))
                 evaluation["totals"] = state["totals"]["correct_over_total"]
-                status, _, data = request(port, "POST", f"/tasks?dataset={digest}&learning_rate={lrs[0]}&seed=0")
-                assert status == 200, data  # (a launch after it: the stand-in's stats then hold the evaluation's)
                 evaluation["one_launch_split"] = one_launch_split(stats, state["created_at"], evaluation["server_span_s"])
                 doc["evaluation"] = evaluation
                 print(json.dumps({"evaluation": evaluation}, indent=2), file=sys.stderr)

@@ -4,7 +4,7 @@ On a GPU the fused kernel trains a launch of 132 draw-0 tasks in ~28 ms; here no
 fast, so the service's host path (claims, preparation, answers, hashes, ledger writes) cannot be
 pushed to a GPU's rate with a real backend. ``ReplayDevice`` stands in for the device: for each
 task of a launch it returns the real output of that (dataset, config, seed) -- computed earlier
-by cpu-fast and kept in memory-mapped files (``precompute``), its predictions with it as a GPU
+by cpu-fast and kept in .npy files (``precompute``; the server reads them whole into memory), its predictions with it as a GPU
 backend computes them beside its scores -- after a fixed device time per
 launch (its replay included; the rest a sleep: it costs no CPU). Answers and hashes are therefore
 real and checked, and the
@@ -35,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+RING_ROWS = 132  # the output buffers' rows (the bench's --batch-max; a larger launch gets buffers of its own)
 DIR_ENV, LAUNCH_ENV, STATS_ENV = "REV88_STAND_IN_DIR", "REV88_STAND_IN_LAUNCH_MS", "REV88_STAND_IN_STATS"
 
 
@@ -132,39 +133,54 @@ class ReplayDevice:
         index = json.loads((folder / "index.json").read_text())
         self.rows = {k: i for i, k in enumerate(index["keys"])}
         self.shapes = [tuple(s) for s in index["shapes"]]
-        self.scores = np.load(folder / "scores.npy", mmap_mode="r")
-        self.params = np.load(folder / "params.npy", mmap_mode="r")
-        self.velocity = np.load(folder / "velocity.npy", mmap_mode="r")
-        self.predictions = np.load(folder / "predictions.npy", mmap_mode="r")
+        # read whole into memory once (~700 MB for the bench's defaults), as a device's outputs are there
+        # when its launch ends: a launch's replay from a memory map could wait for the disk
+        self.scores = np.load(folder / "scores.npy")
+        self.params = np.load(folder / "params.npy")
+        self.velocity = np.load(folder / "velocity.npy")
+        self.predictions = np.load(folder / "predictions.npy")
         self.launches = self.tasks = 0
         self.replay_cpu_s = 0.0
-        self.spans: list[tuple[float, float]] = []  # the last launches' (start, end), unix seconds
+        self.spans: list[tuple[float, float, int]] = []  # the last launches' (start, end: unix seconds; tasks)
         self._lock = threading.Lock()
+        # a launch running, the one before it being finished, the one before that's answers perhaps still held
+        self._ring: list[tuple[np.ndarray, ...]] = [self._new_buffers(RING_ROWS) for _ in range(3)]
 
     def describe(self) -> dict:
         return {**self.inner.describe(), "stand_in": "replay (bench/device_stand_in.py)",
                 "launch_ms": self.launch_s * 1000.0, "launches": self.launches, "tasks": self.tasks,
                 "replay_cpu_s": round(self.replay_cpu_s, 6)}
 
-    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
-        out, at = [], 0
-        for shape in self.shapes:
-            n = int(np.prod(shape))
-            out.append(flat[at:at + n].reshape(shape))
-            at += n
-        return out
+    def _buffers(self, n: int) -> tuple[np.ndarray, ...]:
+        """Host buffers for a launch's ``n`` outputs, reused once nothing of an earlier launch's
+        answers holds them (a GPU backend copies into buffers it keeps too; fresh ones would cost
+        this VM's first touch of their pages, ~0.4 s for a launch's 53 MB of scores)."""
+        with self._lock:
+            for ring in self._ring:
+                if len(ring[0]) >= n and all(sys.getrefcount(a) <= 3 for a in ring):  # (the ring's, the loop's, the call's)
+                    return tuple(a[:n] for a in ring)
+            ring = self._new_buffers(n)
+            self._ring.append(ring)
+            return tuple(a[:n] for a in ring)
 
-    def _replay(self, task, prepared):
-        from learner.backends.base import RunOutput
+    def _new_buffers(self, n: int) -> tuple[np.ndarray, ...]:
+        rows = max(n, RING_ROWS)
+        ring = (np.empty((rows, *self.scores.shape[1:]), np.float32), np.empty((rows, self.params.shape[1]), np.float32),
+                np.empty((rows, self.velocity.shape[1]), np.float32), np.empty((rows, self.predictions.shape[1]), np.int64))
+        for a in ring:
+            a.fill(0)  # (its pages touched now, once)
+        return ring
 
+    def _row(self, task, prepared) -> int:
         row = self.rows.get(key_of(task, prepared.config))
         if row is None:
             raise RuntimeError(f"the stand-in device kept no output for config {prepared.config.as_dict()} "
                                "(bench/device_stand_in.py precompute)")
-        return RunOutput(final_parameters=self._split(np.array(self.params[row])),
-                         final_velocity=self._split(np.array(self.velocity[row])),
-                         scores=np.array(self.scores[row]), training_prediction_seconds=self.launch_s,
-                         preparation_seconds=0.0, predictions=self.predictions[row].astype(np.int64))
+        return row
+
+    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
+        cuts = np.cumsum([int(np.prod(shape)) for shape in self.shapes])[:-1]
+        return [part.reshape(shape) for part, shape in zip(np.split(flat, cuts), self.shapes)]
 
     def run(self, task, prepared):
         if key_of(task, prepared.config) not in self.rows:  # (the warm-up's tiny task, say: really run)
@@ -172,24 +188,42 @@ class ReplayDevice:
         return self.run_many([task], [prepared])[0]
 
     def run_many(self, tasks, prepareds):
+        """The launch's outputs read as a GPU's come back, in one copy per array (numpy's ``take``
+        leaves the GIL to the host's threads meanwhile, as a device copy does), each task's a view
+        of them: the replay holds the GIL as little as it can, so the host's threads do not slow
+        the stand-in's launch past its device time (they would not slow a GPU's)."""
+        from learner.backends.base import RunOutput
+
         t0, w0, started = time.thread_time(), time.monotonic(), time.time()
-        outs = [self._replay(t, p) for t, p in zip(tasks, prepareds)]
+        rows = np.array([self._row(t, p) for t, p in zip(tasks, prepareds)], dtype=np.intp)
+        scores, params, velocity, predictions = self._buffers(len(rows))
+        for kept, out in ((self.scores, scores), (self.params, params), (self.velocity, velocity)):
+            np.take(kept, rows, axis=0, out=out, mode="clip")  # (not "raise": it buffers `out`)
+        predictions[...] = np.take(self.predictions, rows, axis=0)
+        outs = [RunOutput(final_parameters=self._split(params[i]), final_velocity=self._split(velocity[i]),
+                          scores=scores[i], training_prediction_seconds=self.launch_s, preparation_seconds=0.0,
+                          predictions=predictions[i]) for i in range(len(tasks))]
         with self._lock:
             self.launches += 1
             self.tasks += len(tasks)
-            self.replay_cpu_s += time.thread_time() - t0  # (the replay; then this file's write, counted next time)
-            t1 = time.thread_time()
-            if self.stats is not None:
-                tmp = self.stats.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"launches": self.launches, "tasks": self.tasks,
-                                           "replay_cpu_s": self.replay_cpu_s, "spans": self.spans}))
-                tmp.replace(self.stats)
-            self.replay_cpu_s += time.thread_time() - t1
+            self.replay_cpu_s += time.thread_time() - t0  # (the replay)
         # the launch takes launch_s in all, its replay included: the rest of it asleep (no CPU)
         time.sleep(max(0.0, self.launch_s - (time.monotonic() - w0)))
         with self._lock:
-            self.spans = [*self.spans[-15:], (started, time.time())]  # (written with the next launch's stats)
+            self.spans = [*self.spans[-255:], (started, time.time(), len(tasks))]
+            self._write_stats()
         return outs
+
+    def _write_stats(self) -> None:
+        """The stats file, after every launch (its write's CPU counted as the replay's: not the host's)."""
+        t1 = time.thread_time()
+        if self.stats is not None:
+            tmp = self.stats.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"launches": self.launches, "tasks": self.tasks,
+                                       "replay_cpu_s": self.replay_cpu_s, "spans": self.spans,
+                                       "buffers": len(self._ring)}))
+            tmp.replace(self.stats)
+        self.replay_cpu_s += time.thread_time() - t1
 
 
 def stand_in_engines(folder: Path, launch_s: float, stats: Path | None = None):
