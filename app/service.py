@@ -241,8 +241,9 @@ class Service:
         return versions()
 
     def seed_cache(self) -> dict[str, Any]:
-        """The seed-derived state kept (learner/seed_state.py): states, bytes, bound, hits, misses."""
-        return seed_state.states.snapshot()
+        """The seed-derived state kept (learner/seed_state.py): states, bytes, bound, hits, misses,
+        and how many were computed ahead of their launch (app/tasks/launches.py ``prepare_ahead``)."""
+        return {**seed_state.states.snapshot(), "prepared_ahead": self.runner.launches.counters["states_prepared_ahead"]}
 
     def admission(self) -> dict[str, Any]:
         """Admission by tenant as /health and /metrics show it (issue #44): the device queue (its

@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 from bench_load import Connection, build_request, machine, start_server, stop_server  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-GROUPS = ("main", "workers", "ledger", "io", "recv", "finish", "hash", "to_thread", "other")
+GROUPS = ("main", "workers", "ledger", "io", "recv", "finish", "hash", "prepare", "to_thread", "other")
 # request kind -> (train, queries, measured requests at --scale 1)
 KINDS = {"live": (0, 0, 3000), "tiny": (50, 5, 1500), "1k": (1000, 1000, 300), "draw0": (10000, 10000, 150)}
 
@@ -74,6 +74,8 @@ def thread_group(pid: int, tid: int, comm: str) -> str:
         return "io"
     if comm.startswith("rev88-recv"):
         return "recv"
+    if comm.startswith("rev88-prepare"):  # seed-derived states computed ahead of their launch
+        return "prepare"
     if comm.startswith("rev88-finish"):  # a launch's answers built and recorded (app/tasks/launches.py)
         return "finish"
     if comm.startswith("rev88-hash"):  # its cells' hashes

@@ -7,6 +7,10 @@ sweep over learning rate x momentum x 10 seeds prepare 10 states, not one per ce
 an LRU bounded by bytes (``configure``; the service's REV88_SEED_CACHE_BYTES, default
 ``DEFAULT_BYTES``); a state larger than the whole bound is computed and not kept.
 
+A state being computed in one thread is waited for, not computed again, by another that asks for
+it (the service computes the states of queued tasks ahead of their launch, on its io pool: ``missing``
+tells it which are neither kept nor under way).
+
 Kept arrays are shared by every task that uses them: no backend may write into a ``Prepared``'s
 ``initial`` or ``permutations`` (none does: each copies them to its own buffers; a test runs every
 CPU backend and checks the kept arrays' hashes afterwards).
@@ -48,6 +52,7 @@ class SeedStateCache:
         self._states: collections.OrderedDict[tuple, SeedState] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._computing: dict[tuple, threading.Event] = {}  # states under way, set when kept (or not)
         self.hits = self.misses = 0
 
     @staticmethod
@@ -56,21 +61,51 @@ class SeedStateCache:
 
     def get(self, config: Config, train_count: int, cancel: CancelToken | None = None) -> SeedState:
         """The state of ``config``'s seed for a task of ``train_count`` rows (computed on a miss)."""
-        initial_parameters, epoch_permutations, parameter_names = self.compute
         key = self.key(config, train_count)
         with self._lock:
-            state = self._states.get(key)
+            state = self._hit(key)
             if state is not None:
-                self._states.move_to_end(key)
-                self.hits += 1
                 return state
-            self.misses += 1
+            under_way = self._computing.get(key)
+            if under_way is None:
+                self._computing[key] = threading.Event()
+        if under_way is not None:  # another thread computes it: wait for that one, then look again
+            under_way.wait()
+            with self._lock:
+                state = self._hit(key)
+            if state is not None:
+                return state
+            return self._compute(config, train_count, cancel)  # (it was not kept: larger than the bound)
+        try:
+            with self._lock:
+                self.misses += 1
+            state = self._compute(config, train_count, cancel)
+            self._keep(key, state)
+            return state
+        finally:
+            with self._lock:
+                self._computing.pop(key).set()
+
+    def _hit(self, key: tuple) -> SeedState | None:
+        state = self._states.get(key)
+        if state is not None:
+            self._states.move_to_end(key)
+            self.hits += 1
+        return state
+
+    def _compute(self, config: Config, train_count: int, cancel: CancelToken | None) -> SeedState:
+        initial_parameters, epoch_permutations, parameter_names = self.compute
         initial = [p.numpy().copy() for p in initial_parameters(config)]
         permutations = epoch_permutations(config, train_count, cancel)
-        state = SeedState(initial, permutations, named_sha256(parameter_names(config.depth), initial),
-                          [array_sha256(p) for p in permutations])
-        self._keep(key, state)
-        return state
+        return SeedState(initial, permutations, named_sha256(parameter_names(config.depth), initial),
+                         [array_sha256(p) for p in permutations])
+
+    def missing(self, config: Config, train_count: int) -> bool:
+        """Whether ``config``'s state for ``train_count`` rows is neither kept nor being computed
+        (what is worth computing ahead; it counts no hit or miss)."""
+        key = self.key(config, train_count)
+        with self._lock:
+            return key not in self._states and key not in self._computing
 
     def _keep(self, key: tuple, state: SeedState) -> None:
         size = state.nbytes
@@ -96,6 +131,12 @@ class SeedStateCache:
         with self._lock:
             return {"states": len(self._states), "bytes": self._bytes, "max_bytes": self.max_bytes,
                     "hits": self.hits, "misses": self.misses}
+
+
+def estimate_bytes(config: Config, train_count: int) -> int:
+    """A state's size before it is computed: its permutations (int64, one per epoch) and about
+    32 KB of float32 initial parameters per coupling block (the head's ~3 KB included)."""
+    return 8 * int(train_count) * int(config.epochs) + 2 * 41 * 42 * 4 * int(config.depth) + 82 * 11 * 4
 
 
 states = SeedStateCache()  # the process's: learner.train binds it to its functions and prepares with it

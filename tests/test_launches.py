@@ -230,3 +230,40 @@ def test_a_measurement_whose_tenants_key_was_revoked_while_it_waited_is_not_run(
                           in ("succeeded", "failed", "cancelled") and d, 120, 0.1, "the measurement")
     assert record["status"] == "failed", record
     assert record["error"]["status"] == 403 and "was revoked" in record["error"]["error"]
+
+
+def test_queued_cells_seed_states_are_prepared_before_their_launch(tmp_path):
+    """A sweep accepted while the worker is held: its cells' seed-derived states are computed
+    while they wait (the prepare thread), so that their launch finds every one of them kept."""
+    from learner import seed_state
+    from learner.seed_state import states
+
+    gate = Gate()
+    app = create_app(Settings(backend="cpu-fast", workers=1, data_dir=str(tmp_path / "d"), batch_max=8,
+                              batch_wait_ms=100), engines=gated_engines(gate))
+    seeds = [460_046 + k for k in range(4)]  # (seeds no other test of this process uses: the cache is the process's)
+    rows = load_task(BODY).train_count
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code in (200, 201)
+        gate.hold()
+        held = c.post("/tasks", content=BODY, headers={**NPZ, "Prefer": "respond-async"}).json()["id"]
+        wait_for(lambda: c.get(f"/tasks/{held}").json()["status"] == "running", 60, 0.05, "the held task")
+        before = c.get("/health").json()["seed_cache"]
+        assert all(states.missing(make_config({"seed": s}), rows) for s in seeds)
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1, 0.2]},
+                                        "seeds": seeds}).json()["id"]
+        wait_for(lambda: not any(states.missing(make_config({"seed": s}), rows) for s in seeds), 30, 0.02,
+                 "the queued cells' states, computed while the worker is held")
+        ahead = c.get("/health").json()["seed_cache"]
+        assert ahead["prepared_ahead"] - before["prepared_ahead"] == len(seeds)  # one per seed, not per cell
+        hits = states.snapshot()["hits"]
+        gate.release()
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 120, 0.1,
+                       "the sweep")
+        records = [c.get(f"/tasks/{row['task_id']}").json() for row in doc["cells"]]
+    assert doc["counts"]["succeeded"] == 2 * len(seeds)
+    assert states.snapshot()["hits"] - hits >= 2 * len(seeds)  # every cell's launch found its state kept
+    for row, record in zip(doc["cells"], records):  # the states computed ahead are a fresh cache's
+        fresh = seed_state.SeedStateCache(compute=states.compute).get(make_config(row["config"]), rows)
+        assert record["metadata"]["initial_parameter_sha256"] == fresh.initial_sha256
+        assert record["metadata"]["epoch_permutation_sha256"] == fresh.permutation_sha256

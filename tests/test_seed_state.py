@@ -64,3 +64,45 @@ def test_no_backend_writes_into_the_kept_arrays(backend):
     assert prepared.initial is state.initial and prepared.permutation_sha256 == state.permutation_sha256
     assert result.metadata["epoch_permutation_sha256"] == state.permutation_sha256
     assert result.metadata["initial_parameter_sha256"] == state.initial_sha256
+
+
+def test_a_state_under_way_is_waited_for_not_computed_twice():
+    """Two threads ask for the same state at once: one computes it, the other waits and gets the
+    same object; ``missing`` says False while it is under way; a failed computation leaves the
+    key free for the next asker."""
+    import threading
+
+    started, go, calls = threading.Event(), threading.Event(), []
+
+    def slow_initial(config):
+        calls.append(config.seed)
+        started.set()
+        assert go.wait(30)
+        return initial_parameters(config)
+
+    cache = SeedStateCache(compute=(slow_initial, epoch_permutations, parameter_names))
+    config = make_config({"seed": 4601})
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault("first", cache.get(config, 30)))
+    first.start()
+    assert started.wait(30)
+    assert not cache.missing(config, 30)  # under way
+    second = threading.Thread(target=lambda: got.setdefault("second", cache.get(config, 30)))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waiting for the first, not computing
+    go.set()
+    first.join(30)
+    second.join(30)
+    assert got["first"] is got["second"] and calls == [4601]
+    assert (cache.hits, cache.misses) == (1, 1)
+
+    def failing(config):
+        raise RuntimeError("no state")
+
+    broken = SeedStateCache(compute=(failing, epoch_permutations, parameter_names))
+    with pytest.raises(RuntimeError, match="no state"):
+        broken.get(config, 30)
+    assert broken.missing(config, 30)  # free again
+    broken.compute = COMPUTE
+    assert broken.get(config, 30).initial_sha256 == cache.get(config, 30).initial_sha256

@@ -18,6 +18,12 @@ CUDA streams, because what follows a launch is Python and hashing, not device wo
     others     a synchronous task in the launch (a client waits on the loop) gets its outcome
                through the future its job was answered with (``Finishing``), as before
 
+and, ahead of the launch, on the *prepare* thread: the seed-derived state of each task as it is
+queued on the device (and of a sweep's or an evaluation's first cells as they are accepted, while
+the ledger records them), so that the worker's ``prepare`` finds it kept while launch k runs, not
+after it (``prepare_ahead``; learner/seed_state.py waits for a state under way rather than
+computing it twice). One thread: a state takes ~0.2 ms, faster than the device uses them.
+
 A launch-path cell has no coroutine of its own: its failures before the launch (a timeout while
 queued, a cancel, a drain, taken back to the ledger) come through its job's future
 (``watch``), its timeout from one timer on the loop. One bad cell fails alone: its own error is
@@ -28,12 +34,16 @@ whose tenant's key was revoked while it waited (checked as its launch is gathere
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Any
+
+from learner import seed_state
 
 from ..errors import Requeued, TaskTimeout, error_answer, outcome_of
 from ..ledger import LeaseLost, LedgerUnavailable, Outcome
@@ -65,12 +75,66 @@ class Launches:
             max_workers=1, thread_name_prefix="rev88-finish", initializer=name_os_thread, initargs=("rev88-finish",))
         self.hashers = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="rev88-hash", initializer=name_os_thread, initargs=("rev88-hash",))
+        self.preparer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rev88-prepare", initializer=name_os_thread, initargs=("rev88-prepare",))
+        self._ahead: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # states wanted, not begun
+        self._ahead_lock = threading.Lock()
+        self._draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.counters = {"launches": 0, "cells_answered": 0, "cells_failed": 0, "ledger_transactions": 0}
+        self.counters = {"launches": 0, "cells_answered": 0, "cells_failed": 0, "ledger_transactions": 0,
+                         "states_prepared_ahead": 0}
 
     def close(self) -> None:
+        with self._ahead_lock:
+            self._ahead.clear()
+        self.preparer.shutdown(wait=True)
         self.finisher.shutdown(wait=True)
         self.hashers.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ ahead of the launch
+    def prepare_ahead(self, accs: list[Any]) -> None:
+        """(any thread; cheap) Compute, on the prepare thread, the seed-derived states of these
+        tasks that are neither kept nor under way. Skipped: a task not parsed yet (its job parses
+        it), states beyond half the cache's bound (they would push out each other before their
+        launch), and everything when the cache keeps nothing (REV88_SEED_CACHE_BYTES=0)."""
+        cache = seed_state.states
+        if cache.max_bytes <= 0:
+            return
+        with self._ahead_lock:
+            for acc in accs:
+                task = acc.task
+                if task is None:
+                    continue
+                config, rows = acc.config, task.train_count
+                key = cache.key(config, rows)
+                if key in self._ahead or not cache.missing(config, rows):
+                    continue
+                if (len(self._ahead) + 1) * seed_state.estimate_bytes(config, rows) > cache.max_bytes // 2:
+                    break
+                self._ahead[key] = (config, rows)
+            if not self._ahead or self._draining:
+                return
+            self._draining = True
+        try:
+            self.preparer.submit(self._prepare_wanted)
+        except RuntimeError:  # (shut down: the launches prepare their own)
+            with self._ahead_lock:
+                self._ahead.clear()
+                self._draining = False
+
+    def _prepare_wanted(self) -> None:
+        cache = seed_state.states
+        while True:
+            with self._ahead_lock:
+                if not self._ahead:
+                    self._draining = False
+                    return
+                _, (config, rows) = self._ahead.popitem(last=False)
+            try:
+                cache.get(config, rows)
+                self.counters["states_prepared_ahead"] += 1
+            except Exception:  # noqa: BLE001 - its launch computes it again and answers what fails
+                log.debug("a seed state prepared ahead failed", exc_info=True)
 
     # ------------------------------------------------------------------ the worker's part
     def run(self, items: list[tuple], backend: str, precision: str | None) -> list[Finishing]:

@@ -404,6 +404,7 @@ class TaskRunner:
                 cancel=acc.cancel, on_start=started, **share,
             )
         acc.job = job
+        self.launches.prepare_ahead([acc])  # its seed-derived state computed while it waits, not at its launch
         if self.feeder is not None:  # a worker frees up when it ends: claim more
             job.future.add_done_callback(self.feeder.job_done)
         if self.shared is not None:
