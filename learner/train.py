@@ -56,7 +56,7 @@ def epoch_permutations(config: Config, n: int, cancel: CancelToken | None = None
     out = []
     for _ in range(config.epochs):
         check(cancel, 0, 0)  # a long list (many epochs of a large task) can stop here too
-        out.append(rng.permutation(n).astype(np.int64))
+        out.append(rng.permutation(n).astype(np.int64, copy=False))  # (int64 already where intp is: no copy)
     return out
 
 

@@ -455,7 +455,7 @@ class Evaluations:
         stored, created = await asyncio.to_thread(self.store.create, record)
         if not created:  # (the same key sent twice at once: the first one's)
             stored = self._replay(stored, definition)
-        await self._record_cells(stored)
+        await self._record_cells(stored, fresh=created)
         return stored, created
 
     def _replay(self, seen: EvaluationRecord, definition: dict[str, Any]) -> EvaluationRecord:
@@ -464,10 +464,12 @@ class Evaluations:
                            "new key for a new evaluation", evaluation_id=seen.id)
         return seen
 
-    async def _record_cells(self, ev: EvaluationRecord) -> None:
+    async def _record_cells(self, ev: EvaluationRecord, fresh: bool = False) -> None:
+        """Record and queue the evaluation's cells that the ledger does not have yet (``fresh``:
+        created just now, its cells' new ids cannot be there: not asked)."""
         runner, catalog = self.runner, self.datasets
         ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
-        have = await asyncio.to_thread(runner.ledger.get_many, ids)
+        have = {} if fresh else await asyncio.to_thread(runner.ledger.get_many, ids)
         base = ev.definition["config"]
         configs = {seed: make_config(base if seed is None else {**base, "seed": seed})
                    for seed in ev.definition.get("seeds") or [None]}

@@ -209,13 +209,14 @@ class Sweeps:
         if not created and sweep.definition != definition:
             raise Conflict(f"Idempotency-Key {key!r} was already used for sweep {sweep.id} with another definition; "
                            "use a new key for a new sweep", sweep_id=sweep.id)
-        await self._record_cells(sweep, backend)
+        await self._record_cells(sweep, backend, fresh=created)
         return sweep, created
 
-    async def _record_cells(self, sweep: SweepRecord, backend: str) -> None:
-        """Record and queue the sweep's cells that the ledger does not have yet."""
+    async def _record_cells(self, sweep: SweepRecord, backend: str, fresh: bool = False) -> None:
+        """Record and queue the sweep's cells that the ledger does not have yet (``fresh``: the
+        sweep was created just now, its cells' new ids cannot be there: not asked)."""
         runner, catalog = self.runner, self.datasets
-        have = await asyncio.to_thread(runner.ledger.get_many, [c["task_id"] for c in sweep.cells])
+        have = {} if fresh else await asyncio.to_thread(runner.ledger.get_many, [c["task_id"] for c in sweep.cells])
         missing = [c for c in sweep.cells if c["task_id"] not in have]
         if not missing:
             return
