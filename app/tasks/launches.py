@@ -97,15 +97,16 @@ class Launches:
         tasks that are neither kept nor under way. Skipped: a task not parsed yet (its job parses
         it), states beyond half the cache's bound (they would push out each other before their
         launch), and everything when the cache keeps nothing (REV88_SEED_CACHE_BYTES=0)."""
+        self.prepare_states_ahead([(acc.config, acc.task.train_count) for acc in accs if acc.task is not None])
+
+    def prepare_states_ahead(self, wanted: list[tuple[Any, int]]) -> None:
+        """``prepare_ahead`` for (config, training count) pairs: work known before its tasks are
+        built (a sweep's cells as soon as its request is checked)."""
         cache = seed_state.states
-        if cache.max_bytes <= 0:
+        if cache.max_bytes <= 0 or not wanted:
             return
         with self._ahead_lock:
-            for acc in accs:
-                task = acc.task
-                if task is None:
-                    continue
-                config, rows = acc.config, task.train_count
+            for config, rows in wanted:
                 key = cache.key(config, rows)
                 if key in self._ahead or not cache.missing(config, rows):
                     continue
