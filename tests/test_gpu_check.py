@@ -237,7 +237,7 @@ def test_dry_run_of_the_precheck_and_the_service(tmp_path):
     assert big["passed"] and big["cells"] == 24 and big["counts"]["succeeded"] == 24
     assert big["checks"]["checked_cells_equal_in_process_cpu-fast"] and big["cells_checked_in_process"] == 12 + 2
     assert big["cells_per_s"] > 0 and big["server_cpu_ms_per_cell"] > 0
-    assert set(big["server_cpu_ms_per_cell_by_thread"]) == {"main", "workers", "ledger", "io", "recv", "finish", "hash",
+    assert set(big["server_cpu_ms_per_cell_by_thread"]) == {"main", "workers", "ledger", "io", "recv", "finish", "hash", "prepare",
                                                              "to_thread", "other"}
     assert big["kernel"]["fused_section"] is None and big["kernel"]["in_process"]["tasks_per_s"] > 0
     assert big["issue_46_goal"]["met"] is None  # a GPU figure: reported there, never checked
@@ -326,7 +326,7 @@ def test_service_helpers():
     lrs, seeds = service.BIG_SWEEP["device"]
     assert lrs * seeds == 1320 == service.BIG_SWEEP_MAX_CELLS and service.CELLS_PER_S_GOAL == 3000
     cpu = service.server_cpu(os.getpid())  # bench/bench_shell.py's groups, from /proc
-    assert set(cpu) == {"main", "workers", "ledger", "io", "recv", "finish", "hash", "to_thread", "other",
+    assert set(cpu) == {"main", "workers", "ledger", "io", "recv", "finish", "hash", "prepare", "to_thread", "other",
                         "process"} and cpu["process"] > 0
 
 
