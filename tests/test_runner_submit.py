@@ -97,6 +97,9 @@ class Recorder:
         self.calls.append(("record", acc.name, body is not None, key))
         return f"record of {acc.name}", self.created
 
+    def prepare_ahead(self, accs):
+        self.calls.append(("prepare_ahead", [a.name for a in accs]))
+
     def record_many(self, accs, messages):
         self.calls.append(("record_many", [a.name for a in accs], messages))
 
@@ -168,7 +171,9 @@ def test_a_recorded_synchronous_task_the_queue_refuses_is_recorded_failed_and_re
 def test_cells_are_recorded_together_then_each_waits_in_the_ledger():
     r = Recorder()
     run(r, [Work("c1", "async"), Work("c2", "async")], messages=[("m",)])
-    assert r.calls == [("record_many", ["c1", "c2"], [("m",)]), ("offer", "c1"), ("offer", "c2")]
+    # (their seed states begun first: computed while the ledger records them)
+    assert r.calls == [("prepare_ahead", ["c1", "c2"]), ("record_many", ["c1", "c2"], [("m",)]),
+                       ("offer", "c1"), ("offer", "c2")]
 
 
 def test_a_claim_is_queued_as_the_feeders_and_settled_with_its_launch():

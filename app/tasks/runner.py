@@ -265,6 +265,12 @@ class TaskRunner:
         ``?dataset=`` task, a sweep's or an evaluation's cells, a claim (``claimed=True``)."""
         return await submit(self, work, **how)
 
+    def prepare_ahead(self, accs: list[Accepted]) -> None:
+        """Work about to be launched (a sweep's or an evaluation's cells as they are recorded):
+        the seed-derived states of its first two launches computed now, on the prepare thread
+        (app/tasks/launches.py), not by the worker once they are gathered."""
+        self.launches.prepare_ahead(accs[:2 * max(1, self.batch_max)])
+
     def record(self, acc: Accepted, body_sha256: str | None, body_bytes: int, body: bytes | None,
                idempotency_key: str | None) -> tuple[TaskRecord, bool]:
         """Write the task to the ledger (blocking: call it in a thread). ``body`` makes it durable.

@@ -149,8 +149,7 @@ async def _cells(runner: Any, accs: list, messages: list[tuple] | None) -> Submi
     ledger has already (the same Idempotency-Key's other request, at once) are that request's."""
     if not accs:
         return Submitted()
-    # the first launches' seed-derived states computed while the ledger records the cells
-    runner.launches.prepare_ahead(accs[:2 * max(1, runner.batch_max)])
+    runner.prepare_ahead(accs)  # the first launches' seed-derived states, while the ledger records the cells
     try:
         await asyncio.to_thread(runner.record_many, accs, messages)
     except ValueError:  # (ids in the ledger already)
