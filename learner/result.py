@@ -116,6 +116,12 @@ def device_predictions(out: RunOutput) -> np.ndarray:
     return predictions
 
 
+def large_digests(out: RunOutput) -> dict[str, str]:
+    """The SHA-256s of a run's two large buffers, as its metadata names them: the predictions
+    (``device_predictions``) and the scores (400 KB for a 10,000-query task)."""
+    return {"predictions_sha256": array_sha256(device_predictions(out)), "scores_sha256": array_sha256(out.scores)}
+
+
 def check_finite(out: RunOutput, parameters: np.ndarray | None = None) -> None:
     """After training: every score, parameter and velocity entry finite. (Backends stop at
     the first non-finite loss they see, with the epoch and step; this catches the rest, and
@@ -170,13 +176,18 @@ def finish_task(
     out: RunOutput,
     host_prep: float,
     tasks_in_launch: int | None = None,
+    large_sha256: dict[str, str] | None = None,
 ) -> TaskResult:
     """Check one task's run output and assemble its result and metadata.
 
     Shared by ``run_task`` (one task, ``engine.run``) and batched launches
     (``engine.run_many``: one ``out`` per task; ``tasks_in_launch`` then says how many
     tasks shared the launch and is recorded in the metadata). ``host_prep`` is this
-    task's own host-side preparation time (``prepare``).
+    task's own host-side preparation time (``prepare``). ``large_sha256``: the SHA-256s of
+    the large buffers (``large_digests``: the scores and the predictions), computed elsewhere
+    beforehand -- a launch hashes them on a pool of threads (GIL-free) and finishes its tasks
+    on one (the rest is Python and small hashes, which threads would only pass the GIL back and
+    forth for).
     """
     validation = cached_validation()
     # a cancelled task gets no result, even when its run had just finished (on the fused
@@ -203,8 +214,7 @@ def finish_task(
         "final_parameter_sha256": named_sha256(names, out.final_parameters),
         "final_velocity_sha256": named_sha256(names, out.final_velocity),
         "state_vector_sha256": array_sha256(parameters),
-        "predictions_sha256": array_sha256(predictions),
-        "scores_sha256": array_sha256(out.scores),
+        **(large_sha256 if large_sha256 is not None else large_digests(out)),
         "preparation_seconds": host_prep + out.preparation_seconds,
         "training_prediction_seconds": out.training_prediction_seconds,
         "run_count": run_count,

@@ -7,8 +7,9 @@ k+1 is gathered and started by the worker while launch k is finished here; a sec
 CUDA streams, because what follows a launch is Python and hashing, not device work):
 
     finish     each task's result checked, hashed and assembled (``finish_launch``: the same
-               ``finish_task`` a single task uses), on a pool of ``hash_threads`` threads sized to
-               the host's cores (hashlib and numpy let go of the GIL on large buffers)
+               ``finish_task`` a single task uses), the large buffers' hashes (scores,
+               predictions) on a pool of ``hash_threads`` threads sized to the host's cores
+               (hashlib lets go of the GIL on them), the rest on this thread
     answers    the launch's asynchronous cells fed from the ledger (sweep and evaluation cells,
                asynchronous tasks: ``Accepted.launch_path``) answered together: their documents
                built, their outcomes written in ONE ledger transaction (``LedgerWriter.finish_launch``;
