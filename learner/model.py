@@ -21,6 +21,11 @@ FEATURES = 2 * WIDTH  # 81 pixels + 1 appended zero
 CLASSES = 10
 
 
+def parameter_count(depth: int) -> int:
+    """The learner's parameters: ``depth`` coupling blocks of two WIDTH x WIDTH weights, the head."""
+    return 2 * depth * WIDTH * WIDTH + CLASSES * FEATURES + CLASSES
+
+
 def lift(images: torch.Tensor) -> torch.Tensor:
     """(N,1,9,9) pixels in [0,1] -> (N,82): normalize 4*x-0.5, append one zero column."""
     x = images.reshape(images.shape[0], 81) * 4 - 0.5

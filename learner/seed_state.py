@@ -8,8 +8,8 @@ an LRU bounded by bytes (``configure``; the service's REV88_SEED_CACHE_BYTES, de
 ``DEFAULT_BYTES``); a state larger than the whole bound is computed and not kept.
 
 A state being computed in one thread is waited for, not computed again, by another that asks for
-it (the service computes the states of queued tasks ahead of their launch, on its io pool: ``missing``
-tells it which are neither kept nor under way).
+it (the service computes the states of queued tasks ahead of their launch, on a thread of its own:
+``missing`` tells it which are neither kept nor under way).
 
 Kept arrays are shared by every task that uses them: no backend may write into a ``Prepared``'s
 ``initial`` or ``permutations`` (none does: each copies them to its own buffers; a test runs every
@@ -27,6 +27,7 @@ import numpy as np
 from .cancel import CancelToken
 from .config import Config
 from .hashing import array_sha256, named_sha256
+from .model import parameter_count
 
 DEFAULT_BYTES = 256 << 20  # ~1,400 states of a 10k-row, 2-epoch task (180 KB each)
 
@@ -134,9 +135,9 @@ class SeedStateCache:
 
 
 def estimate_bytes(config: Config, train_count: int) -> int:
-    """A state's size before it is computed: its permutations (int64, one per epoch) and about
-    32 KB of float32 initial parameters per coupling block (the head's ~3 KB included)."""
-    return 8 * int(train_count) * int(config.epochs) + 2 * 41 * 42 * 4 * int(config.depth) + 82 * 11 * 4
+    """A state's size before it is computed (``SeedState.nbytes`` after): its permutations (int64,
+    one per epoch) and its float32 initial parameters."""
+    return 8 * int(train_count) * int(config.epochs) + 4 * parameter_count(config.depth)
 
 
 states = SeedStateCache()  # the process's: learner.train binds it to its functions and prepares with it

@@ -16,17 +16,13 @@ from . import seed_state
 from .cancel import CancelToken, check
 from .config import Config
 from .errors import TrainingDivergedError
-from .model import CLASSES, FEATURES, WIDTH, lift, scores
+from .model import CLASSES, FEATURES, WIDTH, lift, parameter_count, scores  # noqa: F401 - (parameter_count: re-exported)
 from .prepared import Prepared
 from .taskio import TaskArrays
 
 
 def parameter_names(depth: int) -> list[str]:
     return [f"weights.{i}" for i in range(2 * depth)] + ["head.weight", "head.bias"]
-
-
-def parameter_count(depth: int) -> int:
-    return 2 * depth * WIDTH * WIDTH + CLASSES * FEATURES + CLASSES
 
 
 def initial_parameters(config: Config) -> list[torch.Tensor]:

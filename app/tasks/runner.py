@@ -269,7 +269,17 @@ class TaskRunner:
         """Work about to be launched (a sweep's or an evaluation's cells as they are recorded):
         the seed-derived states of its first two launches computed now, on the prepare thread
         (app/tasks/launches.py), not by the worker once they are gathered."""
-        self.launches.prepare_ahead(accs[:2 * max(1, self.batch_max)])
+        self.launches.prepare_ahead(accs[:self.launches_ahead])
+
+    def prepare_states_ahead(self, wanted: list[tuple[Config, int]]) -> None:
+        """``prepare_ahead`` for (config, training count) pairs: a sweep's cells as soon as its
+        request is checked, before they are built or recorded."""
+        self.launches.prepare_states_ahead(wanted[:self.launches_ahead])
+
+    @property
+    def launches_ahead(self) -> int:
+        """How many of a job's cells ``prepare_ahead`` takes: its first two launches'."""
+        return 2 * max(1, self.batch_max)
 
     def record(self, acc: Accepted, body_sha256: str | None, body_bytes: int, body: bytes | None,
                idempotency_key: str | None) -> tuple[TaskRecord, bool]:

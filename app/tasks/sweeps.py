@@ -204,8 +204,7 @@ class Sweeps:
             await self.runner.check_queued(tenant, len(cells))
         self.runner.feeder.check_capacity(len(cells), uploads=False)  # they wait in the ledger's backlog
         # the first launches' seed-derived states computed while the sweep and its cells are recorded
-        self.runner.launches.prepare_states_ahead(
-            [(config, record.train_count) for config in cells[:2 * max(1, self.runner.batch_max)]])
+        self.runner.prepare_states_ahead([(config, record.train_count) for config in cells])
         task_ids = [new_task_id() for _ in cells]
         sweep, created = await asyncio.to_thread(catalog.store.create_sweep,
                                                  new_sweep(record.digest, definition, cells, task_ids, key, owner))
