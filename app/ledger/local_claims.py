@@ -10,9 +10,9 @@ them. The feeder (app/tasks/claims.py) drives both stores through the same calls
     load     at start: every unfinished asynchronous task of the ledger (a stop or a crash left
              it queued or running) waits again; returns how many
     add      a task just recorded queued (an upload, a sweep's or an evaluation's cell)
-    claim    up to ``limit`` tasks (of ``owners`` only, when given), the least-served tenant's
-             first, re-ranked after each pick so that one claim interleaves tenants by weight;
-             each claim is checked against the ledger (a task cancelled meanwhile is dropped)
+    claim    each tenant's oldest tasks, as many as the feeder's fair-share plan picks of it
+             (app/tasks/claims.py), then the oldest of any tenant; each claim is checked against
+             the ledger (a task cancelled meanwhile is dropped)
     release  tasks claimed here that go back to wait (taken back out of the device queue, a
              drain, a failed queueing): in the index again, in their place
     backlog  the waiting tasks per tenant, and the stored bytes of waiting uploads
@@ -100,6 +100,11 @@ class LocalClaims:
         with self._lock:
             return {tenant: len(entries) for tenant, entries in self._waiting.items()}
 
+    def waiting(self) -> dict[str, tuple[int, float]]:
+        """tenant -> (its tasks waiting here, when its oldest was created)."""
+        with self._lock:
+            return {tenant: (len(entries), entries[0][0]) for tenant, entries in self._waiting.items()}
+
     def waiting_bytes(self) -> int:
         with self._lock:
             return self._bytes
@@ -109,24 +114,22 @@ class LocalClaims:
             return len(self._ids)
 
     # ------------------------------------------------------------------ the claim path
-    def claim(self, limit: int, owners: list[str] | None = None,
-              rank: Callable[[str], tuple[float, float]] | None = None, cost_s: float = 1.0) -> list[Claim]:
-        """(blocking) Up to ``limit`` waiting tasks, in fair-share order: ``rank(tenant)`` is its
-        (decayed device seconds, weight); each pick charges the tenant ``cost_s`` more, so a
-        claim of several interleaves tenants by weight; oldest first within a tenant."""
+    def claim(self, limit: int, picks: list[tuple[str, int]] | None = None) -> list[Claim]:
+        """(blocking) Up to ``limit`` waiting tasks: ``picks`` [(tenant, n)] -- each tenant's
+        ``n`` oldest, the order fair share chose (app/runtime/fair_share.py, by the feeder) --
+        then, up to ``limit``, the oldest of any tenant (None: only those); each checked against
+        the ledger (a task cancelled while it waited is dropped)."""
         if limit < 1:
             return []
         picked: list[tuple[str, Entry]] = []
         with self._lock:
-            tenants = [t for t in self._waiting if owners is None or t in owners]
-            ranks = {t: (rank(t) if rank is not None else (0.0, 1.0)) for t in tenants}
-            used = {t: r[0] for t, r in ranks.items()}
-            while len(picked) < limit and tenants:
-                tenant = min(tenants, key=lambda t: (used[t] / max(ranks[t][1], 1e-9), self._waiting[t][0][0]))
+            for tenant, n in picks or []:
+                while n > 0 and len(picked) < limit and tenant in self._waiting:
+                    picked.append((tenant, self._pop(tenant)))
+                    n -= 1
+            while len(picked) < limit and self._waiting:
+                tenant = min(self._waiting, key=lambda t: self._waiting[t][0])
                 picked.append((tenant, self._pop(tenant)))
-                used[tenant] += cost_s
-                if tenant not in self._waiting:
-                    tenants.remove(tenant)
         if not picked:
             return []
         try:

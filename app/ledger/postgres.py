@@ -110,7 +110,21 @@ from .task_reads import POSTGRESQL, TaskReads
 log = logging.getLogger("rev88." + __name__)
 
 MIGRATIONS_DIR = database.MIGRATIONS_DIR
-FAIR_HALF_LIFE_S = 60.0  # the claims' fair share: as the executor's (app/runtime/executor.py)
+# What a claim takes (``claim``): queued, unclaimed, not asked to cancel, its tenant under its key's
+# max_running (its claimed and running tasks on every replica) -- each picked tenant's oldest ...
+CLAIMABLE = ("q.status = 'queued' AND q.mode = 'async' AND q.lease_owner IS NULL AND q.cancel_requested_at IS NULL"
+             " AND (k.max_running IS NULL OR k.max_running > (SELECT count(*) FROM rev88_tasks b"
+             "      WHERE (b.status = 'running' OR b.lease_owner IS NOT NULL)"
+             "      AND COALESCE(b.options::json ->> 'owner', '') = COALESCE(q.options::json ->> 'owner', '')))")
+CLAIM_PICKS = (
+    "SELECT p.id FROM unnest(%(tenants)s::text[], %(counts)s::int[]) AS w(tenant, n)"
+    " CROSS JOIN LATERAL (SELECT q.id FROM rev88_tasks q LEFT JOIN rev88_keys k ON k.id = w.tenant"
+    f"   WHERE {CLAIMABLE} AND COALESCE(q.options::json ->> 'owner', '') = w.tenant"
+    "   ORDER BY q.created_at, q.id LIMIT w.n FOR UPDATE OF q SKIP LOCKED) p")
+# ... and then the oldest of any tenant
+CLAIM_OLDEST = (
+    "SELECT q.id FROM rev88_tasks q LEFT JOIN rev88_keys k ON k.id = (q.options::json ->> 'owner')"
+    f" WHERE {CLAIMABLE} ORDER BY q.created_at, q.id LIMIT %(n)s FOR UPDATE OF q SKIP LOCKED")
 # pg_advisory_lock keys (64-bit): the schema migration, and retention (one replica at a time)
 MIGRATION_LOCK = 0x7265_7638_0001
 RETENTION_LOCK = 0x7265_7638_0002
@@ -820,13 +834,15 @@ class PostgresLedger(TaskReads):
             " count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NULL),"
             " count(*) FILTER (WHERE status = 'queued' AND lease_owner IS NOT NULL),"
             " count(*) FILTER (WHERE status = 'running'),"
-            " COALESCE(sum(body_bytes) FILTER (WHERE status = 'queued' AND has_input), 0)"
+            " COALESCE(sum(body_bytes) FILTER (WHERE status = 'queued' AND has_input), 0),"
+            " min(created_at) FILTER (WHERE status = 'queued' AND lease_owner IS NULL)"
             " FROM rev88_tasks WHERE status IN ('queued', 'running') AND mode = 'async' GROUP BY 1").fetchall())
         free = sum(r[1] for r in rows)
         claimed = sum(r[2] for r in rows)
         stats = {"queued": free + claimed, "unclaimed": free, "claimed": claimed, "running": sum(r[3] for r in rows),
                  "bytes": int(sum(r[4] for r in rows)), "at": time.time(),
-                 "owners": {r[0]: {"queued": r[1] + r[2], "unclaimed": r[1], "running": r[3]} for r in rows}}
+                 "owners": {r[0]: {"queued": r[1] + r[2], "unclaimed": r[1], "running": r[3], "oldest": r[5]}
+                            for r in rows}}
         self._queue_stats = stats
         return stats
 
@@ -883,50 +899,35 @@ class PostgresLedger(TaskReads):
 
     # ------------------------------------------------------------------ claims and leases
 
-    def claim(self, limit: int, owners: list[str] | None = None, rank: Any = None, cost_s: float = 0.0) -> list[Claim]:
+    def claim(self, limit: int, picks: list[tuple[str, int]] | None = None) -> list[Claim]:
         """Up to ``limit`` queued asynchronous tasks leased to this replica (``FOR UPDATE SKIP
-        LOCKED``: replicas claiming at once never take the same task), in fair-share order across
-        replicas (issue #33): first the tenants with the least device time per unit of weight --
-        their finished tasks' run time decayed with the half-life FAIR_HALF_LIFE_S, plus the time
-        their running tasks have run so far -- oldest first within a tenant (with one tenant:
-        oldest first, as before); a tenant whose key's max_running is reached by its claimed and
-        running tasks, on every replica, waits. ``owners``: only those tenants' tasks (key ids;
-        "" for the admin's and an open service's). (``rank`` and ``cost_s`` are the embedded
-        store's: here the database ranks, from every replica's runs.)"""
+        LOCKED``: replicas claiming at once never take the same task): ``picks`` [(tenant, n)] --
+        each tenant's ``n`` oldest, as this replica's fair share chose them (app/runtime/
+        fair_share.py, by the feeder; key ids, "" for the admin's and an open service's) --, then,
+        up to ``limit``, the oldest of any tenant (None: only those). A tenant whose key's
+        max_running is reached by its claimed and running tasks, on every replica, waits."""
         if limit < 1:
             return []
+        picks = [(t, n) for t, n in picks or [] if n > 0]
+        rows: list = []
         with self._conn(f"claim up to {limit} queued task(s)", transaction=False) as conn:
-            rows = conn.execute(
-                f"UPDATE rev88_tasks t SET lease_owner = %(owner)s, lease_expires_at = {NOW} + %(lease)s,"
-                " claims = t.claims + 1"
-                " FROM (SELECT q.id FROM rev88_tasks q"
-                "       LEFT JOIN (SELECT options::json ->> 'owner' AS o,"
-                "                         sum(CASE WHEN status = 'running' AND started_at IS NOT NULL"
-                f"                                  THEN {NOW} - started_at"
-                "                                  ELSE COALESCE(run_ms, 0) / 1000.0"
-                f"                                       * power(0.5, ({NOW} - finished_at) / %(half)s) END) AS used,"
-                "                         sum(CASE WHEN status = 'running' OR lease_owner IS NOT NULL THEN 1 ELSE 0"
-                "                             END) AS busy"
-                "                  FROM rev88_tasks"
-                f"                  WHERE status = 'running' OR lease_owner IS NOT NULL"
-                f"                     OR finished_at > {NOW} - 10 * %(half)s"
-                "                  GROUP BY 1) u ON u.o IS NOT DISTINCT FROM (q.options::json ->> 'owner')"
-                "       LEFT JOIN rev88_keys k ON k.id = (q.options::json ->> 'owner')"
-                "       WHERE q.status = 'queued' AND q.mode = 'async'"
-                "       AND q.lease_owner IS NULL AND q.cancel_requested_at IS NULL"
-                "       AND (k.max_running IS NULL OR COALESCE(u.busy, 0) < k.max_running)"
-                "       AND (%(owners)s::text[] IS NULL OR COALESCE(q.options::json ->> 'owner', '') = ANY(%(owners)s))"
-                "       ORDER BY COALESCE(u.used, 0) / COALESCE(k.weight, 1), q.created_at, q.id"
-                "       LIMIT %(n)s FOR UPDATE OF q SKIP LOCKED) c"
-                f" WHERE t.id = c.id RETURNING {T_SUMMARY_COLUMNS}, t.claims",
-                {"owner": self.owner, "lease": self.lease_s, "n": int(limit), "half": FAIR_HALF_LIFE_S,
-                 "owners": None if owners is None else list(owners)},
-                binary=True).fetchall()
-        claims = sorted((Claim(_record(row, False), row[SUMMARY_WIDTH]) for row in rows),  # (t.claims after them)
-                        key=lambda c: (c.record.created_at, c.record.id))
+            if picks:
+                rows += self._claim_rows(conn, CLAIM_PICKS, {
+                    "tenants": [t for t, _ in picks], "counts": [min(int(n), limit) for _, n in picks]})
+            if len(rows) < limit:
+                rows += self._claim_rows(conn, CLAIM_OLDEST, {"n": limit - len(rows)})
+        claims = sorted((Claim(_record(row, False), row[SUMMARY_WIDTH]) for row in rows[:limit]),
+                        key=lambda c: (c.record.created_at, c.record.id))  # (t.claims after them)
         for c in claims:
             self._hold(c.record.id, c.epoch)
         return claims
+
+    def _claim_rows(self, conn: psycopg.Connection, chosen: str, params: dict) -> list:
+        return conn.execute(
+            f"UPDATE rev88_tasks t SET lease_owner = %(owner)s, lease_expires_at = {NOW} + %(lease)s,"
+            f" claims = t.claims + 1 FROM ({chosen}) c"
+            f" WHERE t.id = c.id RETURNING {T_SUMMARY_COLUMNS}, t.claims",
+            {"owner": self.owner, "lease": self.lease_s, **params}, binary=True).fetchall()
 
     def renew(self, attempts: dict[str, int] | None = None) -> Renewal:
         """Extend by ``lease_s`` (server clock) the leases of ``attempts`` (task id -> the epoch

@@ -66,10 +66,9 @@ from learner.errors import TaskCancelled
 
 from ..errors import NotAccepted, QueueFull, Requeued, TaskStopped, TaskTimeout, Unavailable
 from ..threads import name_os_thread
+from .fair_share import FairShare, Waiting
 
 log = logging.getLogger("rev88." + __name__)
-
-FAIR_HALF_LIFE_S = 60.0  # fair share: how fast a tenant's past device time is forgotten (issue #33)
 
 QUEUED, RUNNING, DONE, EXPIRED, ABANDONED, CANCELLED, DROPPED, RETURNED = (
     "queued", "running", "done", "expired", "abandoned", "cancelled", "dropped", "returned",
@@ -123,6 +122,8 @@ class Job:
     weight: float = 1.0
     max_running: int | None = None
     evictable: bool = False  # fed from the ledger: may go back there to make room (admission by tenant)
+    cost: float = 1.0  # its estimated device work (fair share: app/runtime/fair_share.py)
+    tag: float = 0.0  # its start tag in virtual time: the lowest runs next
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -248,8 +249,7 @@ class DeviceExecutor:
         self._gathering: dict[Hashable, int] = {}  # batch key -> the worker gathering a launch of it
         self.stats = Stats()
         self.workers = [Worker(self, i, device) for i, device in enumerate(devices)]
-        self.fair_half_life_s = FAIR_HALF_LIFE_S
-        self._usage: dict[str, tuple[float, float]] = {}  # tenant -> (decayed device seconds, as of monotonic)
+        self.fair = FairShare()  # which tenant's job runs next (app/runtime/fair_share.py); under the lock
         self._running: collections.Counter[str] = collections.Counter()  # tenant -> jobs running
         self.tenant_name: Callable[[str], str] = lambda tenant: tenant or "admin/open"  # for refusals
 
@@ -285,11 +285,12 @@ class DeviceExecutor:
                batch: Batch | None = None, pin: int | None = None, cancel: CancelToken | None = None,
                on_start: Callable[[Job], None] | None = None, tenant: str = "", weight: float = 1.0,
                max_running: int | None = None, evictable: bool = False,
-               others: dict[str, float] | None = None) -> Job:
+               others: dict[str, float] | None = None, cost: float | None = None) -> Job:
         """Queue ``fn`` for a device. ``reserved`` jobs (the warm-up) skip the capacity check;
         ``evictable`` ones (fed from the ledger) take only a free place and may be taken back out;
         any other is admitted against its tenant's share (``others``: the weights of tenants
-        whose work waits in the ledger). ``pin`` names the one worker that may run it; ``cancel``
+        whose work waits in the ledger). ``cost``: its estimated device work, charged to its
+        tenant's virtual time as it enters (fair share; None: as its tenant's last job). ``pin`` names the one worker that may run it; ``cancel``
         is the token the job's run checks (a new one by default). With ``batch``, the job may
         instead run in one call with queued jobs of the same key."""
         if pin is not None and not 0 <= pin < len(self.workers):
@@ -308,6 +309,11 @@ class DeviceExecutor:
                         raise self._full_locked()
                 else:
                     taken_back = self._admit_locked(tenant, weight, others or {}, take_back=True)
+            if reserved:
+                job.tag = float("-inf")
+            else:
+                job.cost = self.fair.cost_of(tenant) if cost is None else cost
+                job.tag = self.fair.enter(tenant, weight, job.cost)
             self._queue.append(job)
             self.stats.accepted += 1
             self.stats.deepest = max(self.stats.deepest, len(self._queue))
@@ -397,7 +403,7 @@ class DeviceExecutor:
         return max(newest, key=lambda j: j.submitted)
 
     def _return_locked(self, job: Job) -> None:
-        self._queue.remove(job)
+        self._dequeue_locked(job)
         job.state = RETURNED
         self.stats.returned += 1
         job.future.set_exception(Requeued(f"task {job.label} went back to the ledger to make room in the device "
@@ -489,7 +495,7 @@ class DeviceExecutor:
             if job.future.done() or job.state in (DONE, EXPIRED, DROPPED, CANCELLED, RETURNED):
                 return False
             if job.state == QUEUED:
-                self._queue.remove(job)
+                self._dequeue_locked(job)
                 job.state = EXPIRED if why == "timeout" else DROPPED
                 if why == "timeout":
                     self.stats.expired += 1
@@ -538,7 +544,8 @@ class DeviceExecutor:
         n = 0
         with self._cond:
             while self._queue:
-                job = self._queue.popleft()
+                job = self._queue[0]
+                self._dequeue_locked(job)
                 job.state = CANCELLED
                 self.stats.cancelled += 1
                 job.cancel.cancel(reason)
@@ -645,9 +652,9 @@ class DeviceExecutor:
     def _next_for(self, worker: Worker) -> Job | None:
         """(Lock held.) The job this worker runs next: of each tenant's oldest job it may run (not
         pinned elsewhere, not of a batch key another worker is gathering, its tenant below its
-        running limit), the one whose tenant has used the least device time per unit of weight,
-        decayed with a half-life of ``fair_half_life_s`` (ties: the oldest job). FIFO within a
-        tenant; with one tenant, FIFO as before."""
+        running limit), the one with the lowest start tag in virtual time (app/runtime/fair_share.py:
+        the tenant served least for its weight; ties: the job that has waited longest). FIFO within
+        a tenant; with one tenant, FIFO."""
         heads: dict[str, Job] = {}
         for job in self._queue:
             if job.tenant in heads:
@@ -661,22 +668,23 @@ class DeviceExecutor:
             heads[job.tenant] = job
         if len(heads) <= 1:
             return next(iter(heads.values()), None)
-        now = time.monotonic()
-        return min(heads.values(), key=lambda j: (self._used(j.tenant, now) / max(j.weight, 1e-9), j.submitted))
+        return min(heads.values(), key=lambda j: (j.tag, j.submitted))
 
-    def _used(self, tenant: str, now: float) -> float:
-        value, when = self._usage.get(tenant, (0.0, now))
-        return value * 0.5 ** ((now - when) / self.fair_half_life_s)
+    def _dequeue_locked(self, job: Job) -> None:
+        """(Lock held.) A queued job leaves the queue without running: its charge given back."""
+        self._queue.remove(job)
+        self.fair.leave(job.tenant, job.tag, job.weight, job.cost)
 
-    def _charge(self, tenant: str, seconds: float, now: float) -> None:
-        """(Lock held.) ``seconds`` of device time added to the tenant's decayed usage."""
-        self._usage[tenant] = (self._used(tenant, now) + seconds, now)
-
-    def usage_snapshot(self) -> dict[str, float]:
-        """Each tenant's decayed device seconds now (what the next pick compares)."""
+    def fair_order(self, n: int, waiting: dict[str, Waiting]) -> list[str]:
+        """The tenants whose waiting work (in the ledger) would be served next, ``n`` picks in the
+        device queue's own order (what the feeder claims: app/tasks/claims.py)."""
         with self._cond:
-            now = time.monotonic()
-            return {t: round(self._used(t, now), 6) for t in self._usage}
+            return self.fair.order(n, waiting)
+
+    def fair_snapshot(self) -> dict[str, float]:
+        """Each tenant's virtual time ahead of the device's (/health)."""
+        with self._cond:
+            return self.fair.snapshot()
 
     def _batch_ready(self, batch: Batch) -> bool:
         try:
@@ -720,6 +728,7 @@ class DeviceExecutor:
             self._running[job.tenant] += 1
         worker.running = group
         if group:
+            self.fair.began(min(j.tag for j in group))
             self.stats.launches += 1
             self.stats.largest_launch = max(self.stats.largest_launch, len(group))
             if len(group) > 1:
@@ -776,7 +785,6 @@ class DeviceExecutor:
             for job, (value, error) in zip(group, outcomes):
                 job.finished = now
                 self._running[job.tenant] -= 1
-                self._charge(job.tenant, (now - started) / len(group), now)
                 was_stopped = isinstance(error, TaskCancelled)
                 if was_stopped:
                     self.stats.stopped += 1

@@ -68,6 +68,7 @@ from learner.taskio import load_task
 from ..errors import QueueFull
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
 from ..ledger.local_claims import owner_key
+from ..runtime.fair_share import Waiting
 from ..threads import name_os_thread
 from .runner import Accepted, TaskRunner
 
@@ -303,45 +304,59 @@ class SharedQueue:
     def backlog_tenants(self) -> dict[str, int]:
         """tenant -> its work waiting in the ledger, not yet claimed ("" the admin's/an open
         service's): SQLite's exactly; PostgreSQL's as last counted, with what was offered here since."""
+        return {t: w[0] for t, w in self._backlog().items()}
+
+    def _backlog(self) -> dict[str, tuple[int, float]]:
+        """tenant -> (its unclaimed tasks, when its oldest was created)."""
         if not self.leases:
-            return self.ledger.backlog()
-        out = {t: v.get("unclaimed", v.get("queued", 0)) for t, v in ((self.depth or {}).get("owners") or {}).items()}
+            return self.ledger.waiting()
+        out = {t: (v.get("unclaimed", v.get("queued", 0)), v.get("oldest") or 0.0)
+               for t, v in ((self.depth or {}).get("owners") or {}).items()}
         for acc, _, _ in self.offered.values():
-            out.setdefault(owner_key(acc.owner), 1)
-        return {t: n for t, n in out.items() if n > 0}
+            tenant = owner_key(acc.owner)
+            count, oldest = out.get(tenant, (0, acc.created_at))
+            out[tenant] = (max(count, 1), min(oldest, acc.created_at) if oldest else acc.created_at)
+        return {t: w for t, w in out.items() if w[0] > 0}
 
     def backlog_weights(self) -> dict[str, float]:
         """tenant -> its weight, for the tenants whose work waits in the ledger (the device queue's
         shares count them as waiting)."""
         return {t: self.runner.weight_of(t) for t in self.backlog_tenants()}
 
-    def plan(self) -> tuple[int, list[str] | None] | None:
-        """(how many to claim, of which tenants: None any) now, or None: nothing to claim. Never
-        past the device queue's room; enough to keep the workers fed; beyond that only for tenants
-        under their share of the device queue while their work waits in the ledger and another
-        tenant's waits in the device queue."""
+    def waiting(self) -> dict[str, Waiting]:
+        """The ledger's waiting work per tenant, as fair share weighs it."""
+        return {t: Waiting(self.runner.weight_of(t), oldest, count) for t, (count, oldest) in self._backlog().items()}
+
+    def plan(self) -> tuple[int, list[tuple[str, int]] | None] | None:
+        """(how many to claim, [(tenant, how many of its oldest)] in fair-share order -- None:
+        the oldest of any tenant) now, or None: nothing to claim. Never past the device queue's
+        room; enough to keep the workers fed, the tenants in the device queue's own order
+        (virtual time: app/runtime/fair_share.py); beyond that only for a tenant under its share
+        of the device queue while its work waits in the ledger and another tenant's waits in the
+        device queue (the one fair share serves first)."""
         executor = self.runner.executor
         room = executor.capacity - executor.depth
         if room <= 0:
             return None
+        waiting = self.waiting()
         free = self.free_slots()
         if free > 0:
-            return min(free, room), None
-        backlog = self.backlog_tenants()
-        if not backlog:
+            n = min(free, room)
+            return n, _counts(executor.fair_order(n, waiting)) if waiting else None
+        if not waiting:
             return None
-        weights = {t: self.runner.weight_of(t) for t in backlog}
-        shares = executor.shares(weights)
+        shares = executor.shares({t: w.weight for t, w in waiting.items()})
         present = executor.queued_by_tenant()
         # (only where another tenant's jobs wait in the device queue: they would run before this
         # tenant's backlog, which a free worker's claim would otherwise reach in fair-share order)
-        under = {t: shares[t] - present.get(t, 0) for t in backlog
+        under = {t: shares[t] - present.get(t, 0) for t in waiting
                  if present.get(t, 0) < shares[t] and any(n for u, n in present.items() if u != t)}
         if not under:
             return None
         # one tenant at a time, up to its own deficit: a claim of several could give one the others' share
-        tenant = min(under, key=lambda t: (present.get(t, 0) / max(shares[t], 1), t))
-        return min(room, under[tenant]), [tenant]
+        [tenant] = executor.fair_order(1, {t: waiting[t] for t in under})
+        n = min(room, under[tenant], waiting[tenant].count)
+        return n, [(tenant, n)]
 
     async def claim_some(self) -> int:
         """Claim while the plan says so; returns how many tasks were queued here."""
@@ -352,20 +367,14 @@ class SharedQueue:
             plan = self.plan()
             if plan is None:
                 break
-            limit, owners = plan
-            claims = await asyncio.to_thread(self._claim, limit, owners)
+            limit, picks = plan
+            claims = await asyncio.to_thread(self.ledger.claim, limit, picks)
             self._ok()
             if not claims:  # (a tenant's backlog counted but gone meanwhile: the next wake or poll looks again)
                 break
             self.counters["claimed"] += len(claims)
             queued += await self._queue_claims(claims)
         return queued
-
-    def _claim(self, limit: int, owners: list[str] | None) -> list:
-        executor = self.runner.executor
-        usage = executor.usage_snapshot()
-        return self.ledger.claim(limit, owners, rank=lambda t: (usage.get(t, 0.0), self.runner.weight_of(t)),
-                                 cost_s=executor.mean_device_seconds())
 
     async def _claim_loop(self) -> None:
         while True:
@@ -613,3 +622,9 @@ class SharedQueue:
             "database_error": self.database_error,
             **self.counters,
         }
+
+
+def _counts(picks: list[str]) -> list[tuple[str, int]]:
+    """[(tenant, how many)] from a list of picks, in the order each tenant first comes."""
+    counts = collections.Counter(picks)
+    return [(t, counts[t]) for t in dict.fromkeys(picks)]

@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from learner.budget import estimate
 from learner.cancel import CancelToken
 from learner.config import Config
 from learner.taskio import TaskArrays
@@ -212,6 +213,14 @@ def _unrecorded(acc: Accepted, exc: BaseException) -> bool:
     return True
 
 
+def work_cost(acc: Accepted) -> float | None:
+    """A task's device work for fair share (app/runtime/fair_share.py): its budget estimate, in
+    millions of work units (None while its body is not parsed: its tenant's last task's)."""
+    if acc.task is None:
+        return None
+    return estimate(acc.task.train_count, acc.task.test_count, acc.config).work / 1e6
+
+
 def with_dataset(body: dict[str, Any], acc: Accepted, outcome: DeviceOutcome) -> dict[str, Any]:
     """A task from a stored dataset: its answer names the dataset, and, with the dataset's labels,
     counts its correct predictions (issue #31)."""
@@ -378,7 +387,7 @@ class TaskRunner:
 
         weight, max_running = self.shares(acc.owner) if acc.owner is not None else (1.0, None)
         share = dict(tenant=acc.owner or "", weight=weight, max_running=max_running,  # fair share (executor)
-                     evictable=fed, others=None if fed else self.others_waiting())
+                     evictable=fed, others=None if fed else self.others_waiting(), cost=work_cost(acc))
         if acc.measure is not None:
             arguments = acc.measure
 
