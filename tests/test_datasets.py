@@ -124,7 +124,13 @@ def test_a_task_on_a_dataset_answers_as_the_upload_and_counts_with_labels(store)
         done = wait_for(lambda: (d := c.get(f"/tasks/{task_id}").json())["status"] == "succeeded" and d, 60)
         assert same(done) == {**same(uploaded), "status": "succeeded"} and done["correct"] == correct
         replay = c.post("/tasks", params={"dataset": DIGEST, "epochs": 2}, headers={"Idempotency-Key": "ds-1"})
-        assert replay.json()["id"] == task_id
+        assert replay.json()["id"] == task_id and replay.headers["idempotent-replayed"] == "true"
+        # replayed asynchronously too: the same task's 202, said to be a replay
+        replay = c.post("/tasks", params={"dataset": DIGEST, "epochs": 2},
+                        headers={"Prefer": "respond-async", "Idempotency-Key": "ds-1"})
+        assert replay.status_code == 202 and replay.json()["id"] == task_id, replay.text
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert "idempotent-replayed" not in accepted.headers
         # a dataset in use by an unfinished task cannot be deleted; refusals name the problem
         assert c.post("/tasks", params={"dataset": DIGEST}, content=BODY, headers=NPZ).status_code == 422
         unknown = c.post("/tasks", params={"dataset": "sha256:" + "1" * 64})

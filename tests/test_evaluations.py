@@ -121,6 +121,11 @@ def test_counts_equal_an_independent_scoring_and_rev88_evaluate_in_process(store
         for row in doc["draws"]:
             assert independent_count(c, row)[0] == row["correct"]
         assert doc["config_changes"] == config
+        # a cancel of the finished evaluation is a 409 and changes nothing
+        late = c.post(f"/evaluations/{r.json()['id']}/cancel")
+        assert late.status_code == 409 and "already finished (completed)" in late.json()["error"], late.text
+        kept = c.get(f"/evaluations/{r.json()['id']}").json()
+        assert kept["status"] == "completed" and kept["cancelled_at"] is None and kept["draws"] == doc["draws"]
         again = c.post("/evaluations", json={"draws": draws, "config": config, "name": "lr 0.05"},
                        headers={"Idempotency-Key": "same"})
         replay = c.post("/evaluations", json={"draws": draws, "config": config, "name": "lr 0.05"},

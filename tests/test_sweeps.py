@@ -65,6 +65,15 @@ def test_a_sweep_runs_every_cell_as_its_single_task_and_counts(store):
         assert [s["id"] for s in listed] == [sweep_id] and listed[0]["cells"] == 8
         assert c.get(f"/datasets/{DIGEST}").json()["sweeps"] == [sweep_id]
         assert str(LABELS.tolist()) not in c.get(f"/sweeps/{sweep_id}").text
+        # a cancel of the finished sweep, or of one of its cells, is a 409 and changes nothing
+        late = c.post(f"/sweeps/{sweep_id}/cancel")
+        assert late.status_code == 409 and "already finished (completed)" in late.json()["error"], late.text
+        cell = c.post(f"/tasks/{doc['cells'][0]['task_id']}/cancel")
+        assert cell.status_code == 409 and "already finished (succeeded)" in cell.json()["error"], cell.text
+        again = c.get(f"/sweeps/{sweep_id}").json()
+        assert again["status"] == "completed" and again["counts"] == doc["counts"]
+        assert again["cancelled_at"] is None
+        assert c.get("/sweeps").json()["sweeps"][0]["status"] == "completed"
 
 
 def test_an_empty_grid_runs_the_base_config_once_per_seed_and_one_failed_cell_fails_alone(tmp_path):

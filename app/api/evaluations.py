@@ -83,6 +83,6 @@ async def list_evaluations(
 
 
 @router.post("/evaluations/{evaluation_id}/cancel", summary="Cancel an evaluation's unfinished draws",
-             response_model=EvaluationState, responses=error_responses(401, 404, 422, 503))
+             response_model=EvaluationState, responses=error_responses(401, 404, 409, 422, 503))
 async def cancel_evaluation(evaluation_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     return JSONResponse(await service.evaluations.cancel(evaluation_id, tenant.owner))

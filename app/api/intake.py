@@ -214,9 +214,12 @@ async def _accepted(request: Request, service: Service, acc: Accepted, body: byt
     return Response(settled.json(), status_code=settled.status, headers=settled.headers, media_type="application/json")
 
 
-def accepted_response(record: TaskRecord) -> JSONResponse:
-    return JSONResponse(record.summary(), status_code=202,
-                        headers={"Location": f"/tasks/{record.id}", "Retry-After": "1"})
+def accepted_response(record: TaskRecord, replayed: bool = False) -> JSONResponse:
+    """202 with the task's summary (``replayed``: an Idempotency-Key's earlier task, said so)."""
+    headers = {"Location": f"/tasks/{record.id}", "Retry-After": "1"}
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(record.summary(), status_code=202, headers=headers)
 
 
 async def _existing(request: Request, service: Service, record: TaskRecord, asynchronous: bool) -> Response:
@@ -228,7 +231,7 @@ async def _existing(request: Request, service: Service, record: TaskRecord, asyn
         # ... or on another replica sharing the ledger: wait for its record there
         record = await service.runner.shared.wait_finished(record.id, service.settings.task_timeout_s) or record
     if asynchronous or not record.finished:
-        return accepted_response(record)
+        return accepted_response(record, replayed=True)
     return JSONResponse(*status_answer(record), headers={"Idempotent-Replayed": "true"})
 
 

@@ -66,6 +66,6 @@ async def list_sweeps(service: ServiceDep, tenant: TenantDep, limit: Annotated[i
 
 
 @router.post("/sweeps/{sweep_id}/cancel", summary="Cancel a sweep's unfinished cells (finished ones are kept)",
-             response_model=SweepState, responses=error_responses(401, 404, 422, 503))
+             response_model=SweepState, responses=error_responses(401, 404, 409, 422, 503))
 async def cancel_sweep(sweep_id: str, service: ServiceDep, tenant: TenantDep) -> JSONResponse:
     return JSONResponse(await service.sweeps.cancel(sweep_id, tenant.owner))

@@ -589,10 +589,14 @@ class Evaluations:
         return await asyncio.to_thread(self.runner.ledger.statuses, task_ids) if task_ids else {}
 
     async def cancel(self, evaluation_id: str, viewer: str | None = None) -> dict[str, Any]:
-        """Every unfinished cell cancelled (queued ones never run, running ones stopped)."""
+        """Every unfinished cell cancelled (queued ones never run, running ones stopped). An
+        evaluation whose cells have all finished is left as it is (Conflict, 409: as a finished
+        task's cancel)."""
+        doc = await self.state(evaluation_id, viewer)
+        if doc["status"] not in ("queued", "running"):
+            raise Conflict(f"evaluation {evaluation_id} has already finished ({doc['status']}); nothing to cancel",
+                           evaluation_status=doc["status"])
         ev = await self.get(evaluation_id, viewer)
-        if ev.result is not None:
-            return document(ev)
         await asyncio.to_thread(self.store.cancel, evaluation_id)
         ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
         records = await asyncio.to_thread(self.runner.ledger.get_many, ids)

@@ -142,8 +142,8 @@ def sweep_status(sweep: SweepRecord, counts: dict[str, int]) -> str:
     """queued (no cell started), running, completed (every cell finished) or cancelled (finished
     after a cancel): the document's and the list's status, from the cells' counts."""
     unfinished = counts["queued"] + counts["running"]
-    if sweep.cancelled_at is not None and not unfinished:
-        return "cancelled"
+    if sweep.cancelled_at is not None and not unfinished and counts["cancelled"]:
+        return "cancelled"  # (a cancel that came as its last cells finished, and stopped none: completed)
     if not unfinished:
         return "completed"
     return "queued" if counts["queued"] == sum(counts.values()) else "running"
@@ -289,8 +289,12 @@ class Sweeps:
 
     async def cancel(self, sweep_id: str, viewer: str | None = None) -> dict[str, Any]:
         """Every unfinished cell cancelled (queued ones never run, running ones stopped); finished
-        cells kept."""
+        cells kept. A sweep whose cells have all finished is left as it is (Conflict, 409: as a
+        finished task's cancel)."""
         doc = await self.state(sweep_id, viewer)
+        if doc["status"] in ("completed", "cancelled"):
+            raise Conflict(f"sweep {sweep_id} has already finished ({doc['status']}); nothing to cancel",
+                           sweep_status=doc["status"])
         await asyncio.to_thread(self.datasets.store.cancel_sweep, sweep_id)
         unfinished = [row["task_id"] for row in doc["cells"] if row["status"] not in FINISHED]
         await asyncio.gather(*(self.runner.cancel(task_id) for task_id in unfinished), return_exceptions=True)
