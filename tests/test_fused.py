@@ -166,6 +166,10 @@ def _resident_child(full, out_dir: Path) -> None:
     for name in data:
         for seed in RESIDENT_SEEDS:
             launch(f"copy_{name}{seed}", [(name, seed)])
+    # two launches of one shape: the first's outputs, kept, are read again only after the second ran
+    kept = backend.run_many([data["X"]], [prepared[("X", 21)]])
+    backend.run_many([data["X"]], [prepared[("X", 22)]])
+    _save(out_dir, "reread_after_next", kept[0])  # (compared with copy_X21_0)
     device_datasets.configure(device_datasets.DEFAULT_BYTES)
     shared = [("X", seed) for seed in RESIDENT_SEEDS]
     launch("shared", shared)  # X staged once for three tasks
@@ -336,6 +340,14 @@ def test_a_launch_on_a_resident_dataset_gives_todays_bytes(resident_runs):
     assert facts["mixed_split"]["extra"]["variant"] == "split" and facts["mixed_split"]["extra"]["datasets_staged"] == 0
     # the two datasets' results differ: each task read its own dataset's row
     assert not _same_bytes(resident_runs / "mixed_0", resident_runs / "mixed_1")
+
+
+def test_a_launchs_outputs_outlive_the_next_launch(resident_runs):
+    """A launch's answers are its own until they are dropped: read after another launch of the same
+    shape ran on the same backend, they are the bytes they were (issue #54: an output buffer reused
+    across launches of one shape would hand the first launch the second's scores)."""
+    assert _same_bytes(resident_runs / "reread_after_next", resident_runs / "copy_X21_0")
+    assert not _same_bytes(resident_runs / "copy_X22_0", resident_runs / "copy_X21_0")  # (the second launch differs)
 
 
 def test_an_evicted_dataset_is_staged_again_not_failed(resident_runs):
