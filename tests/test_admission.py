@@ -240,23 +240,96 @@ def test_an_upload_while_another_tenants_sweep_runs_is_accepted(tmp_path):
         c.post(f"/sweeps/{sweep.json()['id']}/cancel", headers=bearer(a))
 
 
+def _in_flight(c) -> int:
+    doc = c.get("/health", headers=bearer(ADMIN_KEY)).json()
+    return doc["admission"]["device_queue"]["depth"] + sum(w["busy"] for w in doc["queue"]["workers"])
+
+
+def _backlog(c) -> dict:
+    return c.get("/health", headers=bearer(ADMIN_KEY)).json()["admission"]["backlog"]
+
+
 def test_the_backlog_limit_refuses_asynchronous_work_naming_it(tmp_path):
+    """REV88_BACKLOG_SIZE 3: with the worker's two places taken, three asynchronous tasks wait in
+    the ledger and the fourth is refused (503, naming the limit and the count); a sweep that alone
+    would pass the limit is refused on an empty backlog, one that fits is accepted."""
     app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, backlog_size=3,
                               data_dir=str(tmp_path / "d")), engines=gated_engines(gate := Gate()))
     with inprocess_server(app) as server, server.client() as c:
         admin = bearer(ADMIN_KEY)
+        digest = _dataset(c, ADMIN_KEY)
+        r = c.post("/sweeps", json={"dataset": digest, "seeds": [1, 2, 3, 4]}, headers=admin)
+        assert r.status_code == 503 and "4 more would pass REV88_BACKLOG_SIZE 3" in r.json()["error"], r.text
+        assert _backlog(c)["tasks"] == 0  # (nothing of it recorded)
         gate.hold()
         try:
-            codes = [post_task(c, BODY, headers={**ASYNC, **admin}).status_code for _ in range(8)]
-            assert 503 in codes
+            for _ in range(2):  # the one running (held) and the one claimed ahead: out of the backlog
+                assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202
+            wait_for(lambda: _in_flight(c) == 2, 30, 0.02, "two tasks claimed")
+            for _ in range(3):
+                assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202
+            assert _backlog(c)["tasks"] == 3
             r = post_task(c, BODY, headers={**ASYNC, **admin})
-            assert r.status_code == 503 and "REV88_BACKLOG_SIZE 3" in r.json()["error"]
-            assert r.headers["Retry-After"]
-            digest = _dataset(c, ADMIN_KEY)
-            r = c.post("/sweeps", json={"dataset": digest, "seeds": [1, 2, 3, 4]}, headers=admin)
+            assert r.status_code == 503 and "3 asynchronous tasks waiting; 1 more would pass REV88_BACKLOG_SIZE 3" \
+                in r.json()["error"], r.text
+            assert r.headers["Retry-After"] and r.json()["limit"] == "REV88_BACKLOG_SIZE"
+            r = c.post("/sweeps", json={"dataset": digest, "seeds": [1]}, headers=admin)
             assert r.status_code == 503 and "REV88_BACKLOG_SIZE" in r.json()["error"]
         finally:
             gate.release()
+        wait_for(lambda: _backlog(c)["tasks"] == 0 and _in_flight(c) == 0, 60, 0.05, "the backlog drained")
+        assert c.post("/sweeps", json={"dataset": digest, "seeds": [1, 2, 3]}, headers=admin).status_code == 202
+
+
+def test_the_backlog_bytes_limit_refuses_uploads_not_cells_on_stored_datasets(tmp_path):
+    """REV88_BACKLOG_BYTES bounds what waiting uploads keep on disk: once the waiting uploads hold
+    it, the next asynchronous upload is refused (503 naming it); a sweep's cells keep no upload of
+    their own and are still accepted."""
+    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, backlog_bytes=1,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(gate := Gate()))
+    with inprocess_server(app) as server, server.client() as c:
+        admin = bearer(ADMIN_KEY)
+        digest = _dataset(c, ADMIN_KEY)
+        gate.hold()
+        try:
+            for n in (1, 2):  # (each claimed before the next: the backlog holds no upload)
+                assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202
+                wait_for(lambda n=n: _in_flight(c) == n, 30, 0.02, f"{n} task(s) claimed")
+            assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202  # the backlog held 0 bytes
+            assert _backlog(c)["bytes"] >= len(BODY)
+            r = post_task(c, BODY, headers={**ASYNC, **admin})
+            assert r.status_code == 503 and "REV88_BACKLOG_BYTES 1" in r.json()["error"], r.text
+            assert r.json()["limit"] == "REV88_BACKLOG_BYTES"
+            r = c.post("/sweeps", json={"dataset": digest, "seeds": [1, 2]}, headers=admin)
+            assert r.status_code == 202, r.text
+        finally:
+            gate.release()
+
+
+def test_a_cancelled_waiting_task_leaves_the_backlog_and_never_reaches_the_device(tmp_path):
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, data_dir=str(tmp_path / "d")),
+                     engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c:
+        admin = bearer(ADMIN_KEY)
+        gate.hold()
+        try:
+            for _ in range(2):
+                assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202
+            wait_for(lambda: _in_flight(c) == 2, 30, 0.02, "two tasks claimed")
+            waiting = [post_task(c, BODY, headers={**ASYNC, **admin}).json()["id"] for _ in range(3)]
+            assert _backlog(c)["tasks"] == 3
+            r = c.post(f"/tasks/{waiting[1]}/cancel", headers=admin)
+            assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+            assert _backlog(c)["tasks"] == 2  # out of the backlog at once, not when a claim meets it
+        finally:
+            gate.release()
+        for task_id in waiting:
+            wait_for(lambda t=task_id: c.get(f"/tasks/{t}", headers=admin).json()["status"] in FINISHED, 60, 0.05,
+                     f"task {task_id}")
+        cancelled = c.get(f"/tasks/{waiting[1]}", headers=admin).json()
+        assert cancelled["status"] == "cancelled" and cancelled["started_at"] is None  # it never ran
+        assert app.state.service.executor.stats.accepted == 1 + 2 + 2  # the warm-up and the four others: not it
 
 
 # --------------------------------------------------------------------------- two replicas on PostgreSQL

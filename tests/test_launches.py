@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import signal
 import sqlite3
+import threading
 import time
 
 import pytest
@@ -267,3 +268,42 @@ def test_queued_cells_seed_states_are_prepared_before_their_launch(tmp_path):
         fresh = seed_state.SeedStateCache(compute=states.compute).get(make_config(row["config"]), rows)
         assert record["metadata"]["initial_parameter_sha256"] == fresh.initial_sha256
         assert record["metadata"]["epoch_permutation_sha256"] == fresh.permutation_sha256
+
+
+def test_a_sweeps_seed_states_are_prepared_while_it_is_recorded_each_time(tmp_path):
+    """A sweep's first launches' seed-derived states are computed as soon as its request is checked,
+    while the sweep is being recorded -- here, while another connection holds the datasets
+    database's write lock, so that nothing is recorded yet -- one per distinct seed, and again for
+    a second sweep (the prepare thread serves every request, not the first only)."""
+    from learner.seed_state import states
+
+    app = create_app(Settings(backend="cpu-fast", workers=1, data_dir=str(tmp_path / "d"), batch_max=8,
+                              batch_wait_ms=20), engines=gated_engines(Gate()))
+    rows = load_task(BODY).train_count
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code in (200, 201)
+        for first_seed in (460_100, 460_200):  # (seeds no other test of this process uses)
+            seeds = [first_seed + k for k in range(4)]
+            assert all(states.missing(make_config({"seed": s}), rows) for s in seeds)
+            before = c.get("/health").json()["seed_cache"]["prepared_ahead"]
+            lock = sqlite3.connect(tmp_path / "d" / "datasets.sqlite3", isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")  # the sweep cannot be recorded until this ends
+            posted = {}
+            try:
+                def post(seeds=seeds, posted=posted):
+                    posted["r"] = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1, 0.2]},
+                                                          "seeds": seeds}, timeout=60)
+
+                thread = threading.Thread(target=post, daemon=True)
+                thread.start()
+                wait_for(lambda seeds=seeds: not any(states.missing(make_config({"seed": s}), rows) for s in seeds),
+                         3, 0.01, "every seed's state, prepared while the sweep waits to be recorded")
+                assert "r" not in posted  # (not recorded yet)
+            finally:
+                lock.execute("ROLLBACK")
+                lock.close()
+            thread.join(60)
+            assert posted["r"].status_code == 202, posted["r"].text
+            sweep = posted["r"].json()["id"]
+            wait_for(lambda s=sweep: c.get(f"/sweeps/{s}").json()["status"] == "completed", 120, 0.1, "the sweep")
+            assert c.get("/health").json()["seed_cache"]["prepared_ahead"] - before == len(seeds)  # one per seed

@@ -760,3 +760,28 @@ def test_orphans_are_cleaned_at_open(tmp_path):
 def test_statuses_and_finished_are_as_documented():
     assert STATUSES == ("queued", "running", "succeeded", "failed", "cancelled")
     assert FINISHED == ("succeeded", "failed", "cancelled")
+
+
+def test_the_embedded_claims_check_each_task_against_the_ledger_and_follow_the_picks(tmp_path):
+    """SQLite's claims (app/ledger/local_claims.py): a task finished in the ledger while it waited in
+    the index -- by any path, a cancel included -- is never claimed, and leaves the index; each
+    tenant's oldest tasks are taken as many as picked, then the oldest of any tenant."""
+    from app.ledger.local_claims import LocalClaims
+
+    ledger = Ledger(tmp_path / "data")
+    claims = LocalClaims(ledger)
+    made = {}
+    for i, owner in enumerate(["a", "a", "a", "b", "b", None]):
+        record, _ = create(ledger, mode="async", options={"include_scores": False, **({"owner": owner} if owner else {})})
+        made[record.id] = owner
+        claims.add(record.id, owner, 1000.0 + i)
+    ids = list(made)
+    ledger.finish(ids[0], "cancelled", error={"status": 409, "error": "cancelled before it ran"})  # (not discarded)
+    got = claims.claim(3, [("b", 1), ("a", 1)])
+    assert [c.record.id for c in got] == [ids[1], ids[3]]  # a's oldest unfinished and b's oldest; not the cancelled
+    assert len(claims) == 3  # the cancelled one left the index
+    assert claims.waiting() == {"a": (1, 1002.0), "b": (1, 1004.0), "": (1, 1005.0)}
+    rest = claims.claim(5, [("", 1)])
+    assert [c.record.id for c in rest] == [ids[2], ids[4], ids[5]]  # the pick, then the oldest of any tenant
+    assert claims.claim(5) == [] and len(claims) == 0
+    ledger.close()

@@ -52,6 +52,24 @@ def test_the_cache_is_bounded_by_bytes():
         configure(-1)
 
 
+def test_a_large_insert_evicts_as_many_states_as_it_takes_to_stay_within_the_bound():
+    """The bound holds after every insert, however much larger the new state is than the ones it
+    pushes out (issue #54: one eviction per insert left the cache over its bound)."""
+    one = SeedStateCache(compute=COMPUTE).get(make_config({"seed": 1}), 1000).nbytes
+    large = SeedStateCache(compute=COMPUTE).get(make_config({"seed": 1}), 5000).nbytes
+    assert 2 * one < large <= 3 * one  # (it takes at least two small states' room)
+    cache = SeedStateCache(max_bytes=3 * one, compute=COMPUTE)
+    for seed in range(3):
+        cache.get(make_config({"seed": seed}), 1000)
+    assert cache.snapshot()["states"] == 3
+    kept = cache.get(make_config({"seed": 9}), 5000)
+    snap = cache.snapshot()
+    assert snap["bytes"] <= snap["max_bytes"] == 3 * one, snap
+    assert snap["states"] == 1 and cache.get(make_config({"seed": 9}), 5000) is kept  # the newest stays
+    cache.resize(one)  # a smaller bound: as many out as it takes
+    assert cache.snapshot()["bytes"] <= one
+
+
 @pytest.mark.parametrize("backend", ["cpu", "cpu-fast"])
 def test_no_backend_writes_into_the_kept_arrays(backend):
     task = small_task(40, 6, seed=46)
@@ -83,17 +101,22 @@ def test_a_state_under_way_is_waited_for_not_computed_twice():
     cache = SeedStateCache(compute=(slow_initial, epoch_permutations, parameter_names))
     config = make_config({"seed": 4601})
     got = {}
-    first = threading.Thread(target=lambda: got.setdefault("first", cache.get(config, 30)))
-    first.start()
-    assert started.wait(30)
-    assert not cache.missing(config, 30)  # under way
-    second = threading.Thread(target=lambda: got.setdefault("second", cache.get(config, 30)))
-    second.start()
-    second.join(0.2)
-    assert second.is_alive()  # waiting for the first, not computing
-    go.set()
-    first.join(30)
-    second.join(30)
+    # daemon threads, and ``go`` set whatever happens: a broken cache fails this test, it never
+    # keeps pytest from exiting
+    first = threading.Thread(target=lambda: got.setdefault("first", cache.get(config, 30)), daemon=True)
+    second = threading.Thread(target=lambda: got.setdefault("second", cache.get(config, 30)), daemon=True)
+    try:
+        first.start()
+        assert started.wait(30)
+        assert not cache.missing(config, 30)  # under way
+        second.start()
+        second.join(0.2)
+        assert second.is_alive() and "second" not in got  # waiting for the first, not computing
+    finally:
+        go.set()
+        first.join(30)
+        second.join(30)
+    assert not first.is_alive() and not second.is_alive()
     assert got["first"] is got["second"] and calls == [4601]
     assert (cache.hits, cache.misses) == (1, 1)
 
