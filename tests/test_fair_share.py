@@ -87,13 +87,19 @@ def _shares_while_all_wait(starts: list[tuple[float, int]], tenants: int) -> tup
 WEIGHTS = [(1, 1), (1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 1), (3, 1, 1), (3, 1, 1, 1, 1)]
 
 
-@pytest.mark.parametrize("weights", WEIGHTS, ids=["-".join(map(str, w)) for w in WEIGHTS])
-def test_each_tenants_share_of_the_starts_is_its_weights_share(tmp_path, weights):
+# (weights, REV88_QUEUE_SIZE): with a device queue of 8 the queue's own order decides much; with 2
+# (one running, one claimed ahead) the feeder's claims decide alone
+CASES = [(w, 8) for w in WEIGHTS] + [((2, 1, 1), 2), ((3, 1, 1, 1, 1), 2)]
+
+
+@pytest.mark.parametrize("weights, queue_size", CASES,
+                         ids=[f"{'-'.join(map(str, w))}-q{q}" for w, q in CASES])
+def test_each_tenants_share_of_the_starts_is_its_weights_share(tmp_path, weights, queue_size):
     """N tenants, each with a deep backlog (a sweep of 36 cells) posted while the device is held:
     over the starts while all still have work waiting, each tenant's share is within ±0.05 of
     weight / total weight."""
     gate = Gate()
-    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, queue_size=8,
+    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, queue_size=queue_size,
                               data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
     per_tenant = 36
     with inprocess_server(app) as server, server.client() as c:
@@ -107,7 +113,7 @@ def test_each_tenants_share_of_the_starts_is_its_weights_share(tmp_path, weights
         starts = _starts(c, keys, per_tenant * len(keys))
     shares, window = _shares_while_all_wait(starts, len(keys))
     expected = [k["weight"] / sum(weights) for k in keys]
-    print(f"weights {weights}: shares {[round(s, 3) for s in shares]} over {window} starts (expected "
+    print(f"weights {weights}, queue {queue_size}: shares {[round(s, 3) for s in shares]} over {window} starts (expected "
           f"{[round(e, 3) for e in expected]})")
     assert window >= per_tenant, window
     for share, want in zip(shares, expected):
@@ -180,22 +186,54 @@ def test_fair_share_holds_with_a_shared_ledger(tmp_path, pg_url):
 
 def test_the_rule_serves_the_least_served_for_its_weight_ties_to_the_longest_waiting():
     fair = FairShare()
-    waiting = {"b": Waiting(1.0, since=2.0, count=100), "a": Waiting(1.0, since=1.0, count=100),
-               "c": Waiting(2.0, since=3.0, count=100)}
+    waiting = {"a": Waiting(1.0, since=3.0, count=100), "b": Waiting(1.0, since=1.0, count=100),
+               "c": Waiting(2.0, since=2.0, count=100)}
     picks = fair.order(8, waiting)
-    assert picks[:3] == ["a", "b", "c"]  # all at zero: the longest waiting first, never by name
+    assert picks[:3] == ["b", "c", "a"]  # all at zero: the longest waiting first, never by name
     assert picks.count("c") == 4 and picks.count("a") == picks.count("b") == 2  # weight 2: half
-    assert fair.order(5, {"a": Waiting(1.0, 0.0, 2), "b": Waiting(1.0, 1.0, 9)}) == ["a", "b", "a", "b", "b"]
+    assert fair.order(5, {"z": Waiting(1.0, 0.0, 2), "b": Waiting(1.0, 1.0, 9)}) == ["z", "b", "z", "b", "b"]
     assert fair.order(3, {}) == []
 
 
-def test_an_idle_tenant_reenters_at_the_current_virtual_time():
+def test_an_idle_tenant_reenters_at_the_current_virtual_time_a_backlogged_one_keeps_its_place():
     fair = FairShare()
+    fair.waiting({"busy", "behind"})
     for _ in range(50):
         fair.began(fair.enter("busy", 1.0, 1.0))
+        fair.done("busy")
     start = fair.enter("new", 1.0, 1.0)
     assert start == fair.now == 49.0  # neither credit for its idle time nor a wait behind "busy"'s past
+    # "behind" has had work waiting in the ledger all along, none of it claimed yet: it keeps its
+    # place (served first until it has caught up), whatever the device began meanwhile
+    assert fair.next_start("behind") == 0.0
+    assert fair.order(3, {"behind": Waiting(1.0, 0.0, 9), "busy": Waiting(1.0, 0.0, 9)}) == ["behind"] * 3
+    fair.waiting({"busy"})  # ... once it has none left waiting (and none in the device queue), it is idle
+    assert fair.next_start("behind") == 49.0
+    fair.waiting({"busy", "behind"})  # back from idle: at the current virtual time
+    assert fair.next_start("behind") == 49.0
     # work taken back before it ran gives its charge back
     tag = fair.enter("new", 1.0, 1.0)
     fair.leave("new", tag, 1.0, 1.0)
     assert fair.next_start("new") == tag
+
+
+def test_the_device_queue_runs_equal_tags_oldest_first_whatever_the_tenants_names():
+    """Two tenants' first jobs enter at the same virtual time: the one queued first runs first,
+    though its tenant's name sorts last; then they alternate."""
+    import threading
+
+    from app.runtime.executor import DeviceExecutor
+
+    ex = DeviceExecutor(capacity=100, devices=["cpu:0"])
+    hold, order = threading.Event(), []
+    ex.start()
+    try:
+        first = ex.submit(lambda: hold.wait(30), tenant="m")
+        wait_for(lambda: ex.busy_workers() == 1, 10, what="the first job running")
+        jobs = [ex.submit(lambda n=n: order.append(n), tenant=n[0], cost=1.0) for n in ("z1", "a1", "z2", "a2")]
+        hold.set()
+        for job in [first, *jobs]:
+            job.future.result(30)
+        assert order == ["z1", "a1", "z2", "a2"], order
+    finally:
+        assert ex.stop(30)

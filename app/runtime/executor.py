@@ -673,7 +673,14 @@ class DeviceExecutor:
     def _dequeue_locked(self, job: Job) -> None:
         """(Lock held.) A queued job leaves the queue without running: its charge given back."""
         self._queue.remove(job)
-        self.fair.leave(job.tenant, job.tag, job.weight, job.cost)
+        if job.tag != float("-inf"):
+            self.fair.leave(job.tenant, job.tag, job.weight, job.cost)
+
+    def fair_waiting(self, tenants: set[str]) -> None:
+        """The tenants whose work waits in the ledger now (fair share: one back from idle re-enters
+        at the current virtual time)."""
+        with self._cond:
+            self.fair.waiting(tenants)
 
     def fair_order(self, n: int, waiting: dict[str, Waiting]) -> list[str]:
         """The tenants whose waiting work (in the ledger) would be served next, ``n`` picks in the
@@ -785,6 +792,8 @@ class DeviceExecutor:
             for job, (value, error) in zip(group, outcomes):
                 job.finished = now
                 self._running[job.tenant] -= 1
+                if job.tag != float("-inf"):
+                    self.fair.done(job.tenant)
                 was_stopped = isinstance(error, TaskCancelled)
                 if was_stopped:
                     self.stats.stopped += 1

@@ -4,14 +4,17 @@ Each tenant's served device work divided by its weight is its *virtual time*. Wo
 (a task claimed from the ledger, a synchronous task admitted to the device queue) is tagged
 with the virtual time at which it starts::
 
-    start  = max(now, finish[tenant])          # an idle tenant re-enters at the current level
+    start  = finish[tenant]                     # at least ``now`` when it comes back from idle
     finish[tenant] = start + cost / weight      # cost: the work's estimated device work
 
 and the device serves the lowest start tag first; ``now`` is the start tag of the work the
 device last began. So the next piece of work goes to the backlogged tenant that has been served
-least for its weight; a tenant that was idle re-enters at ``now`` (no credit hoarded while it was
-away, and no debt either: it is served within its share at once); ties go to whoever has waited
-longest, never to a tenant's name. Within a tenant, work keeps its order (its tags increase).
+least for its weight; a tenant that was idle (no work waiting in the ledger, queued or running)
+re-enters at ``now`` (no credit hoarded while it was away, and no debt either: it is served
+within its share at once), while a tenant that has kept work waiting keeps its place even when
+its work enters the device queue late (claims are lazy: only a few tasks a tenant has are in
+the device queue at a time); ties go to whoever has waited longest, never to a tenant's name.
+Within a tenant, work keeps its order (its tags increase).
 
 Both the feeder's claims (which tenants' waiting tasks enter the device queue next: ``order``)
 and the device queue (which queued job a worker takes next: the lowest tag) use this one rule,
@@ -49,10 +52,28 @@ class FairShare:
         self._cost: dict[str, float] = {}  # tenant -> the cost of its last work (its next one's estimate)
         self._mean_cost = DEFAULT_COST  # of the work entered lately, any tenant's (a new tenant's estimate)
         self._costed = False
+        self._held: dict[str, int] = {}  # tenant -> its work entered and not yet done (queued or running)
+        self._waiting: set[str] = set()  # the tenants whose work waits in the ledger, as last told
+
+    def active(self, tenant: str) -> bool:
+        """Whether the tenant has work anywhere: entered and not done, or waiting in the ledger."""
+        return self._held.get(tenant, 0) > 0 or tenant in self._waiting
 
     def next_start(self, tenant: str) -> float:
-        """The start tag the tenant's next work would get now."""
-        return max(self.now, self._finish.get(tenant, 0.0))
+        """The start tag the tenant's next work would get now: where its last work ended while it
+        has work (a backlogged tenant keeps its place, ahead of ``now`` or behind it), at least
+        ``now`` once it comes back from idle."""
+        finish = self._finish.get(tenant, 0.0)
+        return finish if self.active(tenant) else max(self.now, finish)
+
+    def waiting(self, tenants: set[str] | list[str]) -> None:
+        """The tenants whose work waits in the ledger now: one that comes back from idle re-enters
+        at ``now``."""
+        tenants = set(tenants)
+        for tenant in tenants:
+            if not self.active(tenant):
+                self._finish[tenant] = max(self.now, self._finish.get(tenant, 0.0))
+        self._waiting = tenants
 
     def cost_of(self, tenant: str) -> float:
         """The cost assumed for the tenant's next work when it is not known (its last work's)."""
@@ -63,6 +84,7 @@ class FairShare:
         cost = max(float(cost), 0.0)
         start = self.next_start(tenant)
         self._finish[tenant] = start + cost / max(weight, MIN_WEIGHT)
+        self._held[tenant] = self._held.get(tenant, 0) + 1
         if cost > 0:
             self._cost[tenant] = cost
             self._mean_cost = 0.9 * self._mean_cost + 0.1 * cost if self._costed else cost
@@ -71,12 +93,21 @@ class FairShare:
             self._forget_idle()
         return start
 
+    def done(self, tenant: str) -> None:
+        """Work of ``tenant`` that entered has ended (it ran, or left without running)."""
+        left = self._held.get(tenant, 0) - 1
+        if left > 0:
+            self._held[tenant] = left
+        else:
+            self._held.pop(tenant, None)
+
     def leave(self, tenant: str, start: float, weight: float, cost: float) -> None:
         """Work that entered will not be served here (taken back to the ledger, cancelled or timed
         out while it waited): the charge is given back when it was the tenant's latest."""
         end = start + max(cost, 0.0) / max(weight, MIN_WEIGHT)
         if abs(self._finish.get(tenant, -1.0) - end) <= 1e-9 * max(1.0, abs(end)):
             self._finish[tenant] = start
+        self.done(tenant)
 
     def began(self, start: float) -> None:
         """The device began work tagged ``start``: virtual time moves on to it."""
@@ -102,7 +133,7 @@ class FairShare:
         return {t: round(f - self.now, 6) for t, f in self._finish.items() if f > self.now}
 
     def _forget_idle(self) -> None:
-        """Tenants at or behind ``now`` would re-enter at ``now`` anyway: nothing to remember."""
-        for tenant in [t for t, f in self._finish.items() if f <= self.now]:
+        """Idle tenants at or behind ``now`` would re-enter at ``now`` anyway: nothing to remember."""
+        for tenant in [t for t, f in self._finish.items() if f <= self.now and not self.active(t)]:
             del self._finish[tenant]
             self._cost.pop(tenant, None)

@@ -339,6 +339,7 @@ class SharedQueue:
         if room <= 0:
             return None
         waiting = self.waiting()
+        executor.fair_waiting(set(waiting))
         free = self.free_slots()
         if free > 0:
             n = min(free, room)
