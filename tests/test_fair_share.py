@@ -89,18 +89,22 @@ WEIGHTS = [(1, 1), (1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 1), (3, 1, 1), (3, 1, 1, 1
 
 # (weights, REV88_QUEUE_SIZE): with a device queue of 8 the queue's own order decides much; with 2
 # (one running, one claimed ahead) the feeder's claims decide alone
-CASES = [(w, 8) for w in WEIGHTS] + [((2, 1, 1), 2), ((3, 1, 1, 1, 1), 2)]
+# (weights, REV88_QUEUE_SIZE, REV88_BATCH_MAX): with a device queue of 8 the queue's own order
+# decides much; with 2 (one running, one claimed ahead) the feeder's claims decide alone; with
+# launches of 4 the feeder claims 8 at a time (two launches' worth), several tenants' in one claim
+CASES = [(w, 8, 1) for w in WEIGHTS] + [((2, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 16, 4)]
 
 
-@pytest.mark.parametrize("weights, queue_size", CASES,
-                         ids=[f"{'-'.join(map(str, w))}-q{q}" for w, q in CASES])
-def test_each_tenants_share_of_the_starts_is_its_weights_share(tmp_path, weights, queue_size):
+@pytest.mark.parametrize("weights, queue_size, batch_max", CASES,
+                         ids=[f"{'-'.join(map(str, w))}-q{q}-b{b}" for w, q, b in CASES])
+def test_each_tenants_share_of_the_starts_is_its_weights_share(tmp_path, weights, queue_size, batch_max):
     """N tenants, each with a deep backlog (a sweep of 36 cells) posted while the device is held:
     over the starts while all still have work waiting, each tenant's share is within ±0.05 of
     weight / total weight."""
     gate = Gate()
-    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, queue_size=queue_size,
-                              data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
+    app = create_app(Settings(backend="cpu-fast" if batch_max > 1 else "cpu", workers=1, api_key=ADMIN_KEY,
+                              queue_size=queue_size, batch_max=batch_max, data_dir=str(tmp_path / "d")),
+                     engines=gated_engines(gate, batching=batch_max > 1))
     per_tenant = 36
     with inprocess_server(app) as server, server.client() as c:
         keys = _keys(c, list(weights))
@@ -113,7 +117,7 @@ def test_each_tenants_share_of_the_starts_is_its_weights_share(tmp_path, weights
         starts = _starts(c, keys, per_tenant * len(keys))
     shares, window = _shares_while_all_wait(starts, len(keys))
     expected = [k["weight"] / sum(weights) for k in keys]
-    print(f"weights {weights}, queue {queue_size}: shares {[round(s, 3) for s in shares]} over {window} starts (expected "
+    print(f"weights {weights}, queue {queue_size}, launches of {batch_max}: shares {[round(s, 3) for s in shares]} over {window} starts (expected "
           f"{[round(e, 3) for e in expected]})")
     assert window >= per_tenant, window
     for share, want in zip(shares, expected):
