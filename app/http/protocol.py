@@ -23,7 +23,9 @@ What it adds to uvicorn's own protocol (``HttpToolsProtocol``, which it subclass
   (so that the client reads the answer instead of a reset, as nginx's lingering close), then
   closes. Nothing is read on without a budget or a timer.
 - **A bad request behind unanswered ones is answered after them**: uvicorn writes its 400 for an
-  unparseable request at once, before the answers of requests pipelined ahead of it.
+  unparseable request at once, before the answers of requests pipelined ahead of it. A request
+  whose own body does not parse (a bad chunk) while it waits behind others never runs: the 400 is
+  its answer, as soon as the answers before it are out (it does not wait for a body that cannot come).
 - **A header timeout**: a connection that has not finished a request's headers within
   ``Policy.header_timeout_s`` (REV88_HEADER_TIMEOUT_S) of connecting, or of the request's first
   byte, is closed. uvicorn waits for ever there (its keep-alive timer only runs between requests).
@@ -544,6 +546,12 @@ if HttpToolsProtocol is not None:
             cycle = self.cycle
             unanswered = cycle is not None and not cycle.response_complete and not cycle.disconnected
             own_body = unanswered and cycle.more_body and not cycle.response_started  # (the error is in its body)
+            if own_body:
+                queued = [entry for entry in self.pipeline if entry[0] is cycle]
+                if queued:  # its body is bad before it ran: it never runs, the 400 is its answer
+                    self.pipeline.remove(queued[0])
+                    self._refusal = msg  # once the requests before it are answered (they are not yet)
+                    return
             if self.pipeline or (unanswered and not own_body):
                 # answers go out in order: this one once the requests before it are answered
                 # (then the connection closes, as after uvicorn's own 400)
