@@ -97,14 +97,16 @@ def parse_responses(data: bytes, eof: bool = False) -> tuple[list[Response], byt
     return out, data[pos:]
 
 
-def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | list[tuple[str, str]] | None = None,
             version: str = "1.1", length: int | None = None) -> bytes:
-    """One request's bytes; ``length``: the Content-Length to declare (default: the body's)."""
+    """One request's bytes; ``headers``: a dict, or (name, value) pairs (a name may come twice);
+    ``length``: the Content-Length to declare (default: the body's)."""
+    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or ())
     lines = [f"{method} {path} HTTP/{version}", "Host: test"]
-    for name, value in (headers or {}).items():
+    for name, value in pairs:
         lines.append(f"{name}: {value}")
     if body or length is not None or method in ("POST", "PUT"):
-        if not any(k.lower() == "transfer-encoding" for k in (headers or {})):
+        if not any(k.lower() == "transfer-encoding" for k, _ in pairs):
             lines.append(f"Content-Length: {len(body) if length is None else length}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 

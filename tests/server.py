@@ -124,15 +124,16 @@ class InProcessServer:
 
 
 @contextlib.contextmanager
-def inprocess_server(app, ready: bool = True, timeout: float = 120, http=None):
-    """``http``: uvicorn's HTTP protocol (default ``protocol_class()``: the one ``rev88 serve`` runs)."""
+def inprocess_server(app, ready: bool = True, timeout: float = 120, http=None, ws="auto"):
+    """``http``: uvicorn's HTTP protocol (default ``protocol_class()``: the one ``rev88 serve`` runs);
+    ``ws``: its WebSocket protocol (uvicorn's ``--ws``: a name, or a class)."""
     import uvicorn
 
     if http is None:
         http = protocol_class() or "auto"
 
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http, ws=ws)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()

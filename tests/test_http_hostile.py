@@ -279,6 +279,26 @@ def test_chunked_bodies(pair):
     nothing_stuck(pair.ours)
 
 
+def test_a_bad_chunk_pipelined_behind_other_requests_is_a_400_at_once(tmp_path):
+    """A malformed chunked body behind a GET, two GETs, or a small upload (all in one send): its
+    request never runs, and the 400 (naming the chunk) comes right after the answers before it,
+    then the close. It does not wait for the upload deadline (an hour here: a body waited for would
+    show as no answer at all), as it once did, answering 408 (uvicorn's own protocol answers the
+    400 at once, before the answers owed)."""
+    bad = request("POST", "/tasks", b"zz\r\nnot hex\r\n", {**NPZ, "Transfer-Encoding": "chunked"})
+    live = request("GET", "/v2/health/live")
+    settings = _settings(tmp_path, "bad-chunk", upload_timeout_s=3600.0)
+    with inprocess_server(create_app(settings), http=body_protocol.protocol_class()) as server:
+        for before in ([live], [live, live], [request("POST", "/tasks", BODY, NPZ)]):
+            outcome = exchange(_port(server), [b"".join(before) + bad], want=len(before) + 1, timeout=60, wait_close=5)
+            assert outcome.statuses == [200] * len(before) + [400], outcome.responses
+            assert outcome.closed and outcome.leftover == b""
+            assert b"chunk size" in outcome.responses[-1].body
+            if before[0] != live:
+                assert _task_answer(outcome.responses[0])["predictions_sha256"] == expected("task")
+        nothing_stuck(server)
+
+
 def test_http_1_0(pair):
     got = pair.both([request("POST", "/tasks", BODY, NPZ, version="1.0")], want=1, timeout=30, wait_close=3)
     for name, outcome in got.items():

@@ -23,7 +23,9 @@ What it adds to uvicorn's own protocol (``HttpToolsProtocol``, which it subclass
   (so that the client reads the answer instead of a reset, as nginx's lingering close), then
   closes. Nothing is read on without a budget or a timer.
 - **A bad request behind unanswered ones is answered after them**: uvicorn writes its 400 for an
-  unparseable request at once, before the answers of requests pipelined ahead of it.
+  unparseable request at once, before the answers of requests pipelined ahead of it. A request
+  whose own body does not parse (a bad chunk) while it waits behind others never runs: the 400 is
+  its answer, as soon as the answers before it are out (it does not wait for a body that cannot come).
 - **A header timeout**: a connection that has not finished a request's headers within
   ``Policy.header_timeout_s`` (REV88_HEADER_TIMEOUT_S) of connecting, or of the request's first
   byte, is closed. uvicorn waits for ever there (its keep-alive timer only runs between requests).
@@ -33,6 +35,12 @@ What it adds to uvicorn's own protocol (``HttpToolsProtocol``, which it subclass
   (uvicorn reports a disconnect only through ``receive``).
 - **A response's headers go out with its first body bytes** (one send) when it declares its
   length (``_HeadersWithBody``).
+- **An Upgrade is ignored** (RFC 9110 §7.8: a server may ignore one it does not take; this one
+  takes none, neither WebSocket nor h2c): the request is served as HTTP/1.1, its body framed by
+  its own Content-Length or Transfer-Encoding, and the connection goes on as any other. The
+  parser (llhttp) skips the body of a request it takes for an upgrade and stops after its headers
+  (``HttpParserUpgrade``); uvicorn then drops what follows, so the app ran on an empty body. Here a
+  parser of its own reads on from there (``_upgrade_ignored``).
 
 It touches uvicorn's internals (the cycle's ``body``, ``more_body``, ``message_event``,
 ``receive``/``send``, ``keep_alive``, the connection's parser and flow control), so it runs only
@@ -41,7 +49,8 @@ and ``problem()`` says why it cannot load otherwise: ``refusal()``, the release 
 ``create_app`` and ``rev88 serve`` both ask, then refuses to start unless told to run uvicorn's
 own protocol (REV88_STOCK_HTTP, ``--stock-http``). Its tests: tests/test_http_protocol.py
 (the bodies byte for byte against uvicorn's own protocol), tests/test_http_hostile.py (raw byte
-streams against it and against uvicorn's own, compared), tests/test_body_reader.py.
+streams against it and against uvicorn's own, compared), tests/test_body_reader.py,
+tests/test_http_upgrade.py (requests that offer an Upgrade).
 """
 
 from __future__ import annotations
@@ -268,6 +277,50 @@ def _zero_copy_receive(protocol, cycle, length: int):
     return receive
 
 
+def _framing_head(headers: list[tuple[bytes, bytes]], http_version: str) -> bytes:
+    """A request head that frames a body as ``headers`` do: their Content-Length and Transfer-Encoding
+    headers, as sent (what llhttp refuses in them, it refuses here too: a 400)."""
+    lines = [b"POST / HTTP/" + http_version.encode("ascii")]
+    lines += [name + b": " + value for name, value in headers if name in (b"content-length", b"transfer-encoding")]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+class _AfterIgnoredUpgrade:
+    """The callbacks of the parser that reads on after an ignored Upgrade, for a request with a body
+    (``_upgrade_ignored``): first a head that frames that body (``_framing_head``), whose callbacks
+    end here (the request is the protocol's already); then the body and every request after it,
+    whose callbacks are the protocol's."""
+
+    __slots__ = ("_protocol", "_head")
+
+    def __init__(self, protocol) -> None:
+        self._protocol, self._head = protocol, True
+
+    def on_message_begin(self) -> None:
+        if not self._head:
+            self._protocol.on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._head:
+            self._protocol.on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._head:
+            self._protocol.on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._head:
+            self._head = False
+            return
+        self._protocol.on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._protocol.on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._protocol.on_message_complete()
+
+
 if HttpToolsProtocol is not None:
     import httptools
 
@@ -284,6 +337,7 @@ if HttpToolsProtocol is not None:
         _gones = None  # (cycle, its GONE future) of the connection's POST/PUT requests
         _lingering = None  # the timer that ends a lingering close (the connection only discards now)
         _refusal: str | None = None  # a 400's message, waiting for the answers before it
+        _upgrade_body = False  # the request whose Upgrade is ignored has a body: _upgrade_ignored frames it
 
         # ---------------------------------------------------------------- reading
         def get_buffer(self, sizehint: int) -> memoryview:
@@ -303,6 +357,60 @@ if HttpToolsProtocol is not None:
 
         def _feed(self, data: bytes) -> None:
             self.data_received(data)
+
+        def data_received(self, data: bytes) -> None:
+            # uvicorn's, but for an Upgrade: ignored (_upgrade_ignored), where uvicorn's drops what
+            # follows the request's headers
+            self._unset_keepalive_if_required()
+            while True:
+                try:
+                    self.parser.feed_data(data)
+                    return
+                except httptools.HttpParserUpgrade as exc:
+                    rest = data[exc.args[0]:]  # (where the request's headers ended in ``data``)
+                    try:
+                        self._upgrade_ignored()
+                    except httptools.HttpParserError as refused:  # a body that cannot be framed
+                        self._invalid(refused)
+                        return
+                    if not rest:
+                        return
+                    data = rest
+                except httptools.HttpParserError as exc:
+                    self._invalid(exc)
+                    return
+
+        def _invalid(self, exc: Exception) -> None:
+            """uvicorn's 400 for bytes that do not parse, naming what the parser found wrong
+            (llhttp's reason: "Invalid character in chunk size", ...)."""
+            reason = "" if isinstance(exc, httptools.HttpParserCallbackError) else str(exc)
+            named = reason and reason.isascii() and reason.isprintable() and len(reason) <= 200
+            msg = f"Invalid HTTP request received: {reason}." if named else "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+
+        def _should_upgrade(self) -> bool:
+            return False  # (uvicorn's: whether to hand the connection to its WebSocket protocol) never
+
+        def _upgrade_ignored(self) -> None:
+            """The parser stopped after the headers of a request it takes for an upgrade
+            (``Connection: upgrade`` with an ``Upgrade``, or CONNECT), having skipped its body: the
+            service takes no upgrade, so the request is served as HTTP/1.1 (its cycle runs as any
+            other, and nothing answers 101). A fresh parser reads on: the request's body, framed by
+            its own Content-Length or Transfer-Encoding (a head of those headers is parsed first,
+            ``_AfterIgnoredUpgrade``), then the requests after it. Raises the parser's error for a
+            body that cannot be framed (a 400)."""
+            version = self.parser.get_http_version()
+            if not self._upgrade_body:
+                self._fresh_parser()  # no body: the next request follows the headers
+                return
+            self._upgrade_body = False
+            self.parser = httptools.HttpRequestParser(_AfterIgnoredUpgrade(self))
+            try:
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            except AttributeError:  # httptools < 0.6.3
+                pass
+            self.parser.feed_data(_framing_head(self.headers, version))
 
         def _zc_read(self, zc: ZeroCopyBody, nbytes: int) -> None:
             """(the loop) ``nbytes`` more of the body are in its buffer."""
@@ -438,6 +546,12 @@ if HttpToolsProtocol is not None:
             cycle = self.cycle
             unanswered = cycle is not None and not cycle.response_complete and not cycle.disconnected
             own_body = unanswered and cycle.more_body and not cycle.response_started  # (the error is in its body)
+            if own_body:
+                queued = [entry for entry in self.pipeline if entry[0] is cycle]
+                if queued:  # its body is bad before it ran: it never runs, the 400 is its answer
+                    self.pipeline.remove(queued[0])
+                    self._refusal = msg  # once the requests before it are answered (they are not yet)
+                    return
             if self.pipeline or (unanswered and not own_body):
                 # answers go out in order: this one once the requests before it are answered
                 # (then the connection closes, as after uvicorn's own 400)
@@ -487,11 +601,19 @@ if HttpToolsProtocol is not None:
             super().on_message_begin()
             self._arm_header_timer()
 
+        def on_message_complete(self) -> None:
+            if self.parser.should_upgrade() and _body_framing(self.headers)[1]:
+                # the parser takes it for an upgrade and skipped its body: not complete, its body
+                # follows (_upgrade_ignored)
+                self._upgrade_body = True
+                return
+            super().on_message_complete()
+
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
             super().on_headers_complete()
             cycle = self.cycle
-            if cycle is None or cycle.scope is not self.scope:  # (an upgrade: not a request of ours)
+            if cycle is None or cycle.scope is not self.scope:  # (never: an Upgrade is ignored, every request is ours)
                 return
             cycle.transport = transport = _HeadersWithBody(self.transport, cycle, self)
             own = cycle.on_response
@@ -536,7 +658,7 @@ if HttpToolsProtocol is not None:
 
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle
-            if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            if cycle.response_complete:
                 return
             if type(cycle.body) is not _Chunks:  # a new cycle, or uvicorn's receive() reset it
                 held, cycle.body = cycle.body, _Chunks()

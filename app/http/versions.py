@@ -27,7 +27,8 @@ STOCK_HTTP_LOST = (
     "given before its body was read (the connection reads the body on), a large body read into one buffer and "
     "reserved in the upload budget as it arrives (uploads are counted only as the app reads them), a bad "
     "request's 400 held behind the answers pipelined before it, a client's disconnect seen without a task "
-    "per waiting request")
+    "per waiting request, a request that offers an Upgrade served with its body (curl --http2: uvicorn's own "
+    "drops the body)")
 
 
 def _release(version: str) -> tuple[int, ...]:
