@@ -50,11 +50,12 @@ def _keys(c: httpx.Client, weights: list[float]) -> list[dict]:
     return sorted(keys, key=lambda k: k["id"], reverse=True)
 
 
-def _sweep(c: httpx.Client, key: str, seeds: list[int]) -> str:
+def _sweep(c: httpx.Client, key: str, seeds: list[int], epochs: int = 1) -> str:
     r = c.put(f"/datasets/{DIGEST}", content=BODY,
               headers={"Content-Type": "application/octet-stream", **bearer(key)})
     assert r.status_code in (200, 201), r.text
-    r = c.post("/sweeps", json={"dataset": DIGEST, "seeds": seeds, "config": {"epochs": 1}}, headers=bearer(key))
+    r = c.post("/sweeps", json={"dataset": DIGEST, "seeds": seeds, "config": {"epochs": epochs}},
+               headers=bearer(key))
     assert r.status_code == 202, r.text
     return r.json()["id"]
 
@@ -183,6 +184,39 @@ def test_fair_share_holds_with_a_shared_ledger(tmp_path, pg_url):
     print(f"PostgreSQL, weights {weights}: shares {[round(s, 3) for s in shares]} over {window} starts")
     for share, want in zip(shares, [k["weight"] / 4 for k in keys]):
         assert abs(share - want) <= TOLERANCE, shares
+
+
+def test_three_tenants_longest_waits_stay_within_twice_each_other_across_replicas(tmp_path, pg_url):
+    """Two real replicas (child processes) on one PostgreSQL, three tenants' sweeps posted while the
+    device is held: every tenant's longest cell wait (start - creation) is within twice any
+    other's (issue #54: the tenant whose key id sorted last waited 5x longer)."""
+    from .gates import FileGate
+    from .test_replicas import replica
+
+    gate = FileGate(tmp_path / "gate")
+    env = {"REV88_API_KEY": ADMIN_KEY, "REV88_QUEUE_SIZE": "4"}
+    with replica(tmp_path, pg_url, gate, "a", **env) as ra, replica(tmp_path, pg_url, gate, "b", **env) as rb, \
+            httpx.Client(base_url=ra.url, timeout=60) as c:
+        keys = _keys(c, [1, 1, 1])
+        gate.hold()
+        try:
+            for key in keys:
+                _sweep(c, key["key"], list(range(40)), epochs=20)  # (cells long enough for waits to tell)
+        finally:
+            gate.release()
+        rows = {}
+        for i, key in enumerate(keys):
+            rows[i] = wait_for(lambda k=key: (t := c.get("/tasks", params={"limit": 500}, headers=bearer(k["key"])).json()[
+                "tasks"]) and len(t) == 40 and all(x["status"] in FINISHED for x in t) and t, 180, 0.2,
+                f"tenant {i}'s cells")
+        assert httpx.get(rb.url + "/v2/health/ready").status_code == 200
+    longest = [max(t["started_at"] - t["created_at"] for t in rows[i]) for i in range(3)]
+    starts = sorted((t["started_at"], i) for i in rows for t in rows[i])
+    shares, window = _shares_while_all_wait(starts, 3)
+    print(f"longest cell waits {[round(w, 3) for w in longest]} s; shares {[round(s, 3) for s in shares]} over "
+          f"{window} starts")
+    assert max(longest) <= 2 * min(longest), longest
+    assert all(abs(share - 1 / 3) <= TOLERANCE for share in shares), shares
 
 
 # --------------------------------------------------------------------------- the rule itself

@@ -114,6 +114,9 @@ class SharedQueue:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._wake_scheduled = False  # a wake from another thread is on its way to the loop
+        # a NOTIFY said work was queued somewhere: the backlog's tenants are counted again before the
+        # next claim (fair share picks among the tenants it knows to have work waiting)
+        self._depth_stale = False
         self._tasks: list[asyncio.Task] = []
         self._stop_listening = threading.Event()
         self._listener: threading.Thread | None = None
@@ -363,6 +366,9 @@ class SharedQueue:
         """Claim while the plan says so; returns how many tasks were queued here."""
         queued = 0
         rounds = 0
+        if self.leases and self._depth_stale and self.ready():  # work queued elsewhere (a NOTIFY): whose?
+            self._depth_stale = False
+            self.depth = await asyncio.to_thread(self.ledger.queue_depth)
         while not self.runner.executor.closed and self.ready() and rounds < 64:
             rounds += 1
             plan = self.plan()
@@ -541,6 +547,7 @@ class SharedQueue:
         if channel == "rev88_cancel":
             loop.call_soon_threadsafe(self._cancel_here, payload)
         else:  # a task queued somewhere, or the listener (re)connected: look for work
+            self._depth_stale = True
             loop.call_soon_threadsafe(self._wake.set)
 
     # ------------------------------------------------------------------ reaping, depth
