@@ -1,0 +1,149 @@
+"""Check that the tests can fail: each mutant below is a small, plausible bug put into the code
+(one string replaced in one file); the tests named beside it must fail with it in place.
+
+    python scripts/mutants.py            every mutant: applied, its tests run, the file restored
+    python scripts/mutants.py m3 m12b    only these (by name prefix)
+    python scripts/mutants.py --list     the mutants and the tests that kill them
+
+A mutant whose text is no longer in its file says so ("does not apply"): the code moved, so the
+mutant must be written again against the new code, not dropped. Each file is restored from the
+copy read before the change, whatever happens (Ctrl-C included); nothing is committed. Run it
+with nothing else changing the tree (docs/development.md, "Can a test fail?").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    # ---- answers paired with the wrong task (issue #54)
+    Mutant("m1_digests_by_position", "a launch's large hashes paired by position among the tasks that ran",
+           "app/tasks/device.py",
+           "digests = {i: pool.submit(large_digests, run[3]) for i, run in enumerate(launch.runs) if isinstance(run, tuple)}",
+           "digests = {i: pool.submit(large_digests, run[3]) for i, run in "
+           "enumerate([r for r in launch.runs if isinstance(r, tuple)])}",
+           ("tests/test_pairing.py", "-k", "sqlite")),
+    Mutant("m2_another_items_config", "a launch's result built with another item's config", "app/tasks/device.py",
+           "result = finish_task(task, config, launch.engine,",
+           "result = finish_task(task, launch.runs[[j for j, r in enumerate(launch.runs) if isinstance(r, tuple)][0]][1], "
+           "launch.engine,",
+           ("tests/test_pairing.py", "-k", "sqlite")),
+    Mutant("m3_cells_numbered_among_fed", "async cells numbered among the launch-path items only",
+           "app/tasks/launches.py",
+           "fed = [(i, item[3]) for i, item in enumerate(launch.items)\n"
+           "               if len(item) > 3 and getattr(item[3], \"launch_path\", False)]",
+           "fed = list(enumerate([item[3] for item in launch.items\n"
+           "               if len(item) > 3 and getattr(item[3], \"launch_path\", False)]))",
+           ("tests/test_pairing.py", "-k", "sqlite")),
+    Mutant("m4_writer_slice_not_advancing", "the ledger writer's slice of a launch's results not advancing",
+           "app/ledger/writer.py", "                at += len(o)\n", "                pass\n",
+           ("tests/test_pairing.py", "-k", "writer")),
+    Mutant("m5_fused_output_buffer_reused", "the fused backend's output buffer reused across launches of one shape",
+           "learner/backends/fused.py", "        out = LaunchOutputs(count, m, size, self.torch_device)\n",
+           "        cache = self.__dict__.setdefault('_outs', {})\n"
+           "        out = cache.setdefault((count, m, size), LaunchOutputs(count, m, size, self.torch_device))\n",
+           ("tests/test_fused.py", "-k", "outlive")),
+    # ---- fair share and claims
+    Mutant("m6_sqlite_claim_ignores_picks", "SQLite's claim taking the oldest task of any tenant",
+           "app/ledger/local_claims.py", "for tenant, n in picks or []:", "for tenant, n in []:",
+           ("tests/test_fair_share.py", "-k", "not replicas and not shared_ledger")),
+    Mutant("m7_claims_ignore_weights", "the claims ignoring tenant weights", "app/tasks/claims.py",
+           "Waiting(self.runner.weight_of(t), oldest, count)", "Waiting(1.0, oldest, count)",
+           ("tests/test_fair_share.py", "-k", "q2 or b4")),
+    Mutant("m8_pg_claim_ignores_picks", "PostgreSQL's claim ignoring the fair-share picks (and so weights)",
+           "app/ledger/postgres.py", "            if picks:\n", "            if False:\n",
+           ("tests/test_fair_share.py", "-k", "shared_ledger")),
+    Mutant("m9_plan_most_served", "plan() picking the tenant furthest over its share", "app/tasks/claims.py",
+           "[tenant] = executor.fair_order(1, {t: waiting[t] for t in under})",
+           "tenant = max(under, key=lambda t: (executor.fair.next_start(t), t))",
+           ("tests/test_fair_share.py", "-k", "not replicas and not shared_ledger")),
+    Mutant("m16_fair_ties_by_id", "the claims' ties decided by tenant id", "app/runtime/fair_share.py",
+           "key=lambda t: (finish[t], waiting[t].since)", "key=lambda t: (finish[t], t)",
+           ("tests/test_fair_share.py", "-k", "rule")),
+    Mutant("m17_idle_hoards_credit", "an idle tenant keeping the credit of its idle time",
+           "app/runtime/fair_share.py", "return finish if self.active(tenant) else max(self.now, finish)",
+           "return finish", ("tests/test_fair_share.py", "-k", "late or idle")),
+    Mutant("m18_executor_ties_by_id", "the device queue's ties decided by tenant id", "app/runtime/executor.py",
+           "key=lambda j: (j.tag, j.submitted))", "key=lambda j: (j.tag, j.tenant))",
+           ("tests/test_fair_share.py", "-k", "equal_tags")),
+    # ---- admission and the backlog
+    Mutant("m10_backlog_ignores_adding", "the backlog check ignoring how many tasks a request adds",
+           "app/tasks/claims.py", 'if backlog["tasks"] + adding > self.limit:', 'if backlog["tasks"] + 1 > self.limit:',
+           ("tests/test_admission.py", "-k", "backlog_limit")),
+    Mutant("m11_backlog_bytes_on_cells", "REV88_BACKLOG_BYTES applied to the wrong kind of work", "app/tasks/claims.py",
+           "if uploads and self.limit_bytes is not None", "if not uploads and self.limit_bytes is not None",
+           ("tests/test_admission.py", "-k", "backlog_bytes")),
+    Mutant("m12a_cancel_not_discarded", "a cancelled waiting task left in the backlog", "app/tasks/runner.py",
+           "            self.feeder.discard(task_id)\n", "            pass\n",
+           ("tests/test_admission.py", "-k", "cancelled_waiting")),
+    Mutant("m12b_claim_no_ledger_check", "a claim not checked against the ledger (a cancelled task claimed)",
+           "app/ledger/local_claims.py", 'if record is None or record.finished or record.mode != "async":',
+           "if record is None:", ("tests/test_ledger.py", "-k", "embedded_claims")),
+    # ---- seed states
+    Mutant("m13_cache_evicts_one", "the seed-state cache evicting one state per insert", "learner/seed_state.py",
+           "            while self._bytes > self.max_bytes:\n", "            if self._bytes > self.max_bytes:\n",
+           ("tests/test_seed_state.py",)),
+    Mutant("m14_prepare_once", "the prepare thread preparing only once per process", "app/tasks/launches.py",
+           "                    self._draining = False\n                    return\n", "                    return\n",
+           ("tests/test_launches.py", "-k", "recorded_each_time")),
+    Mutant("m15_sweep_first_seed", "a sweep preparing the first cell's seed for every cell", "app/tasks/sweeps.py",
+           "[(config, record.train_count) for config in cells]",
+           "[(cells[0], record.train_count) for config in cells]",
+           ("tests/test_launches.py", "-k", "recorded_each_time")),
+]
+
+
+def run(mutant: Mutant) -> str:
+    path = ROOT / mutant.path
+    original = path.read_text()
+    if original.count(mutant.old) != 1:
+        return "does not apply (the code moved: write the mutant again)"
+    try:
+        path.write_text(original.replace(mutant.old, mutant.new))
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutant.tests],
+                              cwd=ROOT, capture_output=True, text=True)
+        last = (proc.stdout.strip().splitlines() or [""])[-1]
+        verdict = "killed" if proc.returncode == 1 else ("SURVIVED" if proc.returncode == 0 else f"rc {proc.returncode}")
+        return f"{verdict} in {time.monotonic() - t0:.0f} s ({last})"
+    finally:
+        path.write_text(original)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutant name prefixes (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.names or any(m.name.startswith(n) for n in args.names)]
+    bad = 0
+    for m in chosen:
+        if args.list:
+            print(f"{m.name}: {m.what} ({m.path}) -- {' '.join(m.tests)}")
+            continue
+        verdict = run(m)
+        bad += not verdict.startswith("killed")
+        print(f"{m.name}: {verdict}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
