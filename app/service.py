@@ -154,7 +154,7 @@ class Service:
             backlog_size=settings.backlog_size, backlog_bytes=self._backlog_bytes(settings),
             ready=lambda: self.state == "ready")
         if is_shared(self.ledger):
-            self.runner.shared = self.runner.feeder
+            self.runner.uses_leases(self.runner.feeder)
         self.executor.tenant_name = lambda tenant: self.keys.name_of(tenant) if tenant else "admin/open"
         self.metrics.watch_ledger(self.ledger_stats)
         self.metrics.watch_admission(self.admission)

@@ -106,29 +106,40 @@ def make_service(recorder, **settings) -> Service:
 
 
 def submit_task(service: Service, task, config=CONFIG, label=""):
-    """What the task runner (app/tasks/runner.py) does for a task job (one a client waits for:
-    not on the launch path; its result is finished off the worker, ``resolved``)."""
-    from app.tasks.device import run_on_device
-    from app.tasks.runner import Accepted, new_task_id
+    """What the task runner (app/tasks/runner.py) does for a task job: a launch of one (run alone,
+    or gathered with queued tasks of its key), finished by the finisher (``resolved``). A plain
+    synchronous task: its record is written once it has finished."""
+    from app.tasks.runner import new_task_id
+    from app.tasks.work import Work
 
-    acc = Accepted(task_id=label or new_task_id(), task=task, config=config, backend="cpu")
+    work = Work(task_id=label or new_task_id(), task=task, config=config, backend="cpu", deferred=True)
+    work.queue()
     return service.executor.submit(
-        lambda: run_on_device(task, config, "cpu", service.energy, service.engines),
-        kind="task", label=label, batch=service.runner.task_batch(acc),
-    )
+        lambda: service.runner.launches.run_alone(work), kind="task", label=label,
+        batch=service.runner.task_batch(work), on_start=lambda job: work.start())
+
+
+class Failed(Exception):
+    """A task's job answered with an error by the finisher: ``settled`` is that answer."""
+
+    def __init__(self, settled) -> None:
+        super().__init__(f"{settled.status}: {settled.body}")
+        self.settled = settled
 
 
 def resolved(job, timeout: float):
-    """A job's outcome: a launch's task is answered with its place in the launch's finishing
-    (app/tasks/launches.py), resolved here; a job run alone, with its value."""
+    """A job's outcome: a task's place in its launch's finishing (app/tasks/launches.py, the
+    finisher), resolved here: its device outcome, or ``Failed`` with the error it was answered
+    with; a plain executor job's value as it is."""
     from app.tasks.launches import Finishing
 
     value = job.future.result(timeout)
-    if isinstance(value, Finishing):
-        value = value.outcome(value.future.result(timeout))
-        if isinstance(value, BaseException):
-            raise value
-    return value
+    if not isinstance(value, Finishing):
+        return value
+    ended = value.outcome(value.future.result(timeout))
+    if ended.settled.outcome is None:
+        raise Failed(ended.settled)
+    return ended.settled.outcome
 
 
 def block_device(service: Service, recorder: LaunchRecorder) -> threading.Event:
@@ -187,9 +198,10 @@ def test_different_keys_never_share_a_launch_and_stay_fifo(recorder):
         release.set()
         for job, (_, task, config) in zip(jobs, order):
             assert_same_result(resolved(job, 120).result, task, config)
-        # heads in arrival order: a (gathers every a, whatever its seed), then b, then c
+        # heads in arrival order: a (gathers every a, whatever its seed), then b, then c (alone: a
+        # launch of one, on a backend that batches)
         launched = [(kind, counts) for kind, counts, _ in recorder.launches[1:]]
-        assert launched == [("run_many", [30, 30, 30]), ("run_many", [25, 25]), ("run", [30])]
+        assert launched == [("run_many", [30, 30, 30]), ("run_many", [25, 25]), ("run_many", [30])]
         assert [j.launch_size for j in jobs] == [3, 2, 1, 3, 2, 3]
         assert launch_key(a[0], CONFIG, "cpu") == launch_key(a[1], CONFIG.replace(seed=5), "cpu")
         assert launch_key(a[0], CONFIG, "cpu") != launch_key(a[0], c_config, "cpu")
@@ -303,7 +315,8 @@ def test_one_failing_task_of_a_launch_fails_alone(recorder):
 
         def run_many(self, tasks, prepareds):
             outs = super().run_many(tasks, prepareds)
-            outs[1].scores[0, 0] = np.nan
+            if len(outs) > 1:  # (the blocker before them is a launch of one)
+                outs[1].scores[0, 0] = np.nan
             return outs
 
     poison = PoisonSecond()
@@ -314,8 +327,10 @@ def test_one_failing_task_of_a_launch_fails_alone(recorder):
         jobs = [submit_task(service, t) for t in tasks]
         release.set()
         assert_same_result(resolved(jobs[0], 120).result, tasks[0], CONFIG)
-        with pytest.raises(TrainingDivergedError):  # found as its result is finished, off the device
+        with pytest.raises(Failed) as failed:  # found as its result is finished, off the device
             resolved(jobs[1], 120)
+        assert failed.value.settled.status == 422
+        assert failed.value.settled.body["type"] == TrainingDivergedError.__name__
         assert_same_result(resolved(jobs[2], 120).result, tasks[2], CONFIG)
         # the device ran the launch to its end: the divergence is the task's own outcome
         assert (service.executor.stats.completed, service.executor.stats.failed) == (4, 0)

@@ -92,8 +92,8 @@ WEIGHTS = [(1, 1), (1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 1), (3, 1, 1), (3, 1, 1, 1
 # (one running, one claimed ahead) the feeder's claims decide alone
 # (weights, REV88_QUEUE_SIZE, REV88_BATCH_MAX): with a device queue of 8 the queue's own order
 # decides much; with 2 (one running, one claimed ahead) the feeder's claims decide alone; with
-# launches of 4 the feeder claims 8 at a time (two launches' worth), several tenants' in one claim
-CASES = [(w, 8, 1) for w in WEIGHTS] + [((2, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 16, 4)]
+# launches of 4 (the default device queue: two launches) the feeder claims several tenants at once
+CASES = [(w, 8, 1) for w in WEIGHTS] + [((2, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 8, 4), ((2, 1, 1), 16, 4)]
 
 
 @pytest.mark.parametrize("weights, queue_size, batch_max", CASES,

@@ -108,8 +108,8 @@ class Recorder:
             raise QueueFull("the device queue is full")
         self.calls.append(("queue", acc.name, fed))
 
-    def settle_fed(self, acc):
-        self.calls.append(("settle_fed", acc.name))
+    def watch(self, acc):
+        self.calls.append(("watch", acc.name))
 
     async def settle(self, acc, gone=None):
         self.calls.append(("settle", acc.name))
@@ -129,6 +129,11 @@ class Work:
         self.name = self.task_id = name
         self.mode, self.deferred = mode, deferred
         self.body_bytes, self.task, self.epoch = 10, None, None
+        self.state = "admitted"
+
+    def record(self) -> None:  # (app/tasks/work.py's step: in the ledger now)
+        assert self.state == "admitted"
+        self.state = "recorded"
 
 
 def run(runner, work, **how):
@@ -176,7 +181,7 @@ def test_cells_are_recorded_together_then_each_waits_in_the_ledger():
                        ("offer", "c1"), ("offer", "c2")]
 
 
-def test_a_claim_is_queued_as_the_feeders_and_settled_with_its_launch():
+def test_a_claim_is_queued_as_the_feeders_and_watched_for_a_failure_before_its_launch():
     r = Recorder()
     run(r, Work("claimed", "async"), claimed=True)
-    assert r.calls == [("queue", "claimed", True), ("settle_fed", "claimed")]
+    assert r.calls == [("queue", "claimed", True), ("watch", "claimed")]

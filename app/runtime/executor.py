@@ -712,8 +712,10 @@ class DeviceExecutor:
             while True:
                 if head.state != QUEUED:  # expired, withdrawn or taken while we waited: start over
                     return []
-                group = [j for j in self._queue if j.batch is not None and j.batch.key == key
-                         and j.pin in (None, worker.index)][: self.batch_max]
+                # the head, then the lowest start tags of its key (fair share: app/runtime/fair_share.py)
+                group = sorted((j for j in self._queue if j.batch is not None and j.batch.key == key
+                                and j.pin in (None, worker.index)),
+                               key=lambda j: (j is not head, j.tag, j.submitted))[: self.batch_max]
                 left = deadline - time.monotonic()
                 if len(group) >= self.batch_max or left <= 0 or self._closed is not None or self._stop:
                     return self._take(worker, group)
@@ -811,7 +813,7 @@ class DeviceExecutor:
                 else:
                     self.stats.failed += 1
                 if was_stopped and job.stop is not None:
-                    error = self._stopped_error(job, error)
+                    error = self.stopped_error(job, error)
                 job.future.set_exception(error)
             self._cond.notify_all()
         for job, error in discarded:
@@ -823,10 +825,11 @@ class DeviceExecutor:
             )
 
     @staticmethod
-    def _stopped_error(job: Job, error: TaskCancelled) -> Exception:
+    def stopped_error(job: Job, error: TaskCancelled) -> Exception:
+        """What a job told to stop (``job.stop``) and stopped on the device is answered with."""
         why, message = job.stop
         where = f"{error}" if str(error) else "at its next safe point"
-        held = f"{(job.finished or 0.0) - (job.started or 0.0):.2f} s on {job.worker}"
+        held = f"{(job.finished or time.monotonic()) - (job.started or 0.0):.2f} s on {job.worker}"
         if why == "timeout":
             return TaskTimeout(f"{message}; it was stopped on the device ({where}) after {held}",
                                where="running", stopped=True)

@@ -71,6 +71,7 @@ from ..ledger.local_claims import owner_key
 from ..runtime.fair_share import Waiting
 from ..threads import name_os_thread
 from .runner import Accepted, TaskRunner
+from .work import State
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -208,6 +209,7 @@ class SharedQueue:
         """Asynchronous work just recorded (queued) here: the feeder claims it by fair share (with
         a shared ledger, whichever replica is idle); this one keeps its parsed arrays a while, to
         run it without reading it back."""
+        acc.wait()
         size = acc.task.train_images.nbytes + acc.task.test_images.nbytes if acc.dataset is None else 0
         self.offered[acc.task_id] = (acc, time.monotonic(), size)
         self.offered_bytes += size
@@ -338,11 +340,11 @@ class SharedQueue:
         of the device queue while its work waits in the ledger and another tenant's waits in the
         device queue (the one fair share serves first)."""
         executor = self.runner.executor
+        waiting = self.waiting()
+        executor.fair_waiting(set(waiting))  # (whatever the room: a tenant's wait counts from its arrival)
         room = executor.capacity - executor.depth
         if room <= 0:
             return None
-        waiting = self.waiting()
-        executor.fair_waiting(set(waiting))
         free = self.free_slots()
         if free > 0:
             n = min(free, room)
@@ -464,7 +466,7 @@ class SharedQueue:
                 log.warning("could not record the claimed task's failure", extra={"task_id": record.id,
                                                                                     "error": str(exc2)})
             return None
-        return Accepted(task_id=record.id, task=task, config=config, backend=record.backend,
+        return Accepted(task_id=record.id, task=task, config=config, backend=record.backend, state=State.WAITING,
                         include_scores=bool(record.options.get("include_scores")),
                         measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
                         created_at=record.created_at, dataset=dataset, labels=labels,

@@ -119,7 +119,7 @@ async def submit(runner: Any, work: Any, *, body: bytes | memoryview | None = No
     acc = work
     if claimed:  # recorded already, claimed from the ledger by the feeder: queued as that claim
         runner.queue(acc, fed=True)
-        runner.settle_fed(acc)
+        runner.watch(acc)  # (nobody awaits it: the finisher records its outcome)
         return Submitted()
     record, created = None, True
     if not acc.deferred:  # durable before it is queued (an asynchronous task's npz with its record)
@@ -127,6 +127,7 @@ async def submit(runner: Any, work: Any, *, body: bytes | memoryview | None = No
             runner.record, acc, body_sha256, acc.body_bytes, body if acc.mode == "async" else None, key)
         if not created:
             return Submitted(record, created=False)
+        acc.record()
     if acc.mode == "async":
         runner.feeder.offer(acc)  # recorded queued: the feeder claims it by fair share (any replica's)
         return Submitted(record)
@@ -158,5 +159,6 @@ async def _cells(runner: Any, accs: list, messages: list[tuple] | None) -> Submi
             return Submitted(created=False)  # recorded and offered by that request
         raise
     for acc in accs:
+        acc.record()
         runner.feeder.offer(acc)
     return Submitted()
