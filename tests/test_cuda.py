@@ -2,8 +2,9 @@
 explicit step (learner/backends/cuda.py ``ExplicitStep``) against the cpu backend, run eagerly on
 the CPU (``GraphBackend("cpu")``: the same program without graphs).
 
-Without a GPU the graph tests skip with that reason; scripts/gpu_check.py runs the full set
-(including the 10k/10k draw) on a GPU machine, and scripts/gpu_tune.py times the steps there.
+The graph tests are marked ``gpu``: without a GPU they skip (tests/conftest.py); the device's
+tests section (scripts/gpu_check_tests.py) runs them, scripts/gpu_check.py's cuda section the
+10k/10k draws, and scripts/gpu_tune.py times the steps there.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from .helpers import small_task
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.gpu  # needs a CUDA GPU: skipped without one (tests/conftest.py), run on the device's tests section
 def test_graph_replay_matches_independent_eager(depth):
     import os
 
