@@ -1,8 +1,11 @@
-"""Choose the GPU backends' settings on this GPU by measurement, in one run (issue #47).
+"""Choose the GPU backends' settings on this GPU by measurement, in one run (issues #47, #53).
 
-    python scripts/gpu_tune.py --out DIR [--write]     # on a CUDA GPU: <= 6 minutes on one H200
-    python scripts/gpu_tune.py --dry-run --out DIR     # here: Triton's interpreter, small tasks
-    python scripts/gpu_tune.py --estimate              # the device time it would take, and exit
+    python3 scripts/gpu_tune.py --out DIR [--write]     # on a CUDA GPU, alone: <= 6 minutes on one H200
+    python3 scripts/gpu_tune.py --dry-run --out DIR     # here: Triton's interpreter, small tasks
+    python3 scripts/gpu_tune.py --estimate              # the device projection, phase by phase, and exit
+
+On a lent GPU it runs as the ``tune`` section of scripts/gpu_check.py, in the second call of
+docs/gpu.md's plan (``SECTIONS=precheck,tune,tests ... bash scripts/gpu_device_run.sh``).
 
 Every candidate:
 
@@ -11,41 +14,58 @@ Every candidate:
   fused, split (fused_rows.py + fused_update.py + fused_predict.py: a lone task's minibatch over programs):
          each (chunk, num_warps) of FUSED_SPLIT at each precision
   cuda   each step of learner/backends/cuda.py (autograd, explicit, explicit-bmm) with this
-         process's cuBLAS workspace, and the autograd step with the other workspace (ALT_WORKSPACE)
-         in a child process (CUBLAS_WORKSPACE_CONFIG is read once, before CUDA starts)
+         process's cuBLAS workspace (the table's, :16:8), and the autograd step with the other
+         workspace (ALT_WORKSPACE, :4096:8) in a child process (CUBLAS_WORKSPACE_CONFIG is read
+         once, before CUDA starts)
 
 is checked on all eleven published draws (dataset seeds 2026091400 + k, the default config) against
-the cpu backend on this host, query by query: 110,000 predictions equal, and draw 0's parameters and
-velocity within (2e-5, 3e-3) of it. The cpu backend's references are computed by a child process
-while the candidates compile (on the GPU host's cores), and its per-draw counts are compared with
-the published table. A candidate that changes one prediction (or fails to compile, or runs out of
-tolerance) is reported with what it changed, and never chosen.
+the cpu backend, query by query: 110,000 predictions equal, and draw 0's parameters and velocity
+within (2e-5, 3e-3) of it. The cpu backend's references are the carried ones
+(scripts/gpu_reference.py, .device-reference/) where the draws built here are their tasks, else a
+child process computes them on this host while the candidates compile; its per-draw counts are
+compared with the published table. A candidate that changes one prediction (or fails to compile,
+or runs out of tolerance, or past its own time limit) is reported with what it changed, and never
+chosen.
 
-Then timed: alone (draw 0, one task per launch: median CUDA-event ms of TIMING["single"] runs) and,
-for the one-program kernel, in a launch of the SM count (draw 0 and SM count - 1 reorderings with
-their own seeds, bench/bench_fused.batch_tasks: median ms per task of TIMING["launch"] launches).
+Then timed: alone (draw 0, one task per launch: median CUDA-event ms of TIMING["single"] runs, and
+its bytes alone) and, for the one-program kernel, in a launch of the SM count (draw 0 and SM count
+- 1 reorderings with their own seeds, bench/bench_fused.batch_tasks: median ms per task of
+TIMING["launch"] launches), whose every task's predictions are compared with the cpu backend's.
+Bytes across candidates (``compare_bytes``): the eleven draws' launch (predictions, scores,
+state), draw 0 alone and the SM-count launch (predictions, scores), each candidate against the
+launch choice: the same bytes, other scores only, or other predictions.
 
 The choice (``select``), per GPU name, written with ``--write`` into learner/kernels/tuned.py's
 table (the block between its BEGIN and END lines; a copy goes to DIR/tuned.py either way):
 
-  launch     the passing one-program candidate with the least ms per task in a launch of the SM count
+  launch     the passing one-program candidate with the least ms per task in a launch of the SM
+             count, among those whose SM-count launch changed no prediction and whose draw 0 alone
+             gives its bytes in a launch
   lone       the passing candidate (either variant) with the least ms alone, of the launch choice's
-             precision, whose results are the launch choice's bytes on every draw (so a task's answer
-             never depends on whether it shared a launch); None when that is the launch choice itself
+             precision, whose results are the launch choice's bytes on every draw and alone (so a
+             task's answer never depends on whether it shared a launch); None when that is the
+             launch choice itself
   cuda_step  the passing cuda step with the least ms alone (this process's workspace)
+  bytes      the candidates with the launch choice's bytes, with other scores, with other predictions
+  workspace  learner/kernels/tuned.py CUBLAS_WORKSPACE, one value for every GPU: switched to the
+             other only when its candidate passed the eleven draws query by query, was faster, and
+             the chosen cuda step is the one it ran (``choose_workspace``)
 
-Nothing passes: no row is written, and the report says why. The workspace is one value for every
-GPU (learner/kernels/tuned.py CUBLAS_WORKSPACE); both are timed and reported.
+Nothing passes: no row is written, and the report says why.
 
-Budget: ``--budget-s`` (default 360 s on a GPU) is a hard limit: a candidate is not started when
-the time left is less than its estimate, and the report marks it not run. ``--estimate`` prints the
-device estimate of a full run (DEVICE_COST_S, reasoned from the first H200 run's figures); the
-dry run prints it too and fails when it does not fit 6 minutes.
+Budget: every device figure is scripts/gpu_budget.py's (TUNE: each phase and candidate, with its
+source and its own limit). A candidate starts only when its seconds fit what is left of the budget
+beside the later sections' reserve (``candidate_fits``), and runs under its own limit (StepLimit:
+refused, saying so); the compile phase has its own limit (its projection + a margin: workers still
+compiling are killed, their candidates refused), the cpu reference computed here its own (90 s).
+``--budget-s`` (alone: default 360 s on a GPU) is the hard limit over all. The dry run decides on
+the device clock projected for 360 s and prints the projection first; ``--estimate`` prints it.
 
-Output: DIR/tune.json (everything), DIR/summary.txt, DIR/tuned.py (the table module with this
-GPU's row). On the GPU machine (nothing but the repository travels):
-
-    run(command="python scripts/gpu_tune.py --out $OUT --write", timeout_s=420)
+Output, into DIR (``tune/`` of the device run's bundle), up to five files: tune.json (everything,
+replaced whole after every phase and candidate, so a run stopped by its time limit keeps what it
+measured), summary.txt (one screen, also printed last), tuned.py (the table module with this GPU's
+row and the workspace), cuda_other_workspace.json (the other workspace's child) and
+cpu_reference.npz (only when this host computed the reference).
 
 The script finds the driver's libcuda for Triton (scripts/gpu_find_libcuda.sh) and Python.h for its
 launcher itself, as scripts/gpu_device_run.sh does.
