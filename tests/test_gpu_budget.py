@@ -65,7 +65,11 @@ def test_the_replay_went_through_the_sections_own_decisions(tmp_path):
     assert list(two["sections"]) == ["precheck", "tune", "tests"]
     assert two["sections"]["tune"]["not_run"] == [] and two["sections"]["tune"]["candidates_run"] == len(
         gpu_tune.candidates())
-    assert two["sections"]["tests"]["cap_s"] >= gpu_budget.SECTIONS["tests"].seconds
+    tests = two["sections"]["tests"]
+    assert tests["cap_s"] >= gpu_budget.SECTIONS["tests"].seconds
+    # the cap is what the budget leaves (72 s here), not the section's own 90 s
+    assert tests["cap_s"] == pytest.approx(min(gpu_check_tests.DEVICE_CAP_S, tests["projected_left_s"]))
+    assert tests["cap_s"] < gpu_check_tests.DEVICE_CAP_S
     assert two["exit_status"] == one["exit_status"] == 0
 
 
@@ -154,6 +158,16 @@ def test_the_dry_run_decides_as_the_device_would(tmp_path):
                                          check_inputs=False)
     assert status == 3 and report["sections"]["energy"]["budget_cut"]
     assert "cut" in (tmp_path / "small" / "summary.txt").read_text()
+
+
+def test_a_section_without_its_minimum_left_is_not_started(tmp_path):
+    """gpu_check.may_start on the projected clock: 30 s left after precheck and cuda is under the
+    fused section's 60 s minimum, so it is skipped (not started and then cut)."""
+    call = gpu_budget.Call(("precheck", "cuda", "fused"), 60, 200, 200)
+    result = gpu_budget.replay(call, tmp_path / "r")
+    fused = result["sections"]["fused"]
+    assert fused["skipped"].startswith("not started for the device budget") and "needs 60 s" in fused["skipped"]
+    assert result["sections"]["cuda"]["passed"] is True and result["exit_status"] == 3
 
 
 def test_a_section_projected_past_the_device_budget_is_cut(tmp_path):
