@@ -351,7 +351,14 @@ def test_tune_json_is_replaced_after_every_candidate_and_a_candidate_has_its_own
     tune = _gpu_tune()
     common = sys.modules["gpu_check_common"]
     cands = [tune.Candidate("cuda", step="autograd"), tune.Candidate("cuda", step="explicit"),
-             tune.Candidate("cuda", step="explicit-bmm")]
+             tune.Candidate("cuda", step="explicit-bmm"), tune.Candidate("cuda", step="autograd", workspace=":4096:8")]
+    other_steps = []
+
+    def other_workspace(c, *args):  # the child process, stood in for: which step it was given
+        other_steps.append(c.step)
+        return {**tune._refused_entry(c, "a stand-in"), "passed": False}
+
+    monkeypatch.setattr(tune, "other_workspace", other_workspace)
     monkeypatch.setattr(tune, "candidates", lambda: cands)
 
     class Reference:  # the cpu backend on the dry run's slices, in this process
@@ -378,6 +385,8 @@ def test_tune_json_is_replaced_after_every_candidate_and_a_candidate_has_its_own
     monkeypatch.setattr(tune, "run_draws", run_draws)
     limits = {"autograd": 60.0, "explicit": 1.0, "explicit-bmm": 60.0}
     monkeypatch.setattr(tune, "cost_of", lambda c: tune.gpu_budget.Cost(0.0, limits[c.step], "a test"))
+    monkeypatch.setattr(tune, "choose_workspace", lambda results, cuda, workspace: {
+        "cublas_workspace": workspace, "cublas_workspace_switched": False, "cublas_workspace_why": "a test"})
     seen = []
 
     def checkpoint():
@@ -394,10 +403,13 @@ def test_tune_json_is_replaced_after_every_candidate_and_a_candidate_has_its_own
         alarms.quiet()
         alarms.disarm()
     assert time.monotonic() - t < 25
-    assert seen[-3:] == [1, 2, 3] or seen[-4:-1] == [1, 2, 3], seen  # after each candidate
-    by = {r["step"]: r for r in report["candidates"]}
+    assert [n for n in seen if n] == [1, 2, 3, 4, 4], seen  # after each candidate, and the final report
+    by = {r["step"]: r for r in report["candidates"] if not r.get("workspace")}
+    # the other workspace ran with the fastest step that passed here (explicit was refused)
+    fastest = min((by["autograd"], by["explicit-bmm"]), key=lambda r: r["single"]["median_ms"])["step"]
+    assert other_steps == [fastest]
     assert by["autograd"]["passed"] and by["explicit-bmm"]["passed"]
     assert not by["explicit"]["passed"] and "ran past its own limit of 1 s" in by["explicit"]["refused"]
     on_disk = json.loads((tmp_path / "tune" / "tune.json").read_text())
-    assert [c["step"] for c in on_disk["candidates"]] == ["autograd", "explicit", "explicit-bmm"]
+    assert [c["step"] for c in on_disk["candidates"]] == ["autograd", "explicit", "explicit-bmm", fastest]
     assert (tmp_path / "tune" / "summary.txt").exists() and not list((tmp_path / "tune").glob(".*.part"))
