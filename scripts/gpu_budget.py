@@ -2,8 +2,8 @@
 scripts/gpu_tune.py read, the documented plans (docs/gpu.md), and the replay of a plan against
 the table with the scripts' own budget rules.
 
-    python scripts/gpu_budget.py               # every plan replayed: each section's projected seconds
-    python scripts/gpu_budget.py --plan two-call
+    python3 scripts/gpu_budget.py               # every plan replayed: each section's projected seconds
+    python3 scripts/gpu_budget.py --plan two-call
 
 Each figure says where it comes from. "Measured" figures are the first GPU run's
 (../shared/notes/gpu-h200.md: one NVIDIA H200, 2026-12-04, the one-shot of main at 3004785);

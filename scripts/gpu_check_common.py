@@ -295,11 +295,6 @@ def gated_window_seconds(protocol: dict) -> float:
             + (p["trials"] + 1) * (p["target_seconds"] + frame))
 
 
-def out_of_time(deadline: float | None, need_s: float) -> bool:
-    """True when fewer than ``need_s`` seconds are left before ``deadline`` (time.monotonic)."""
-    return deadline is not None and deadline - time.monotonic() < need_s
-
-
 def seconds_left(deadline: float | None, cap: float) -> float:
     """How long a wait may last: ``cap`` seconds, or fewer when the run's budget (``deadline``,
     time.monotonic) ends sooner -- never below 0.1 s, so a wait still looks once."""

@@ -21,7 +21,7 @@ both meters) with its band or, for a board without one, the band ``gates.band_fr
 makes of them (so the next board's band comes from a run), the sham residual, the cold idle
 beside every phase's paired idle and how each settle ended, and writes everything to
 ``out_dir/energy_check.json`` (the gated record under ``gated``). scripts/gpu_check.py calls
-``run(out_dir, mnist_dir, deadline=, reserve_s=)``; alone: ``python scripts/gpu_check_energy.py
+``run(out_dir, mnist_dir, deadline=, reserve_s=)``; alone: ``python3 scripts/gpu_check_energy.py
 [out_dir] [--mnist-dir DIR] [--dry-run]``. The result has ``passed`` (and ``ok``, the same
 value, for older callers).
 
