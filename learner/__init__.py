@@ -6,7 +6,7 @@ that cuBLAS sees it before CUDA starts; CUDA graph replays are then repeatable.
 
 import os
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # learner/kernels/tuned.py CUBLAS_WORKSPACE
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # learner/kernels/tuned.py CUBLAS_WORKSPACE
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 The GPU machine has no network: everything scripts/gpu_device_run.sh uses travels with the call,
 either in the working tree (the scripts, learner/, app/, rev88/, data/mnist) or in ``carry``
-(.device-wheels/, which git ignores). This script checks that it all arrived:
+(.device-wheels/ and .device-reference/, which git ignores). This script checks that it all arrived:
 
   wheels  (only when the service section runs) the folder holds exactly one wheel of each
           name==version in scripts/device_wheels.txt, each a readable zip with a .dist-info,
@@ -10,6 +10,11 @@ either in the working tree (the scripts, learner/, app/, rev88/, data/mnist) or 
   mnist   the four MNIST files in $REV88_MNIST_DIR, else data/mnist (learner/data.py's rule, which
           scripts/gpu_check.py follows too): present, not empty, gzip or IDX (a Git LFS pointer or
           a truncated copy is caught here; gpu_check.py verifies their checksums later)
+  reference  (only when the cuda, fused or tune section runs) the cpu backend's predictions the GPU
+          runs compare with (.device-reference/cpu_reference.npz, scripts/gpu_reference.py, made
+          by scripts/gpu_prepare.sh): a readable npz holding the eleven draws' predictions and task
+          digests and the launch's (whether the device's tasks are its tasks is checked there,
+          task by task; one that is not is compared with the cpu backend run on the device host)
   sections  every name in --sections is one of scripts/gpu_check.py's
   packages  every distribution the service imports (gpu_check_common.SERVICE_MODULES, measured by
           tests/test_device_packages.py) is on the GPU image (scripts/gpu_image_packages.txt) or
@@ -19,10 +24,10 @@ either in the working tree (the scripts, learner/, app/, rev88/, data/mnist) or 
           the image, at a version that satisfies them where the version is known
 
 With ``--here`` (scripts/gpu_prepare.sh) it also sums what the call will carry: the files git
-would send (tracked, and untracked but not ignored) plus the carried folder, at most 64 MiB.
+would send (tracked, and untracked but not ignored) plus the carried folders, at most 64 MiB.
 
-    python scripts/gpu_carried.py [--sections S] [--wheels DIR] [--mnist-dir DIR] [--here]
-    python scripts/gpu_carried.py --wheels-only [--wheels DIR]
+    python3 scripts/gpu_carried.py [--sections S] [--wheels DIR] [--reference NPZ] [--mnist-dir DIR] [--here]
+    python3 scripts/gpu_carried.py --wheels-only [--wheels DIR]
 
 Exit status 0 when everything is there, 1 with one line per problem (scripts/gpu_device_run.sh
 then refuses to start: its exit status 6). Only the standard library: on the device this runs
@@ -51,8 +56,34 @@ TRAVEL_LIMIT_BYTES = 64 * 2**20  # the device tool's limit on the working tree p
 PREPARE = "bash scripts/gpu_prepare.sh"
 # The sections of scripts/gpu_check.py (kept equal to gpu_check.SECTIONS by a test; not imported,
 # so that this script stays independent of the check it guards).
-SECTIONS = ("precheck", "cuda", "energy", "fused", "service", "tests")
+SECTIONS = ("precheck", "cuda", "energy", "fused", "service", "tune", "tests")
 NEEDS_WHEELS = ("service",)
+NEEDS_REFERENCE = ("cuda", "fused", "tune")
+DEFAULT_REFERENCE = ".device-reference/cpu_reference.npz"
+DRAWS = 11
+# what scripts/gpu_reference.py writes (np.savez: one NAME.npy member per array)
+REFERENCE_MEMBERS = ("format", "p0", "v0", "launch_pred", "launch_sha",
+                     *(f"pred{k}" for k in range(DRAWS)), *(f"task_sha{k}" for k in range(DRAWS)))
+
+
+def reference_problems(path: Path) -> list[str]:
+    """Why the carried cpu reference is not there or not whole ([] when it is): a zip (npz) with
+    every member scripts/gpu_reference.py writes. Only the standard library (no numpy here)."""
+    fix = f"run `{PREPARE}` here (it makes {DEFAULT_REFERENCE} with scripts/gpu_reference.py) and carry its folder"
+    if not path.is_file():
+        return [f"no cpu reference {path}: the cuda, fused and tune sections compare with it; {fix}"]
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = {n.removesuffix(".npy") for n in z.namelist()}
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError) as exc:
+        return [f"{path} is not a readable npz ({exc}); {fix}"]
+    missing = [m for m in REFERENCE_MEMBERS if m not in names]
+    if bad is not None:
+        return [f"{path}: member {bad} is corrupt; {fix}"]
+    if missing:
+        return [f"{path} lacks {', '.join(missing)} (not scripts/gpu_reference.py's, or a dry run's); {fix}"]
+    return []
 
 
 def normalized(name: str) -> str:
@@ -363,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="", help="comma-separated sections of the run (default: all)")
     parser.add_argument("--wheels", type=Path, default=Path(DEFAULT_WHEELS), help=f"the wheels folder ({DEFAULT_WHEELS})")
+    parser.add_argument("--reference", type=Path, default=Path(DEFAULT_REFERENCE),
+                        help=f"the carried cpu reference ({DEFAULT_REFERENCE})")
     parser.add_argument("--mnist-dir", type=Path, default=None, help="default: $REV88_MNIST_DIR, else data/mnist")
     parser.add_argument("--here", action="store_true", help="also sum what the call carries against 64 MiB")
     parser.add_argument("--wheels-only", action="store_true", help="check only the wheels folder (quietly)")
@@ -372,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if wheel_problems(args.wheels, pins) or pin_problems(pins) else 0
     sections = [s.strip() for s in args.sections.split(",") if s.strip()] or list(SECTIONS)
     needs_wheels = any(s in NEEDS_WHEELS for s in sections)
+    needs_reference = any(s in NEEDS_REFERENCE for s in sections)
     problems = section_problems(sections) + mnist_problems(args.mnist_dir)
+    if needs_reference:
+        problems += reference_problems(args.reference)
     if needs_wheels:
         problems += pin_problems(pins) + wheel_problems(args.wheels, pins)
         if args.wheels.is_dir():
@@ -383,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"every one the service imports")
     else:
         facts.append(f"wheels: not needed (no service section in {', '.join(sections)})")
+    if needs_reference:
+        facts.append(f"cpu reference: {args.reference}")
     if args.here:
-        carried = [args.wheels] if args.wheels.exists() else []
+        carried = [p for p in (args.wheels, args.reference.parent) if p.exists()]
         try:
             files, tree, extra = travelling_bytes(ROOT, carried)
         except (OSError, subprocess.SubprocessError) as exc:

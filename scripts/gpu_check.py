@@ -1,54 +1,68 @@
 """Every GPU check of the project, as one prepared run (JSON under --out, a short summary last).
 
-    python scripts/gpu_check.py --out "$OUT"              # on a CUDA GPU (scripts/gpu_device_run.sh)
-    python scripts/gpu_check.py --dry-run --out DIR        # the same logic on the CPU, about 3 minutes
+    python3 scripts/gpu_check.py --out "$OUT"                  # on a CUDA GPU (scripts/gpu_device_run.sh)
+    python3 scripts/gpu_check.py --dry-run --out DIR            # the same logic on the CPU, about 2 minutes
+    python3 scripts/gpu_check.py --sections tune,tests ...      # the second call of docs/gpu.md's plan
 
 Sections, in this order (each records its own ``passed`` and never stops the others, except
-the pre-check, which stops the run early when it fails):
+the pre-check, which stops the run early when it fails); the default is the one-shot's six:
 
   precheck  scripts/gpu_check_precheck.py: versions that actually ran (the device has its own
             image, not the pins), Python.h, the C compiler, libcuda for Triton's launcher, a
             16-element Triton kernel launched, the service's packages
   cuda      scripts/gpu_check_cuda.py: graphs vs independent eager SGD, byte-repeatable replay,
-            graph reuse across draws 0 and 1, draw-0 accuracy and CUDA ms
+            graph reuse across draws 0 and 1, draw-0 accuracy and CUDA ms, the eleven draws
+            against the cpu backend query by query
   energy    scripts/gpu_check_energy.py: the gated energy protocol with rev88 measure's default
             windows (two meters, reference matmul windows, sham, harness control; every gate
             printed, the board's J per 10^12 FLOP, the sham residual, cold and paired idle), the
             counter's update period, /health telemetry, one per-request figure
-  fused     scripts/gpu_check_fused.py: fused vs cuda on draw 0 (equality is the pass; a differing
-            query's margins and both accuracies are reported), a T = SM-count launch, auto's
+  fused     scripts/gpu_check_fused.py: fused vs the cpu backend on draw 0 (equality is the pass;
+            cuda's figures beside it), a T = SM-count launch against the cpu backend and single
+            launches, the eleven draws against the cpu backend query by query, auto's
             self-check, ms and mJ per task of cuda / fused / fused-T and the ratios
   service   scripts/gpu_check_service.py: ``rev88 serve`` on the fused backend in a child process,
             over HTTP: draw 0, 8 concurrent tasks sharing launches, ?backend=cuda,
             ?measure=energy, /health's gpu object, /metrics' GPU gauges, SIGTERM drain
-  tests     scripts/gpu_check_tests.py: pytest on every test file that needs a GPU, under a cap
+  tune      (only when named) scripts/gpu_check_tune.py: scripts/gpu_tune.py, the tuning run
+  tests     scripts/gpu_check_tests.py: pytest on the tests marked ``gpu`` (they need one), under a cap
 
 ``--dry-run`` rehearses every section on the CPU (the cuda program eagerly, fused in Triton's
 interpreter on small slices, energy with a simulated meter, the service on cpu-fast) and writes
 the same report, so a bug in these scripts is found before a GPU is lent. What a dry run cannot
-check is listed in each section's ``not_checked_in_dry_run``.
+check is listed in each section's ``not_checked_in_dry_run``. Its budget decisions are the
+device's: they read the device clock that scripts/gpu_budget.py's table projects (the device
+seconds of each part the sections finish) for ``--device-budget-s``, so a plan that would cut a
+section on the device cuts it in the dry run too (exit status 3), and the summary gives the device
+seconds projected per section.
 
 Output under --out: gpu_check.json (everything: ``sections.<name>``), summary.txt (the table
 printed last), and each section's own file (precheck.json, cuda.json, energy_check.json,
-fused.json, service.json, service_server.log). gpu_check.json and summary.txt are rewritten
-after every section; each section writes its own file however it ends, so an error or an
-interrupt keeps the figures it had (``partial: true``). ``--publish DIR`` (scripts/gpu_device_run.sh
-passes $OUT) copies gpu_check.json and summary.txt into DIR and tars --out into
-DIR/gpu-check-bundle.tar.gz after every section: DIR never holds more than those and a file
-being replaced (the device returns at most 8 files), and --out must lie outside it.
+fused.json, service.json, service_server.log, the service's ledger in service-data/, tune/,
+tests.json). gpu_check.json and summary.txt are replaced whole (a file written beside them,
+flushed, renamed) after every section, and the tuning section's after every candidate; each
+section writes its own file however it ends, so an error or an interrupt keeps the figures it had
+(``partial: true``). ``--publish DIR`` (scripts/gpu_device_run.sh passes $OUT) copies
+gpu_check.json and summary.txt into DIR and tars --out into DIR/gpu-check-bundle.tar.gz each
+time: DIR never holds more than those and a file being replaced (the device returns at most 8
+files), and --out must lie outside it.
 
 The budget (--budget-s) is a hard limit: a section is not started with fewer seconds left than
-its minimum (MIN_START_S), and when the budget runs out inside a section, or SIGTERM arrives
-(the device script's `timeout`), that section is interrupted (gpu_check.Interrupted), keeps its
-partial figures, and the rest are marked not run.
+its minimum (gpu_budget.MIN_START_S), each section keeps the later sections' expected seconds in
+reserve for its own optional steps, each runs under its own limit (gpu_budget.SECTIONS: past it
+the section is stopped with its partial figures and the next one runs), and when the budget runs
+out inside a section, or SIGTERM arrives (the device script's `timeout`), that section is
+interrupted (gpu_check_common.Interrupted), keeps its partial figures, and the rest are marked
+not run.
 
 Exit status: 0 every section passed; 1 a section that ran to its end failed (also when the
 budget ran out later: more time would not fix it); 2 bad input (an MNIST folder without the
 four files, or no CUDA GPU without --dry-run) -- the report says which, in both modes; 3 the
-time budget ran out -- a section was interrupted (by the budget or SIGTERM), not started for
-lack of time, or skipped a step for it (``budget_cut``: fused's energy trials), and nothing
-failed on its own. scripts/gpu_device_run.sh adds 4 (killed), 5 (no final report) and 6
-(refused to start: something the call carries is missing); docs/gpu.md has the table.
+time budget ran out -- a section was interrupted (by the budget, its own limit or SIGTERM), not
+started for lack of time, or skipped a step for it (``budget_cut``: the energy section's long
+windows, fused's energy trials, the tests' cap, a tuning candidate), and nothing failed on its
+own. scripts/gpu_device_run.sh adds 4 (killed), 5 (no final report) and 6 (refused to start:
+something the call carries is missing); docs/gpu.md has the table.
 """
 
 from __future__ import annotations
@@ -58,10 +72,8 @@ import datetime
 import importlib.util
 import os
 import shutil
-import signal
 import sys
 import tarfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -69,110 +81,57 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
+import gpu_budget  # noqa: E402
 import gpu_check_common as common  # noqa: E402
 
 ROOT = common.ROOT
-SECTIONS = ("precheck", "cuda", "energy", "fused", "service", "tests")
+SECTIONS = gpu_budget.ONE_SHOT  # the one-shot's sections: the default
+# every section, in the order they run: ``tune`` (scripts/gpu_tune.py, the tuning run) only when named
+ALL_SECTIONS = ("precheck", "cuda", "energy", "fused", "service", "tune", "tests")
 MODULES = {"precheck": "gpu_check_precheck", "cuda": "gpu_check_cuda", "energy": "gpu_check_energy",
-           "fused": "gpu_check_fused", "service": "gpu_check_service", "tests": "gpu_check_tests"}
-# Estimated seconds of each section on one H200: the one table of them. The first GPU run
-# (2026-12-04, an H200; ../shared/notes/gpu-h200.md) measured precheck 9.4, cuda 10.9, energy 40.4,
-# fused 57.1, service 35.9 s (154 s of the 400); the figures below keep room over those for what
-# the sections gained since. The summary's "est.GPU s" column, each section's estimated_device_seconds and the
-# fused section's reserve for the sections after it come from it, and docs/gpu.md's table and
-# total must equal it (tests/test_gpu_check.py checks). How:
-# precheck  imports + one tiny Triton compile and launcher build (~5 s) + three cc runs
-# cuda      4 captures of small programs + 1 of the 10k program (~1-2 s each), ~12 task runs of
-#           ~40 ms, one cpu-backend draw-0 run (~0.5 s), two make_task (~0.5 s each)
-# energy    the gated protocol with rev88 measure's default windows, 129 s (gpu_check_common.
-#           gated_window_seconds of gpu_check_energy.GATED_LONG: settles are caps, so at most),
-#           + the 3 s cold idle window + ~10 s (the first run: 40.4 s for 36 s of windows): the
-#           sampler's start, the 4096^2 matrices and their checks, first, calibration, after, the
-#           counter's 0.6 s watch and one per-request run with 1 s of idle sampling
-#           (gpu_check_energy.LONG_NEED_S = 142 s; without room for it the 36 s short windows run)
-# fused     two kernel compiles (draw 0's, the self-check's: ~9 s each for sm_90 measured here on the CPU),
-#           the draw-0 runs, a 132-task launch (staging ~1 GB of inputs), timing repeats, then
-#           three energy protocols of ~15-20 s each
-# service   start (imports, learner validation, fused warm-up: one more compile, ~10 s), the
-#           in-process references, the requests (~10 s), the sweep, the drain (~2 s), and the
-#           measure step's 11 s of windows (gpu_check_service.MEASURE_PARAMS): 35.9 s in the first
-#           run (ready in 13.9 s); 55 s left room over it, 59 s since issue #46's 1,320-cell sweep (the
-#           sweep, ~0.5-6 s at 3,000-236 cells/s, its 1,320 rows read back, and in this process 132 seeds
-#           prepared and 11 fused launches: ~1.5 s). fused: 57.1 s in the first run (its kernel compiles
-#           and three energy protocols); 70 s. Both came down (from 120 and 86 s) so that the energy
-#           section's long windows fit beside them (the estimates' total must stay under the 400 s budget).
-# tests     gpu_check_tests.DEVICE_CAP_S caps it; the five files were run by hand in the first run
-DEVICE_ESTIMATE_S = {"precheck": 15, "cuda": 20, "energy": 145, "fused": 70, "service": 59, "tests": 90}
-# Fewer seconds left than this and a section is not started (it is then marked "skipped" for the
-# budget): on a GPU from the estimates above; in a dry run from its own times here (2-core machine,
-# quiet: precheck 1-3 s, cuda 2-13 s, energy 4-11 s, fused 17-75 s, service 7-46 s), low enough
-# that a short budget (--budget-s 20) starts a section and interrupts it.
-MIN_START_S = {
-    "device": {"precheck": 0, "cuda": 15, "energy": 20, "fused": 60, "service": 45, "tests": 30},
-    "dry-run": {"precheck": 0, "cuda": 3, "energy": 3, "fused": 5, "service": 5, "tests": 5},
-}
-DEFAULT_BUDGET_S = {"device": 400, "dry-run": 300}
+           "fused": "gpu_check_fused", "service": "gpu_check_service", "tune": "gpu_check_tune",
+           "tests": "gpu_check_tests"}
+# Expected device seconds of each section: scripts/gpu_budget.py's table (each figure with its
+# source there: the first GPU run's measured times and what the sections gained since). The
+# summary's "est.GPU s" column, each section's estimated_device_seconds, the reserve each section
+# keeps for the ones after it, and docs/gpu.md's table come from it (tests/test_gpu_budget.py).
+DEVICE_ESTIMATE_S = gpu_budget.expected_seconds()
+MIN_START_S = gpu_budget.MIN_START_S
+DEFAULT_BUDGET_S = {"device": gpu_budget.DEFAULT_BUDGET_S, "dry-run": 300}
 EXIT_STATUS = {
     0: "every section passed",
     1: "a section failed",
     2: "bad input, or no CUDA GPU without --dry-run",
-    3: "the time budget ran out: a section interrupted or not started, the figures partial",
+    3: "the time budget ran out: a section interrupted, cut or not started, the figures partial",
 }
 BUNDLE = "gpu-check-bundle.tar.gz"
 # keys of a section's report that are not figures (left out of an interrupted section's list)
 BOOKKEEPING = ("interrupted", "passed", "partial", "mode", "error", "traceback", "seconds", "missing_steps",
-               "not_checked_in_dry_run", "server_log_tail", "command")
+               "not_checked_in_dry_run", "server_log_tail", "command", "running")
 PUBLISHED = ("gpu_check.json", "summary.txt")
+Interrupted = common.Interrupted
+SectionLimit = common.SectionLimit
 
 
-class Interrupted(BaseException):
-    """SIGTERM (``timeout`` on the device) or the run's own budget (SIGALRM): not an Exception,
-    so no section swallows it; each section's cleanup (the service's child server) runs and
-    its partial report is kept, and the report is still written."""
+def may_start(name: str, left_s: float, mode: str) -> bool:
+    """A section starts only with its minimum left (MIN_START_S of the mode)."""
+    return left_s >= MIN_START_S[mode][name]
 
 
-class _Signals:
-    """SIGTERM and the budget's alarm raise Interrupted once, in the main thread; a second signal
-    while the sections clean up is only recorded (``late``), so the cleanup and the report's
-    writing are never cut short by it."""
+def reserve_after(ordered: list[str], i: int) -> float:
+    """The seconds the section ``ordered[i]`` leaves for the sections after it: their expected
+    device seconds (gpu_budget's table, read now)."""
+    expected = gpu_budget.expected_seconds()
+    return float(sum(expected[s] for s in ordered[i + 1:]))
 
-    def __init__(self, budget_s: float):
-        self.budget_s = budget_s
-        self.fired: str | None = None
-        self.late: list[str] = []
-        self.previous: dict = {}
 
-    def _raise(self, why: str):
-        if self.fired is None:
-            self.fired = why
-            raise Interrupted(why)
-        self.late.append(why)
+def section_limit_s(name: str, dry_run: bool) -> float | None:
+    """A section's own limit: gpu_budget's on a GPU; a dry run's sections are bounded by its budget."""
+    return gpu_budget.DRY_RUN_SECTION_LIMIT_S if dry_run else gpu_budget.section_limit(name)
 
-    def _on_signal(self, signum, frame):
-        if signum == signal.SIGALRM:
-            self._raise(f"the time budget of {self.budget_s:g} s ran out")
-        else:
-            self._raise(f"received {signal.Signals(signum).name}")
 
-    def arm(self, seconds: float) -> bool:
-        if threading.current_thread() is not threading.main_thread():
-            return False  # signals reach only the main thread: the budget is then checked between sections
-        for sig in (signal.SIGTERM, signal.SIGALRM):
-            self.previous[sig] = signal.signal(sig, self._on_signal)
-        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
-        return True
-
-    def quiet(self) -> None:
-        """From here on no signal raises (the final report is being written)."""
-        if self.fired is None:
-            self.fired = "(the sections had ended)"
-
-    def disarm(self) -> None:
-        if self.previous:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            for sig, handler in self.previous.items():
-                signal.signal(sig, handler)
-            self.previous = {}
+def ordered_sections(sections) -> list[str]:
+    return [s for s in ALL_SECTIONS if s in sections]
 
 
 def publish(work: Path, dest: Path) -> None:
@@ -187,8 +146,21 @@ def publish(work: Path, dest: Path) -> None:
             os.replace(part, dest / name)
     part = dest / f".{BUNDLE}.part"
     with tarfile.open(part, "w:gz", compresslevel=6) as tar:
-        tar.add(work, arcname="check")
+        tar.add(work, arcname="check", filter=_bundled)
     os.replace(part, dest / BUNDLE)
+
+
+# Left out of the bundle: the service's ledger (SQLite, the 1,320-cell sweep's answers and its
+# stored dataset: megabytes the reports already summarize; a file over the device's 16 MiB would
+# not come back) and the files being replaced.
+NOT_BUNDLED = ("service-data",)
+
+
+def _bundled(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    parts = Path(info.name).parts
+    if any(p in NOT_BUNDLED for p in parts[1:]) or parts[-1].endswith(".part"):
+        return None
+    return info
 
 
 def load_section(name: str) -> Callable[..., dict]:
@@ -222,7 +194,10 @@ def headline(name: str, r: dict) -> str:
         if name == "cuda":
             d = r.get("draw0", {})
             ms = d.get("cuda_ms_median_of_7", d.get("wall_ms_median"))
-            return f"draw0 {d.get('correct')} correct, {d.get('vs_cpu', {}).get('differing')} differ from cpu, median {ms:.1f} ms"
+            e = r.get("eleven_draws") or {}
+            return (f"draw0 {d.get('correct')} correct, {d.get('vs_cpu', {}).get('differing')} differ from cpu, median "
+                    f"{ms:.1f} ms; eleven draws: {e.get('predictions_differing')} of {e.get('predictions_compared')} "
+                    f"differ from cpu ({str(e.get('cpu_reference_source') or '')[:28]})")
         if name == "energy":
             s = (r.get("summary") or {}).get("idle_adjusted_mj_per_task") or {}
             net = (r.get("net_mj_per_task") or {}).get("mean")
@@ -253,15 +228,26 @@ def headline(name: str, r: dict) -> str:
                     f"mJ/task {f(mj.get('cuda'), '.1f')} / {f(mj.get('fused'), '.1f')} / {f(mj.get('fused-T'), '.2f')}; "
                     f"speed-up {f(ra.get('speedup_fused_vs_cuda'), '.1f')}x / {f(ra.get('speedup_fused_T_vs_cuda'), '.1f')}x; "
                     f"draw0 {r.get('draw0', {}).get('fused_correct')} correct, "
-                    f"{r.get('draw0', {}).get('prediction_mismatches_vs_cuda')} differ from cuda")
+                    f"{r.get('draw0', {}).get('prediction_mismatches_vs_cpu')} differ from cpu "
+                    f"({r.get('draw0', {}).get('prediction_mismatches_vs_cuda')} from cuda); eleven draws: "
+                    f"{(r.get('eleven_draws') or {}).get('launch', {}).get('predictions_differing')} of "
+                    f"{(r.get('eleven_draws') or {}).get('launch', {}).get('predictions_compared')} differ from cpu")
         if name == "tests":
             p = r.get("pytest") or {}
             c = p.get("counts") or {}
             bad = sorted(p.get("not_passed") or {})
             return (f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('error', 0)} errors, "
-                    f"{c.get('skipped', 0)} skipped in {p.get('seconds', 0):.0f} s"
+                    f"{c.get('skipped', 0)} skipped of {p.get('selected')} marked gpu in {p.get('seconds', 0):.0f} s; "
+                    f"gpu_ran {r.get('gpu_ran')}"
                     + (" (cap reached)" if p.get("timed_out") else "")
                     + (f"; not passed: {', '.join(n.split('::', 1)[1] for n in bad[:4])}" if bad else ""))
+        if name == "tune":
+            choice = r.get("choice") or {}
+            cands = r.get("candidates") or []
+            ran = [c for c in cands if not str(c.get("refused", "")).startswith("not run")]
+            return (f"{sum(1 for c in cands if c.get('passed'))} of {len(cands)} candidates passed "
+                    f"({len(cands) - len(ran)} not run); launch {choice.get('launch')}, lone {choice.get('lone')}, "
+                    f"cuda {choice.get('cuda_step')}, workspace {choice.get('cublas_workspace')}")
         if name == "service":
             steps = r.get("steps", {})
             failed = [k for k, v in steps.items() if not v.get("passed")] + list(r.get("missing_steps") or [])
@@ -281,15 +267,27 @@ def summary_text(report: dict) -> str:
     lines = [f"rev88 GPU check ({report['mode']}): {verdict} in {report['seconds']:.0f} s of a "
              f"{report['budget_s']:g} s budget" + (f", exit status {status} ({EXIT_STATUS.get(status, '?')})"
                                                    if finished else " (written after each section; the run goes on)")]
+    projected = report.get("device_budget_s")
+    if projected is not None:
+        lines.append(f"  device seconds projected (scripts/gpu_budget.py): {report.get('projected_device_seconds', 0):.0f} "
+                     f"of a {projected:g} s device budget; 'left' is what the device would have had at each start")
     inputs = report.get("inputs") or {}
     if not inputs.get("passed", False):
         lines.append(f"  inputs   FAIL {inputs.get('error')}")
-    lines.append(f"  {'section':9s} {'result':6s} {'s':>6s} {'est.GPU s':>9s}  detail")
+    lines.append(f"  {'section':9s} {'result':6s} {'s':>6s} {'est.GPU s':>9s}"
+                 + (f" {'proj.s':>6s} {'left':>5s}" if projected is not None else "") + "  detail")
     for name, s in report["sections"].items():
-        result = ("ok" if s.get("passed") is True else "skip" if "skipped" in s
+        result = ("run" if s.get("running") else "ok" if s.get("passed") is True else "skip" if "skipped" in s
                   else "STOP" if "interrupted" in s else "cut" if "budget_cut" in s else "FAIL")
-        lines.append(f"  {name:9s} {result:6s} {s.get('seconds', 0.0):6.1f} {DEVICE_ESTIMATE_S.get(name, 0):9d}  "
+        extra = ""
+        if projected is not None:
+            ps, pl = s.get("projected_seconds"), s.get("projected_left_s")
+            extra = f" {'-' if ps is None else f'{ps:6.0f}':>6s} {'-' if pl is None else f'{pl:5.0f}':>5s}"
+        lines.append(f"  {name:9s} {result:6s} {s.get('seconds', 0.0):6.1f} {DEVICE_ESTIMATE_S.get(name, 0):9.0f}{extra}  "
                      f"{s.get('headline', '')}")
+        if s.get("budget_cut") and s.get("passed") is not True:
+            lines.append(f"  {'':9s} cut: {str(s['budget_cut'])[:150]}")
+        lines += [f"  {'':9s} {line}" for line in (s.get("summary_lines") or [])]
     if report.get("interrupted"):
         lines.append(f"  interrupted: {report['interrupted']}")
     return "\n".join(lines) + "\n"
@@ -306,17 +304,27 @@ def exit_status(report: dict) -> int:
     failed = [s for s in sections if s.get("passed") is not True and not any(k in s for k in cut)]
     if failed:
         return 1
-    if report.get("interrupted") or report.get("budget_ran_out") or any("budget_cut" in s for s in sections):
+    if report.get("interrupted") or report.get("budget_ran_out") or any(
+            "budget_cut" in s or "interrupted" in s for s in sections):  # (a section past its own limit)
         return 3
     return 1
 
 
 def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], budget_s: float,
               runners: dict[str, Callable[..., dict]] | None = None, keep_going: bool = False,
-              log=print, argv: list[str] | None = None, publish_dir: Path | None = None) -> tuple[dict, int]:
+              log=print, argv: list[str] | None = None, publish_dir: Path | None = None,
+              clock: common.Clock | None = None, device_budget_s: float | None = None,
+              arm_alarms: bool = True, check_inputs: bool = True) -> tuple[dict, int]:
     """Run ``sections`` (precheck first), write the report after each; return (report, exit status).
-    ``runners`` replaces section functions (tests). The budget is enforced by an alarm when this
-    runs in the main thread (else only between sections); SIGTERM interrupts the same way."""
+    ``runners`` replaces section functions (tests, gpu_budget.replay). The budget is enforced by an
+    alarm when this runs in the main thread (else only between sections); SIGTERM interrupts the
+    same way; each section also runs under its own limit (gpu_budget's).
+
+    The sections' budget decisions (whether a section starts, the reserve it keeps for the later
+    ones, the energy windows, the fused energy trials, the tests' cap, each tuning candidate) read
+    ``clock``: on a GPU the real one; in a dry run the device clock that gpu_budget's table
+    projects for a device budget of ``device_budget_s`` (default: the device default), so the dry
+    run decides and fails as the device would, and reports the device seconds it projects."""
     t0 = time.monotonic()
     deadline = t0 + budget_s
     out = Path(out)
@@ -327,18 +335,28 @@ def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], bu
         if out.resolve().is_relative_to(publish_dir.resolve()):
             raise ValueError(f"--out {out} lies inside --publish {publish_dir}: its files would count among "
                              "the 8 files that come back; give --out a folder outside it")
+    if clock is None:
+        clock = (common.Clock(device_budget_s or DEFAULT_BUDGET_S["device"], projected=True) if dry_run
+                 else common.Clock(budget_s))
+    projecting = clock.projected
     report: dict = {
         "tool": "scripts/gpu_check.py", "mode": mode, "argv": argv,
         "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "budget_s": budget_s, "mnist_dir": str(mnist_dir), "sections": {}, "finished": False,
         "device_estimate_s": dict(DEVICE_ESTIMATE_S), "min_start_s": dict(MIN_START_S[mode]),
+        "decisions_by": ("the device clock projected by scripts/gpu_budget.py's table, for a device budget of "
+                         f"{clock.budget_s:g} s" if projecting else "the real clock"),
     }
-    ordered = [s for s in SECTIONS if s in sections]
+    if projecting:
+        report["device_budget_s"] = clock.budget_s
+    ordered = ordered_sections(sections)
 
     def write() -> None:
         report["seconds"] = time.monotonic() - t0
+        if projecting:
+            report["projected_device_seconds"] = clock.elapsed()
         common.write_json(out / "gpu_check.json", report)
-        (out / "summary.txt").write_text(summary_text(report))
+        common.write_text(out / "summary.txt", summary_text(report))
         if publish_dir is not None:
             try:
                 publish(out, publish_dir)
@@ -350,12 +368,13 @@ def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], bu
         for name in names:
             report["sections"][name] = {"passed": False, "skipped": why, "seconds": 0.0, "headline": why}
 
-    signals = _Signals(budget_s)
-    report["budget_enforced_by"] = "alarm" if signals.arm(budget_s) else "checks between sections"
+    alarms = common.Alarms()
+    armed = alarms.arm(budget_s) if arm_alarms else False
+    report["budget_enforced_by"] = "alarm" if armed else "checks between sections"
     status = None
     try:
         try:
-            report["inputs"] = common.check_mnist(mnist_dir)
+            report["inputs"] = common.check_mnist(mnist_dir) if check_inputs else {"passed": True, "checked": False}
         except Interrupted as exc:
             report["interrupted"] = str(exc)
             report["inputs"] = {"passed": False, "error": f"interrupted while checking the inputs: {exc}"}
@@ -369,24 +388,47 @@ def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], bu
         else:
             for i, name in enumerate(ordered):
                 left = deadline - time.monotonic()
-                if left < MIN_START_S[mode][name]:  # a later section with a smaller minimum may still fit
+                # the real clock's check (on a GPU, and a dry run's own budget); the replay's budget is projected only
+                if (dry_run or not projecting) and not may_start(name, left, mode):  # a later section may still fit
                     report["budget_ran_out"] = True
                     skip_rest([name], f"not started for the budget: {max(left, 0):.1f} s of the {budget_s:g} s left, "
                                       f"{name} needs {MIN_START_S[mode][name]} s to start")
                     continue
-                log(f"== {name} ==")
-                reserve = sum(DEVICE_ESTIMATE_S[s] for s in ordered[i + 1:]) if not dry_run else 0.0
+                projected_left = clock.budget_left()
+                if projecting and not may_start(name, projected_left, "device"):
+                    report["budget_ran_out"] = True
+                    skip_rest([name], f"not started for the device budget (projected): {max(projected_left, 0):.1f} s of the "
+                                      f"{clock.budget_s:g} s projected left, {name} needs "
+                                      f"{MIN_START_S['device'][name]} s to start")
+                    continue
+                reserve = reserve_after(ordered, i)
+                limit = section_limit_s(name, dry_run)
+                clock.start(name, gpu_budget.section_limit(name))
+                decided = {"projected_start_s": clock.elapsed(), "projected_left_s": projected_left,
+                           "reserve_s": reserve}
+                log(f"== {name} ==" + (f" (device clock: {projected_left:.0f} s of {clock.budget_s:g} left, "
+                                        f"{reserve:.0f} s kept for the sections after it)" if projecting else ""))
                 t = time.perf_counter()
                 partial: dict = {}  # the section fills it as it goes: what survives an interrupt
+
+                def checkpoint(name=name, partial=partial, t=t) -> None:
+                    """A section's figures so far, published (the tuning run: after each candidate)."""
+                    report["sections"][name] = {**partial, "running": True, "seconds": time.perf_counter() - t}
+                    write()
+
                 try:
                     run = (runners or {}).get(name) or load_section(name)
-                    result = run(out, mnist_dir=mnist_dir, dry_run=dry_run, log=log, deadline=deadline,
-                                 reserve_s=reserve, report=partial)
+                    with alarms.section_limit(limit, name):
+                        result = run(out, mnist_dir=mnist_dir, dry_run=dry_run, log=log,
+                                     deadline=min(deadline, time.monotonic() + limit) if limit else deadline,
+                                     reserve_s=reserve, report=partial, clock=clock, alarms=alarms,
+                                     checkpoint=checkpoint)
                     if not isinstance(result, dict):
                         result = {"passed": False, "error": f"section returned {type(result).__name__}, not a report"}
                 except (Interrupted, KeyboardInterrupt) as exc:
                     why = str(exc) or type(exc).__name__
-                    report["interrupted"] = why
+                    if not isinstance(exc, SectionLimit):
+                        report["interrupted"] = why
                     result = partial
                     if "error" in result:
                         result["error_before_interrupt"] = result.pop("error")
@@ -397,12 +439,31 @@ def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], bu
                 except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
                     result = partial
                     result.update({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+                result.pop("running", None)
                 result["passed"] = section_passed(result)
                 result["seconds"] = time.perf_counter() - t
                 result["estimated_device_seconds"] = DEVICE_ESTIMATE_S[name]
+                result["limit_s"] = limit
+                clock.end(gpu_budget.section_seconds(name, result))
+                if projecting:
+                    decided["projected_seconds"] = clock.elapsed() - decided["projected_start_s"]
+                    over = [f"its own limit of {gpu_budget.section_limit(name):g} s"
+                            for _ in [0] if gpu_budget.section_limit(name) is not None
+                            and decided["projected_seconds"] > gpu_budget.section_limit(name)]
+                    if clock.budget_left() < 0:
+                        over.append(f"the device budget of {clock.budget_s:g} s")
+                    if over:  # the device would have stopped it: what a dry run and the replay must show
+                        report["budget_ran_out"] = True
+                        result["passed"] = False
+                        result.setdefault("budget_cut", f"on the device it would run past {' and '.join(over)} "
+                                                        f"(projected {decided['projected_seconds']:.0f} s from "
+                                                        f"{decided['projected_start_s']:.0f} s)")
+                result.update(decided)
                 result["headline"] = headline(name, result)
                 report["sections"][name] = result
-                log(f"== {name}: {'ok' if result['passed'] else 'FAILED'} in {result['seconds']:.1f} s -- {result['headline']}")
+                log(f"== {name}: {'ok' if result['passed'] else 'FAILED'} in {result['seconds']:.1f} s -- {result['headline']}"
+                    + (f" [device seconds projected: {decided['projected_seconds']:.0f}, "
+                       f"{clock.budget_left():.0f} of {clock.budget_s:g} left]" if projecting else ""))
                 if report.get("interrupted"):
                     skip_rest(ordered[i + 1:], f"not run: {report['interrupted']}")
                     break
@@ -417,10 +478,10 @@ def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], bu
         report["interrupted"] = str(exc)
         skip_rest([n for n in ordered if n not in report["sections"]], f"not run: {exc}")
     finally:
-        signals.quiet()
-        signals.disarm()
-    if signals.late:
-        report["signals_while_stopping"] = signals.late
+        alarms.quiet()
+        alarms.disarm()
+    if alarms.late:
+        report["signals_while_stopping"] = alarms.late
     report["passed"] = bool(report["inputs"]["passed"] and ordered
                             and all(report["sections"][s].get("passed") is True for s in ordered))
     if status is None:
@@ -441,17 +502,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="after each section, copy gpu_check.json and summary.txt here and tar --out into "
                              f"{BUNDLE} (scripts/gpu_device_run.sh: $OUT)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (the pre-check always runs first)")
+                        help=f"comma-separated sections of {','.join(ALL_SECTIONS)} (default: the one-shot's, "
+                             f"{','.join(SECTIONS)}; the pre-check always runs first)")
     parser.add_argument("--dry-run", action="store_true", help="rehearse every section on the CPU")
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"time budget of the whole run, a hard limit (default {DEFAULT_BUDGET_S['device']} on a GPU, "
                              f"{DEFAULT_BUDGET_S['dry-run']} dry)")
+    parser.add_argument("--device-budget-s", type=float, default=None,
+                        help="dry run: the device budget whose decisions it makes on the projected device clock "
+                             f"(default {DEFAULT_BUDGET_S['device']}; gpu_device_run.sh passes its BUDGET_S)")
     parser.add_argument("--keep-going", action="store_true", help="run the other sections even if the pre-check fails")
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(sections) - set(SECTIONS))
+    unknown = sorted(set(sections) - set(ALL_SECTIONS))
     if unknown:
-        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(ALL_SECTIONS)}")
     if args.budget_s is not None and not args.budget_s > 0:
         parser.error(f"--budget-s must be a positive number of seconds, not {args.budget_s:g}")
     if args.publish is not None and args.out.resolve().is_relative_to(args.publish.resolve()):
@@ -465,8 +530,10 @@ def main(argv: list[str] | None = None) -> int:
 
     mnist_dir = args.mnist_dir or bundled_mnist_dir()
     budget = args.budget_s or DEFAULT_BUDGET_S[common.mode_name(args.dry_run)]
+    device_budget = args.device_budget_s or DEFAULT_BUDGET_S["device"]
     report, status = run_check(args.out, mnist_dir, args.dry_run, sections, budget, keep_going=args.keep_going,
-                               argv=sys.argv[1:] if argv is None else argv, publish_dir=args.publish)
+                               argv=sys.argv[1:] if argv is None else argv, publish_dir=args.publish,
+                               device_budget_s=device_budget)
     print("\n" + (args.out / "summary.txt").read_text(), end="", flush=True)
     return status
 

@@ -11,10 +11,13 @@ import contextlib
 import importlib.metadata
 import json
 import math
+import os
 import platform
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,11 +295,6 @@ def gated_window_seconds(protocol: dict) -> float:
             + (p["trials"] + 1) * (p["target_seconds"] + frame))
 
 
-def out_of_time(deadline: float | None, need_s: float) -> bool:
-    """True when fewer than ``need_s`` seconds are left before ``deadline`` (time.monotonic)."""
-    return deadline is not None and deadline - time.monotonic() < need_s
-
-
 def seconds_left(deadline: float | None, cap: float) -> float:
     """How long a wait may last: ``cap`` seconds, or fewer when the run's budget (``deadline``,
     time.monotonic) ends sooner -- never below 0.1 s, so a wait still looks once."""
@@ -305,8 +303,225 @@ def seconds_left(deadline: float | None, cap: float) -> float:
     return max(0.1, min(cap, deadline - time.monotonic()))
 
 
+def write_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole: written beside it, flushed to disk, then renamed over it, so a
+    run killed at any moment leaves the last complete file (never half of one)."""
+    path = Path(path)
+    part = path.with_name(f".{path.name}.part")
+    with open(part, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(part, path)
+
+
 def write_json(path: Path, doc: dict) -> None:
-    Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    write_text(path, json.dumps(doc, indent=2, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------- the budget's clock and alarms
+
+
+class Clock:
+    """How much of the device budget is left, as the sections' budget decisions read it
+    (gpu_check_energy.windows_for, gpu_check_fused.energy_trials_fit, gpu_check_tests.cap_for,
+    gpu_tune.candidate_fits; the rules are scripts/gpu_budget.py's).
+
+    On a GPU it is the real clock: ``budget_s`` from its creation. ``projected=True`` (a dry run,
+    and gpu_budget.replay) it is the device clock the table projects: it stands still while the
+    CPU works and advances by the table's device seconds as a section marks its parts done
+    (``mark``) and as sections end (``end``). So a dry run decides what the device would decide at
+    the same point, from the same figures, and can be cut the same way."""
+
+    def __init__(self, budget_s: float, projected: bool = False, now: Callable[[], float] = time.monotonic):
+        self.budget_s = float(budget_s)
+        self.projected = projected
+        self._now = now
+        self._t0 = now()
+        self._projected_s = 0.0
+        self.section: str | None = None
+        self._section_t0 = 0.0
+        self._section_limit: float | None = None
+        self._parts: list[tuple[str, float]] = []
+
+    @classmethod
+    def unbounded(cls) -> Clock:
+        return cls(math.inf)
+
+    def elapsed(self) -> float:
+        return self._projected_s if self.projected else self._now() - self._t0
+
+    def budget_left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def start(self, section: str, limit_s: float | None) -> None:
+        self.section, self._section_t0, self._section_limit, self._parts = section, self.elapsed(), limit_s, []
+
+    def section_elapsed(self) -> float:
+        return self.elapsed() - self._section_t0
+
+    def section_left(self) -> float:
+        """What is left of this section's own limit, and of the budget (the smaller)."""
+        left = self.budget_left()
+        if self._section_limit is not None:
+            left = min(left, self._section_limit - self.section_elapsed())
+        return left
+
+    def mark(self, part: str, seconds: float | None = None) -> None:
+        """The section's ``part`` is done. Projected: the clock advances by its device seconds
+        (``seconds``, else gpu_budget's figure for this section's part); real: only recorded."""
+        if self.projected:
+            import gpu_budget
+
+            self._projected_s += gpu_budget.part_seconds(self.section, part) if seconds is None else seconds
+        self._parts.append((part, self.section_elapsed()))
+
+    def end(self, seconds: float | None) -> None:
+        """The section ended. Projected: the clock stands at its start plus ``seconds`` (what the
+        table expects of what it did), or where its marks took it when that is more."""
+        if self.projected and seconds is not None:
+            self._projected_s = max(self._projected_s, self._section_t0 + seconds)
+        self.section = None
+
+    def parts(self) -> list[tuple[str, float]]:
+        return list(self._parts)
+
+
+def clock_for(clock: Clock | None, deadline: float | None) -> Clock:
+    """The clock a section decides by: gpu_check.py's, else one from ``deadline`` (a section run
+    alone, or by a test), else one without a budget."""
+    if clock is not None:
+        return clock
+    if deadline is None:
+        return Clock.unbounded()
+    return Clock(deadline - time.monotonic())
+
+
+class Interrupted(BaseException):
+    """SIGTERM (``timeout`` on the device) or the run's own budget (SIGALRM): not an Exception,
+    so no section swallows it; each section's cleanup (the service's child server) runs and its
+    partial report is kept, and the report is still written. The run stops."""
+
+
+class SectionLimit(Interrupted):
+    """A section ran past its own limit (scripts/gpu_budget.py): it is stopped like an interrupt,
+    keeps its partial figures, and the run goes on with the next section."""
+
+
+class StepLimit(Exception):  # noqa: N818 - it is a limit, raised in the step's place
+    """A step inside a section (a tuning candidate) ran past its own limit: an Exception, so the
+    step's own error handling records it (the candidate is refused) and the section goes on."""
+
+
+class Alarms:
+    """The run's budget, a section's limit and a step's limit on one timer (SIGALRM, in the main
+    thread only). SIGTERM and the budget raise Interrupted once: a second signal while the
+    sections clean up is only recorded (``late``), so the cleanup and the report's writing are
+    never cut short by it. A section's limit raises SectionLimit, a step's StepLimit, each once."""
+
+    def __init__(self):
+        self.run_deadline: float | None = None
+        self.budget_s: float | None = None
+        self.fired: str | None = None
+        self.late: list[str] = []
+        self.previous: dict = {}
+        self._section: tuple[float, str] | None = None
+        self._step: tuple[float, str] | None = None
+
+    @property
+    def armed(self) -> bool:
+        return bool(self.previous)
+
+    def arm(self, budget_s: float) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False  # signals reach only the main thread: the budget is then checked between sections
+        self.budget_s = budget_s
+        self.run_deadline = time.monotonic() + budget_s
+        for sig in (signal.SIGTERM, signal.SIGALRM):
+            self.previous[sig] = signal.signal(sig, self._on_signal)
+        self._reset()
+        return True
+
+    def _reset(self) -> None:
+        if not self.armed:
+            return
+        deadlines = [d for d in (self.run_deadline, self._section and self._section[0], self._step and self._step[0])
+                     if d is not None]
+        if self.fired is not None:
+            deadlines = [d for d in deadlines if d != self.run_deadline]
+        if not deadlines:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            return
+        signal.setitimer(signal.ITIMER_REAL, max(min(deadlines) - time.monotonic(), 0.001))
+
+    def _raise_run(self, why: str):
+        if self.fired is None:
+            self.fired = why
+            self._reset()
+            raise Interrupted(why)
+        self.late.append(why)
+
+    def _on_signal(self, signum, frame):
+        if signum != signal.SIGALRM:
+            self._raise_run(f"received {signal.Signals(signum).name}")
+            return
+        now = time.monotonic() + 0.002
+        if self.fired is None and self.run_deadline is not None and now >= self.run_deadline:
+            self._raise_run(f"the time budget of {self.budget_s:g} s ran out")
+        elif self._section is not None and now >= self._section[0]:
+            why = self._section[1]
+            self._section = None
+            self._reset()
+            raise SectionLimit(why)
+        elif self._step is not None and now >= self._step[0]:
+            why = self._step[1]
+            self._step = None
+            self._reset()
+            raise StepLimit(why)
+        else:
+            self._reset()
+
+    @contextlib.contextmanager
+    def section_limit(self, seconds: float | None, what: str):
+        """The section's own limit; a no-op when the alarms are not armed or ``seconds`` is None."""
+        if not self.armed or seconds is None:
+            yield False
+            return
+        self._section = (time.monotonic() + seconds, f"{what} ran past its own limit of {seconds:.0f} s")
+        self._reset()
+        try:
+            yield True
+        finally:
+            self._section = None
+            self._reset()
+
+    @contextlib.contextmanager
+    def step_limit(self, seconds: float | None, what: str):
+        """A step's own limit (StepLimit, an Exception, in the step's place); a no-op unarmed."""
+        if not self.armed or seconds is None:
+            yield False
+            return
+        self._step = (time.monotonic() + seconds, f"{what} ran past its own limit of {seconds:.0f} s")
+        self._reset()
+        try:
+            yield True
+        finally:
+            self._step = None
+            self._reset()
+
+    def quiet(self) -> None:
+        """From here on no signal raises (the final report is being written)."""
+        if self.fired is None:
+            self.fired = "(the sections had ended)"
+        self._section = self._step = None
+        self._reset()
+
+    def disarm(self) -> None:
+        if self.previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            self.previous = {}
 
 
 @contextlib.contextmanager

@@ -10,9 +10,9 @@
   graph_reuse draw 1 (same shape) replays draw 0's graphs without recapture and equals a fresh backend
   eleven      the eleven published draws on the backend as the tuned table sets it for this GPU (its
               step: learner/kernels/tuned.py ``cuda_step``) against the cpu backend, query by query
-              (110,000 predictions equal, draw 0's state within tolerance); the cpu references come
-              from a child process started when the section starts (scripts/gpu_tune.py's shared
-              reference, which the fused section reads too)
+              (110,000 predictions equal, draw 0's state within tolerance); the cpu references are the
+              carried ones (scripts/gpu_reference.py) where the draws built here are their tasks, else a
+              child process's started when the section starts (the fused section reads the same)
   workspace   CUBLAS_WORKSPACE_CONFIG as it ran and the bytes it costs per stream (also in every
               answer's backend_details.memory)
 
@@ -35,7 +35,7 @@ import gpu_check_common as common  # noqa: E402
 DRY_SLICE = (0, 1000, 500)  # first row, train count, query count of each draw in the dry run
 
 
-def eleven_draws(mnist_dir: Path, dry_run: bool, out_dir: Path, device: str, ref_job, log) -> dict:
+def eleven_draws(draws, dry_run: bool, device: str, ref_job, log) -> dict:
     """The eleven draws (scripts/gpu_tune.py's tasks) on the tuned cuda backend against the cpu backend."""
     import gpu_tune  # scripts/ is on sys.path
 
@@ -45,13 +45,13 @@ def eleven_draws(mnist_dir: Path, dry_run: bool, out_dir: Path, device: str, ref
 
     t = time.perf_counter()
     backend = GraphBackend(device)
-    tasks, labels = gpu_tune.build_draws(mnist_dir, dry_run)
+    tasks, labels = draws
     outs = [backend.run(task, prepare(task, Config())) for task in tasks]
     ref = ref_job.result()
     out = {"what": "eleven draws" + (f", rows {gpu_tune.DRY_SLICE}" if dry_run else ""), "step": backend.step,
            "tuned": backend.tuned.as_dict(), "cpu_correct_by_draw": ref["correct"],
-           "cpu_reference_seconds": ref["wall_seconds"], **gpu_tune.check_outputs(outs, ref, labels),
-           "seconds": time.perf_counter() - t}
+           "cpu_reference_seconds": ref["wall_seconds"], "cpu_reference_source": ref.get("source"),
+           **gpu_tune.check_outputs(outs, ref, labels), "seconds": time.perf_counter() - t}
     log(f"  cuda eleven draws ({backend.step}): {out['predictions_differing']} of {out['predictions_compared']} "
         f"predictions differ from cpu, correct {sum(out['correct_by_draw'])}, passed {out['passed']}")
     return out
@@ -68,9 +68,18 @@ def run(out_dir: Path, mnist_dir: Path, dry_run: bool = False, log=print, report
 
 
 def _run(report: dict, mnist_dir: Path, dry_run: bool, log, out_dir: Path) -> dict:
+    import gpu_reference
     import gpu_tune  # scripts/ is on sys.path
 
-    ref_job = gpu_tune.shared_reference(mnist_dir, dry_run, out_dir)  # the cpu references, beside the GPU work
+    draws = gpu_tune.build_draws(mnist_dir, dry_run)
+    # the cpu references: carried where these draws are their tasks, else a child beside the GPU work
+    ref_job = gpu_tune.shared_reference(mnist_dir, dry_run, out_dir, tasks=draws[0], log=log)
+    if dry_run:  # the carried reference is for the whole draws: checked against them as the device will
+        full, _ = gpu_tune.build_draws(mnist_dir, False)
+        held = gpu_reference.Carried(gpu_reference.DEFAULT_PATH, full, False)
+        report["carried_reference"] = {"path": str(held.path), "usable_on_the_device": held.usable,
+                                       "reason": held.reason}
+        log(f"  cuda: the carried cpu reference {'matches the eleven draws built here' if held.usable else held.reason}")
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -184,7 +193,7 @@ def _run(report: dict, mnist_dir: Path, dry_run: bool, log, out_dir: Path) -> di
     reuse = report["graph_reuse"]
     captures_ok = (reuse["captures_after_second_task"] == reuse["captures_after_other_seed"] == (0 if dry_run else 1)
                    and reuse["cached_programs"] == 1 and reuse["other_seed_reused"])
-    report["eleven_draws"] = eleven_draws(mnist_dir, dry_run, out_dir, device, ref_job, log)
+    report["eleven_draws"] = eleven_draws(draws, dry_run, device, ref_job, log)
     from learner.backends.cuda import memory_facts
 
     report["workspace"] = memory_facts()

@@ -21,7 +21,7 @@ both meters) with its band or, for a board without one, the band ``gates.band_fr
 makes of them (so the next board's band comes from a run), the sham residual, the cold idle
 beside every phase's paired idle and how each settle ended, and writes everything to
 ``out_dir/energy_check.json`` (the gated record under ``gated``). scripts/gpu_check.py calls
-``run(out_dir, mnist_dir, deadline=, reserve_s=)``; alone: ``python scripts/gpu_check_energy.py
+``run(out_dir, mnist_dir, deadline=, reserve_s=)``; alone: ``python3 scripts/gpu_check_energy.py
 [out_dir] [--mnist-dir DIR] [--dry-run]``. The result has ``passed`` (and ``ok``, the same
 value, for older callers).
 
@@ -62,6 +62,7 @@ if str(ROOT) not in sys.path:  # run as a file: make the checkout importable
     sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_budget  # noqa: E402
 import gpu_check_common as common  # noqa: E402
 
 from learner.measure.gated import DEFAULTS  # noqa: E402
@@ -162,7 +163,8 @@ def idle_report(record: dict) -> dict | None:
 
 
 def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log=print,
-        report: dict | None = None, deadline: float | None = None, reserve_s: float = 0.0, **_) -> dict:
+        report: dict | None = None, deadline: float | None = None, reserve_s: float = 0.0, clock=None,
+        **_) -> dict:
     """``report``: gpu_check.py's dict, filled as the steps end, so an interrupt keeps their
     figures; energy_check.json is written however the section ends (partial then). ``deadline``
     (time.monotonic) and ``reserve_s`` (the sections after this one): whether the long windows fit."""
@@ -178,7 +180,7 @@ def run(out_dir: Path, mnist_dir: Path | None = None, dry_run: bool = False, log
         return result
     saved: dict = {"mode": common.mode_name(dry_run)}  # energy_check.json
     with common.kept(saved, out_dir / "energy_check.json"):
-        return _run(result, saved, mnist_dir, dry_run, log, deadline, reserve_s)
+        return _run(result, saved, mnist_dir, dry_run, log, common.clock_for(clock, deadline), reserve_s)
 
 
 # The gated protocol's windows. GATED_LONG: rev88 measure's defaults (129 s of windows:
@@ -196,6 +198,20 @@ GATED_DRY_RUN = dict(trials=2, target_seconds=1.0, settle_seconds=0.5, idle_seco
 # and the per-request step), the counter's watch (0.6 s) and the per-request step (~2 s).
 LONG_OVERHEAD_S = 10.0
 LONG_NEED_S = common.gated_window_seconds(GATED_LONG) + GATED_LONG["idle_seconds"] + LONG_OVERHEAD_S
+
+
+def windows_for(clock, reserve_s: float) -> tuple[str, str | None]:
+    """The section's budget decision (scripts/gpu_budget.py replays it): the long windows when
+    their need (the table's expected seconds of this section, = LONG_NEED_S: a test checks) fits in
+    what is left of the budget beside ``reserve_s`` (the later sections' expected seconds) and in
+    the section's own limit; else the short rehearsal, and why."""
+    need = max(LONG_NEED_S, gpu_budget.SECTIONS["energy"].seconds)
+    left, section_left = clock.budget_left(), clock.section_left()
+    if left - reserve_s >= need and section_left >= need:
+        return "long", None
+    return "short", (f"the long windows need {need:.0f} s + {reserve_s:.0f} s for the sections after this "
+                     f"one, {left:.0f} s of the budget were left ({section_left:.0f} s of the section's own limit); "
+                     "the short rehearsal ran instead (no sham verdict on long windows)")
 DRY_RUN_SCENARIOS = {"healthy": [], "counter-drift": ["meters_agree"]}  # scenario: the gates it must fail
 
 
@@ -245,8 +261,7 @@ def _watch_counter(meter, board=None) -> dict:
     return meter.measure_counter_update()
 
 
-def _run(result: dict, saved: dict, mnist_dir: Path | None, dry_run: bool, log, deadline: float | None = None,
-         reserve_s: float = 0.0) -> dict:
+def _run(result: dict, saved: dict, mnist_dir: Path | None, dry_run: bool, log, clock, reserve_s: float = 0.0) -> dict:
     from learner.backends.cuda import GraphBackend
     from learner.config import Config
     from learner.energy import IdleBaseline, gpu_telemetry, open_meter
@@ -255,13 +270,14 @@ def _run(result: dict, saved: dict, mnist_dir: Path | None, dry_run: bool, log, 
 
     started = time.perf_counter()
     task, labels = make_task(find_mnist(mnist_dir), DRAW0_SEED)
-    long_fits = not common.out_of_time(deadline, reserve_s + LONG_NEED_S)
+    chosen, why = windows_for(clock, reserve_s)
+    long_fits = chosen == "long"
     protocol = dict(GATED_LONG if long_fits else GATED_DEVICE)
     windows = "long (rev88 measure's defaults)" if long_fits else "short (the budget could not hold the long ones)"
-    result.update({"mode": common.mode_name(dry_run), "protocol": protocol, "protocol_windows": windows})
+    result.update({"mode": common.mode_name(dry_run), "protocol": protocol, "protocol_windows": windows,
+                   "windows": chosen})
     if not long_fits:
-        result["budget_cut"] = (f"the long windows need {LONG_NEED_S:.0f} s + {reserve_s:.0f} s for the sections "
-                                "after this one; the short rehearsal ran instead (no sham verdict on long windows)")
+        result["budget_cut"] = why
     idle = IdleBaseline()
     scenarios: dict[str, dict] = {}
     if dry_run:  # the cuda backend's program, eagerly on the CPU, on the simulated board
@@ -360,10 +376,14 @@ def _run(result: dict, saved: dict, mnist_dir: Path | None, dry_run: bool, log, 
                 and t["active"]["energy_j"] > 0 and t["idle_before"]["energy_j"] > 0
             )
     ok = all(checks.values())
+    # the short windows are a measurement the budget cut (no sham verdict on long windows): not a
+    # pass, exit status 3 when nothing else failed (gpu_check.exit_status)
+    passed = ok and long_fits
     result.update({
         "mode": common.mode_name(dry_run),
-        "ok": ok,
-        "passed": ok,
+        "ok": passed,
+        "checks_passed": ok,
+        "passed": passed,
         "checks": checks,
         "meter_reason": meter_reason,
         "gpu_telemetry_reason": health_reason,

@@ -21,7 +21,7 @@ scripts/gpu_device_run.sh makes one). Checks:
   service_packages    fastapi, starlette, pydantic, uvicorn, python-multipart, ... importable
                       and their requirements met (not blocking: only the service section needs them)
 
-``passed`` is the blocking checks only. Alone: ``python scripts/gpu_check_precheck.py [--dry-run]``.
+``passed`` is the blocking checks only. Alone: ``python3 scripts/gpu_check_precheck.py [--dry-run]``.
 """
 
 from __future__ import annotations

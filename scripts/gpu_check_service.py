@@ -7,13 +7,13 @@ for /v2/health/ready (the learner's checks and the backend's warm-up), then:
   health       GET /health: ready, the backend, the ``gpu`` object (name, power, energy counter)
                and per-request energy on
   draw0        POST draw 0 (10k/10k): 8,887 correct, predictions equal to the reference backend's
-               (cuda, run in this process: the fused section's rule), a per-request ``energy``
-               object; the cpu hash 37724115... is reported, not required. Where predictions
-               differ from the reference or the cpu backend: each differing query's margin on
+               (the cpu backend, run in this process: the fused section's rule), a per-request
+               ``energy`` object; the cpu hash 37724115... is reported on a GPU, required in a dry
+               run. Where predictions differ from the reference: each differing query's margin on
                both sides and both accuracies (gpu_check_common.prediction_diff), so a flipped
                near-tie is diagnosed from the run
   batch        8 concurrent POSTs of 1,024/256 tasks (seeds 11..18): every answer equals the
-               reference backend's predictions for its task (differences explained the same way),
+               cpu backend's predictions for its task (differences explained the same way),
                and some shared a launch (``tasks_in_launch`` > 1, energy divided equally:
                ``launch_gross_j``, method "batched launch ...")
   alt_backend  POST draw 0 with ?backend=cuda: it ran there, 8,887 correct, and its predictions
@@ -378,8 +378,10 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
         from learner.backends.cpu_fast import kernel_available
 
         main_backend, alt_backend = ("cpu-fast" if kernel_available() else "cpu"), "cpu"
-    # the reference of the main backend's answers: the alternative backend, run in this process
-    report.update({"backend": main_backend, "alt_backend": alt_backend, "reference_backend": alt_backend})
+    # the reference of the main backend's answers: the cpu backend, run in this process (the
+    # fused section's rule); the alternative backend's answer is compared with its own run here
+    reference_backend = "cpu"
+    report.update({"backend": main_backend, "alt_backend": alt_backend, "reference_backend": reference_backend})
 
     t = time.perf_counter()
     draw0, labels0 = make_task(mnist_dir, common.DRAW0_SEED)
@@ -388,13 +390,15 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
     small_bodies = [npz_bytes(t) for t, _ in small]
     report["tasks_seconds"] = time.perf_counter() - t
     t = time.perf_counter()
-    ref0 = run_task(draw0, Config(), alt_backend)
-    references = [run_task(t, Config(seed=11 + k), alt_backend) for k, (t, _) in enumerate(small)]
-    report["reference"] = {"backend": alt_backend, "seconds": time.perf_counter() - t,
+    ref0 = run_task(draw0, Config(), reference_backend)
+    references = [run_task(t, Config(seed=11 + k), reference_backend) for k, (t, _) in enumerate(small)]
+    alt0 = ref0 if alt_backend == reference_backend else run_task(draw0, Config(), alt_backend)
+    report["reference"] = {"backend": reference_backend, "seconds": time.perf_counter() - t,
                            "draw0_predictions_sha256": ref0.predictions_sha256,
                            "draw0_correct": int((ref0.predictions == labels0).sum()),
-                           "draw0_is_cpu_hash": ref0.predictions_sha256 == common.DRAW0_PREDICTIONS_SHA256}
-    cpu0 = ref0 if alt_backend == "cpu" else None
+                           "draw0_is_cpu_hash": ref0.predictions_sha256 == common.DRAW0_PREDICTIONS_SHA256,
+                           "alt_backend_draw0_predictions_sha256": alt0.predictions_sha256}
+    cpu0 = ref0
 
     def cpu_draw0():
         nonlocal cpu0
@@ -422,8 +426,14 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
+    # the task ledger (SQLite) in this run's folder, not the user's ~/.local/share/rev88: every file
+    # the run writes stays inside --out (and comes back in the bundle)
+    data_dir = out_dir / "service-data"
+    report["data_dir"] = str(data_dir)
+    env.pop("REV88_DATABASE_URL", None)
+    env["REV88_DATA_DIR"] = str(data_dir)
     cmd = [sys.executable, "-m", "rev88", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--backend", main_backend, "--batch-wait-ms", str(BATCH_WAIT_MS), "--batch-max", str(batch_max),
+           "--data-dir", str(data_dir), "--backend", main_backend, "--batch-wait-ms", str(BATCH_WAIT_MS), "--batch-max", str(batch_max),
            "--queue-size", str(2 * batch_max), "--sweep-max-cells", str(BIG_SWEEP_MAX_CELLS),
            "--drain-timeout", "60", "--log-level", "info"]
     report["command"] = " ".join(cmd)
@@ -477,11 +487,12 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
             s.doc.update({"correct": correct,
                           "predictions_sha256": answer.predictions_sha256, "timing": answer.timing,
                           "energy": answer.energy, "energy_reason": answer.document.get("energy_reason"),
-                          "backend": answer.metadata.get("backend"), "reference": alt_backend})
+                          "backend": answer.metadata.get("backend"), "reference": reference_backend})
             s.check("correct_8887", correct == common.DRAW0_CORRECT)
-            s.check(f"predictions_equal_{alt_backend}",
-                    compare_predictions(s.doc, main_backend, predictions, answer.scores, alt_backend, ref0, labels0))
-            if alt_backend == "cpu":  # the reference itself is the cpu backend: its hash is known
+            s.check(f"predictions_equal_{reference_backend}",
+                    compare_predictions(s.doc, main_backend, predictions, answer.scores, reference_backend, ref0,
+                                        labels0))
+            if not on_gpu:  # here the reference runs in the pinned environment: its hash is known
                 s.check("reference_is_the_cpu_hash", report["reference"]["draw0_is_cpu_hash"])
             s.check("energy_object" if on_gpu else "energy_null_with_reason",
                     _energy_ok(answer.energy, on_gpu, answer.document))
@@ -517,14 +528,14 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
                     row.update({"status_code": 200, "tasks_in_launch": _tasks_in_launch(a.document),
                                 "queue_wait_ms": a.timing.get("queue_wait_ms"),
                                 "energy": a.energy, "energy_reason": a.document.get("energy_reason")})
-                    row[f"predictions_equal_{alt_backend}"] = compare_predictions(
-                        row, main_backend, a.predictions, a.scores, alt_backend, references[k], small[k][1])
+                    row[f"predictions_equal_{reference_backend}"] = compare_predictions(
+                        row, main_backend, a.predictions, a.scores, reference_backend, references[k], small[k][1])
                 rows.append(row)
             s.doc["answers"] = rows
             ok_rows = [row for row in rows if row.get("status_code") == 200]
             s.check("all_200", len(ok_rows) == BATCH_TASKS)
-            s.check(f"predictions_equal_{alt_backend}_backend",
-                    all(row.get(f"predictions_equal_{alt_backend}") for row in ok_rows) and ok_rows)
+            s.check(f"predictions_equal_{reference_backend}_backend",
+                    all(row.get(f"predictions_equal_{reference_backend}") for row in ok_rows) and ok_rows)
             sizes = [row.get("tasks_in_launch", 1) for row in ok_rows]
             s.doc["tasks_in_launch"] = sizes
             s.doc["sharing_expected"] = on_gpu
@@ -551,7 +562,7 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
             s.check("correct_8887", correct == common.DRAW0_CORRECT)
             s.check(f"predictions_equal_in_process_{alt_backend}",
                     compare_predictions(s.doc, alt_backend, predictions, answer.scores, f"in_process_{alt_backend}",
-                                        ref0, labels0))
+                                        alt0, labels0))
             s.check("energy_object" if on_gpu else "energy_null_with_reason",
                     _energy_ok(answer.energy, on_gpu, answer.document))
             explain_vs_cpu(s, alt_backend, answer)

@@ -1,31 +1,34 @@
 #!/usr/bin/env bash
-# The one-shot GPU acceptance on a lent device: one `run` call of at most 8 minutes (docs/gpu.md).
+# A GPU check on a lent device: one `run` call of at most 10 minutes (docs/gpu.md). The plan, two calls
+# (their budgets, timeouts and projected device seconds: scripts/gpu_budget.py, which a test replays):
 #
-# Here, once, before the call (needs PyPI; the device has no network):
-#     bash scripts/gpu_prepare.sh     # builds .device-wheels/ (git-ignored, ~3.4 MiB), checks what travels
-#     .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu-dry   # every section rehearsed
-# Then the call (command, carry, timeout):
-#     run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)
-# Carry only .device-wheels: the repository (data/mnist included, ~14 MB) travels by itself.
-# Without what it carries this script refuses to start (exit status 6) before it touches the GPU.
-# 480 s plus the machine's 1-2 minute start leaves about 4-5 of the session's 15 minutes: a focused
-# rerun on the still-warm machine (it is given back 30 s after a call) fits only if it is sent at
-# once and is short, e.g. with 300 s of device time left
-#     run(command="SECTIONS=fused BUDGET_S=160 DEVICE_TIMEOUT_S=240 bash scripts/gpu_device_run.sh",
-#         carry=[".device-wheels"], timeout_s=240)
-# (the pre-check always runs first); otherwise call give_back at once.
+#   run(command="SECTIONS=precheck,cuda,energy,fused,service BUDGET_S=330 DEVICE_TIMEOUT_S=405 bash scripts/gpu_device_run.sh",
+#       carry=[".device-wheels", ".device-reference"], timeout_s=405)      # 1: the one-shot without its tests
+#   run(command="SECTIONS=precheck,tune,tests BUDGET_S=255 DEVICE_TIMEOUT_S=330 bash scripts/gpu_device_run.sh",
+#       carry=[".device-wheels", ".device-reference"], timeout_s=330)      # 2: the tuning run and the GPU tests
+#
+# With the defaults (BUDGET_S 400, DEVICE_TIMEOUT_S 480) it runs the whole one-shot (every section
+# but tune) in one call. Here, once, before the calls (needs PyPI; the device has no network):
+#     bash scripts/gpu_prepare.sh     # .device-wheels/ (15 wheels) and .device-reference/ (the cpu reference)
+#     python3 scripts/gpu_check.py --dry-run --out /tmp/gpu-dry   # every section rehearsed
+# Carry both folders: the repository (data/mnist included, ~14 MB) travels by itself. Without what
+# it carries this script refuses to start (exit status 6) before it touches the GPU.
 #
 # Knobs (environment): BUDGET_S (400: gpu_check.py --budget-s, a hard limit), DEVICE_TIMEOUT_S
 # (480: the call's timeout_s; the budget is lowered so that everything fits inside it),
 # INNER_TIMEOUT_S (BUDGET_S + 40: the backstop `timeout`; set it lower only to rehearse a
-# timeout), SECTIONS, DRY_RUN=1, PYTHON, OUT, WORK (the bundle's folder, outside $OUT), WHEELS.
+# timeout), SECTIONS, DRY_RUN=1, PYTHON (python3), OUT, WORK (the run's folder, outside $OUT),
+# WHEELS (.device-wheels), REFERENCE (.device-reference/cpu_reference.npz), DEVICE_BUDGET_S (a dry
+# run: the device budget its decisions are made for, default BUDGET_S).
 # Rehearse it here, without a GPU:
 #     DRY_RUN=1 PYTHON=.venv/bin/python OUT=/tmp/o bash scripts/gpu_device_run.sh
-# (gpu_check.py --dry-run; the cp312 wheels do not install on another Python, which it reports).
+# (gpu_check.py --dry-run --device-budget-s $DEVICE_BUDGET_S: its budget decisions on the device clock
+# that scripts/gpu_budget.py projects; the cp312 wheels do not install on another Python, which it reports).
 #
 # What it does:
 #   0. scripts/gpu_carried.py: the wheels of scripts/device_wheels.txt (when the service section
-#      runs) and the four MNIST files are there; if not, it names what is missing and exits 6
+#      runs), the cpu reference (when cuda, fused or tune runs) and the four MNIST files are
+#      there; if not, it names what is missing and exits 6
 #   1. installs the carried wheels into /tmp/rev88-site and puts it and the checkout on PYTHONPATH,
 #      then says which of the service's packages are still missing (wheels that do not install,
 #      e.g. on another Python: the service section then fails at once; the others run: the learner
@@ -37,10 +40,11 @@
 #   4. runs scripts/gpu_check.py --out $WORK --publish $OUT --budget-s 400 under `timeout -k 10 440`
 #      (BUDGET_S, INNER_TIMEOUT_S; both lowered if the setup left too little of DEVICE_TIMEOUT_S)
 #   5. $OUT holds at most 5 files at any moment: gpu_check.json, summary.txt, run.log,
-#      gpu-check-bundle.tar.gz (every section's own file, the server's log), each replaced after
-#      every section, and a file being replaced; the summary is printed last.
+#      gpu-check-bundle.tar.gz (every section's own file, the tuning run's folder, the server's
+#      log; not the service's ledger), each replaced after every section (and every tuning
+#      candidate), and a file being replaced; the summary is printed last.
 # Exit status: 0 passed, 1 a section failed, 2 bad input / no GPU, 3 the time budget ran out
-# (a section interrupted or not started; the inner timeout's 124 lands here when gpu_check.py
+# (a section interrupted, cut or not started; the inner timeout's 124 lands here when gpu_check.py
 # wrote its final report), 4 gpu_check.py was killed (the timeout's SIGKILL, 137, or another
 # signal): the files are those of the last finished section, 5 no final report (gpu_check.py did
 # not start or crashed: see run.log), 6 refused to start: something the call carries is missing
@@ -52,6 +56,7 @@ REPO=$(pwd)
 OUT=${OUT:-/tmp/rev88-gpu-out}
 WORK=${WORK:-/tmp/rev88-gpu-check}
 WHEELS=${WHEELS:-.device-wheels}
+REFERENCE=${REFERENCE:-.device-reference/cpu_reference.npz}
 BUDGET_S=${BUDGET_S:-400}
 DEVICE_TIMEOUT_S=${DEVICE_TIMEOUT_S:-480}
 KILL_AFTER_S=10   # SIGTERM -> SIGKILL; the service's child server gets 5 of these (INTERRUPT_GRACE_S)
@@ -65,6 +70,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/rev88-triton-cache
+export REV88_CPU_REFERENCE="$(realpath -m "$REFERENCE")"  # scripts/gpu_reference.py reads it
 LOG=$OUT/run.log
 : >"$LOG"
 say() { echo "[device] $*" | tee -a "$LOG"; }
@@ -73,12 +79,12 @@ say "$(date -u +%FT%TZ) on $(hostname): $($PY -V 2>&1) at $(command -v $PY)"
 
 # 0. what the call carries, before anything touches the GPU: the wheels (when the service section
 # runs) and data/mnist. Without them: refuse to start (scripts/gpu_prepare.sh makes them, here)
-carried=$($PY scripts/gpu_carried.py --wheels "$WHEELS" ${SECTIONS:+--sections "$SECTIONS"} 2>&1)
+carried=$($PY scripts/gpu_carried.py --wheels "$WHEELS" --reference "$REFERENCE" ${SECTIONS:+--sections "$SECTIONS"} 2>&1)
 carried_rc=$?
 echo "$carried" | tee -a "$LOG"
 if [ "$carried_rc" -ne 0 ]; then
   refusal="gpu_device_run.sh: exit status 6 (refused to start: something the call carries is missing, see above;
-nothing ran on the GPU. Run \`bash scripts/gpu_prepare.sh\` here, then call again with carry=[\"$WHEELS\"])"
+nothing ran on the GPU. Run \`bash scripts/gpu_prepare.sh\` here, then call again with carry=[\"$WHEELS\", \"$(dirname "$REFERENCE")\"])"
   say "$refusal"
   printf '%s\n%s\n' "$carried" "$refusal" >"$OUT/.summary.txt.part" && mv -f "$OUT/.summary.txt.part" "$OUT/summary.txt"
   exit 6
@@ -149,9 +155,10 @@ if [ "$BUDGET_S" -lt 1 ] || [ "$inner" -lt 1 ]; then
   echo "not run: no time left in DEVICE_TIMEOUT_S=$DEVICE_TIMEOUT_S (exit status 5)" >"$OUT/summary.txt"
   exit 5
 fi
-say "running scripts/gpu_check.py ${DRY_RUN:+--dry-run }--budget-s $BUDGET_S ${SECTIONS:+--sections $SECTIONS }under timeout -k $KILL_AFTER_S $inner"
+DEVICE_BUDGET_S=${DEVICE_BUDGET_S:-$BUDGET_S}  # a dry run: the device budget its decisions are made for
+say "running scripts/gpu_check.py ${DRY_RUN:+--dry-run --device-budget-s $DEVICE_BUDGET_S }--budget-s $BUDGET_S ${SECTIONS:+--sections $SECTIONS }under timeout -k $KILL_AFTER_S $inner"
 timeout -k "$KILL_AFTER_S" "$inner" $PY scripts/gpu_check.py --out "$WORK" --publish "$OUT" --budget-s "$BUDGET_S" \
-  ${DRY_RUN:+--dry-run} ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tee -a "$LOG"
+  ${DRY_RUN:+--dry-run --device-budget-s "$DEVICE_BUDGET_S"} ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 final=$($PY -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["exit_status"] if r.get("finished") else "")' \
   "$WORK/gpu_check.json" 2>/dev/null)
@@ -175,7 +182,8 @@ echo "gpu_device_run.sh: exit status $status (${meaning[$status]}; gpu_check.py 
 cp "$WORK/summary.txt" "$OUT/.summary.txt.part" && mv -f "$OUT/.summary.txt.part" "$OUT/summary.txt"
 cp "$LOG" "$WORK/run.log"
 tar -czf "$OUT/.gpu-check-bundle.tar.gz.part" -C "$(dirname "$WORK")" --transform "s|^$(basename "$WORK")|check|" \
-  "$(basename "$WORK")" && mv -f "$OUT/.gpu-check-bundle.tar.gz.part" "$OUT/gpu-check-bundle.tar.gz"
+  --exclude=service-data --exclude='*.part' "$(basename "$WORK")" \
+  && mv -f "$OUT/.gpu-check-bundle.tar.gz.part" "$OUT/gpu-check-bundle.tar.gz"
 ls -l "$OUT"
 echo
 cat "$OUT/summary.txt"

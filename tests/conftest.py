@@ -11,6 +11,39 @@ import pytest
 from .helpers import DRAW0_SEED, MNIST_DIR, REFERENCE_DIR, ROOT, small_task  # noqa: F401 - ROOT, MNIST_DIR: re-exported
 
 
+def gpu_tests_on_cpu() -> bool:
+    """REV88_GPU_TESTS_ON_CPU=1 with TRITON_INTERPRET=1: the tests marked gpu that take the
+    ``gpu_device`` fixture run their kernels in Triton's interpreter -- a rehearsal of those tests'
+    own logic on a machine without a GPU (docs/gpu.md), not a GPU check."""
+    import os
+
+    return os.environ.get("REV88_GPU_TESTS_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``gpu`` needs a CUDA GPU (pyproject.toml's markers): without one it skips,
+    saying so. scripts/gpu_check_tests.py runs exactly these tests (``pytest -m gpu``) on the
+    device, where none may skip."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    rehearsal = gpu_tests_on_cpu()
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA GPU, and this machine has none")
+    for item in marked:
+        if not (rehearsal and "gpu_device" in getattr(item, "fixturenames", ())):
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu_device() -> str:
+    """The device of a test marked gpu: "cuda", or "cpu" in the rehearsal (``gpu_tests_on_cpu``)."""
+    return "cpu" if gpu_tests_on_cpu() else "cuda"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_data_home(tmp_path_factory):
     """Every service a test starts keeps its task ledger in a temporary folder, never in the

@@ -178,10 +178,12 @@ def test_dockerfile_runs_as_a_numeric_non_root_user_after_installing():
 def test_dockerfile_environment():
     env = dockerfile_env()
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
-    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    # the same value the learner sets for itself when the variable is unset
+    from learner.kernels.tuned import CUBLAS_WORKSPACE
+
+    # the same value the learner sets for itself when the variable is unset (the tuned table's)
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
     init = (ROOT / "learner" / "__init__.py").read_text()
-    assert 'os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")' in init
+    assert f'os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", "{CUBLAS_WORKSPACE}")' in init
 
 
 def test_dockerfile_port_and_command_agree_with_the_settings():

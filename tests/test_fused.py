@@ -296,6 +296,63 @@ def test_split_variant_launch_of_three_tasks_equals_the_one_program_launch(small
         assert json.loads((small_runs / f"split_batch{i}" / "extra.json").read_text())["tasks_in_launch"] == 3
 
 
+# --------------------------------------------------------------------------- compiled for a GPU (marked gpu)
+#
+# The same checks on the kernel Triton compiles for the GPU, in this process: these need a CUDA
+# GPU (marked gpu: skipped without one) and run in the device's tests section. With
+# REV88_GPU_TESTS_ON_CPU=1 TRITON_INTERPRET=1 (tests/conftest.py) ``gpu_device`` is "cpu" and
+# they run in the interpreter: how their own logic is rehearsed where no GPU is.
+
+
+def _compiled(gpu_device, **options):
+    from learner.backends.fused import FusedBackend
+
+    return FusedBackend(gpu_device, **options)
+
+
+def _state_bytes(out) -> list[bytes]:
+    return [a.tobytes() for a in list(out.final_parameters) + list(out.final_velocity) + [out.scores]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["depth2", "chunks_wd"])
+def test_compiled_kernel_matches_the_cpu_backend(gpu_device, draw0, name):
+    """The kernel as compiled for the GPU: parameters and velocity within (2e-5, 3e-3) of the cpu
+    backend, predictions equal, and the predictions taken on the device numpy's argmax of the scores."""
+    from learner.config import make_config
+    from learner.train import prepare
+
+    spec, overrides, options = SMALL_CASES[name]
+    task, config = mnist_slice(draw0[0], *spec), make_config(overrides)
+    out = _compiled(gpu_device, **options).run(task, prepare(task, config))
+    assert out.extra["interpreted"] is (gpu_device == "cpu")
+    _assert_close_to_cpu(out.final_parameters, out.final_velocity, out.scores, _cpu(task, config))
+    np.testing.assert_array_equal(out.predictions, out.scores.argmax(1))
+
+
+@pytest.mark.gpu
+def test_compiled_launch_equals_single_launches_and_the_split_variant(gpu_device, draw0):
+    """A 3-task launch compiled for the GPU: each task's bytes are its single launch's and the
+    split variant's (same chunk), and within tolerance of the cpu backend."""
+    from learner.config import make_config
+    from learner.train import prepare
+
+    tasks = [mnist_slice(draw0[0], *spec) for spec, _ in BATCH_TASKS]
+    configs = [make_config({**BATCH_CONFIG, "seed": seed}) for _, seed in BATCH_TASKS]
+    prepareds = [prepare(task, config) for task, config in zip(tasks, configs)]
+    one, split = _compiled(gpu_device), _compiled(gpu_device, chunk=16, variant="split")
+    launch = one.run_many(tasks, prepareds)
+    split_launch = split.run_many(tasks, prepareds)
+    for i, (task, prep, config) in enumerate(zip(tasks, prepareds, configs)):
+        single = one.run(task, prep)
+        assert _state_bytes(launch[i]) == _state_bytes(single), f"task {i}: the launch differs from its single launch"
+        assert _state_bytes(split_launch[i]) == _state_bytes(launch[i]), f"task {i}: the split variant differs"
+        assert launch[i].extra["tasks_in_launch"] == 3 and split_launch[i].extra["variant"] == "split"
+        _assert_close_to_cpu(launch[i].final_parameters, launch[i].final_velocity, launch[i].scores,
+                             _cpu(task, config))
+    assert launch[0].scores.tobytes() != launch[1].scores.tobytes()  # each task its own data and seed
+
+
 def test_precision_is_said_in_the_answer(small_runs):
     meta = json.loads((small_runs / "precision.json").read_text())
     assert meta["backend_details"]["precision"] == "tf32x3"

@@ -53,7 +53,7 @@ def _passing(name):
 
 
 def _check(tmp_path, runners=None, sections=SECTIONS, budget=300.0, mnist=None, dry_run=True, **kw):
-    runners = {**{s: _passing(s) for s in SECTIONS}, **(runners or {})}
+    runners = {**{s: _passing(s) for s in gpu_check.ALL_SECTIONS}, **(runners or {})}
     mnist = mnist or ROOT / "data" / "mnist"
     return gpu_check.run_check(tmp_path / "out", mnist, dry_run, list(sections), budget, runners=runners,
                                log=lambda *a: None, **kw)
@@ -181,6 +181,49 @@ def test_the_budget_interrupts_a_running_section_and_keeps_its_figures(tmp_path)
     assert on_disk["finished"] is True and on_disk["sections"]["precheck"]["checks"] == first["checks"]
     assert "STOP" in (tmp_path / "out" / "summary.txt").read_text()
     assert signal.getsignal(signal.SIGALRM) == before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_section_past_its_own_limit_is_stopped_and_the_next_one_runs(tmp_path, monkeypatch):
+    """Each section has its own limit (scripts/gpu_budget.py): past it the section is interrupted
+    with its figures kept, and -- unlike the budget -- the run goes on; exit status 3."""
+    def slow(out, report, **kw):
+        report["draw0"] = {"passed": True}
+        time.sleep(30)
+        report["never"] = True
+        return report
+
+    monkeypatch.setattr(gpu_check, "section_limit_s", lambda name, dry_run: 1.0 if name == "cuda" else None)
+    t = time.monotonic()
+    report, status = _check(tmp_path, {"cuda": slow}, budget=120.0)
+    assert time.monotonic() - t < 10 and status == 3
+    cuda = report["sections"]["cuda"]
+    assert "ran past its own limit of 1 s" in cuda["interrupted"] and cuda["draw0"] == {"passed": True}
+    assert "never" not in cuda and cuda["passed"] is False and cuda["limit_s"] == 1.0
+    assert not report.get("interrupted")  # the run itself was not
+    assert all(report["sections"][s]["passed"] is True for s in SECTIONS if s not in ("cuda",))
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_section_publishes_its_figures_while_it_runs(tmp_path):
+    """``checkpoint``: a section (the tuning run, after every candidate) has its figures so far
+    written into gpu_check.json and published, marked running; its end replaces them."""
+    publish_dir = tmp_path / "OUT"
+    seen = []
+
+    def tune(out, report, checkpoint, **kw):
+        for k in range(3):
+            report.setdefault("candidates", []).append(k)
+            checkpoint()
+            doc = json.loads((publish_dir / "gpu_check.json").read_text())
+            seen.append((doc["sections"]["tune"]["running"], len(doc["sections"]["tune"]["candidates"])))
+        report["passed"] = True
+        return report
+
+    report, status = _check(tmp_path, {"tune": tune}, sections=["precheck", "tune"], publish_dir=publish_dir)
+    assert status == 0 and seen == [(True, 1), (True, 2), (True, 3)]
+    final = json.loads((publish_dir / "gpu_check.json").read_text())
+    assert "running" not in final["sections"]["tune"] and final["sections"]["tune"]["candidates"] == [0, 1, 2]
+    assert "run " not in (publish_dir / "summary.txt").read_text()
 
 
 def test_an_exception_keeps_the_figures_gathered_before_it(tmp_path):
@@ -431,32 +474,30 @@ def _script_default(text: str, name: str) -> int:
     return int(match.group(1) or match.group(2))
 
 
-def test_device_script_numbers_fit_the_session():
-    """The numbers of the one call, and that they fit: 15 minutes of device time, a 1-2 minute
-    start, 10 minutes per command, and a focused rerun on the warm machine."""
+def test_device_script_numbers_are_the_budget_tables():
+    """The device script's defaults are scripts/gpu_budget.py's (the plans are replayed and their
+    arithmetic checked in tests/test_gpu_budget.py), its header gives the two calls verbatim, and
+    the backstop, the kill and the tail fit inside the default timeout."""
+    budget_table = _load("gpu_budget")
     script = SCRIPTS / "gpu_device_run.sh"
     for name in ("gpu_device_run.sh", "make_device_wheels.sh", "gpu_find_libcuda.sh", "gpu_prepare.sh"):
         assert subprocess.run(["bash", "-n", str(SCRIPTS / name)]).returncode == 0, name
     text = script.read_text()
-    assert 'run(command="bash scripts/gpu_device_run.sh", carry=[".device-wheels"], timeout_s=480)' in text
     budget, device_timeout = _script_default(text, "BUDGET_S"), _script_default(text, "DEVICE_TIMEOUT_S")
     grace, kill, tail = (_script_default(text, n) for n in ("GRACE_S", "KILL_AFTER_S", "TAIL_S"))
-    assert (budget, device_timeout, budget + grace, kill) == (400, 480, 440, 10)
+    assert (budget, device_timeout) == (budget_table.DEFAULT_BUDGET_S, budget_table.DEFAULT_TIMEOUT_S)
+    assert (grace, kill, tail) == (budget_table.GRACE_S, budget_table.KILL_AFTER_S, budget_table.SCRIPT_TAIL_S)
     assert budget == gpu_check.DEFAULT_BUDGET_S["device"]
-    assert sum(gpu_check.DEVICE_ESTIMATE_S.values()) < budget  # the estimates fit the budget
-    assert budget + grace + kill + tail + 15 <= device_timeout  # 15 s of setup (wheels, nvidia-smi)
     assert common.INTERRUPT_GRACE_S < kill  # the child server is killed before Python is
-    start_s, session_s, warm_s, min_start_s = 120, 900, 30, 240
-    left = session_s - start_s - device_timeout
-    assert left >= 240 + 30  # the documented rerun (timeout_s=240, ~30 s of transfers) on the warm machine
-    assert "SECTIONS=fused BUDGET_S=160 DEVICE_TIMEOUT_S=240 bash" in text and 'timeout_s=240)' in text
-    assert 160 + grace + kill + tail + 15 <= 240  # the rerun's numbers fit as the first call's do
-    # after the warm window a fresh machine (start, then a whole call) no longer fits: give_back
-    assert left - warm_s < min_start_s + start_s and left - warm_s - start_s < device_timeout
-    assert "give_back" in text
+    header = " ".join(line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#"))
+    for call in budget_table.PLANS["two-call"].calls:
+        command = call.command()
+        assert command[:command.index(", carry")].replace('run(command="', "").rstrip('"') in header
+        assert f"timeout_s={call.timeout_s})" in header
     assert "/.device-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+    assert "/.device-reference/" in (ROOT / ".gitignore").read_text().splitlines()
     doc = (ROOT / "docs" / "gpu.md").read_text()
-    assert "timeout_s=480" in doc and "give_back" in doc
+    assert "give_back" in doc
     for status in range(7):
         assert f"| {status} |" in doc, f"exit status {status} undocumented in docs/gpu.md"
     assert doc.index("bash scripts/gpu_prepare.sh") < doc.index("scripts/gpu_check.py --dry-run")  # the first step
@@ -476,15 +517,9 @@ def _doc_estimates(doc: str) -> dict[str, int]:
 
 
 def test_the_docs_estimates_are_the_scripts_table():
-    """One table of estimates: docs/gpu.md's column and its total are gpu_check.DEVICE_ESTIMATE_S."""
-    import re
-
+    """One table of estimates: docs/gpu.md's column is gpu_check.DEVICE_ESTIMATE_S (scripts/gpu_budget.py's)."""
     doc = (ROOT / "docs" / "gpu.md").read_text()
-    assert _doc_estimates(doc) == gpu_check.DEVICE_ESTIMATE_S
-    total = re.search(r"add up to (\d+) s, inside the (\d+) s budget", doc.replace("\n", " "))
-    assert total, "docs/gpu.md states no total of the estimates"
-    assert int(total.group(1)) == sum(gpu_check.DEVICE_ESTIMATE_S.values())
-    assert int(total.group(2)) == gpu_check.DEFAULT_BUDGET_S["device"]
+    assert _doc_estimates(doc) == {k: round(v) for k, v in gpu_check.DEVICE_ESTIMATE_S.items()}
 
 
 def test_the_estimates_count_the_protocols_windows():
@@ -759,12 +794,37 @@ def _fake_wheels(folder: Path, pins: dict[str, str] | None = None, tag: str = "c
     return folder
 
 
+def _fake_reference(path: Path) -> Path:
+    """An npz with every member scripts/gpu_reference.py writes (gpu_carried.py checks their
+    presence; the dry runs' sections compute their own slices' reference and only report this one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {name: np.zeros(1) for name in carried.REFERENCE_MEMBERS}
+    np.savez(path, **arrays)
+    return path
+
+
+def test_carried_reference_check_names_each_problem(tmp_path):
+    assert "no cpu reference" in carried.reference_problems(tmp_path / "none.npz")[0]
+    good = _fake_reference(tmp_path / "good.npz")
+    assert carried.reference_problems(good) == []
+    (tmp_path / "lfs.npz").write_text("version https://git-lfs.github.com/spec/v1\n")
+    assert "not a readable npz" in carried.reference_problems(tmp_path / "lfs.npz")[0]
+    np.savez(tmp_path / "dry.npz", **{n: np.zeros(1) for n in carried.REFERENCE_MEMBERS if n != "launch_pred"})
+    problem = carried.reference_problems(tmp_path / "dry.npz")
+    assert len(problem) == 1 and "lacks launch_pred" in problem[0] and "gpu_prepare.sh" in problem[0]
+    # the reference is needed by cuda, fused and tune only
+    assert set(carried.NEEDS_REFERENCE) == {"cuda", "fused", "tune"}
+    import gpu_reference
+
+    assert carried.DEFAULT_REFERENCE == str(gpu_reference.DEFAULT_PATH.relative_to(ROOT))
+
+
 def test_carried_pins_are_the_wheels_script_s():
     pins = carried.read_pins()
     assert pins["fastapi"] == "0.165.0" and pins["pydantic-core"] == "2.50.5"
     assert pins["uvicorn"] == "0.55.0" and pins["httptools"] == "0.9.0"
     assert "scripts/device_wheels.txt" in (SCRIPTS / "make_device_wheels.sh").read_text()
-    assert carried.SECTIONS == gpu_check.SECTIONS
+    assert carried.SECTIONS == gpu_check.ALL_SECTIONS
     # the rest of what the service imports is on the GPU image (tests/test_device_packages.py measures it)
     assert set(carried.read_pins()) | set(carried.read_image()) >= set(common.SERVICE_MODULES)
 
@@ -813,31 +873,43 @@ def _carried_main(tmp_path, *args, **env) -> subprocess.CompletedProcess:
 
 def test_carried_script_needs_the_wheels_only_for_the_service(tmp_path):
     missing = str(tmp_path / "no-wheels")
-    proc = _carried_main(tmp_path, "--wheels", missing)
+    reference = str(_fake_reference(tmp_path / "ref" / "cpu_reference.npz"))
+    proc = _carried_main(tmp_path, "--wheels", missing, "--reference", reference)
     assert proc.returncode == 1 and "refusing to start" in proc.stdout and f"no wheels folder {missing}" in proc.stdout
-    proc = _carried_main(tmp_path, "--wheels", missing, "--sections", "cuda,fused")
+    proc = _carried_main(tmp_path, "--wheels", missing, "--sections", "cuda,fused", "--reference", reference)
     assert proc.returncode == 0 and "wheels: not needed" in proc.stdout, proc.stdout
+    # ... and the cpu reference only for cuda, fused and tune
+    no_ref = str(tmp_path / "none" / "cpu_reference.npz")
+    proc = _carried_main(tmp_path, "--wheels", missing, "--sections", "tune", "--reference", no_ref)
+    assert proc.returncode == 1 and f"no cpu reference {no_ref}" in proc.stdout, proc.stdout
+    proc = _carried_main(tmp_path, "--wheels", missing, "--sections", "energy,tests", "--reference", no_ref)
+    assert proc.returncode == 0, proc.stdout
     proc = _carried_main(tmp_path, "--wheels", str(_fake_wheels(tmp_path / "w")), "--sections", "servic")
     assert proc.returncode == 1 and "unknown section(s) servic" in proc.stdout
     (tmp_path / "empty").mkdir()
-    proc = _carried_main(tmp_path, "--wheels", str(tmp_path / "w"), REV88_MNIST_DIR=str(tmp_path / "empty"))
+    proc = _carried_main(tmp_path, "--wheels", str(tmp_path / "w"), "--reference", reference,
+                         REV88_MNIST_DIR=str(tmp_path / "empty"))
     assert proc.returncode == 1 and proc.stdout.count("lacks") == 4 and "REV88_MNIST_DIR" in proc.stdout
-    proc = _carried_main(tmp_path, "--wheels", str(tmp_path / "w"), "--here")
+    proc = _carried_main(tmp_path, "--wheels", str(tmp_path / "w"), "--reference", reference, "--here")
     assert proc.returncode == 0 and "travels:" in proc.stdout and "of 64.0 MiB" in proc.stdout, proc.stdout
     assert _carried_main(tmp_path, "--wheels-only", "--wheels", missing).returncode == 1
 
 
 def test_prepare_keeps_complete_wheels_checks_and_prints_the_call(tmp_path):
-    """scripts/gpu_prepare.sh with a folder that already holds every pin: no download (no PyPI
-    needed), the device's check plus the size, and the call to make; a missing MNIST folder stops it."""
+    """scripts/gpu_prepare.sh with a folder that already holds every pin (SECTIONS=service: no cpu
+    reference needed): no download (no PyPI needed), the device's check plus the size, and the
+    calls to make; a missing MNIST folder stops it."""
     wheels = _fake_wheels(tmp_path / "w")
     env = {**{k: v for k, v in os.environ.items() if k != "REV88_MNIST_DIR"}, "PYTHON": sys.executable,
-           "WHEELS": str(wheels)}
+           "WHEELS": str(wheels), "SECTIONS": "service"}
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_prepare.sh")], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "already holds the wheels" in proc.stdout and "travels:" in proc.stdout
-    assert f'run(command="WHEELS={wheels} bash scripts/gpu_device_run.sh", carry=["{wheels}"], timeout_s=480)' in proc.stdout
+    assert "no cpu reference needed" in proc.stdout
+    budget = _load("gpu_budget")
+    for call in budget.PLANS["two-call"].calls:
+        assert call.command(str(wheels)) in proc.stdout
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_prepare.sh")], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env={**env, "REV88_MNIST_DIR": str(tmp_path / "none")})
     assert proc.returncode == 1 and "does not exist" in proc.stdout and "not ready" in proc.stderr
@@ -858,7 +930,8 @@ def _device_run(tmp_path, env: dict, block: tuple[str, ...] = (), timeout: float
     out, work = tmp_path / "OUT", tmp_path / "work"
     full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH", "REV88_MNIST_DIR")}
     full.update({"DRY_RUN": "1", "PYTHON": sys.executable, "OUT": str(out), "WORK": str(work),
-                 "WHEELS": str(_fake_wheels(tmp_path / "wheels")), **env})
+                 "WHEELS": str(_fake_wheels(tmp_path / "wheels")),
+                 "REFERENCE": str(_fake_reference(tmp_path / "reference" / "cpu_reference.npz")), **env})
     if block:
         site = tmp_path / "block"
         site.mkdir()
@@ -934,7 +1007,10 @@ def test_device_run_with_a_20_s_budget_keeps_partial_figures(tmp_path):
     status is 3. (Which section the budget stops depends on the machine's load; a deterministic
     interrupt of fused is the next test's.)"""
     pytest.importorskip("triton")
-    proc, out, files, most = _device_run(tmp_path, {"BUDGET_S": "20"})
+    # DEVICE_BUDGET_S: the dry run's decisions made for the device default (400 s), so that here the
+    # real 20 s budget interrupts a running section; with a device budget of 20 s too, the device's
+    # own decisions skip the sections first (the end of this test)
+    proc, out, files, most = _device_run(tmp_path, {"BUDGET_S": "20", "DEVICE_BUDGET_S": "400"})
     assert proc.returncode == 3, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert files == ["gpu-check-bundle.tar.gz", "gpu_check.json", "run.log", "summary.txt"] and most <= 8
     report = json.loads((out / "gpu_check.json").read_text())
@@ -958,6 +1034,13 @@ def test_device_run_with_a_20_s_budget_keeps_partial_figures(tmp_path):
                 assert on_disk["partial"] is True and "mode" in section and "error" in section
     summary = (out / "summary.txt").read_text()
     assert "exit status 3" in summary and "gpu_device_run.sh: exit status 3" in summary
+    # the device's decisions for a 20 s budget: after the precheck's projected 12 s no section has its minimum
+    proc, out, files, most = _device_run(tmp_path / "device-budget", {"BUDGET_S": "20", "SECTIONS": "cuda,energy"})
+    assert proc.returncode == 3, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["device_budget_s"] == 20 and report["sections"]["precheck"]["passed"] is True
+    for name in ("cuda", "energy"):
+        assert report["sections"][name]["skipped"].startswith("not started for the device budget (projected)")
 
 
 def test_device_run_maps_the_inner_timeout_to_status_3(tmp_path):

@@ -240,3 +240,176 @@ def test_every_candidate_is_a_valid_choice_and_the_run_fits_six_minutes():
     assert {c.variant for c in cands if c.kind == "fused"} == set(tuned.VARIANTS)
     estimate = tune.estimate_device_s(cands)
     assert estimate["fits"] and estimate["total_s"] <= 360
+
+
+def _fused_record(name, digests, single_ms, launch_ms=None, launch_differing=0, single_digest=None,
+                  launch_bytes=("p", "s"), launch_launch=("P", "S"), variant="one", precision="ieee"):
+    """A fused candidate's result as gpu_tune.run_candidate reports it (the fields select reads)."""
+    return {"name": name, "kind": "fused", "variant": variant, "precision": precision, "passed": True,
+            "choice": {"chunk": 128, "num_warps": 8, "precision": precision, "variant": variant},
+            "check": {"digests": digests, "passed": True,
+                      "launch_bytes": {"predictions_sha256": launch_bytes[0], "scores_sha256": launch_bytes[1]}},
+            "single": {"median_ms": single_ms, "digest": digests[0] if single_digest is None else single_digest},
+            "launch": None if launch_ms is None else {
+                "median_ms_per_task": launch_ms, "tasks_per_launch": 132,
+                "check": {"predictions_differing": launch_differing, "predictions_sha256": launch_launch[0],
+                          "scores_sha256": launch_launch[1]}}}
+
+
+def test_a_launch_that_changed_a_prediction_is_never_the_launch_choice():
+    """The SM-count launch's predictions are checked against the cpu backend's: a candidate whose
+    launch changed one is not chosen, however fast, nor one whose task alone gives other bytes."""
+    tune = _gpu_tune()
+    results = [_fused_record("slow", ["a", "b"], 24.0, 0.20),
+               _fused_record("fast but flips", ["a", "b"], 20.0, 0.10, launch_differing=1),
+               _fused_record("fast but alone differs", ["a", "b"], 20.0, 0.11, single_digest="x")]
+    choice = tune.select(results, "GPU X", "2026-12-05", ":16:8")
+    assert choice["launch"] == "slow"
+    assert "changed 1 predictions" in choice["not_eligible_for_the_launch"]["fast but flips"]
+    assert "alone gives other bytes" in choice["not_eligible_for_the_launch"]["fast but alone differs"]
+    only = tune.select(results[1:2], "GPU X", "2026-12-05", ":16:8")
+    assert only["row"] is None and "changed no prediction" in only["why_no_row"]
+
+
+def test_the_bytes_across_candidates_are_recorded_beside_the_row():
+    """Which candidates give the launch choice's bytes (a task's answer whatever the table picks),
+    which only other scores, which other predictions: in the choice and in the row written."""
+    tune = _gpu_tune()
+    results = [_fused_record("chosen", ["a", "b"], 24.0, 0.20),
+               _fused_record("same", ["a", "b"], 30.0, 0.30),
+               _fused_record("other scores", ["a", "c"], 30.0, 0.30, launch_bytes=("p", "s2")),
+               _fused_record("other launch scores", ["a", "b"], 30.0, 0.30, launch_launch=("P", "S2")),
+               _fused_record("other predictions", ["a", "d"], 30.0, 0.30, launch_bytes=("p2", "s3")),
+               _fused_record("split", ["a", "b"], 9.0, variant="split")]
+    choice = tune.select(results, "GPU X", "2026-12-05", ":16:8")
+    assert choice["launch"] == "chosen" and choice["lone"] == "split"
+    b = choice["bytes"]
+    assert b["same"] == ["same", "split"] and b["other_predictions"] == ["other predictions"]
+    assert b["other_scores"] == ["other scores", "other launch scores"]
+    assert choice["row"]["bytes"] == {"same": ["same", "split"], "other_scores": ["other scores", "other launch scores"],
+                                      "other_predictions": ["other predictions"]}
+    text = tune.with_row(_tuned_text(), "GPU X", choice["row"])
+    scope: dict = {}
+    exec(compile(text, "tuned.py", "exec"), scope)
+    assert scope["TABLE"]["GPU X"]["bytes"]["other_predictions"] == ["other predictions"]
+    assert tuned.row_from(scope["TABLE"]["GPU X"], "GPU X", "GPU X").lone == tuned.Choice(128, 8, "ieee", "split")
+
+
+def _tuned_text() -> str:
+    from pathlib import Path
+
+    return Path(tuned.__file__).read_text()
+
+
+def _cuda_record(name, step, ms, passed=True, workspace=None):
+    return {"name": name, "kind": "cuda", "variant": "one", "precision": "ieee", "step": step, "passed": passed,
+            "workspace": workspace, "single": {"median_ms": ms}, "check": {"passed": passed},
+            "refused": None if passed else "3 of 110000 predictions differ from the cpu backend's"}
+
+
+@pytest.mark.parametrize("other, steps, switched, why", [
+    (_cuda_record("cuda autograd :4096:8", "autograd", 44.1, workspace=":4096:8"),
+     [("autograd", 59.9), ("explicit", 70.0)], True, "passed the eleven draws query by query"),
+    (_cuda_record("cuda autograd :4096:8", "autograd", 44.1, passed=False, workspace=":4096:8"),
+     [("autograd", 59.9)], False, "was refused"),
+    (_cuda_record("cuda autograd :4096:8", "autograd", 61.0, workspace=":4096:8"),
+     [("autograd", 59.9)], False, "is not faster"),
+    (_cuda_record("cuda autograd :4096:8", "autograd", 44.1, workspace=":4096:8"),
+     [("autograd", 59.9), ("explicit", 50.0)], False, "was not run with :4096:8"),
+])
+def test_the_workspace_switches_only_after_its_query_by_query_pass(other, steps, switched, why):
+    tune = _gpu_tune()
+    results = [_fused_record("one", ["a"], 24.0, 0.2)] + [_cuda_record(f"cuda {s}", s, ms) for s, ms in steps] + [other]
+    choice = tune.select(results, "GPU X", "2026-12-05", ":16:8")
+    assert choice["cublas_workspace_switched"] is switched and why in choice["cublas_workspace_why"]
+    assert choice["cublas_workspace"] == (":4096:8" if switched else ":16:8")
+    text = tune.with_row(_tuned_text(), "GPU X", choice["row"],
+                         workspace=choice["cublas_workspace"] if switched else None)
+    assert (f'CUBLAS_WORKSPACE = "{":4096:8" if switched else tuned.CUBLAS_WORKSPACE}"' in text)
+
+
+def test_the_seeds_workspace_is_the_default_until_a_gpu_compared_the_other():
+    """learner/__init__.py's default is the tuned table's, and that is the seed's :16:8 (issue #53)."""
+    assert tuned.CUBLAS_WORKSPACE == ":16:8"
+    tune = _gpu_tune()
+    assert tune.ALT_WORKSPACE == ":4096:8"
+
+
+def test_tune_json_is_replaced_after_every_candidate_and_a_candidate_has_its_own_limit(tmp_path, monkeypatch):
+    """The tuning run on the CPU (cuda steps, eagerly on the dry run's slices): tune.json is
+    replaced whole after every candidate (what a call ended by its time limit brings back), and a
+    candidate that runs past its own limit is refused, saying so, while the next one runs."""
+    import json
+    import sys
+    import time
+
+    from learner.backends.cpu import CpuBackend
+    from learner.config import Config
+    from learner.data import bundled_mnist_dir
+    from learner.train import prepare
+
+    tune = _gpu_tune()
+    common = sys.modules["gpu_check_common"]
+    cands = [tune.Candidate("cuda", step="autograd"), tune.Candidate("cuda", step="explicit"),
+             tune.Candidate("cuda", step="explicit-bmm"), tune.Candidate("cuda", step="autograd", workspace=":4096:8")]
+    other_steps = []
+
+    def other_workspace(c, *args):  # the child process, stood in for: which step it was given
+        other_steps.append(c.step)
+        return {**tune._refused_entry(c, "a stand-in"), "passed": False}
+
+    monkeypatch.setattr(tune, "other_workspace", other_workspace)
+    monkeypatch.setattr(tune, "candidates", lambda: cands)
+
+    class Reference:  # the cpu backend on the dry run's slices, in this process
+        path = None
+
+        def __init__(self, tasks):
+            outs = [CpuBackend().run(t, prepare(t, Config())) for t in tasks]
+            self.doc = {"predictions": [o.scores.argmax(1) for o in outs], "params0": outs[0].final_parameters,
+                        "velocity0": outs[0].final_velocity, "correct": [0] * len(tasks),
+                        "seconds_per_draw": [0.0] * len(tasks), "threads": 1, "wall_seconds": 0.0,
+                        "source": "this test", "task_digests": [], "launch_digests": [], "launch_predictions": []}
+
+        def result(self, timeout=None):
+            return self.doc
+
+    monkeypatch.setattr(tune, "shared_reference", lambda mnist, dry, out, tasks=None, log=None: Reference(tasks))
+    slow_run_draws = tune.run_draws
+
+    def run_draws(engine, tasks, prepareds):
+        if getattr(engine, "step", None) == "explicit":
+            time.sleep(30)  # past its limit
+        return slow_run_draws(engine, tasks, prepareds)
+
+    monkeypatch.setattr(tune, "run_draws", run_draws)
+    limits = {"autograd": 60.0, "explicit": 1.0, "explicit-bmm": 60.0}
+    monkeypatch.setattr(tune, "cost_of", lambda c: tune.gpu_budget.Cost(0.0, limits[c.step], "a test"))
+    monkeypatch.setattr(tune, "choose_workspace", lambda results, cuda, workspace: {
+        "cublas_workspace": workspace, "cublas_workspace_switched": False, "cublas_workspace_why": "a test"})
+    seen = []
+
+    def checkpoint():
+        doc = json.loads((tmp_path / "tune" / "tune.json").read_text())
+        seen.append(len(doc.get("candidates") or []))
+
+    alarms = common.Alarms()
+    assert alarms.arm(600)
+    t = time.monotonic()
+    try:
+        report = tune.run(tmp_path / "tune", bundled_mnist_dir(), True, 600, write=False, sm90=False,
+                          log=lambda *a: None, alarms=alarms, checkpoint=checkpoint)
+    finally:
+        alarms.quiet()
+        alarms.disarm()
+    assert time.monotonic() - t < 25
+    assert [n for n in seen if n] == [1, 2, 3, 4, 4], seen  # after each candidate, and the final report
+    by = {r["step"]: r for r in report["candidates"] if not r.get("workspace")}
+    # the other workspace ran with the fastest step that passed here (explicit was refused)
+    fastest = min((by["autograd"], by["explicit-bmm"]), key=lambda r: r["single"]["median_ms"])["step"]
+    assert other_steps == [fastest]
+    assert by["autograd"]["passed"] and by["explicit-bmm"]["passed"]
+    assert not by["explicit"]["passed"] and "ran past its own limit of 1 s" in by["explicit"]["refused"]
+    on_disk = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert [c["step"] for c in on_disk["candidates"]] == ["autograd", "explicit", "explicit-bmm", fastest]
+    assert (tmp_path / "tune" / "summary.txt").exists() and not list((tmp_path / "tune").glob(".*.part"))

@@ -62,7 +62,7 @@ from ..taskio import TaskArrays
 from ..train import predict_scores, train_step
 from .base import Prepared, RunOutput
 
-WORKSPACE = CUBLAS_WORKSPACE  # learner/kernels/tuned.py: ":4096:8", the measured faster one
+WORKSPACE = CUBLAS_WORKSPACE  # learner/kernels/tuned.py: the seed's ":16:8" until a GPU run compared another
 
 
 def ensure_workspace_config() -> None:
