@@ -858,10 +858,10 @@ def test_each_gpu_worker_selects_its_own_device_on_its_own_thread(fake_gpus, mon
     """Issue #37, 7: the CUDA runtime keeps a current device per host thread; each worker makes
     its GPU current on its own thread before it runs anything (so cuda:1 work is not run on GPU
     0). Through the fake-GPU harness: the service's three workers, the selection recorded."""
-    from app.runtime import executor as executor_mod
+    from app.runtime import worker_loop
 
     selected: list[tuple[str, str]] = []
-    monkeypatch.setattr(executor_mod, "select_cuda_device",
+    monkeypatch.setattr(worker_loop, "select_cuda_device",
                         lambda device: selected.append((device, threading.current_thread().name)))
     fleet = FakeGpus()
     service = gpu_service(fleet, queue_size=16)
