@@ -66,4 +66,9 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     for router in api.ROUTERS:  # each resource's routes (app/api/__init__.py)
         app.include_router(router)
     web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, /docs and /redoc, scripts and styles under /static
+
+    async def not_found(request, exc):  # a path no route serves: a browser gets a page, a client the JSON and a hint
+        return web.browser_not_found(request) or await errors.http_error(request, exc)
+
+    app.add_exception_handler(404, not_found)
     return app
