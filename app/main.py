@@ -43,8 +43,8 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     async def lifespan(app: FastAPI):
         await service.start()
         # What is alive now lives as long as the service (torch, FastAPI, the learner: ~200,000
-        # objects the cyclic GC tracks). A full collection walks all of them, ~85 ms on the event
-        # loop on the 2-core bench machine; frozen, the collector leaves them out of every pass.
+        # objects the cyclic GC tracks). A full collection walks all of them on the event loop
+        # (what that cost: docs/performance.md); frozen, the collector leaves them out of every pass.
         gc.collect()
         gc.freeze()
         try:

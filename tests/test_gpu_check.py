@@ -455,8 +455,10 @@ def test_device_script_numbers_fit_the_session():
     assert left - warm_s < min_start_s + start_s and left - warm_s - start_s < device_timeout
     assert "give_back" in text
     assert "/.device-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+    lent = (ROOT / "docs" / "development.md").read_text()  # (the device tool's call, where the project keeps it)
+    assert "timeout_s=480" in lent and "give_back" in lent and "timeout_s=240)" in lent
     doc = (ROOT / "docs" / "gpu.md").read_text()
-    assert "timeout_s=480" in doc and "give_back" in doc
+    assert "DEVICE_TIMEOUT_S=240 bash scripts/gpu_device_run.sh" in doc
     for status in range(7):
         assert f"| {status} |" in doc, f"exit status {status} undocumented in docs/gpu.md"
     assert doc.index("bash scripts/gpu_prepare.sh") < doc.index("scripts/gpu_check.py --dry-run")  # the first step

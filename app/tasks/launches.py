@@ -23,7 +23,8 @@ and, ahead of the launch, on the *prepare* thread: the seed-derived state of eac
 queued on the device (and of a sweep's or an evaluation's first cells as they are accepted, while
 the ledger records them), so that the worker's ``prepare`` finds it kept while launch k runs, not
 after it (``prepare_ahead``; learner/seed_state.py waits for a state under way rather than
-computing it twice). One thread: a state takes ~0.2 ms, faster than the device uses them.
+computing it twice). One thread: it computes states faster than the device uses them
+(docs/performance.md, "Small costs inside a request").
 
 A launch-path cell has no coroutine of its own: its failures before the launch (a timeout while
 queued, a cancel, a drain, taken back to the ledger) come through its job's future
