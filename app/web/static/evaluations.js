@@ -177,11 +177,18 @@
     const named = points.length <= 3;  // (a few points: each named beside it)
     for (const p of points) {
       const onFront = front.has(p);
-      if (named) {  // above its point, moved sideways as far as it must to stay inside the chart
+      if (named) {  // beside its point, on the side with room (the far side from the nearer edge), else above it
         const text = `${p.row.name || p.row.id.slice(0, 11)}: ${num(p.y, 3)} %, ${num(p.x)} ${xName === "energy" ? "mJ" : "ms"}`;
         const wide = 6.8 * text.length;  // (12px text: an upper estimate of its width)
-        const left = Math.min(Math.max(sx(p.x) - wide / 2, 4), Math.max(4, W - 4 - wide));
-        svg.append(node("text", { x: left, y: sy(p.y) - 10, class: "point-label" }, text));
+        const x0 = sx(p.x), y0 = sy(p.y);
+        const fitsRight = x0 + 10 + wide <= W - 4, fitsLeft = x0 - 10 - wide >= P + 6;
+        const preferRight = x0 <= (P + W - R) / 2 + 1;
+        let x = x0 + 10, y = y0 + 4;
+        if (!(fitsRight && (preferRight || !fitsLeft))) {
+          if (fitsLeft) x = x0 - 10 - wide;
+          else { x = Math.max(4, Math.min(x0 - wide / 2, W - 4 - wide)); y = y0 - 12; }
+        }
+        svg.append(node("text", { x, y, class: "point-label" }, text));
       }
       const dot = node("circle", { cx: sx(p.x), cy: sy(p.y), r: onFront ? 6 : 4, class: onFront ? "point pareto series-1" : "point series-0",
         "data-id": p.row.id, "data-pareto": onFront ? "true" : "false" });
