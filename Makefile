@@ -17,7 +17,7 @@ HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
 # Extra flags for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --queue-size 16"
 SERVE_ARGS ?=
 
-.PHONY: venv install install-test test-tools serve test lint clean
+.PHONY: venv install install-test reinstall test-tools serve test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,18 +25,45 @@ $(BIN)/python:
 
 venv: $(BIN)/python
 
-ifeq ($(HAS_GPU),yes)
-install: venv
+# Installing is done once, and again only when what it builds from changed: a stamp file in the
+# venv per kind of install (serving on the CPU, on a GPU, the tests), newer than pyproject.toml,
+# the cpu-fast kernel's C source and this Makefile (its torch versions). The code itself is
+# installed editable, so a changed .py needs nothing. `make reinstall` installs again regardless.
+BUILT_FROM := pyproject.toml Makefile $(wildcard learner/backends/*.c learner/backends/*.h)
+STAMP_CPU := $(VENV)/.rev88-installed-cpu
+STAMP_GPU := $(VENV)/.rev88-installed-gpu
+STAMP_TEST := $(VENV)/.rev88-installed-test
+
+# (the GPU build and the CPU one replace each other's torch: each removes the other's stamps;
+# the tests' install is a CPU install too, so it stamps both)
+$(STAMP_GPU): $(BUILT_FROM) | $(BIN)/python
 	$(BIN)/pip install -q '$(TORCH_GPU)' -e '.[gpu]'
 	@$(BIN)/python -c "import torch; ok = torch.cuda.is_available(); print('torch', torch.__version__, \
 	  'CUDA', torch.version.cuda, '- GPU usable' if ok else '- GPU NOT usable (driver too old?): serving on the CPU')"
-else
-install: venv
+	rm -f $(STAMP_CPU) $(STAMP_TEST)
+	touch $@
+
+$(STAMP_CPU): $(BUILT_FROM) | $(BIN)/python
 	$(BIN)/pip install -q '$(TORCH_CPU)' -e .
+	rm -f $(STAMP_GPU)
+	touch $@
+
+$(STAMP_TEST): $(BUILT_FROM) | $(BIN)/python
+	$(BIN)/pip install -q '$(TORCH_CPU)' -e '.[test]'
+	rm -f $(STAMP_GPU)
+	touch $(STAMP_CPU) $@
+
+ifeq ($(HAS_GPU),yes)
+install: $(STAMP_GPU)
+else
+install: $(STAMP_CPU)
 endif
 
-install-test: venv
-	$(BIN)/pip install -q '$(TORCH_CPU)' -e '.[test]'
+install-test: $(STAMP_TEST)
+
+reinstall:
+	rm -f $(STAMP_CPU) $(STAMP_GPU) $(STAMP_TEST)
+	$(MAKE) install
 
 serve: install
 	$(BIN)/rev88 serve $(SERVE_ARGS)

@@ -43,8 +43,8 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     async def lifespan(app: FastAPI):
         await service.start()
         # What is alive now lives as long as the service (torch, FastAPI, the learner: ~200,000
-        # objects the cyclic GC tracks). A full collection walks all of them, ~85 ms on the event
-        # loop on the 2-core bench machine; frozen, the collector leaves them out of every pass.
+        # objects the cyclic GC tracks). A full collection walks all of them on the event loop
+        # (what that cost: docs/performance.md); frozen, the collector leaves them out of every pass.
         gc.collect()
         gc.freeze()
         try:
@@ -66,4 +66,9 @@ def create_app(settings: Settings | None = None, engines: Callable[[str], Any] |
     for router in api.ROUTERS:  # each resource's routes (app/api/__init__.py)
         app.include_router(router)
     web.install(app)  # the web page (app/web): / and /ui/tasks/{id}, /docs and /redoc, scripts and styles under /static
+
+    async def not_found(request, exc):  # a path no route serves: a browser gets a page, a client the JSON and a hint
+        return web.browser_not_found(request) or await errors.http_error(request, exc)
+
+    app.add_exception_handler(404, not_found)
     return app

@@ -405,7 +405,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         408: "the body did not arrive within the upload timeout (REV88_UPLOAD_TIMEOUT_S); the connection is closed",
         403: "the key lacks the scope the request needs (read, write, admin)",
         429: "over the key's max_queued or rate_per_minute (Retry-After, RateLimit-Policy, RateLimit)",
-        404: "no task with this id in this replica's ledger", 409: "conflict (idempotency key reused, task finished)",
+        404: "no such task, sweep, evaluation or dataset here (another tenant's is as absent); a path that is no "
+             "route: a hint where the routes are listed", 409: "conflict (idempotency key reused, task finished)",
         413: "body, archive or estimated memory over the limits", 415: "unsupported content type",
         422: "invalid arrays, members, config, budget or diverged training",
         503: "queue full, not ready, draining or the ledger unavailable (Retry-After)", 504: "task timeout",

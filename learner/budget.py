@@ -33,8 +33,7 @@ from collections.abc import Mapping
 
 from .config import Config
 from .errors import BudgetExceeded, ConfigError
-from .model import CLASSES, FEATURES
-from .train import parameter_count
+from .shape import CLASSES, FEATURES, parameter_count
 
 DEFAULT_MAX_TASK_WORK = 50_000_000
 DEFAULT_MAX_TASK_BYTES = 1 << 30

@@ -19,6 +19,7 @@ task may cost with a given config also depends on its size: ``learner.budget``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -146,6 +147,22 @@ def check_value(name: str, value: Any) -> int | float:
     return float(value)
 
 
+def nearest(word: str, choices) -> str | None:
+    """The one of ``choices`` that ``word`` most likely misspells (difflib's closest match at
+    least 0.6 alike: ``epoch`` -> ``epochs``), or None."""
+    found = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def unknown_text(unknown, choices) -> str:
+    """``epoch (did you mean epochs?), lr``: unknown names, each with the choice it likely misspells."""
+    words = []
+    for name in unknown:
+        near = nearest(name, choices)
+        words.append(f"{name} (did you mean {near}?)" if near else str(name))
+    return ", ".join(words)
+
+
 _DEFAULTS: Config | None = None  # Config() once: it is frozen, and checking it costs 8 field checks
 
 
@@ -155,9 +172,7 @@ def make_config(overrides: Mapping[str, Any] | None = None, base: Config | None 
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(FIELDS))
     if unknown:
-        raise ConfigError(
-            f"unknown config key(s): {', '.join(unknown)}; allowed: {', '.join(FIELDS)}"
-        )
+        raise ConfigError(f"unknown config key(s): {unknown_text(unknown, FIELDS)}; allowed: {', '.join(FIELDS)}")
     if base is None:
         if _DEFAULTS is None:
             _DEFAULTS = Config()

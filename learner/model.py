@@ -16,14 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-WIDTH = 41
-FEATURES = 2 * WIDTH  # 81 pixels + 1 appended zero
-CLASSES = 10
-
-
-def parameter_count(depth: int) -> int:
-    """The learner's parameters: ``depth`` coupling blocks of two WIDTH x WIDTH weights, the head."""
-    return 2 * depth * WIDTH * WIDTH + CLASSES * FEATURES + CLASSES
+from .shape import CLASSES, FEATURES, WIDTH, parameter_count  # noqa: F401 - (the shape's numbers: re-exported)
 
 
 def lift(images: torch.Tensor) -> torch.Tensor:

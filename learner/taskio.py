@@ -39,6 +39,10 @@ from .hashing import array_sha256
 ALLOWED_MEMBERS = ("train_images", "train_labels", "test_images")
 IMAGE_SHAPE = (1, 9, 9)
 LABEL_WORDS = ("label", "target", "answer", "truth", "query_y", "test_y", "y_test")
+# What a task is, in the words a refusal of something else quotes
+TASK_FORMAT = ("a task is an npz archive (numpy.savez) of exactly three arrays: train_images float32 (N, 1, 9, 9) "
+               "with pixels in [0, 1], train_labels integers 0-9 (N,) and test_images float32 (M, 1, 9, 9); "
+               "`rev88 make-task` writes one from the MNIST files")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +196,7 @@ def _reject_members(names: list[str]) -> None:
         raise ArchiveMemberError(f"archive holds duplicate member(s): {', '.join(dupes)}")
     if missing:
         raise ArchiveMemberError(
-            f"archive is missing member(s): {', '.join(m + '.npy' for m in missing)}",
+            f"archive is missing member(s): {', '.join(m + '.npy' for m in missing)}; {TASK_FORMAT}",
             missing_members=missing,
         )
 
@@ -301,17 +305,18 @@ def read_npz(data: bytes | BinaryIO | str | Path, limits: Limits = DEFAULT_LIMIT
     else:
         source = data
     try:
-        return _read_npz(source, memory, limits)
+        return _read_npz(source, memory, limits, str(data) if isinstance(data, (str, Path)) else "the upload")
     finally:
         if isinstance(data, (str, Path)):
             source.close()
 
 
-def _read_npz(source: BinaryIO, memory: memoryview | None, limits: Limits) -> dict[str, np.ndarray]:
+def _read_npz(source: BinaryIO, memory: memoryview | None, limits: Limits, what: str) -> dict[str, np.ndarray]:
+    """``what``: the input as a message names it (a file's path, or "the upload")."""
     try:
         zf = zipfile.ZipFile(source)
     except zipfile.BadZipFile as exc:
-        raise ArchiveError(f"body is not a zip/npz archive (or it is truncated): {exc}") from None
+        raise ArchiveError(f"{what} is not a zip/npz archive (or it is truncated: {exc}); {TASK_FORMAT}") from None
     except (OSError, EOFError, ValueError) as exc:
         raise ArchiveError(f"cannot read archive: {exc}") from None
     with zf:

@@ -134,7 +134,10 @@ def test_too_many_members_is_refused_before_reading_any(client):
 
 
 def test_not_a_zip_is_400(client):
-    assert_error(post_task(client, b"this is not an npz archive at all" * 10), 400, "not a zip")
+    """...and says what a task npz holds and how to make one."""
+    body = assert_error(post_task(client, b"this is not an npz archive at all" * 10), 400, "not a zip")
+    for words in ("train_images", "train_labels", "test_images", "rev88 make-task"):
+        assert words in body["error"], body
 
 
 def test_truncated_archive_is_400(client):
@@ -326,7 +329,7 @@ def test_gpu_backend_without_a_gpu_is_422(client, backend):
 def test_multipart_unknown_config_key_is_422(client):
     files = {"file": ("t.npz", task_to_npz_bytes(small_task(19, 7)), "application/octet-stream")}
     r = client.post("/tasks", files=files, data={"config": json.dumps({"learning_rat": 0.1})})
-    assert_error(r, 422, "unknown config key", "learning_rat")
+    assert_error(r, 422, "unknown config key", "learning_rat (did you mean learning_rate?)")
 
 
 def test_multipart_config_that_is_not_an_object_is_422(client):

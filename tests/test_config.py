@@ -42,7 +42,9 @@ def test_frozen_defaults_match_record(run_record):
         ({"weight_decay": -1e-4}, "config.weight_decay must be >= 0 (range [0, 1e+30])"),
         ({"learning_rate": 0.0}, "config.learning_rate must be > 0 (range (0, 1e+30]), got 0.0"),
         ({"alpha": "0.5"}, "config.alpha must be a number"),
-        ({"depht": 2}, "unknown config key(s): depht"),
+        ({"depht": 2}, "unknown config key(s): depht (did you mean depth?); allowed: depth, alpha"),
+        ({"epoch": 3}, "unknown config key(s): epoch (did you mean epochs?)"),
+        ({"lr": 0.1, "epoch": 3}, "unknown config key(s): epoch (did you mean epochs?), lr; allowed"),
     ],
 )
 def test_bad_config_values(overrides, fragment):

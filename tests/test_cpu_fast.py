@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from learner import backends
 from learner.backends import cpu_fast
@@ -276,13 +277,13 @@ def test_self_check_passes_and_compare_flags_differences():
 
 
 def test_auto_picks_cpu_fast_without_gpu(monkeypatch):
-    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert backends.resolve("auto") == "cpu-fast"
     assert backends.get_backend("auto").name == "cpu-fast"
 
 
 def test_auto_falls_back_to_cpu_and_says_why(monkeypatch):
-    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cpu_fast, "_check_result", (False, "cpu-fast self-check disagrees (test)"))
     assert backends.resolve("auto") == "cpu"
     engine = backends.get_backend("auto")

@@ -1,15 +1,19 @@
-"""The docs cannot drift from the service: docs/sweeps.md's and docs/evaluations.md's examples
-run as written against a real server, and every status their route tables list is the API
-models' own.
+"""The docs cannot drift from the service: the examples of docs/sweeps.md, docs/evaluations.md
+and the "Try it" blocks of docs/tenants.md and docs/webhooks.md run as written against a real
+server, and every status the route tables of the first two list is the API models' own.
 
 An example is a fenced block right after the line ``<!-- runs in tests/test_docs_examples.py -->``
 (an HTML comment: a reader of the rendered page does not see it). A page's examples run in
 order, as one bash script (``bash -eu``: a failing command fails the test) in an empty folder,
 with this checkout's ``rev88`` and ``python`` first on PATH, against a real ``uvicorn`` server on
 loopback (cpu-fast, no API key); the only change made to them is the server's address, which
-replaces ``http://127.0.0.1:8000``. Each comment line ``# → TEXT`` in a block is output the
-example promises: its lines must appear in the script's output in that order, ``…`` standing
-for any text.
+replaces ``http://127.0.0.1:8000`` (and a webhook receiver's ``127.0.0.1:8001``, a free port
+on loopback). Each comment line ``# → TEXT`` in a block is output the example promises: its lines
+must appear in the script's output in that order, ``…`` standing for any text.
+
+A page whose examples need a server started another way says so in a block right after
+``<!-- the server of this page's examples: tests/test_docs_examples.py starts it so -->``: one
+line, ``NAME=value ... make serve``; the test starts its server with those variables.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from tests.helpers import ROOT
 from tests.server import running_server
 
 MARK = "<!-- runs in tests/test_docs_examples.py -->"
+SERVER_MARK = "<!-- the server of this page's examples: tests/test_docs_examples.py starts it so -->"
 DOCS = {"sweeps.md": "/sweeps", "evaluations.md": "/evaluations"}  # each page's routes
+TRY_IT = ("tenants.md", "webhooks.md")  # pages whose "Try it" needs a server of its own
 DOCS_URL = "http://127.0.0.1:8000"
+RECEIVER = "127.0.0.1:8001"  # a webhook receiver the examples start
 PROMISE = "# → "
 
 STATUS_WORD = r"`(?:accepted|queued|running|succeeded|failed|cancelled|completed)`"
@@ -52,6 +59,20 @@ def fenced_blocks(text: str) -> list[tuple[bool, str]]:
 
 def examples(page: str) -> list[str]:
     return [block for marked, block in fenced_blocks((ROOT / "docs" / page).read_text()) if marked]
+
+
+def server_variables(page: str) -> dict[str, str]:
+    """The variables the page's server block starts ``make serve`` with."""
+    import shlex
+
+    lines = (ROOT / "docs" / page).read_text().splitlines()
+    at = lines.index(SERVER_MARK)
+    assert lines[at + 1].startswith("```"), f"docs/{page}: no block after the server mark"
+    words = shlex.split(lines[at + 2])
+    assert lines[at + 3].startswith("```"), f"docs/{page}: the server block is one line"
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    assert [w for w in words if "=" not in w] == ["make", "serve"], f"docs/{page}: {lines[at + 2]!r}"
+    return env
 
 
 def promised(script: str) -> list[re.Pattern]:
@@ -89,7 +110,9 @@ def server(tmp_path_factory):
 
 
 def run_examples(page: str, url: str, folder: Path) -> str:
-    script = "\n".join(examples(page)).replace(DOCS_URL, url)
+    from tests.server import free_port
+
+    script = "\n".join(examples(page)).replace(DOCS_URL, url).replace(RECEIVER, f"127.0.0.1:{free_port()}")
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     env.pop("REV88_API_KEY", None)
     proc = subprocess.run(["bash", "-eu", "-c", script], cwd=folder, env=env, stdout=subprocess.PIPE,
@@ -110,6 +133,21 @@ def test_the_sweeps_examples_run_as_written(server, tmp_path):
 def test_the_evaluations_examples_run_as_written(server, tmp_path):
     run_examples("evaluations.md", server.url, tmp_path)
     assert (tmp_path / "report" / "summary.json").is_file() and (tmp_path / "ev.json").is_file()
+
+
+@pytest.mark.parametrize("page", TRY_IT)
+def test_the_try_it_blocks_run_as_written(page, tmp_path):
+    """The page's "Try it": its server started as the page says (its variables; cpu-fast, two
+    workers), then its examples in order, each promised line in the output."""
+    text = (ROOT / "docs" / page).read_text()
+    try_it = text.split("## Try it", 1)[1].split("\n## ", 1)[0]
+    assert SERVER_MARK in try_it and MARK in try_it, f"docs/{page} has no Try it with its server and an example"
+    env = {"REV88_BACKEND": "cpu-fast", "REV88_WORKERS": "2", "REV88_API_KEY": "", **server_variables(page)}
+    with running_server(tmp_path, env=env) as srv:
+        folder = tmp_path / "examples"
+        folder.mkdir()
+        run_examples(page, srv.url, folder)
+    assert (folder / "task.npz").is_file()
 
 
 def test_the_promises_are_checked():

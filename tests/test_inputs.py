@@ -93,13 +93,24 @@ def test_any_other_member_rejected(extra):
 def test_missing_member():
     a = arrays()
     del a["test_images"]
-    with pytest.raises(ArchiveMemberError, match="missing member.*test_images.npy"):
+    with pytest.raises(ArchiveMemberError, match="missing member.*test_images.npy.*rev88 make-task"):
         read_npz(npz_bytes(a))
 
 
-def test_not_a_zip_and_truncated():
-    with pytest.raises(ArchiveError, match="not a zip/npz"):
+def test_not_a_zip_and_truncated(tmp_path):
+    """Something else than an npz: the refusal says what a task holds and how to make one, and
+    names a file by its path (an upload as "the upload")."""
+    with pytest.raises(ArchiveError, match="not a zip/npz") as refused:
         read_npz(b"hello, this is not an archive")
+    said = refused.value.message
+    assert said.startswith("the upload is not a zip/npz archive")
+    for words in ("train_images", "train_labels", "test_images", "rev88 make-task"):
+        assert words in said, said
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    with pytest.raises(ArchiveError) as refused:
+        read_npz(notes)
+    assert refused.value.message.startswith(f"{notes} is not a zip/npz archive") and "body" not in refused.value.message
     data = npz_bytes(arrays(200, 50))
     with pytest.raises(ArchiveError):
         read_npz(data[: len(data) // 2])

@@ -4,7 +4,9 @@ browser (Debian's chromium driven by Playwright) against a real uvicorn server.
 The browser test uploads tasks through the form (waiting, and async), sees them succeed in the
 recent-tasks table, opens a task's page, downloads its predictions (.npy) and answer (.json)
 through the page's links and checks them against ``learner.result.run_task`` on the same task.
-It skips only when chromium or the playwright package is missing; `.ci/run` installs chromium
+Every page (the tasks, a task, a sweep, an evaluation's report, the leaderboard, the not-found
+pages) is checked at 390 px and 1280 px for content that sticks out of its card
+(``test_every_card_holds_its_content``). It skips only when chromium or the playwright package is missing; `.ci/run` installs chromium
 and `make test` the package (the test extra), so CI runs it.
 
 With REV88_WEB_SCREENSHOTS=<folder> the browser tests also save screenshots there
@@ -546,7 +548,8 @@ def test_an_evaluations_report_and_the_leaderboard(server, desktop):
     for label, evaluation_id in ((alone["comparison"], alone["id"]), (other, "ev-elsewhere")):  # ranked apart
         assert page.eval_on_selector_all(f".board-group[data-comparison='{label}'] tbody tr",
                                          "rs => rs.map(r => [r.dataset.id, r.dataset.rank])") == [[evaluation_id, "1"]]
-    assert "2 draws each" in page.inner_text(f"{here} h3") and "separate groups" in page.inner_text("#board-message")
+    assert "2 draws each" in page.inner_text(f"{here} h3")
+    assert page.inner_text("#leaderboard").count("ranked only against") == 1  # (said once, above the groups)
     points = [(d["time"]["ms_per_task"], d["totals"]["mean_accuracy"], d["id"]) for d in docs]
     front = {i for x, y, i in points if not any(x2 <= x and y2 >= y and (x2 < x or y2 > y) for x2, y2, _ in points)}
     marked = page.eval_on_selector_all(f"{here} circle", "cs => cs.map(c => [c.dataset.id, c.dataset.pareto])")
@@ -621,3 +624,139 @@ def test_an_evaluation_over_seeds_shows_a_row_per_draw_and_seed(server, desktop)
     page.goto(f"{server.url}/ui/evaluations")
     page.wait_for_selector(f"tr[data-id='{ev}']")
     assert "× seeds 0-1" in page.inner_text(f"tr[data-id='{ev}'] td[data-label='draws']")
+
+
+# ---------------------------------------------------------------------------- every page at a phone's and a desktop's width
+
+# What sticks out of a card: each visible element of a visible .card whose box reaches past the
+# card's edges, or whose own content is wider than it (text running into its neighbour), but not
+# what a table laid out as a table holds when its box scrolls sideways (a table scrolling inside
+# its card is fine; one shown as a card per row is not exempt), nor the inside of an SVG chart
+# (the chart itself is checked).
+OVERFLOW_JS = """() => {
+  const bad = [], tol = 1;
+  const style = (e) => getComputedStyle(e);
+  const shown = (e) => style(e).display !== "none" && style(e).visibility !== "hidden" && e.getClientRects().length > 0;
+  const scrolls = (e) => ["auto", "scroll"].includes(style(e).overflowX);
+  const name = (e) => e.tagName.toLowerCase() + (e.id ? "#" + e.id : "") + (e.dataset.label ? `[${e.dataset.label}]` : "")
+    + ` "${(e.textContent || "").trim().replace(/\\s+/g, " ").slice(0, 40)}"`;
+  for (const card of document.querySelectorAll(".card")) {
+    if (!shown(card)) continue;
+    const box = card.getBoundingClientRect();
+    if (card.scrollWidth > card.clientWidth + tol)
+      bad.push(`${card.id}: its content is ${card.scrollWidth} px wide in ${card.clientWidth} px`);
+    for (const e of card.querySelectorAll("*")) {
+      let held = false;
+      for (let p = e.parentElement; p && p !== card; p = p.parentElement) {
+        if (p instanceof SVGElement || (p.tagName === "TABLE" && style(p).display === "table"
+                                        && p.parentElement && scrolls(p.parentElement))) { held = true; break; }
+      }
+      if (held || !shown(e)) continue;
+      const r = e.getBoundingClientRect();
+      if (r.width > 0 && (r.left < box.left - tol || r.right > box.right + tol))
+        bad.push(`${card.id}: ${name(e)} reaches ${Math.round(Math.max(box.left - r.left, r.right - box.right))} px past the card`);
+      else if (!(e instanceof SVGElement) && !scrolls(e) && style(e).display !== "inline" && e.clientWidth > 0
+               && e.scrollWidth > e.clientWidth + tol)
+        bad.push(`${card.id}: ${name(e)} holds ${e.scrollWidth} px of content in ${e.clientWidth} px`);
+    }
+  }
+  return bad;
+}"""
+
+
+def overflows(page) -> list[str]:
+    return page.evaluate(OVERFLOW_JS)
+
+
+@pytest.fixture(scope="module")
+def filled(server):
+    """What every page shows, on this module's server: a task; a sweep of 2 learning rates x 2 batch
+    sizes x 2 seeds on a labelled dataset; a graded evaluation of draws 6-7 (10,000 queries a draw:
+    the widest counts), alone in its group (a one-point chart: no other test grades these draws)."""
+    import hashlib
+    import io
+
+    task = small_task(n=40, m=10, seed=21)
+    body = task_to_npz_bytes(task)
+    digest = "sha256:" + hashlib.sha256(body).hexdigest()
+    labels = io.BytesIO()
+    np.save(labels, (np.arange(10) % 10).astype(np.int64))
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        answer = post_task(c, body, params={"seed": "3"})
+        assert answer.status_code == 200, answer.text
+        assert c.put(f"/datasets/{digest}", content=body, headers={"Content-Type": "application/octet-stream"}).is_success
+        assert c.put(f"/datasets/{digest}/labels", content=labels.getvalue(),
+                     headers={"Content-Type": "application/octet-stream"}).is_success
+        sweep = c.post("/sweeps", json={"dataset": digest, "name": "fit check", "config": {"epochs": 2},
+                                        "grid": {"learning_rate": [0.05, 0.1], "batch_size": [8, 16]}, "seeds": [0, 1]})
+        evaluation = c.post("/evaluations", json={"draws": "6-7", "config": {"epochs": 1, "depth": 3},
+                                                  "name": "fits a phone"})
+        assert sweep.status_code == 202 and evaluation.status_code == 202, (sweep.text, evaluation.text)
+        ids = {"task": answer.json()["id"], "sweep": sweep.json()["id"], "evaluation": evaluation.json()["id"]}
+        wait_for(lambda: c.get(f"/sweeps/{ids['sweep']}").json()["status"] == "completed", 300, what="the sweep")
+        wait_for(lambda: c.get(f"/evaluations/{ids['evaluation']}").json()["status"] == "completed", 300,
+                 what="the evaluation")
+    return ids
+
+
+def fit_pages(ids: dict[str, str]) -> list[tuple[str, str]]:
+    """(path, a selector there once the page has drawn what it shows)"""
+    return [("/", "#tasks-body tr[data-status=succeeded]"),
+            (f"/ui/tasks/{ids['task']}", "#task-status.status-succeeded"),
+            (f"/ui/sweeps/{ids['sweep']}", "#sweep-chart svg"),
+            (f"/ui/evaluations/{ids['evaluation']}", "#accuracy-chart:not([hidden])"),
+            ("/ui/evaluations", ".board-chart svg"),
+            ("/ui/sweeps/sw-no-such-sweep", "#missing"),
+            ("/no-such-page", "#missing")]
+
+
+@pytest.mark.parametrize("size", ["phone", "desktop"])
+def test_every_card_holds_its_content(server, browser, filled, size):
+    """At 390 px and at 1280 px, on every page (the tasks, a task, a sweep, an evaluation's
+    report, the leaderboard, the two not-found pages): no card's content reaches past the card or
+    runs out of its own box, and the page never scrolls sideways."""
+    viewer = Page(browser, PHONE if size == "phone" else DESKTOP)
+    viewer.context.add_init_script(f"localStorage.setItem('rev88.apiKey', {json.dumps(KEY)})")
+    page = viewer.page
+    try:
+        for path, drawn in fit_pages(filled):
+            page.goto(server.url + path)
+            page.wait_for_selector(drawn, state="attached", timeout=60_000)
+            page.wait_for_timeout(300)  # (a chart drawn after the table, the health card after the tasks)
+            assert overflows(page) == [], path
+            no_sideways_scroll(page)
+    finally:
+        viewer.close()
+
+
+def test_the_pages_say_their_units_and_a_missing_item_with_only_a_way_back(server, browser, filled):
+    """The leaderboard's headers read as written ("mJ / task", never upper-cased into megajoules),
+    its group sentence is said once, and a one-point chart names its point; an unknown sweep's page
+    shows the message and the ways back, no CSV button, chart or cells; a browser asking for a
+    path no route serves gets a page pointing to / and /docs."""
+    viewer = Page(browser, PHONE)
+    viewer.context.add_init_script(f"localStorage.setItem('rev88.apiKey', {json.dumps(KEY)})")
+    page = viewer.page
+    try:
+        page.goto(server.url + "/ui/evaluations")
+        page.wait_for_selector(f".board-group tr[data-id='{filled['evaluation']}']")
+        headers = page.eval_on_selector_all(".board-group th", "ts => ts.map(t => [t.innerText, getComputedStyle(t).textTransform])")
+        assert ["mJ / task", "none"] in headers and ["ms / task", "none"] in headers, headers
+        assert page.inner_text("#leaderboard").count("ranked only against") == 1 and not page.inner_text("#board-message")
+        group = page.locator(".board-group", has=page.locator(f"tr[data-id='{filled['evaluation']}']"))
+        assert group.locator("circle").count() == 1
+        assert "fits a phone:" in group.locator(".point-label").text_content()  # the lone point is named
+        assert len(group.locator(".tick").all_text_contents()) == 4  # on a drawn scale, both axes with two ends
+
+        page.goto(server.url + "/ui/sweeps/sw-no-such-sweep")
+        page.wait_for_selector("#missing")
+        assert page.inner_text("#missing h2") == "No such sweep" and "sw-no-such-sweep" in page.inner_text("#missing")
+        for hidden in ("#download-csv", "#sweep-chart-card", "#cells", "#sweep"):
+            assert not page.locator(hidden).is_visible(), hidden
+        assert page.locator("#missing a[href='/']").count() == 1
+
+        page.goto(server.url + "/tasks-please")
+        assert page.inner_text("#missing h2") == "No such page"
+        assert page.locator("#missing a[href='/']").count() == 1 and page.locator("#missing a[href='/docs']").count() == 1
+    finally:
+        viewer.close()

@@ -6,8 +6,8 @@ errors.py (exception -> JSON body) and openapi.py (what FastAPI cannot infer).
 
 ``ROUTERS``: the resources' routers, each included on the app (app/main.py) in this order, the
 order a request's path is matched in (POST /tasks first). Each on the app itself, not one router
-that includes them all: with FastAPI 0.165 a nested include costs every request's routing about
-60 µs more on the event loop (docs/performance.md, the sixth pass). The web page's routes are app/web's.
+that includes them all: with FastAPI 0.165 a nested include costs every request's routing more
+on the event loop (docs/performance.md, the sixth pass). The web page's routes are app/web's.
 """
 
 from __future__ import annotations

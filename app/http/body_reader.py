@@ -1,9 +1,9 @@
 """A large request body read from its socket by a thread of its own, not by the event loop.
 
-Copying a 6.5 MB body out of the kernel (``recv``) costs the thread that does it about a
-millisecond of CPU, and the acknowledgements it sends back cost more: moved here, 1.4 ms less of
-the event loop's CPU per draw-0 upload, the process's total unchanged (an A/B in one window,
-docs/performance.md). A thread only reads: every answer still goes out through the transport.
+Copying a draw-0 body out of the kernel (``recv``) costs the thread that does it CPU, and the
+acknowledgements it sends back cost more: moved here, off the event loop, the process's total
+unchanged (the A/B: docs/performance.md). A thread only reads: every answer still goes out
+through the transport.
 
 The protocol (app/http/protocol.py) hands a body over once the app has asked for it and its
 buffer exists: the transport stops reading (``HeldFlow.hold``: uvicorn's own flow control

@@ -14,6 +14,7 @@ import time
 import uuid
 
 from starlette.datastructures import Headers
+from starlette.routing import Match
 
 from ..errors import TooManyRequests
 from ..runtime.metrics import Metrics
@@ -74,6 +75,20 @@ def is_open(path: str, method: str = "GET", accept: str | None = None) -> bool:
     segments = path.split("/")[1:]
     dots = any(s in (".", "..") for s in segments)
     return not dots and "" not in segments[:-1] and "\\" not in path
+
+
+def routed(scope) -> bool:
+    """Whether a route of the app serves ``scope``'s path (any method): a path none serves holds
+    nothing the key protects, so a browser asking for it is shown the not-found page, not a 401."""
+    app = scope.get("app")
+    for route in getattr(app, "routes", ()):
+        try:
+            match, _ = route.matches(scope)
+        except Exception:  # noqa: BLE001 - a route that cannot say: taken as serving it
+            return True
+        if match != Match.NONE:
+            return True
+    return app is None
 
 
 def authorized(headers: Headers, api_key: str) -> bool:
@@ -167,6 +182,9 @@ class RequestMiddleware:
                 tenant, refusal, counted = await self._tenant(headers, method)
                 scope["state"]["tenant"] = tenant
                 extra.update(counted)
+                if (refusal is not None and refusal[0] == 401 and method in ("GET", "HEAD")
+                        and prefers_html(headers.get("accept")) and not routed(scope)):
+                    refusal = None  # (a browser's mistyped address: the page that leads on)
             if refusal is not None:
                 await self._refuse(send_with_id, *refusal)
             else:

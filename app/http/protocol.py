@@ -10,8 +10,8 @@ What it adds to uvicorn's own protocol (``HttpToolsProtocol``, which it subclass
   asks for it, straight from the socket into one buffer of its declared size
   (``asyncio.BufferedProtocol``: the kernel's copy is the only one), bypassing the parser, and
   handed over whole, as a memoryview, in one ``http.request`` message. A large body's reads are
-  made by a ``rev88-recv`` thread while the transport is paused (app/http/body_reader.py: 1.4 ms
-  less of the loop's CPU per draw-0 upload, docs/performance.md); a body that stalls goes back to
+  made by a ``rev88-recv`` thread while the transport is paused (app/http/body_reader.py: less of
+  the loop's CPU per upload, docs/performance.md); a body that stalls goes back to
   the loop's reads. Any other app gets bytes, as from uvicorn's own protocol.
 - **Uploads reserve what has arrived**: each read's bytes are taken from the upload budget
   (``Policy.budget``, app/http/uploads.py) as they come, never the declared length; when it is

@@ -39,6 +39,16 @@ from .database import SqliteDatabase, immediate_transaction
 from .store import LedgerError, LedgerUnavailable, write_durably
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def not_a_digest(value: object) -> str:
+    """What a refusal of ``value`` as a dataset's digest says: the expected form, what was given,
+    and the digest meant when only the ``sha256:`` prefix is missing."""
+    text = f"a dataset is named by its digest, sha256:<64 lowercase hex digits> (the SHA-256 of the npz bytes), got {value!r}"
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        text += f": did you mean sha256:{value.lower()}?"
+    return text
+
 DB_NAME = "datasets.sqlite3"
 FOLDER = "datasets"
 
@@ -90,7 +100,7 @@ SWEEP_COLUMNS = "id, created_at, dataset, definition, cells, idempotency_key, ca
 
 def sweep_of(row) -> SweepRecord:
     sweep_id, created, dataset, definition, cells, key, cancelled, owner = row
-    # (orjson: a 1,320-cell sweep's cells parse in 0.5 ms, not json's 1.5; every poll of GET /sweeps reads them)
+    # (orjson: a third of json's time for a large sweep's cells, docs/performance.md; every poll of GET /sweeps reads them)
     return SweepRecord(id=sweep_id, created_at=float(created), dataset=dataset, definition=orjson.loads(definition),
                        cells=orjson.loads(cells), idempotency_key=key,
                        cancelled_at=None if cancelled is None else float(cancelled), owner=owner)

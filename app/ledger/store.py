@@ -690,7 +690,7 @@ class Ledger(TaskReads):
 
     def _apply_retention(self, conn: sqlite3.Connection, keep: str | None) -> int:
         # Finished tasks and their stored bytes: counted once by a scan, then kept up to date
-        # here and in finish() (a scan per finish grew with the ledger: 10 ms at 2,000 rows).
+        # here and in finish() (a scan per finish grew with the ledger: docs/performance.md).
         if self._totals is None:
             self._totals = tuple(conn.execute(
                 "SELECT COUNT(*), COALESCE(SUM(answer_bytes), 0) FROM tasks WHERE finished_at IS NOT NULL"

@@ -1,7 +1,7 @@
 """The ledger writes of a task's run, on one thread of their own, in order.
 
 A device worker must not wait for the database: marking a task ``running`` is a committed
-SQLite transaction (synchronous=FULL, ~0.5 ms here), and a batched launch starts up to
+SQLite transaction (synchronous=FULL: docs/performance.md), and a batched launch starts up to
 ``REV88_BATCH_MAX`` tasks at once (132 on an H200), so the worker only hands its tasks over
 (``started``) and goes on to the launch. This thread writes them, every ``running`` handed
 over since its last write in one transaction (``Ledger.mark_running_many``). The same thread
@@ -13,15 +13,15 @@ A synchronous task sent without an Idempotency-Key is written once, when it has 
 (group commit), so a stream of small tasks costs one commit per batch, not three per task.
 Nobody waits for these records (their clients hold the answers), so when they are all the
 writer has, it waits up to ``LINGER_S`` (20 ms) for more to share the commit: one client's
-stream of small tasks shares commits too (bench/bench_shell.py: 0.5 -> 0.27 ms of the writer's
-CPU per tiny task). Any other write ends the wait at once; so does a read that must see them
+stream of small tasks shares commits too (bench/bench_shell.py: about half the writer's CPU per
+tiny task, docs/performance.md). Any other write ends the wait at once; so does a read that must see them
 (``written()``: GET /tasks and /health's counts), and the stop.
 
 An asynchronous task's outcome (``finish``: a sweep's cell, say) is written the same way: every
 outcome handed over since the last write shares one transaction (``Ledger.finish_many``), and
 when only such records (and ``running`` marks) are queued the writer lingers for more, as above:
 nobody holds a connection open for them (their clients poll), and a sweep's cells otherwise cost
-two commits each (bench/bench_sweep.py: the writer's CPU per cell 0.95 -> 0.55 ms, docs/sweeps.md).
+two commits each (bench/bench_sweep.py: the writer's CPU per cell cut by about 40 %, docs/performance.md).
 """
 
 from __future__ import annotations

@@ -5,19 +5,18 @@ buffers: megabytes each) and frees them when it is answered. With glibc's defaul
 over the mmap threshold (128 KiB, raised only after such a block is freed) is a fresh
 ``mmap`` each time, and free memory at the top of the heap over the trim threshold is
 returned to the kernel; the next task then page-faults every page in again (a 6.5 MB copy:
-about 1,600 faults). Measured on the 2-core bench machine: 13 ms less server CPU per draw-0
-task (74 -> 61 ms at one client, ``bench/bench_load.py``-style loop).
+about 1,600 faults). The server CPU per draw-0 task this saves: docs/performance.md, "Throughput".
 
 ``tune()`` raises both thresholds once, at startup: blocks up to ``MMAP_THRESHOLD`` come from
 the heap and stay there for the next task, and the heap keeps up to ``TRIM_THRESHOLD`` of free
 memory at its top. The price is resident memory that stays at its working-set peak between
 tasks instead of falling back: RSS follows the most memory ever freed at once. That is bounded
 only while a task's buffers are freed when it is answered. Measured over 20,000 mixed tasks
-(``bench/bench_soak.py``, docs/performance.md "Memory over a long run"): the heaps keep 110-150 MB
-free between tasks and RSS stays flat. Before 9bd019e and 6a428e1 each task's arrays (and a large
-request's body) sat in a reference cycle until the cyclic GC's next full pass, which freed up to
-1.3 GB at once, every few thousand tasks, and the heaps kept all of it (RSS 1,057 -> 2,092 MB);
-``tests/test_memory_soak.py`` keeps tasks and requests out of cycles.
+(``bench/bench_soak.py``, docs/performance.md "Memory over a long run"): the heaps keep a steady
+amount free between tasks and RSS stays flat. Before 9bd019e and 6a428e1 each task's arrays (and a
+large request's body) sat in a reference cycle until the cyclic GC's next full pass, which freed
+gigabytes at once, every few thousand tasks, and the heaps kept all of it (RSS doubled: the same
+page); ``tests/test_memory_soak.py`` keeps tasks and requests out of cycles.
 
 An operator's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (glibc's environment
 tunables) win: with either set, nothing is changed. Other C libraries (musl) are left alone.

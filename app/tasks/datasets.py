@@ -24,7 +24,7 @@ import numpy as np
 from learner.taskio import TaskArrays, load_task
 
 from ..errors import BodyTooLarge, Conflict, InvalidRequest, NotFound
-from ..ledger.datasets import DIGEST, DatasetRecord, DatasetsFull, DatasetStore, LabelsConflict
+from ..ledger.datasets import DIGEST, DatasetRecord, DatasetsFull, DatasetStore, LabelsConflict, not_a_digest
 from ..ledger.owners import open_owners
 
 NO_LABELS_S = 2.0  # a dataset found without labels is asked again after this (app/tasks/datasets.py labels)
@@ -33,8 +33,7 @@ MAX_LABELS_BYTES = 16 << 20  # a labels .npy: (M,) int64 for the largest M the t
 
 def check_digest(digest: str) -> str:
     if not isinstance(digest, str) or not DIGEST.match(digest):
-        raise InvalidRequest(f"a dataset is named by its digest, sha256:<64 lowercase hex digits>, got {digest!r}",
-                             field="dataset")
+        raise InvalidRequest(not_a_digest(digest), field="dataset")
     return digest
 
 

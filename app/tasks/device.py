@@ -223,8 +223,8 @@ def finish_launch(launch: Launch, pool: Any = None) -> list[DeviceOutcome | Base
     threads -- hashlib lets go of the GIL for them, so they run side by side -- while this thread
     finishes the tasks in order, each with its digests once they are there; the rest of a task's
     finishing is Python and small hashes, which threads would only pass the GIL back and forth
-    for (in one process, 132 draw-0 outputs: 27 ms of wall time this way, 31-33 ms with every
-    ``finish_task`` on two threads, 43 ms on one). One outcome per item, in order. A task
+    for (this way is the fastest of the three measured: docs/performance.md, "Small costs inside a
+    request"). One outcome per item, in order. A task
     cancelled while the launch ran has its result discarded (TaskCancelled)."""
     count = sum(1 for run in launch.runs if isinstance(run, tuple))
     digests: dict[int, Any] = {}

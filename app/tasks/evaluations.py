@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from learner.budget import check_budget, estimate
-from learner.config import Config, make_config
+from learner.config import Config, make_config, unknown_text
 from learner.errors import ConfigError
 from learner.evaluate import DRAW_SEED_BASE, dataset_seed, parse_draws, totals
 
@@ -74,7 +74,7 @@ def check_definition(body: dict[str, Any], backend: str, settings: Any) -> dict[
         raise InvalidRequest("protocol only applies with measure: \"energy\"", field="protocol")
     unknown = sorted(set(protocol or {}) - set(MEASURE_PARAMS))
     if unknown:
-        raise InvalidRequest(f"protocol key(s) {', '.join(unknown)} are not known; the keys are "
+        raise InvalidRequest(f"protocol key(s) {unknown_text(unknown, MEASURE_PARAMS)} are not known; the keys are "
                              f"{', '.join(MEASURE_PARAMS)}", field="protocol")
     definition: dict[str, Any] = {"draws": draws, "config": config.as_dict(), "backend": backend,
                                   "name": body.get("name"), "measure": measure}

@@ -13,7 +13,8 @@ Ahead of the launch, on the *prepare* thread: the seed-derived state of each tas
 queued on the device (and of a sweep's or an evaluation's first cells as they are accepted, while
 the ledger records them), so that the worker's ``prepare`` finds it kept while launch k runs, not
 after it (``prepare_ahead``; learner/seed_state.py waits for a state under way rather than
-computing it twice). One thread: a state takes ~0.2 ms, faster than the device uses them.
+computing it twice). One thread: it computes states faster than the device uses them
+(docs/performance.md, "Small costs inside a request").
 
 One bad task fails alone: its own error is its outcome, among the others' -- a task that diverged,
 one cancelled, one whose tenant's key was revoked while it waited (checked as its launch is

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from learner.backends import BackendUnavailable, resolve
-from learner.config import Config, coerce_config_strings, make_config
+from learner.config import Config, coerce_config_strings, make_config, unknown_text
 from learner.kernels.tuned import PRECISIONS
 
 from ..errors import InvalidRequest
-from ..ledger.datasets import DIGEST
+from ..ledger.datasets import DIGEST, not_a_digest
 
 SERVICE_PARAMS = ("backend", "include", "measure", "dataset", "webhook", "webhook_events", "precision")
 MEASURE_PARAMS = {  # name: (type, lowest, highest, default) — keep one measurement well under an hour
@@ -69,12 +69,11 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
     include = [p.strip() for p in query.pop("include", "").split(",") if p.strip()]
     unknown = [p for p in include if p not in INCLUDES]
     if unknown:
-        raise InvalidRequest(f"include={','.join(unknown)} is not known; allowed: {', '.join(INCLUDES)}")
+        raise InvalidRequest(f"include={unknown_text(unknown, INCLUDES)} is not known; allowed: {', '.join(INCLUDES)}")
     precision = check_precision(query.pop("precision", None), backend)
     dataset = query.pop("dataset", None)
     if dataset is not None and not DIGEST.match(dataset):
-        raise InvalidRequest(f"dataset must be a stored dataset's digest, sha256:<64 lowercase hex digits>, "
-                             f"got {dataset!r}", field="dataset")
+        raise InvalidRequest(f"dataset= takes a stored dataset's digest: {not_a_digest(dataset)}", field="dataset")
     webhook, webhook_events = query.pop("webhook", None), query.pop("webhook_events", None)
     measure = query.pop("measure", None)
     protocol = {name: query.pop(name) for name in list(query) if name in MEASURE_PARAMS}

@@ -73,8 +73,9 @@ def late_task(body: bytes | memoryview, config, max_work: float, max_bytes: floa
 
 def _parse(body: bytes, hash_body: bool, hash_inputs: bool) -> tuple:
     """The task (validated; its input hashes computed when ``hash_inputs``) and, when asked, the
-    body's SHA-256 (None otherwise: 4.6 ms for a 6.5 MB body, needed only to match an
-    Idempotency-Key's replay and to keep an asynchronous task's stored npz)."""
+    body's SHA-256 (None otherwise: it costs milliseconds for a draw-0 body, docs/performance.md,
+    and is needed only to match an Idempotency-Key's replay and to keep an asynchronous task's
+    stored npz)."""
     task = load_task(body, hash_inputs=hash_inputs)
     return task, bytes_sha256(body) if hash_body else None
 
@@ -101,7 +102,7 @@ async def parse_upload(body: bytes | memoryview, config, *, recorded_now: bool, 
 
 
 def hash_aside(task: TaskArrays, pool) -> None:
-    """A large synchronous task's input hashes (4.6 ms for draw 0), computed in the io pool while
+    """A large synchronous task's input hashes (milliseconds for draw 0), computed in the io pool while
     it runs: only its answer needs them, where the run's result takes them (TaskArrays.input_hashes
     waits for this thread if it has not finished). Handed to the pool directly: nobody awaits it,
     so its end need not wake the event loop."""

@@ -27,6 +27,7 @@ from learner import __version__
 from learner.backends import NAMES
 from learner.config import FIELDS, INT_FIELDS, Config, bound_text
 
+from ..http.middleware import prefers_html
 from . import api_docs
 
 HERE = Path(__file__).resolve().parent
@@ -94,13 +95,27 @@ async def index(request: Request) -> HTMLResponse:
     )
 
 
+def _missing(request: Request, heading: str, detail: str) -> HTMLResponse:
+    """The not-found page: what is missing, and the ways on (the tasks, the API docs)."""
+    return templates.TemplateResponse(request, "not_found.html",
+                                      _context(request, page="missing", heading=heading, detail=detail),
+                                      status_code=404, headers=SECURITY_HEADERS)
+
+
+def browser_not_found(request: Request) -> HTMLResponse | None:
+    """A browser's page for a path that no route serves; None for any other request (a client's,
+    which gets the API's JSON 404 and its hint: app/api/errors.py; app/main.py picks)."""
+    if request.method not in ("GET", "HEAD") or not prefers_html(request.headers.get("accept")):
+        return None
+    return _missing(request, "No such page", f"This service has no page at {request.url.path}.")
+
+
 def _one(request: Request, template: str, page: str, item_id: str, **names) -> HTMLResponse:
-    """The page of one task or sweep (its id checked: anything else is the not-found page)."""
+    """The page of one task, sweep or evaluation (its id checked: anything else is the not-found
+    page; an id the server does not know is said by the page's script, which asks the API)."""
     if not TASK_ID.match(item_id):
-        return templates.TemplateResponse(
-            request, "not_found.html", _context(request, page="missing", task_id=item_id),
-            status_code=404, headers=SECURITY_HEADERS,
-        )
+        return _missing(request, f"Not a{'n' if page[0] in 'aeiou' else ''} {page} id",
+                        f"{page.capitalize()} ids are 1–128 letters, digits, - or _.")
     return templates.TemplateResponse(request, template, _context(request, page=page, **names),
                                       headers=SECURITY_HEADERS)
 

@@ -1,14 +1,13 @@
 """Backend registry: names -> constructors, and what ``auto`` picks.
 
 Backends are created once per process and reused (the cuda backend caches
-captured graphs per task shape and config).
+captured graphs per task shape and config). Importing this module does not import torch (the
+command line's ``--help`` reads ``NAMES``); choosing or creating a backend does.
 """
 
 from __future__ import annotations
 
 import threading
-
-import torch
 
 from .base import Backend, Prepared, RunOutput
 
@@ -21,12 +20,18 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def resolve(name: str) -> str:
     """Map ``auto`` to a concrete backend name; reject unknown names clearly."""
     if name not in NAMES:
         raise BackendUnavailable(f"unknown backend {name!r}; choose one of {', '.join(NAMES)}")
     if name == "auto":
-        if not torch.cuda.is_available():
+        if not _cuda_available():
             return _auto_cpu()
         from .fused import fused_ready  # fused once its self-check has passed in this process
 
@@ -53,7 +58,7 @@ def get_backend(name: str = "auto", device: str | None = None) -> Backend:
         if key not in _instances:
             _instances[key] = _create(concrete, device)
         engine = _instances[key]
-    if name == "auto" and concrete == "cpu" and not torch.cuda.is_available():
+    if name == "auto" and concrete == "cpu" and not _cuda_available():
         from .cpu_fast import cpu_fast_ready
 
         # say in describe() why auto did not pick cpu-fast
@@ -72,13 +77,13 @@ def _create(name: str, device: str | None = None) -> Backend:
 
         return CpuBackend()
     if name == "cuda":
-        if not torch.cuda.is_available():
+        if not _cuda_available():
             raise BackendUnavailable("backend 'cuda' needs a CUDA GPU and none is available here")
         from .cuda import GraphBackend
 
         return GraphBackend(gpu)
     if name == "fused":
-        if not torch.cuda.is_available():
+        if not _cuda_available():
             raise BackendUnavailable("backend 'fused' needs a CUDA GPU and none is available here")
         from .fused import FusedBackend
 

@@ -9,30 +9,17 @@ settles both protocols use, ``analyze`` the re-analysis of a stored record. The 
 meters they use are in ``learner.energy``. docs/energy.md describes the gated protocol.
 """
 
-from .paired import (
-    MAX_REPEATS,
-    MEMORY_SCOPE,
-    MIN_REPEATS,
-    SCOPE,
-    STATE_HASH_KEYS,
-    SUMMARY_KEYS,
-    ProtocolError,
-    check_protocol,
-    compare_runs,
-    cpu_hardware,
-    measure_run,
-    measure_task,
-    repeats_for,
-    software,
-    summarize,
-    summary,
-    timing_stats,
-    trial_figures,
-    window,
-)
-
 __all__ = [
     "MAX_REPEATS", "MEMORY_SCOPE", "MIN_REPEATS", "SCOPE", "STATE_HASH_KEYS", "SUMMARY_KEYS", "ProtocolError",
     "check_protocol", "compare_runs", "cpu_hardware", "measure_run", "measure_task", "repeats_for", "software",
     "summarize", "summary", "timing_stats", "trial_figures", "window",
 ]
+
+
+def __getattr__(name: str):
+    """``paired``'s names, imported on first use (it imports torch; ``gates`` alone does not)."""
+    if name in __all__:
+        from . import paired
+
+        return getattr(paired, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

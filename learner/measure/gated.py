@@ -52,10 +52,8 @@ from ..taskio import TaskArrays
 from . import idle as idle_mod
 from . import paired as measure
 from .figures import RECORD_FORMAT, derive
-from .gates import GATE_NAMES, thresholds_for
+from .gates import DEFAULTS, GATE_NAMES, thresholds_for  # noqa: F401 - (DEFAULTS: re-exported, as before)
 
-DEFAULTS = {"trials": 3, "target_seconds": 5.0, "settle_seconds": 3.0, "idle_seconds": 3.0,
-            "reference_seconds": 10.0, "sham_seconds": 5.0}
 REFERENCE_CALIBRATION_CALLS = 3
 SAMPLER_MARGIN_S = 4 * SAMPLE_PERIOD_S  # the sampler runs this long before the first and after the last window
 # Beyond the windows and the single runs: the reference matmul's preparation and calibration, the

@@ -13,6 +13,11 @@ from __future__ import annotations
 import math
 import statistics
 
+# The protocol's windows and trials when not told otherwise (`rev88 measure`'s defaults; here, in
+# a module without torch, so that the command line's --help needs none)
+DEFAULTS = {"trials": 3, "target_seconds": 5.0, "settle_seconds": 3.0, "idle_seconds": 3.0,
+            "reference_seconds": 10.0, "sham_seconds": 5.0}
+
 GATE_NAMES = ("reference", "meters_agree", "sham_residual", "round_spread", "telemetry", "exclusive_gpu",
               "task_verified")
 REFERENCE_WINDOWS = ("reference_before", "reference_after")

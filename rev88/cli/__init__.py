@@ -11,7 +11,6 @@ import argparse
 import sys
 
 from learner import __version__
-from learner.backends import BackendUnavailable
 from learner.errors import TaskError
 
 from .common import CliError
@@ -46,12 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
         return exc.code
-    except BackendUnavailable as exc:  # e.g. backend=cuda without a GPU
+    except RuntimeError as exc:  # BackendUnavailable (e.g. backend=cuda without a GPU) is bad input: 2
         print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        print(f"rev88 {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if _backend_unavailable(exc) else 1
+
+
+def _backend_unavailable(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is learner.backends' BackendUnavailable, without importing that module
+    (it imports torch, which `rev88 --version`, `--help` and the client commands never need):
+    raised, it was imported already."""
+    backends = sys.modules.get("learner.backends")
+    return backends is not None and isinstance(exc, backends.BackendUnavailable)
 
 
 if __name__ == "__main__":

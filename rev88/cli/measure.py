@@ -244,7 +244,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def add_measure(sub) -> None:
     from learner.backends import NAMES
     from learner.energy.simulated import SCENARIOS
-    from learner.measure.gated import DEFAULTS
+    from learner.measure.gates import DEFAULTS
 
     d = DEFAULTS
     p = sub.add_parser(

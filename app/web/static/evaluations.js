@@ -134,7 +134,10 @@
     return points.filter((p) => !points.some((q) => q !== p && q.x <= p.x && q.y >= p.y && (q.x < p.x || q.y > p.y)));
   }
 
-  function boardChart(rows, xName) {
+  // Accuracy against time (or energy) for one group, as wide as the board (``width`` px): round
+  // ends on both axes, each point named when there are few; a single point (or points all alike on
+  // an axis) gets a range around it, so that it sits on a drawn scale rather than in an empty box.
+  function boardChart(rows, xName, width) {
     const key = xName === "energy" ? "mj_per_task" : "ms_per_task";
     const points = rows.filter((r) => typeof r[key] === "number" && typeof r.mean_accuracy === "number"
       && (xName !== "energy" || r.energy_valid))
@@ -145,11 +148,13 @@
       return box;
     }
     const front = new Set(paretoFront(points));
-    const W = 660, H = 280, P = 60, G = 20;
+    const W = Math.max(300, Math.floor(width || 660)), H = W < 560 ? 240 : 280, P = 60, G = 20, R = W < 560 ? 24 : 60;
     const xs = points.map((p) => p.x), ys = points.map((p) => p.y);
-    const xMin = Math.min(...xs), xMax = Math.max(...xs), yMin = Math.min(...ys), yMax = Math.max(...ys);
-    const sx = (x) => P + G + (xMax === xMin ? (W - 2 * P - 2 * G) / 2 : ((x - xMin) / (xMax - xMin)) * (W - 2 * P - 2 * G));
-    const sy = (y) => H - P - G - (yMax === yMin ? (H - 2 * P - 2 * G) / 2 : ((y - yMin) / (yMax - yMin)) * (H - 2 * P - 2 * G));
+    let xMin = Math.min(...xs), xMax = Math.max(...xs), yMin = Math.min(...ys), yMax = Math.max(...ys);
+    if (xMax === xMin) { const pad = Math.abs(xMin) * 0.5 || 1; xMin = Math.max(0, xMin - pad); xMax += pad; }
+    if (yMax === yMin) { yMin -= 0.5; yMax += 0.5; }  // (percentage points)
+    const sx = (x) => P + G + ((x - xMin) / (xMax - xMin)) * (W - P - R - 2 * G);
+    const sy = (y) => H - P - G - ((y - yMin) / (yMax - yMin)) * (H - 2 * P - 2 * G);
     const NS = "http://www.w3.org/2000/svg";
     const node = (tag, attrs, text) => {
       const n = document.createElementNS(NS, tag);
@@ -157,11 +162,11 @@
       if (text !== undefined) n.textContent = text;
       return n;
     };
-    const svg = node("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
+    const svg = node("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img", "data-width": W });
     const xLabel = xName === "energy" ? "mJ per task" : "ms per task";
-    svg.append(node("line", { x1: P, y1: H - P, x2: W - P, y2: H - P, class: "axis" }),
+    svg.append(node("line", { x1: P, y1: H - P, x2: W - R, y2: H - P, class: "axis" }),
       node("line", { x1: P, y1: P, x2: P, y2: H - P, class: "axis" }),
-      node("text", { x: W / 2, y: H - 12, class: "axis-label", "text-anchor": "middle" }, xLabel),
+      node("text", { x: (P + W - R) / 2, y: H - 12, class: "axis-label", "text-anchor": "middle" }, xLabel),
       node("text", { x: 12, y: P - 14, class: "axis-label" }, "mean accuracy %"),
       node("text", { x: P - 6, y: sy(yMax) + 4, class: "tick", "text-anchor": "end" }, num(yMax, 3)),
       node("text", { x: P - 6, y: sy(yMin) + 4, class: "tick", "text-anchor": "end" }, num(yMin, 3)),
@@ -169,8 +174,22 @@
       node("text", { x: sx(xMax), y: H - P + 16, class: "tick", "text-anchor": "middle" }, num(xMax)));
     const frontLine = [...front].sort((a, b) => a.x - b.x);
     svg.append(node("polyline", { points: frontLine.map((p) => `${sx(p.x)},${sy(p.y)}`).join(" "), class: "pareto-line series-1" }));
+    const named = points.length <= 3;  // (a few points: each named beside it)
     for (const p of points) {
       const onFront = front.has(p);
+      if (named) {  // beside its point, on the side with room (the far side from the nearer edge), else above it
+        const text = `${p.row.name || p.row.id.slice(0, 11)}: ${num(p.y, 3)} %, ${num(p.x)} ${xName === "energy" ? "mJ" : "ms"}`;
+        const wide = 6.8 * text.length;  // (12px text: an upper estimate of its width)
+        const x0 = sx(p.x), y0 = sy(p.y);
+        const fitsRight = x0 + 10 + wide <= W - 4, fitsLeft = x0 - 10 - wide >= P + 6;
+        const preferRight = x0 <= (P + W - R) / 2 + 1;
+        let x = x0 + 10, y = y0 + 4;
+        if (!(fitsRight && (preferRight || !fitsLeft))) {
+          if (fitsLeft) x = x0 - 10 - wide;
+          else { x = Math.max(4, Math.min(x0 - wide / 2, W - 4 - wide)); y = y0 - 12; }
+        }
+        svg.append(node("text", { x, y, class: "point-label" }, text));
+      }
       const dot = node("circle", { cx: sx(p.x), cy: sy(p.y), r: onFront ? 6 : 4, class: onFront ? "point pareto series-1" : "point series-0",
         "data-id": p.row.id, "data-pareto": onFront ? "true" : "false" });
       dot.append(node("title", {}, `${p.row.name || p.row.id}: ${num(p.y, 3)} %, ${num(p.x)} ${xName === "energy" ? "mJ" : "ms"}${onFront ? " (Pareto front)" : ""}`));
@@ -204,7 +223,7 @@
       cell("created", when(row.created_at)));
   }
 
-  function boardGroup(label, rows, xName) {
+  function boardGroup(label, rows, xName, width) {
     const graded = rows.filter((r) => r.status === "completed");
     let rank = 0;
     const table = el("table", { class: "tasks board-table" },
@@ -215,7 +234,7 @@
     return el("section", { class: "board-group", "data-comparison": label, "data-draws": rows[0].draw_set },
       el("h3", {}, ...(label === "" ? ["not graded yet"]
         : [label, " ", el("span", { class: "muted" }, `(${n} draw${n === 1 ? "" : "s"} each, ranked among themselves)`)])),
-      el("div", { class: "table-wrap" }, table), graded.length ? boardChart(graded, xName) : null);
+      el("div", { class: "table-wrap" }, table), graded.length ? boardChart(graded, xName, width) : null);
   }
 
   function initLeaderboard() {
@@ -245,15 +264,21 @@
       }
       const order = ([label, list]) => (label === "" ? -1 : list[0].draws.length);
       const ordered = [...groups.entries()].sort((a, b) => order(b) - order(a));
-      $("#board-groups").replaceChildren(...ordered.map(([label, list]) => boardGroup(label, list, xBox.value)));
+      const width = $("#board-groups").clientWidth;
+      $("#board-groups").replaceChildren(...ordered.map(([label, list]) => boardGroup(label, list, xBox.value, width)));
       $("#board-count").textContent = `(${rows.length})`;
-      say(rows.length ? (groups.size > 1 && !groups.has("") || groups.size > 2
-        ? "evaluations over other draws, devices or versions are in separate groups, each ranked on its own" : "")
-        : "no evaluations yet: POST /evaluations, or rev88 evaluate --url");
+      say(rows.length ? "" : "no evaluations yet: POST /evaluations, or rev88 evaluate --url");
       return rows.some((r) => r.status === "queued" || r.status === "running") ? 2000 : null;
     });
     sortBox.addEventListener("change", load);
     xBox.addEventListener("change", load);
+    let resized = null, shownWidth = $("#board-groups").clientWidth;  // the charts follow the board's width
+    window.addEventListener("resize", () => {
+      clearTimeout(resized);
+      resized = setTimeout(() => {
+        if ($("#board-groups").clientWidth !== shownWidth) { shownWidth = $("#board-groups").clientWidth; load(); }
+      }, 200);
+    });
     initKey(load);
     initDownloads((text) => say(text, true));
     load();

@@ -416,8 +416,8 @@
       ["GPU", gpuText],
       ["energy", energy],
       ["queue", `${q.depth} waiting of ${q.capacity} · ${q.running_jobs} running · ${running}`],
-      ["done", `${q.completed} completed · ${q.failed} failed · ${q.cancelled} cancelled · ${q.refused_full} refused (full)`],
-      ["ledger", ledger],
+      ["since start", `${q.completed} completed · ${q.failed} failed · ${q.cancelled} cancelled · ${q.refused_full} refused (full)`],
+      ["in the ledger", ledger],
       ["uptime", `${num(doc.uptime_s, 0)} s`],
       ["versions", Object.entries(doc.versions || {}).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`).join(" · ")],
     ]);
@@ -429,7 +429,11 @@
         el("td", { class: "num" }, w.tasks),
         el("td", { class: "num" }, w.launches),
         el("td", { class: "num" }, num(w.busy_seconds))))));
-    out.replaceChildren(list, el("h3", {}, "Workers ", el("span", { class: "muted" }, doc.workers ? doc.workers.rule || "" : "")),
+    const shared = doc.ledger && doc.ledger.engine && doc.ledger.engine !== "sqlite";
+    const note = el("p", { class: "hint health-note" }, "Since start: the runs this server process has finished on "
+      + "its devices since it started (its warm-up runs too). In the ledger: every task recorded and still kept, "
+      + `from before a restart as well${shared ? " and from every replica that shares it" : ""}; so the two differ.`);
+    out.replaceChildren(list, note, el("h3", {}, "Workers ", el("span", { class: "muted" }, doc.workers ? doc.workers.rule || "" : "")),
       el("div", { class: "table-wrap" }, workers));
   }
 
@@ -610,6 +614,22 @@
     wireCancel(cancel, `/tasks/${encodeURIComponent(id)}/cancel`, say, load);
   }
 
+  // A task's, sweep's or evaluation's page for an id the server does not know: only the message and
+  // the ways back (the page's own cards, its downloads and chart, hidden by body[data-missing]).
+  // A later load that finds it (another key saved) shows the page again.
+  function showMissing(text) {
+    let card = $("#missing");
+    if (!card) {
+      card = el("section", { class: "card missing", id: "missing" });
+      $("main").append(card);
+    }
+    const what = { task: "task", sweep: "sweep", evaluation: "evaluation" }[body.dataset.page] || "page";
+    card.replaceChildren(el("h2", {}, `No such ${what}`), el("p", { class: "message error" }, text),
+      el("p", { class: "ways" }, el("a", { href: `${root}/` }, "← the tasks"), " · ",
+        el("a", { href: `${root}/ui/evaluations` }, "leaderboard"), " · ", el("a", { href: `${root}/docs` }, "API docs")));
+    body.dataset.missing = "true";
+  }
+
   // The document a task's or a sweep's page shows, its status pill set; or, with nothing to show,
   // what went wrong said and when to try again (null: not at all, for a 401 or a 404).
   async function pageDocument(path, status, say) {
@@ -617,9 +637,11 @@
     const { data } = await readJSON(response);
     if (!response.ok || !data) {
       pill(status, response.status === 404 ? "not found" : "error");
-      say(problem(response, data), true);
+      if (response.status === 404) showMissing(problem(response, data));
+      else say(problem(response, data), true);
       return { data: null, retry: response.status === 401 || response.status === 404 ? null : 5000 };
     }
+    delete body.dataset.missing;
     pill(status, data.status);
     body.dataset.status = data.status;
     return { data };
