@@ -497,10 +497,19 @@ def test_device_script_numbers_are_the_budget_tables():
     assert "/.device-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
     assert "/.device-reference/" in (ROOT / ".gitignore").read_text().splitlines()
     doc = (ROOT / "docs" / "gpu.md").read_text()
-    assert "give_back" in doc
+    assert "scripts/gpu_device_run.sh" in doc
     for status in range(7):
         assert f"| {status} |" in doc, f"exit status {status} undocumented in docs/gpu.md"
     assert doc.index("bash scripts/gpu_prepare.sh") < doc.index("scripts/gpu_check.py --dry-run")  # the first step
+    # the calls on a borrowed machine, their order and the give-back: docs/development.md's section
+    dev = (ROOT / "docs" / "development.md").read_text()
+    borrowed = dev[dev.index("## Running the GPU acceptance on a borrowed machine"):]
+    borrowed = borrowed[:borrowed.find("\n## ", 3) % (len(borrowed) + 1)]
+    for plan in budget_table.PLANS.values():
+        for call in plan.calls:
+            assert call.command() in borrowed, call.command()
+    assert borrowed.index("timeout_s=405") < borrowed.index("timeout_s=330")
+    assert "give_back" in borrowed and "status" in borrowed
 
 
 def _doc_estimates(doc: str) -> dict[str, int]:
