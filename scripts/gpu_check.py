@@ -433,6 +433,7 @@ def run_check(out: Path, mnist_dir: Path, dry_run: bool, sections: list[str], bu
                     if "error" in result:
                         result["error_before_interrupt"] = result.pop("error")
                     result["interrupted"] = why
+                    result["partial"] = True  # (whatever it had kept: interrupted before its first figure too)
                     kept = sorted(k for k in result if k not in BOOKKEEPING)
                     result["error"] = (f"interrupted after {time.perf_counter() - t:.0f} s: {why}; partial figures kept: "
                                        f"{', '.join(kept) or 'none yet'}")
