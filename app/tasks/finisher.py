@@ -99,7 +99,7 @@ class Finisher:
     def __init__(self, *, writer: LedgerWriter, metrics: Metrics, versions: Callable[[], dict[str, Any]],
                  pending: dict[str, Work], leases: Any = None, hash_threads: int | None = None) -> None:
         self.writer, self.metrics, self.versions, self.pending = writer, metrics, versions, pending
-        self.leases = leases  # (PostgreSQL) app/tasks/claims.py: an attempt's lease ends with its outcome
+        self.leases = leases  # (PostgreSQL) app/tasks/feeder.py: an attempt's lease ends with its outcome
         self.thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="rev88-finish", initializer=name_os_thread, initargs=("rev88-finish",))
         self.hashers = concurrent.futures.ThreadPoolExecutor(

@@ -81,7 +81,7 @@ class TaskRunner:
         # a tenant's (weight, max_running) for the executor's fair share (the service's key ring)
         self.shares: Callable[[str], tuple[float, int | None]] = lambda owner: (1.0, None)
         self.keys: Any = None  # the service's key ring (app/tasks/tenants.py): the quotas' messages
-        # The feeder (app/tasks/claims.py): asynchronous work waits in the ledger and is claimed into
+        # The feeder (app/tasks/feeder.py): asynchronous work waits in the ledger and is claimed into
         # the device queue by fair share, with either store. ``shared`` is the same object when the
         # ledger is shared by replicas (PostgreSQL: leases, fencing, cancels across replicas); None
         # with SQLite.
@@ -383,7 +383,7 @@ class TaskRunner:
     async def recover(self) -> dict[str, int]:
         """What a stop left unfinished: asynchronous work waits in the ledger and the feeder claims
         it again; a synchronous task (its client's connection went with the stop) is recorded
-        failed. With a shared ledger, only expired leases are reaped (app/tasks/claims.py)."""
+        failed. With a shared ledger, only expired leases are reaped (app/tasks/feeder.py)."""
         self.finisher.loop = asyncio.get_running_loop()
         failed = 0
         if self.shared is None:
