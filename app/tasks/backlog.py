@@ -11,10 +11,14 @@ work per tenant, as fair share weighs it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+from learner.cancel import CancelToken
+
 from ..errors import QueueFull
+from ..ledger import LedgerUnavailable
 from ..ledger.local_claims import owner_key
 from ..runtime.fair_share import Waiting
 from .work import Work
@@ -128,3 +132,24 @@ class Backlog:
     def waiting(self) -> dict[str, Waiting]:
         """The ledger's waiting work per tenant, as fair share weighs it."""
         return {t: Waiting(self.runner.weight_of(t), oldest, count) for t, (count, oldest) in self._backlog().items()}
+
+    async def returned(self, acc: Work) -> None:
+        """A fed task taken back out of the device queue before it ran: it waits in the ledger
+        again (its claim released), its parsed arrays kept here for its next claim."""
+        self.counters["returned"] += 1
+        acc.cancel = CancelToken()
+        acc.job = None
+        try:
+            released = await asyncio.to_thread(self.ledger.release, [acc.task_id])
+        except LedgerUnavailable as exc:  # (PostgreSQL: its lease expires instead, and it is reaped)
+            self.ledger.forget([acc.task_id])
+            self._failed("give back a returned task", exc)
+            return
+        if released:
+            size = 0 if acc.dataset is not None else acc.task.train_images.nbytes + acc.task.test_images.nbytes
+            self.offered[acc.task_id] = (acc, time.monotonic(), size)
+            self.offered_bytes += size
+            self.offered_weight += 1.0 if size else CELL_WEIGHT
+            self._trim_offered()
+        self.wake()
+

@@ -59,15 +59,13 @@ import collections
 import functools
 import logging
 import threading
-import time
 from typing import Any
 
-from learner.cancel import CancelToken
 from learner.config import make_config
-from learner.taskio import load_task
+from learner.taskio import TaskArrays, load_task
 
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
-from .backlog import CELL_WEIGHT, Backlog
+from .backlog import Backlog
 from .leases import LeaseKeeping
 from .runner import Accepted, TaskRunner
 from .work import State
@@ -171,26 +169,6 @@ class Feeder(Backlog, LeaseKeeping):
         if self._listener is not None:
             await asyncio.to_thread(self._listener.join, 5.0)
 
-
-    async def returned(self, acc: Accepted) -> None:
-        """A fed task taken back out of the device queue before it ran: it waits in the ledger
-        again (its claim released), its parsed arrays kept here for its next claim."""
-        self.counters["returned"] += 1
-        acc.cancel = CancelToken()
-        acc.job = None
-        try:
-            released = await asyncio.to_thread(self.ledger.release, [acc.task_id])
-        except LedgerUnavailable as exc:  # (PostgreSQL: its lease expires instead, and it is reaped)
-            self.ledger.forget([acc.task_id])
-            self._failed("give back a returned task", exc)
-            return
-        if released:
-            size = 0 if acc.dataset is not None else acc.task.train_images.nbytes + acc.task.test_images.nbytes
-            self.offered[acc.task_id] = (acc, time.monotonic(), size)
-            self.offered_bytes += size
-            self.offered_weight += 1.0 if size else CELL_WEIGHT
-            self._trim_offered()
-        self.wake()
 
     def wake(self) -> None:
         """Look for work now (thread-safe)."""
@@ -326,25 +304,13 @@ class Feeder(Backlog, LeaseKeeping):
             await self._give_back([c.record.id for c in claims if c.record.id not in attempts])
         return len(attempts)
 
-    async def _give_back(self, task_ids: list[str]) -> None:
-        """Release claims no attempt here runs (queued again at once, no expiry counted); with the
-        database away they are only forgotten here, and expire."""
-        if not task_ids:
-            return
-        try:
-            released = await asyncio.to_thread(self.ledger.release, task_ids)
-            self.counters["released"] += len(released)
-        except LedgerUnavailable as exc:
-            self.ledger.forget(task_ids)
-            self._failed("give back claims", exc)
-
     async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Accepted | None:
         """A claimed task accepted by another replica, from its stored npz; a task that cannot be
         re-run from it is failed, loudly."""
         dataset, labels = record.options.get("dataset"), None
         try:
             if dataset is not None:  # a task on a stored dataset: the dataset, read by this replica
-                task, labels = await asyncio.to_thread(self.runner.dataset_task, dataset)
+                task, labels = await asyncio.to_thread(self.dataset_task, dataset)
             elif body is None:
                 raise ValueError("its stored input is missing from the ledger")
             else:
@@ -353,7 +319,7 @@ class Feeder(Backlog, LeaseKeeping):
         except Exception as exc:  # noqa: BLE001
             log.error("cannot run a claimed task", extra={"task_id": record.id, "error": str(exc)})
             try:
-                await asyncio.to_thread(functools.partial(self.ledger.finish, record.id, "failed", None, {
+                await asyncio.to_thread(functools.partial(self.runner.ledger.finish, record.id, "failed", None, {
                     "status": 500, "error": f"could not run the task from its stored input: {exc}"}, epoch=epoch))
             except (LeaseLost, AlreadyFinished, LedgerUnavailable) as exc2:
                 log.warning("could not record the claimed task's failure", extra={"task_id": record.id,
@@ -370,25 +336,6 @@ class Feeder(Backlog, LeaseKeeping):
 
     # ------------------------------------------------------------------ reaping, depth
 
-    async def _maintain_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            if not self.leases:  # (SQLite: the backlog is counted in memory; a poll claims what the plan allows)
-                self.depth = self.ledger.queue_depth()
-                self.wake()
-                continue
-            try:
-                reaped = await asyncio.to_thread(self.ledger.reap)
-                self._count_reaped(reaped)
-                if reaped["requeued"]:
-                    self.wake()
-                self.depth = await asyncio.to_thread(self.ledger.queue_depth)
-                self._ok()
-            except LedgerUnavailable as exc:
-                self._failed("reap expired leases", exc)
-            except Exception:  # noqa: BLE001
-                log.exception("reaping expired leases failed")
-
 
     # ------------------------------------------------------------------ state
 
@@ -402,6 +349,13 @@ class Feeder(Backlog, LeaseKeeping):
         if self.database_error is not None:
             log.info("shared ledger available again")
             self.database_error = None
+
+    def dataset_task(self, digest: str) -> tuple[TaskArrays, Any]:
+        """(blocking) A stored dataset's parsed arrays and scoring labels (None without), for a
+        task recorded on it that runs again (a restart, a claim)."""
+        if self.runner.datasets is None:
+            raise ValueError(f"the task is on dataset {digest}, but this service has no dataset store")
+        return self.runner.datasets.task(digest), self.runner.datasets.labels(digest)
 
     def snapshot(self) -> dict[str, Any]:
         return {

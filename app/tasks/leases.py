@@ -134,3 +134,35 @@ class LeaseKeeping:
     def _count_reaped(self, reaped: dict[str, int]) -> None:
         for outcome, n in reaped.items():
             self.counters[f"reaped_{outcome}"] += n
+
+    async def _maintain_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            if not self.leases:  # (SQLite: the backlog is counted in memory; a poll claims what the plan allows)
+                self.depth = self.ledger.queue_depth()
+                self.wake()
+                continue
+            try:
+                reaped = await asyncio.to_thread(self.ledger.reap)
+                self._count_reaped(reaped)
+                if reaped["requeued"]:
+                    self.wake()
+                self.depth = await asyncio.to_thread(self.ledger.queue_depth)
+                self._ok()
+            except LedgerUnavailable as exc:
+                self._failed("reap expired leases", exc)
+            except Exception:  # noqa: BLE001
+                log.exception("reaping expired leases failed")
+
+    async def _give_back(self, task_ids: list[str]) -> None:
+        """Release claims no attempt here runs (queued again at once, no expiry counted); with the
+        database away they are only forgotten here, and expire."""
+        if not task_ids:
+            return
+        try:
+            released = await asyncio.to_thread(self.ledger.release, task_ids)
+            self.counters["released"] += len(released)
+        except LedgerUnavailable as exc:
+            self.ledger.forget(task_ids)
+            self._failed("give back claims", exc)
+
