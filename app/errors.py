@@ -87,7 +87,7 @@ class Unavailable(ServiceError):
 class Requeued(Unavailable):
     """A job fed from the ledger, taken back out of the device queue before it ran (a synchronous
     task under its tenant's share needed the place): it waits in the ledger again, nobody is
-    answered with this (app/runtime/executor.py, app/tasks/claims.py)."""
+    answered with this (app/runtime/executor.py, app/tasks/feeder.py)."""
 
     outcome = "requeued"
 

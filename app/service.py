@@ -45,10 +45,10 @@ from .runtime.energy import Energy
 from .runtime.executor import DeviceExecutor
 from .runtime.metrics import Metrics
 from .settings import Settings, SettingsError
-from .tasks.claims import SharedQueue
 from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
 from .tasks.evaluations import Evaluations
+from .tasks.feeder import Feeder
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
 from .tasks.sweeps import Sweeps
@@ -146,9 +146,9 @@ class Service:
         self.runner.shares, self.runner.keys = self.keys.share, self.keys
         self.runner.finished_hooks.append(self._count_for_tenant)
         # Asynchronous work waits in the ledger; the feeder claims it into the device queue by fair
-        # share (app/tasks/claims.py): SQLite's claims in process, PostgreSQL's leases shared by replicas
+        # share (app/tasks/feeder.py): SQLite's claims in process, PostgreSQL's leases shared by replicas
         claims = self.ledger if is_shared(self.ledger) else LocalClaims(self.ledger)
-        self.runner.feeder = SharedQueue(
+        self.runner.feeder = Feeder(
             self.runner, claims, workers=len(self.plan.devices), batch_max=self.batch_max,
             queue_size=self.queue_size, lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
             backlog_size=settings.backlog_size, backlog_bytes=self._backlog_bytes(settings),

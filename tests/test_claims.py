@@ -1,4 +1,4 @@
-"""The shared queue (app/tasks/claims.py) on a real PostgreSQL ledger, one fault at a time.
+"""The shared queue (app/tasks/feeder.py) on a real PostgreSQL ledger, one fault at a time.
 
 One service in this process claims asynchronous tasks that "another replica" (a second ledger on
 the same database) recorded, so every claim reads its stored input. Into each run one failure is

@@ -25,7 +25,7 @@ async def visible_task(service, task_id: str, tenant=None):
     if record is None or (tenant is not None and not visible(tenant, record.options.get("owner"))):
         # (another tenant's task is as absent as one never made: its existence is not revealed)
         if service.runner.shared is not None:
-            raise NotFound(f"no task {task_id!r} in the ledger this service's replicas share (GET /tasks lists them)")
+            raise NotFound(f"no task {task_id!r} in the shared ledger of this service's replicas (GET /tasks lists them)")
         raise NotFound(f"no task {task_id!r} on this server (GET /tasks lists its tasks)")
     return record
 

@@ -5,13 +5,13 @@ With PostgreSQL, replicas claim queued asynchronous tasks from the shared databa
 owns the ledger, so a claim needs no lease and no database write: ``LocalClaims`` keeps an index
 of the ledger's waiting asynchronous tasks (per tenant, oldest first) and hands them out in
 fair-share order; the rows stay ``queued`` until a worker starts them, exactly as the ledger has
-them. The feeder (app/tasks/claims.py) drives both stores through the same calls.
+them. The feeder (app/tasks/feeder.py) drives both stores through the same calls.
 
     load     at start: every unfinished asynchronous task of the ledger (a stop or a crash left
              it queued or running) waits again; returns how many
     add      a task just recorded queued (an upload, a sweep's or an evaluation's cell)
     claim    each tenant's oldest tasks, as many as the feeder's fair-share plan picks of it
-             (app/tasks/claims.py), then the oldest of any tenant; each claim is checked against
+             (app/tasks/feeder.py), then the oldest of any tenant; each claim is checked against
              the ledger (a task cancelled meanwhile is dropped)
     release  tasks claimed here that go back to wait (taken back out of the device queue, a
              drain, a failed queueing): in the index again, in their place

@@ -931,7 +931,7 @@ class PostgresLedger(TaskReads):
 
     def renew(self, attempts: dict[str, int] | None = None) -> Renewal:
         """Extend by ``lease_s`` (server clock) the leases of ``attempts`` (task id -> the epoch
-        its attempt here runs under: the SharedQueue's live attempts), on the upkeep connection;
+        its attempt here runs under: the Feeder's live attempts), on the upkeep connection;
         default every lease this replica holds. A held lease not among ``attempts`` has no live
         attempt here: it is dropped (not renewed: it is released, or expires and is reaped).
         Leases that no longer carry this replica's owner and epoch are dropped and reported lost."""

@@ -133,7 +133,7 @@ class TenantAdmission:
 
     def fair_order(self, n: int, waiting: dict[str, Waiting]) -> list[str]:
         """The tenants whose waiting work (in the ledger) would be served next, ``n`` picks in the
-        device queue's own order (what the feeder claims: app/tasks/claims.py)."""
+        device queue's own order (what the feeder claims: app/tasks/feeder.py)."""
         with self._cond:
             return self.fair.order(n, waiting)
 

@@ -6,19 +6,13 @@ whoever waits told from here. Two doors, one set of rules:
 
     launch(entries)   (the finisher thread) a launch's outcomes -- a batched launch's, or a lone
                       task's, a launch of one -- as the device worker hands them over: each answer
-                      built (``answer_for``: timing, log line, the document, its JSON once), the
-                      outcomes of recorded work written in ONE ledger transaction
-                      (``LedgerWriter.finish_launch``), a deferred task's record handed to the next
-                      group commit; then the event loop woken ONCE for the launch (``_told``), and
-                      the launch's future resolved with one ``Ended`` per entry (a synchronous
-                      task's client awaits its own)
-    failed(work, exc) (the loop) work that failed where no launch finishes it: it timed out or was
-                      cancelled while it waited, a drain, a refusal, a run that raised; recorded
-                      the same way (a lone write, retried while a shared database is away)
-
-A large buffer's hash (scores, predictions) is computed on the hash pool beside the launch's
-finishing (app/tasks/device.py ``finish_launch``: hashlib lets go of the GIL). What the route
-does with an ``Ended`` (send it, or nothing for work nobody awaits) stays the route's.
+                      built (its JSON encoded once), the outcomes of recorded work written in ONE
+                      ledger transaction, a deferred task's record handed to the next group
+                      commit; then the event loop woken ONCE for the launch (``_told``), and the
+                      launch's future resolved with one ``Ended`` per entry
+    failed(work, exc) (the loop) work that failed where no launch finishes it: a timeout or cancel
+                      while it waited, a drain, a refusal, a run that raised; recorded the same
+                      way (a lone write, retried while a shared database is away)
 """
 
 from __future__ import annotations
@@ -99,7 +93,7 @@ class Finisher:
     def __init__(self, *, writer: LedgerWriter, metrics: Metrics, versions: Callable[[], dict[str, Any]],
                  pending: dict[str, Work], leases: Any = None, hash_threads: int | None = None) -> None:
         self.writer, self.metrics, self.versions, self.pending = writer, metrics, versions, pending
-        self.leases = leases  # (PostgreSQL) app/tasks/claims.py: an attempt's lease ends with its outcome
+        self.leases = leases  # (PostgreSQL) app/tasks/feeder.py: an attempt's lease ends with its outcome
         self.thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="rev88-finish", initializer=name_os_thread, initargs=("rev88-finish",))
         self.hashers = concurrent.futures.ThreadPoolExecutor(
@@ -146,20 +140,6 @@ class Finisher:
             if work.labels is not None:
                 body.update(score(outcome.result.predictions, work.labels))
         return body
-
-    def measure_answer(self, work: Work, doc: dict, device_s: float) -> dict[str, Any]:
-        self.metrics.queue_wait_seconds.observe(work.queue_wait_s)
-        timing = {"receive_ms": _ms(work.receive_s), "parse_ms": _ms(work.parse_s),
-                  "queue_wait_ms": _ms(work.queue_wait_s), "device_ms": _ms(device_s),
-                  "total_ms": _ms(time.perf_counter() - work.t0)}
-        answer = {"id": work.task_id, "request_id": work.request_id, "measure": "energy", "protocol": work.measure,
-                  "predictions_sha256": doc.get("predictions_sha256"), "scores_sha256": doc.get("scores_sha256"),
-                  "energy": doc.get("energy")}
-        if doc.get("energy") is None:
-            answer["energy_reason"] = doc.get("energy_reason")
-        answer.update({"measurement": doc, "timing": timing, "device": doc.get("device"), "versions": self.versions()})
-        log.info("measurement answered", extra={"task_id": work.task_id, "timing": timing})
-        return answer
 
     def failure(self, work: Work, exc: BaseException) -> tuple[Settled, str, dict]:
         """A failed unit's answer, its status (cancelled or failed) and its error record."""
@@ -228,7 +208,8 @@ class Finisher:
             return settled, "succeeded", None
         if isinstance(value, Measured):
             self.metrics.outcome("ok")
-            settled = Settled(200, self.measure_answer(work, value.doc, device_s))
+            self.metrics.queue_wait_seconds.observe(work.queue_wait_s)
+            settled = Settled(200, measure_answer(work, value.doc, device_s, self.versions()))
             settled.json()
             return settled, "succeeded", None
         exc = value
@@ -395,6 +376,21 @@ class Finisher:
         finally:
             self.ended(work)
         return settled
+
+
+def measure_answer(work: Work, doc: dict, device_s: float, versions: dict[str, Any]) -> dict[str, Any]:
+    """A measurement's answer: its document, and the timing of its request."""
+    timing = {"receive_ms": _ms(work.receive_s), "parse_ms": _ms(work.parse_s),
+              "queue_wait_ms": _ms(work.queue_wait_s), "device_ms": _ms(device_s),
+              "total_ms": _ms(time.perf_counter() - work.t0)}
+    answer = {"id": work.task_id, "request_id": work.request_id, "measure": "energy", "protocol": work.measure,
+              "predictions_sha256": doc.get("predictions_sha256"), "scores_sha256": doc.get("scores_sha256"),
+              "energy": doc.get("energy")}
+    if doc.get("energy") is None:
+        answer["energy_reason"] = doc.get("energy_reason")
+    answer.update({"measurement": doc, "timing": timing, "device": doc.get("device"), "versions": versions})
+    log.info("measurement answered", extra={"task_id": work.task_id, "timing": timing})
+    return answer
 
 
 def _hashes_of(work: Work):

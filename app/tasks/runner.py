@@ -36,7 +36,7 @@ from learner.budget import estimate
 from learner.config import Config
 from learner.taskio import TaskArrays
 
-from ..errors import Forbidden, NotAccepted, Requeued
+from ..errors import NotAccepted, Requeued
 from ..ledger import AlreadyFinished, Ledger, LedgerWriter, TaskRecord
 from ..runtime.executor import Batch, DeviceExecutor, Job
 from ..runtime.metrics import Metrics
@@ -46,6 +46,7 @@ from .finisher import Finisher, unrecorded
 from .launches import Finishing, Launches
 from .options import measure_timeout_s
 from .submit import Submitted, submit
+from .tenant_gate import TenantGate
 from .work import Work
 
 log = logging.getLogger("rev88." + __name__)
@@ -65,7 +66,7 @@ def work_cost(work: Work) -> float | None:
     return estimate(work.task.train_count, work.task.test_count, work.config).work / 1e6
 
 
-class TaskRunner:
+class TaskRunner(TenantGate):
     """Accept, queue, wait for, cancel and recover work over the ledger and the device executor."""
 
     def __init__(self, *, ledger: Ledger, writer: LedgerWriter, executor: DeviceExecutor, energy: Any,
@@ -81,7 +82,7 @@ class TaskRunner:
         # a tenant's (weight, max_running) for the executor's fair share (the service's key ring)
         self.shares: Callable[[str], tuple[float, int | None]] = lambda owner: (1.0, None)
         self.keys: Any = None  # the service's key ring (app/tasks/tenants.py): the quotas' messages
-        # The feeder (app/tasks/claims.py): asynchronous work waits in the ledger and is claimed into
+        # The feeder (app/tasks/feeder.py): asynchronous work waits in the ledger and is claimed into
         # the device queue by fair share, with either store. ``shared`` is the same object when the
         # ledger is shared by replicas (PostgreSQL: leases, fencing, cancels across replicas); None
         # with SQLite.
@@ -106,13 +107,6 @@ class TaskRunner:
     def uses_leases(self, feeder: Any) -> None:
         """A shared ledger (PostgreSQL): its feeder keeps the leases of the attempts run here."""
         self.shared = self.finisher.leases = feeder
-
-    def dataset_task(self, digest: str) -> tuple[TaskArrays, Any]:
-        """(blocking) A stored dataset's parsed arrays and scoring labels (None without), for a
-        task recorded on it that runs again (a restart, a claim)."""
-        if self.datasets is None:
-            raise ValueError(f"the task is on dataset {digest}, but this service has no dataset store")
-        return self.datasets.task(digest), self.datasets.labels(digest)
 
     # ------------------------------------------------------------------ accept
     async def submit(self, work: Work | list[Work], **how: Any) -> Submitted:
@@ -159,43 +153,6 @@ class TaskRunner:
             for w in works], messages)
 
     # ------------------------------------------------------------------ admission
-    def weight_of(self, tenant: str) -> float:
-        """A tenant's fair-share weight ("" -- the admin, an open service -- weighs 1)."""
-        return self.shares(tenant)[0] if tenant else 1.0
-
-    def refusal(self, work: Work) -> Forbidden | None:
-        """(a device worker, blocking on a key cache miss) Why this work may not run now that it
-        reaches the device -- its tenant's key was revoked while it waited -- or None."""
-        if work.owner is None or self.keys is None:
-            return None
-        reason = self.keys.barred(work.owner)
-        return None if reason is None else Forbidden(f"{reason} while this task waited; it was not run")
-
-    def others_waiting(self) -> dict[str, float]:
-        """The tenants whose work waits in the ledger, with their weights."""
-        return self.feeder.backlog_weights() if self.feeder is not None else {}
-
-    def check_sync_capacity(self, owner: str | None) -> None:
-        """Before a synchronous task's body is read: QueueFull unless its tenant may have a place
-        in the device queue now (its share, app/runtime/executor.py)."""
-        tenant = owner or ""
-        self.executor.check_capacity(tenant, self.weight_of(tenant), self.others_waiting())
-
-    def unfinished_of(self, owner: str) -> int:
-        """(blocking) The tenant's queued and running tasks: the ledger's, and this process's
-        synchronous ones that are recorded only once they finish."""
-        unrecorded_here = sum(1 for w in list(self.pending.values())
-                              if w.deferred and w.owner == owner and w.finished is None)
-        return self.ledger.count_unfinished(owner) + unrecorded_here
-
-    async def check_queued(self, tenant: Any, adding: int) -> None:
-        """TooManyRequests when ``adding`` more tasks would pass the tenant's max_queued."""
-        key = getattr(tenant, "key", None)
-        if key is None or key.max_queued is None:
-            return
-        count = await asyncio.to_thread(self.unfinished_of, tenant.id)
-        self.keys.check_queued(tenant, adding, count)
-
     # ------------------------------------------------------------------ queue
     def task_batch(self, work: Work) -> Batch | None:
         """How a task's job may share a launch with queued tasks of its launch key (None when
@@ -383,7 +340,7 @@ class TaskRunner:
     async def recover(self) -> dict[str, int]:
         """What a stop left unfinished: asynchronous work waits in the ledger and the feeder claims
         it again; a synchronous task (its client's connection went with the stop) is recorded
-        failed. With a shared ledger, only expired leases are reaped (app/tasks/claims.py)."""
+        failed. With a shared ledger, only expired leases are reaped (app/tasks/feeder.py)."""
         self.finisher.loop = asyncio.get_running_loop()
         failed = 0
         if self.shared is None:

@@ -4,8 +4,9 @@ fair share (issues #22, #44).
 Every asynchronous task, sweep cell, evaluation cell and recovered task is recorded queued in the
 ledger and ``offer``ed; the feeder moves it into the device queue as room frees, through one claim
 path for both stores: the SQLite ledger's claims are in process (app/ledger/local_claims.py), the
-PostgreSQL ledger's are leases every replica shares (app/ledger/postgres.py). ``SharedQueue`` is
-that machinery, built by the service beside the ``TaskRunner`` and driving it:
+PostgreSQL ledger's are leases every replica shares (app/ledger/postgres.py). ``Feeder`` is
+that machinery, built by the service beside the ``TaskRunner`` and driving it (the backlog's side
+in app/tasks/backlog.py, the leases' in app/tasks/leases.py):
 
     claim     whenever it may help (woken by a local job ending, by an offer, by a NOTIFY that a
               task was queued, or every ``REV88_CLAIM_POLL_S``), never past the device queue's
@@ -58,32 +59,23 @@ import collections
 import functools
 import logging
 import threading
-import time
 from typing import Any
 
-from learner.cancel import CancelToken
 from learner.config import make_config
-from learner.taskio import load_task
+from learner.taskio import TaskArrays, load_task
 
-from ..errors import QueueFull
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
-from ..ledger.local_claims import owner_key
-from ..runtime.fair_share import Waiting
-from ..threads import name_os_thread
+from .backlog import Backlog
+from .leases import LeaseKeeping
 from .runner import Accepted, TaskRunner
 from .work import State
 
 log = logging.getLogger("rev88." + __name__)
 
 BACKLOG_SIZE = 100_000  # REV88_BACKLOG_SIZE's default: waiting asynchronous tasks (rows of ~2 KB each)
-# Offered tasks' parsed arrays kept for this replica's own claim: at most this many bytes, this
-# long (a task another replica claimed is simply forgotten; this one then reads no body back)
-OFFER_CACHE_BYTES = 256 << 20
-OFFER_CACHE_S = 30.0
-CELL_WEIGHT = 1 / 40  # an offered task on a stored dataset (no arrays of its own) against an upload
 
 
-class SharedQueue:
+class Feeder(Backlog, LeaseKeeping):
     def __init__(self, runner: TaskRunner, ledger: Any, *, workers: int, batch_max: int, queue_size: int,
                  lease_renew_s: float, claim_poll_s: float, backlog_size: int | None = None,
                  backlog_bytes: int | None = None, ready: Any = None) -> None:
@@ -177,101 +169,6 @@ class SharedQueue:
         if self._listener is not None:
             await asyncio.to_thread(self._listener.join, 5.0)
 
-    # ------------------------------------------------------------------ intake
-
-    def backlog(self) -> dict[str, Any]:
-        """The ledger's waiting asynchronous work: tasks, stored upload bytes, per tenant (as last
-        counted; SQLite's is exact)."""
-        depth = self.ledger.queue_depth() if not self.leases else (self.depth or {})
-        return {"tasks": depth.get("queued", 0), "bytes": depth.get("bytes", 0), "limit": self.limit,
-                "limit_bytes": self.limit_bytes, "owners": depth.get("owners", {})}
-
-    def check_capacity(self, adding: int = 1, uploads: bool = True) -> None:
-        """Before asynchronous work is read or recorded: refuse (503) while the ledger's backlog
-        is full -- ``adding`` more tasks would pass REV88_BACKLOG_SIZE, or (``uploads``: each
-        keeps its npz) the waiting uploads already hold REV88_BACKLOG_BYTES."""
-        backlog = self.backlog()
-        retry = max(1, round(self.poll_s * 2))
-        if backlog["tasks"] + adding > self.limit:
-            self.counters["refused_backlog"] += 1
-            raise QueueFull(
-                f"the ledger's backlog is full ({backlog['tasks']} asynchronous tasks waiting; {adding} more would "
-                f"pass REV88_BACKLOG_SIZE {self.limit}); retry later", retry_after=retry,
-                limit="REV88_BACKLOG_SIZE", value=self.limit, waiting=backlog["tasks"])
-        if uploads and self.limit_bytes is not None and backlog["bytes"] >= self.limit_bytes:
-            self.counters["refused_backlog"] += 1
-            raise QueueFull(
-                f"the ledger's backlog is full (the waiting uploads hold {backlog['bytes']} bytes, REV88_BACKLOG_BYTES "
-                f"{self.limit_bytes}); retry later", retry_after=retry, limit="REV88_BACKLOG_BYTES",
-                value=self.limit_bytes, waiting_bytes=backlog["bytes"])
-
-    def offer(self, acc: Accepted) -> None:
-        """Asynchronous work just recorded (queued) here: the feeder claims it by fair share (with
-        a shared ledger, whichever replica is idle); this one keeps its parsed arrays a while, to
-        run it without reading it back."""
-        acc.wait()
-        size = acc.task.train_images.nbytes + acc.task.test_images.nbytes if acc.dataset is None else 0
-        self.offered[acc.task_id] = (acc, time.monotonic(), size)
-        self.offered_bytes += size
-        self.offered_weight += 1.0 if size else CELL_WEIGHT
-        self._trim_offered()
-        if not self.leases:
-            self.ledger.add(acc.task_id, acc.owner, acc.created_at, 0 if acc.dataset is not None else acc.body_bytes)
-        elif self.depth is not None:
-            owners = dict(self.depth.get("owners") or {})
-            mine = dict(owners.get(owner_key(acc.owner)) or {})
-            mine["queued"] = mine.get("queued", 0) + 1
-            mine["unclaimed"] = mine.get("unclaimed", 0) + 1
-            owners[owner_key(acc.owner)] = mine
-            self.depth = {**self.depth, "queued": self.depth.get("queued", 0) + 1, "owners": owners}
-        self.wake()
-
-    def discard(self, task_id: str) -> None:
-        """A waiting task cancelled in the ledger (SQLite): out of the backlog and the cache."""
-        self._take_offered(task_id)
-        if not self.leases:
-            self.ledger.discard(task_id)
-
-    async def returned(self, acc: Accepted) -> None:
-        """A fed task taken back out of the device queue before it ran: it waits in the ledger
-        again (its claim released), its parsed arrays kept here for its next claim."""
-        self.counters["returned"] += 1
-        acc.cancel = CancelToken()
-        acc.job = None
-        try:
-            released = await asyncio.to_thread(self.ledger.release, [acc.task_id])
-        except LedgerUnavailable as exc:  # (PostgreSQL: its lease expires instead, and it is reaped)
-            self.ledger.forget([acc.task_id])
-            self._failed("give back a returned task", exc)
-            return
-        if released:
-            size = 0 if acc.dataset is not None else acc.task.train_images.nbytes + acc.task.test_images.nbytes
-            self.offered[acc.task_id] = (acc, time.monotonic(), size)
-            self.offered_bytes += size
-            self.offered_weight += 1.0 if size else CELL_WEIGHT
-            self._trim_offered()
-        self.wake()
-
-    def _take_offered(self, task_id: str) -> Accepted | None:
-        entry = self.offered.pop(task_id, None)
-        if entry is None:
-            return None
-        self.offered_bytes -= entry[2]
-        self.offered_weight -= 1.0 if entry[2] else CELL_WEIGHT
-        return entry[0]
-
-    def _trim_offered(self) -> None:
-        """Oldest out first, past the cache's bounds: OFFER_CACHE_BYTES of uploads' arrays, this many
-        entries (a sweep's cells hold no arrays of their own -- they share their dataset's --, so
-        each counts a fortieth of an upload: a 1,320-cell sweep stays here), OFFER_CACHE_S."""
-        old = time.monotonic() - OFFER_CACHE_S
-        while self.offered:
-            _, (_, at, _) = next(iter(self.offered.items()))
-            if (self.offered_weight <= self.cache_size and self.offered_bytes <= OFFER_CACHE_BYTES and at >= old):
-                break
-            _, (_, _, size) = self.offered.popitem(last=False)
-            self.offered_bytes -= size
-            self.offered_weight -= 1.0 if size else CELL_WEIGHT
 
     def wake(self) -> None:
         """Look for work now (thread-safe)."""
@@ -305,32 +202,6 @@ class SharedQueue:
 
     def free_slots(self) -> int:
         return self.slots + self.prefetch - self.runner.executor.in_flight()
-
-    def backlog_tenants(self) -> dict[str, int]:
-        """tenant -> its work waiting in the ledger, not yet claimed ("" the admin's/an open
-        service's): SQLite's exactly; PostgreSQL's as last counted, with what was offered here since."""
-        return {t: w[0] for t, w in self._backlog().items()}
-
-    def _backlog(self) -> dict[str, tuple[int, float]]:
-        """tenant -> (its unclaimed tasks, when its oldest was created)."""
-        if not self.leases:
-            return self.ledger.waiting()
-        out = {t: (v.get("unclaimed", v.get("queued", 0)), v.get("oldest") or 0.0)
-               for t, v in ((self.depth or {}).get("owners") or {}).items()}
-        for acc, _, _ in self.offered.values():
-            tenant = owner_key(acc.owner)
-            count, oldest = out.get(tenant, (0, acc.created_at))
-            out[tenant] = (max(count, 1), min(oldest, acc.created_at) if oldest else acc.created_at)
-        return {t: w for t, w in out.items() if w[0] > 0}
-
-    def backlog_weights(self) -> dict[str, float]:
-        """tenant -> its weight, for the tenants whose work waits in the ledger (the device queue's
-        shares count them as waiting)."""
-        return {t: self.runner.weight_of(t) for t in self.backlog_tenants()}
-
-    def waiting(self) -> dict[str, Waiting]:
-        """The ledger's waiting work per tenant, as fair share weighs it."""
-        return {t: Waiting(self.runner.weight_of(t), oldest, count) for t, (count, oldest) in self._backlog().items()}
 
     def plan(self) -> tuple[int, list[tuple[str, int]] | None] | None:
         """(how many to claim, [(tenant, how many of its oldest)] in fair-share order -- None:
@@ -433,25 +304,13 @@ class SharedQueue:
             await self._give_back([c.record.id for c in claims if c.record.id not in attempts])
         return len(attempts)
 
-    async def _give_back(self, task_ids: list[str]) -> None:
-        """Release claims no attempt here runs (queued again at once, no expiry counted); with the
-        database away they are only forgotten here, and expire."""
-        if not task_ids:
-            return
-        try:
-            released = await asyncio.to_thread(self.ledger.release, task_ids)
-            self.counters["released"] += len(released)
-        except LedgerUnavailable as exc:
-            self.ledger.forget(task_ids)
-            self._failed("give back claims", exc)
-
     async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Accepted | None:
         """A claimed task accepted by another replica, from its stored npz; a task that cannot be
         re-run from it is failed, loudly."""
         dataset, labels = record.options.get("dataset"), None
         try:
             if dataset is not None:  # a task on a stored dataset: the dataset, read by this replica
-                task, labels = await asyncio.to_thread(self.runner.dataset_task, dataset)
+                task, labels = await asyncio.to_thread(self.dataset_task, dataset)
             elif body is None:
                 raise ValueError("its stored input is missing from the ledger")
             else:
@@ -460,7 +319,7 @@ class SharedQueue:
         except Exception as exc:  # noqa: BLE001
             log.error("cannot run a claimed task", extra={"task_id": record.id, "error": str(exc)})
             try:
-                await asyncio.to_thread(functools.partial(self.ledger.finish, record.id, "failed", None, {
+                await asyncio.to_thread(functools.partial(self.runner.ledger.finish, record.id, "failed", None, {
                     "status": 500, "error": f"could not run the task from its stored input: {exc}"}, epoch=epoch))
             except (LeaseLost, AlreadyFinished, LedgerUnavailable) as exc2:
                 log.warning("could not record the claimed task's failure", extra={"task_id": record.id,
@@ -474,134 +333,9 @@ class SharedQueue:
                         owner=record.options.get("owner"), webhook=record.options.get("webhook"),
                         precision=record.options.get("precision"))
 
-    # ------------------------------------------------------------------ leases
-
-    def attempt_began(self, acc: Accepted) -> None:
-        """(the runner, as it queues a task under a lease) Its lease is renewed while it lives."""
-        with self._attempts_lock:
-            self._attempts[acc.task_id] = acc
-
-    def attempt_ended(self, acc: Accepted) -> None:
-        """(the runner, as its settling ends, recorded or not) Its lease is renewed no more."""
-        with self._attempts_lock:
-            if self._attempts.get(acc.task_id) is acc:
-                del self._attempts[acc.task_id]
-
-    def live_attempts(self) -> dict[str, int]:
-        """task id -> the epoch of the attempt running it here (thread-safe)."""
-        with self._attempts_lock:
-            return {task_id: acc.epoch for task_id, acc in self._attempts.items() if acc.epoch is not None}
-
-    def _keep_leases(self) -> None:
-        """The ``rev88-leases`` thread: every ``renew_s``, the live attempts' leases renewed on the
-        ledger's upkeep connection; what it found handed to the loop."""
-        name_os_thread("rev88-leases")
-        while not self._stop_listening.wait(self.renew_s):
-            attempts = self.live_attempts()
-            try:
-                renewal = self.ledger.renew(attempts)
-            except LedgerUnavailable as exc:
-                self._to_loop(self._failed, "renew leases", exc)
-                continue
-            except Exception:  # noqa: BLE001 - the thread must go on
-                log.exception("renewing leases failed")
-                continue
-            self._to_loop(self._renewed, renewal, attempts)
-
-    def _to_loop(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
-
-    def _renewed(self, renewal: Any, attempts: dict[str, int]) -> None:
-        """(the loop) A renewal's findings: attempts whose lease was lost are stopped here."""
-        self._ok()
-        for task_id in renewal.lost:
-            with self._attempts_lock:
-                acc = self._attempts.get(task_id)
-            if acc is None or acc.epoch != attempts.get(task_id):
-                continue  # (it finished here meanwhile)
-            self.counters["leases_lost"] += 1
-            log.warning("lease lost: the task runs on another replica now, or is queued again; stopping it here",
-                        extra={"task_id": task_id, "epoch": acc.epoch})
-            self._stop_here(task_id, "lease", "lost its lease (it expired and was reaped or taken over)")
-        for task_id in renewal.cancel:
-            self._cancel_here(task_id)
-
-    def _stop_here(self, task_id: str, why: str, reason: str) -> bool:
-        acc = self.runner.pending.get(task_id)
-        if acc is None or acc.job is None:
-            return False
-        return self.runner.executor.withdraw(acc.job, why, reason)
-
-    def _cancel_here(self, task_id: str) -> None:
-        if self._stop_here(task_id, "cancel", f"was cancelled (POST /tasks/{task_id}/cancel)"):
-            self.counters["cancels_noticed"] += 1
-
-    def _notified(self, channel: str, payload: str) -> None:
-        """From the listener thread."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        if channel == "rev88_cancel":
-            loop.call_soon_threadsafe(self._cancel_here, payload)
-        else:  # a task queued somewhere, or the listener (re)connected: look for work
-            self._depth_stale = True
-            loop.call_soon_threadsafe(self._wake.set)
 
     # ------------------------------------------------------------------ reaping, depth
 
-    async def _maintain_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            if not self.leases:  # (SQLite: the backlog is counted in memory; a poll claims what the plan allows)
-                self.depth = self.ledger.queue_depth()
-                self.wake()
-                continue
-            try:
-                reaped = await asyncio.to_thread(self.ledger.reap)
-                self._count_reaped(reaped)
-                if reaped["requeued"]:
-                    self.wake()
-                self.depth = await asyncio.to_thread(self.ledger.queue_depth)
-                self._ok()
-            except LedgerUnavailable as exc:
-                self._failed("reap expired leases", exc)
-            except Exception:  # noqa: BLE001
-                log.exception("reaping expired leases failed")
-
-    def _count_reaped(self, reaped: dict[str, int]) -> None:
-        for outcome, n in reaped.items():
-            self.counters[f"reaped_{outcome}"] += n
-
-    # ------------------------------------------------------------------ cancel, wait (any replica's tasks)
-
-    async def cancel_elsewhere(self, task_id: str) -> TaskRecord | None:
-        """Cancel a task this replica does not run: its record once recorded finished (None for an
-        unknown id); waits for its holder at most a lease and a few polls."""
-        try:
-            outcome, record = await asyncio.to_thread(self.ledger.request_cancel, task_id)
-        except KeyError:
-            return None
-        except AlreadyFinished as exc:
-            return exc.record
-        if outcome == "cancelled":
-            return record
-        return await self.wait_finished(task_id, self.ledger.lease_s + 2 * self.poll_s + 5.0)
-
-    async def wait_finished(self, task_id: str, timeout: float) -> TaskRecord | None:
-        """Poll the shared ledger until the task has finished (or ``timeout``); its record then."""
-        deadline = time.monotonic() + timeout
-        delay = 0.02
-        while True:
-            record = await self.runner.get(task_id)
-            if record is None or record.finished or time.monotonic() >= deadline:
-                return record
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 1.5, 0.25)
 
     # ------------------------------------------------------------------ state
 
@@ -615,6 +349,13 @@ class SharedQueue:
         if self.database_error is not None:
             log.info("shared ledger available again")
             self.database_error = None
+
+    def dataset_task(self, digest: str) -> tuple[TaskArrays, Any]:
+        """(blocking) A stored dataset's parsed arrays and scoring labels (None without), for a
+        task recorded on it that runs again (a restart, a claim)."""
+        if self.runner.datasets is None:
+            raise ValueError(f"the task is on dataset {digest}, but this service has no dataset store")
+        return self.runner.datasets.task(digest), self.runner.datasets.labels(digest)
 
     def snapshot(self) -> dict[str, Any]:
         return {
