@@ -141,7 +141,8 @@ class Launches:
 
     def run_alone(self, work: Any) -> Finishing:
         """(a device worker) One task's job: in a launch of its own on a backend that batches (with
-        REV88_BATCH_MAX > 1), else the single run (a measurement: its protocol); then the same finishing. What stops it before
+        REV88_BATCH_MAX > 1), else the single run (a measurement: its protocol); then the same
+        finishing (a plain synchronous task's on this worker). What stops it before
         its result -- its tenant's key revoked, a body its job finds invalid, a run that raised --
         is its job's exception (the executor answers it; the runner hands it to the finisher)."""
         r = self.runner
@@ -161,8 +162,19 @@ class Launches:
             value = run_on_device(work.task, work.config, work.backend, r.energy, r.engines, cancel=work.cancel,
                                   precision=work.precision)
         device_s = time.monotonic() - (work.started_mono or t0)
-        future = self.finisher.thread.submit(self.finisher.launch, [(work, value)], device_s, 1)
-        future.add_done_callback(_log_failure)
+        if not work.deferred:  # its outcome is written before anyone is told: on the finisher's thread
+            future = self.finisher.thread.submit(self.finisher.launch, [(work, value)], device_s, 1)
+            future.add_done_callback(_log_failure)
+            return Finishing(future, 0)
+        # A plain synchronous task (its record goes to the next group commit, nobody waits for the
+        # disk): finished here, on this worker, by the same finisher, without the hop to its thread
+        # (bench/bench_shell.py: the hop cost a tiny task more server CPU than its answer)
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(self.finisher.launch([(work, value)], device_s, 1))
+        except Exception as exc:  # noqa: BLE001 - said loudly, as a launch's finishing that failed
+            future.set_exception(exc)
+            _log_failure(future)
         return Finishing(future, 0)
 
     def _refusal(self, item: tuple) -> BaseException | None:
