@@ -59,7 +59,8 @@ def wait_until(predicate, timeout: float, what: str):
 
 def start_server(checkout: Path, data: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(checkout), "REV88_API_KEY": "", "REV88_BACKEND": "cpu-fast",
+    path = os.pathsep.join([str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])])  # (the parent's kept)
+    env = {**os.environ, "PYTHONPATH": path, "REV88_API_KEY": "", "REV88_BACKEND": "cpu-fast",
            "REV88_WORKERS": "2", "REV88_DATA_DIR": str(data)}
     log = open(data.parent / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "rev88", "serve", "--host", "127.0.0.1", "--port", str(port),

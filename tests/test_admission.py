@@ -347,9 +347,12 @@ def test_a_flood_never_refuses_or_starves_another_tenant_on_two_replicas(tmp_pat
 
         result = _flood_then_small_tenant(c, gate, health, [s1, s2])
         assert all(d["admission"]["device_queue"]["deepest"] <= 8 for d in health())
-    # two workers (one per replica): B's four started before all but the first few of A's
+    # two workers (one per replica): B's four started before all but the first few of A's 1,050 --
+    # from B's arrival on, each replica gives it every other start (fair share by virtual time: no
+    # credit for the time it was idle), so A's running tasks and those interleaved with B's on both
+    # replicas start first: up to three on the replica that runs three of B's, five on the other
     print("A tasks started before B's last:", _started_before_b(result))
-    assert _started_before_b(result) <= 8, _started_before_b(result)
+    assert _started_before_b(result) <= 10, _started_before_b(result)
     assert result["sync"][0]["predictions_sha256"] == result["sync"][1]["predictions_sha256"]
 
 

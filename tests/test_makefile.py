@@ -21,6 +21,9 @@ import pytest
 from tests.helpers import ROOT
 
 PAST = 1_700_000_000  # (the sources' time: before anything an install writes)
+# make run as a top-level make, whatever runs this test (CI runs the suite under `make test`: a
+# child make would print "Entering directory" lines and inherit the parent's flags)
+MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
 RECORDER = """#!/bin/sh
 echo "$(basename "$0") $*" >> "$(dirname "$0")/../calls.log"
 """
@@ -53,7 +56,7 @@ def make(tree: Path, *targets: str, gpu: bool = False) -> list[str]:
     """Run make; the commands the venv's programs were called with, in order."""
     log = tree / "venv" / "calls.log"
     log.unlink(missing_ok=True)
-    proc = subprocess.run(["make", "-s", *targets, "VENV=venv", f"HAS_GPU={'yes' if gpu else ''}"], cwd=tree,
+    proc = subprocess.run(["make", "-s", *targets, "VENV=venv", f"HAS_GPU={'yes' if gpu else ''}"], cwd=tree, env=MAKE_ENV,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return log.read_text().splitlines() if log.exists() else []
@@ -93,7 +96,7 @@ def test_what_the_install_builds_from_changed_installs_again(tree, changed):
 
 def test_a_fresh_venv_installs(tree):
     """No venv yet: make creates it and installs (shown by a dry run: creating it is real work)."""
-    proc = subprocess.run(["make", "-n", "serve", "VENV=fresh", "HAS_GPU="], cwd=tree, capture_output=True,
+    proc = subprocess.run(["make", "-n", "serve", "VENV=fresh", "HAS_GPU="], cwd=tree, env=MAKE_ENV, capture_output=True,
                           text=True, timeout=60)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
