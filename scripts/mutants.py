@@ -46,12 +46,11 @@ MUTANTS = [
            "result = finish_task(task, launch.runs[[j for j, r in enumerate(launch.runs) if isinstance(r, tuple)][0]][1], "
            "launch.engine,",
            ("tests/test_pairing.py", "-k", "sqlite")),
-    Mutant("m3_cells_numbered_among_fed", "async cells numbered among the launch-path items only",
-           "app/tasks/launches.py",
-           "fed = [(i, item[3]) for i, item in enumerate(launch.items)\n"
-           "               if len(item) > 3 and getattr(item[3], \"launch_path\", False)]",
-           "fed = list(enumerate([item[3] for item in launch.items\n"
-           "               if len(item) > 3 and getattr(item[3], \"launch_path\", False)]))",
+    Mutant("m3_cells_numbered_among_fed", "a launch's outcomes paired with its items asynchronous ones first "
+           "(a cell given a synchronous task's answer when both share a launch)", "app/tasks/launches.py",
+           "return self.finisher.launch([(item[3], value) for item, value in zip(launch.items, outcomes)],",
+           "return self.finisher.launch([(item[3], value) for item, value in zip(sorted(launch.items, "
+           "key=lambda it: it[3].mode), outcomes)],",
            ("tests/test_pairing.py", "-k", "sqlite")),
     Mutant("m4_writer_slice_not_advancing", "the ledger writer's slice of a launch's results not advancing",
            "app/ledger/writer.py", "                at += len(o)\n", "                pass\n",
@@ -67,7 +66,7 @@ MUTANTS = [
            ("tests/test_fair_share.py", "-k", "not replicas and not shared_ledger")),
     Mutant("m7_claims_ignore_weights", "the claims ignoring tenant weights", "app/tasks/backlog.py",
            "Waiting(self.runner.weight_of(t), oldest, count)", "Waiting(1.0, oldest, count)",
-           ("tests/test_fair_share.py", "-k", "q2 or b4")),
+           ("tests/test_fair_share.py", "-k", "q4-b4 or q2")),
     Mutant("m8_pg_claim_ignores_picks", "PostgreSQL's claim ignoring the fair-share picks (and so weights)",
            "app/ledger/postgres.py", "            if picks:\n", "            if False:\n",
            ("tests/test_fair_share.py", "-k", "shared_ledger")),
@@ -81,7 +80,7 @@ MUTANTS = [
     Mutant("m17_idle_hoards_credit", "an idle tenant keeping the credit of its idle time",
            "app/runtime/fair_share.py", "return finish if self.active(tenant) else max(self.now, finish)",
            "return finish", ("tests/test_fair_share.py", "-k", "late or idle")),
-    Mutant("m18_executor_ties_by_id", "the device queue's ties decided by tenant id", "app/runtime/executor.py",
+    Mutant("m18_executor_ties_by_id", "the device queue's ties decided by tenant id", "app/runtime/worker_loop.py",
            "key=lambda j: (j.tag, j.submitted))", "key=lambda j: (j.tag, j.tenant))",
            ("tests/test_fair_share.py", "-k", "equal_tags")),
     # ---- admission and the backlog
