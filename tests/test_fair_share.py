@@ -93,7 +93,7 @@ WEIGHTS = [(1, 1), (1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 1), (3, 1, 1), (3, 1, 1, 1
 # (weights, REV88_QUEUE_SIZE, REV88_BATCH_MAX): with a device queue of 8 the queue's own order
 # decides much; with 2 (one running, one claimed ahead) the feeder's claims decide alone; with
 # launches of 4 (the default device queue: two launches) the feeder claims several tenants at once
-CASES = [(w, 8, 1) for w in WEIGHTS] + [((2, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 8, 4), ((2, 1, 1), 16, 4), ((3, 1, 1, 1, 1), 4, 4)]
+CASES = [(w, 8, 1) for w in WEIGHTS] + [((2, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 2, 1), ((3, 1, 1, 1, 1), 8, 4), ((2, 1, 1), 16, 4), ((3, 1, 1, 1, 1), 4, 4), ((3, 1, 1, 1, 1), 8, 8)]
 
 
 @pytest.mark.parametrize("weights, queue_size, batch_max", CASES,
