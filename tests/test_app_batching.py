@@ -435,10 +435,10 @@ while not ex.busy:
     time.sleep(0.01)
 config = make_config({"depth": 1, "batch_size": 16})
 items = [(small_task(40, 8, seed=i), config.replace(seed=3 + i % 2)) for i in range(3)]
-from app.tasks.runner import Accepted
+from app.tasks.work import Work
 from tests.test_app_batching import resolved
 jobs = [ex.submit(lambda t=t, c=c: run_on_device(t, c, "fused", service.energy, service.engines),
-                  batch=service.runner.task_batch(Accepted(task_id=str(i), task=t, config=c, backend="fused")))
+                  batch=service.runner.task_batch(Work(task_id=str(i), task=t, config=c, backend="fused")))
         for i, (t, c) in enumerate(items)]
 gate.set()
 keys = ("predictions_sha256", "scores_sha256", "final_parameter_sha256", "final_velocity_sha256")

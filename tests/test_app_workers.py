@@ -71,10 +71,11 @@ def assert_same_result(result, expected):
 
 def submit_task(service: Service, task, config, backend: str, pin: int | None = None, label: str = ""):
     """What the task runner (app/tasks/runner.py) does for a task job (optionally pinned to one worker)."""
-    from app.tasks.runner import Accepted, new_task_id
+    from app.tasks.runner import new_task_id
+    from app.tasks.work import Work
 
     token = CancelToken()
-    acc = Accepted(task_id=label or new_task_id(), task=task, config=config, backend=backend, cancel=token)
+    acc = Work(task_id=label or new_task_id(), task=task, config=config, backend=backend, cancel=token)
     return service.executor.submit(
         lambda: run_on_device(task, config, backend, service.energy, service.engines, cancel=token),
         kind="task", label=label, batch=service.runner.task_batch(acc), cancel=token, pin=pin,

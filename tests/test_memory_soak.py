@@ -24,7 +24,7 @@ from app.http import protocol
 from app.main import create_app
 from app.runtime.executor import Job
 from app.settings import Settings
-from app.tasks.runner import Accepted
+from app.tasks.work import Work
 from learner.taskio import TaskArrays, task_to_npz_bytes
 
 from .gates import Gate, gated_engines
@@ -35,7 +35,7 @@ try:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 except ImportError:  # uvicorn without httptools: rev88 serve keeps uvicorn's default protocol
     RequestResponseCycle = None
-TRACKED = tuple(t for t in (TaskArrays, Accepted, Job, RequestResponseCycle, getattr(protocol, "ZeroCopyBody", None))
+TRACKED = tuple(t for t in (TaskArrays, Work, Job, RequestResponseCycle, getattr(protocol, "ZeroCopyBody", None))
                 if t is not None)
 
 ASYNC = {"Prefer": "respond-async"}

@@ -13,7 +13,8 @@ import pytest
 from app.errors import InvalidRequest
 from app.tasks.device import at_precision, launch_key
 from app.tasks.options import check_precision, parse_options
-from app.tasks.runner import Accepted, TaskRunner
+from app.tasks.runner import TaskRunner
+from app.tasks.work import Work
 from learner.config import make_config
 
 from .helpers import small_task
@@ -43,7 +44,7 @@ def test_different_precisions_never_share_a_launch():
     launched = []
     runner = types.SimpleNamespace(batch_max=8, energy=None, engines=None, launches=types.SimpleNamespace(
         run=lambda items, backend, precision: launched.append((backend, precision))))
-    a, b = (TaskRunner.task_batch(runner, Accepted(task_id=p, task=task, config=config, backend="fused", precision=p))
+    a, b = (TaskRunner.task_batch(runner, Work(task_id=p, task=task, config=config, backend="fused", precision=p))
             for p in ("ieee", "tf32x3"))
     assert a.key != b.key and a.key == launch_key(task, config, "fused", "ieee")
     a.run([])
@@ -54,9 +55,9 @@ def test_different_precisions_never_share_a_launch():
 def test_the_precision_is_kept_with_the_task():
     """An asynchronous task runs again after a restart (or on another replica) from its ledger row:
     its options keep the precision asked for."""
-    acc = Accepted(task_id="t", task=None, config=make_config({}), backend="fused", precision="ieee")
+    acc = Work(task_id="t", task=None, config=make_config({}), backend="fused", precision="ieee")
     assert acc.options()["precision"] == "ieee"
-    assert "precision" not in Accepted(task_id="u", task=None, config=make_config({}), backend="cpu").options()
+    assert "precision" not in Work(task_id="u", task=None, config=make_config({}), backend="cpu").options()
 
 
 def test_a_backend_at_a_precision():

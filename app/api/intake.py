@@ -7,7 +7,7 @@ own job on the device worker, on the loop when small, else on the io pool), and 
 through the runner's one entry, ``TaskRunner.submit`` (the same as a sweep's cells and the
 feeder's claims): recorded now or once it has finished, offered to the feeder or queued here.
 
-``Prefer: respond-async`` answers ``202 Accepted`` with ``Location: /tasks/{id}`` once the task
+``Prefer: respond-async`` answers ``202 Work`` with ``Location: /tasks/{id}`` once the task
 and its npz are durable in the ledger; without it the request waits for the answer (and a
 client that disconnects stops its task). ``Idempotency-Key``: the same key and body return the
 task already recorded instead of training again; another body is a 409.
@@ -33,8 +33,9 @@ from ..http.protocol import GONE
 from ..ledger import IdempotencyConflict, TaskRecord
 from ..tasks.answers import Settled, status_answer, task_npz
 from ..tasks.options import parse_options, wants_npz
-from ..tasks.runner import Accepted, new_task_id
+from ..tasks.runner import new_task_id
 from ..tasks.submit import parse_upload
+from ..tasks.work import Work
 from ..webhooks.delivery import SubscriptionError
 from .deps import tenant_of
 
@@ -127,7 +128,7 @@ async def _handle(request: Request, service: Service, t0: float, request_id: str
     if parsed.late is None:
         service.metrics.parse_seconds.observe(parsed.parse_s)
 
-    acc = Accepted(
+    acc = Work(
         task_id=new_task_id(), task=parsed.task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parsed.parse_s,
@@ -183,7 +184,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
     check_budget(estimate(task.train_count, task.test_count, config),
                  service.settings.max_task_work, service.settings.max_task_bytes)
     gate(service)
-    acc = Accepted(
+    acc = Work(
         task_id=new_task_id(), task=task, config=config, backend=options.backend,
         include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
         request_id=request_id, t0=t0, receive_s=0.0, parse_s=time.perf_counter() - t_parse,
@@ -195,7 +196,7 @@ async def _handle_dataset(request: Request, service: Service, options, t0: float
     return await _accepted(request, service, acc, None, options.dataset.split(":", 1)[1], key, asynchronous)
 
 
-async def _accepted(request: Request, service: Service, acc: Accepted, body: bytes | memoryview | None,
+async def _accepted(request: Request, service: Service, acc: Work, body: bytes | memoryview | None,
                     body_sha256: str | None, key: str | None, asynchronous: bool) -> Response:
     """An accepted task, from the runner's one entry (app/tasks/submit.py) to its response."""
     try:

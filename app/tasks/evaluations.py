@@ -57,8 +57,9 @@ from .evaluation_report import (  # noqa: F401 - (its users import them here)
     status_of,
 )
 from .options import MEASURE_PARAMS, measure_arguments
-from .runner import Accepted, new_task_id
+from .runner import new_task_id
 from .sweeps import seeds_of
+from .work import Work
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -258,7 +259,7 @@ class Evaluations:
                 continue
             digest = cell["dataset"]
             task, labels, size = draws[digest]
-            accs += [Accepted(task_id=t, task=task, config=configs[cell.get("seed")], backend=ev.definition["backend"], measure=m,
+            accs += [Work(task_id=t, task=task, config=configs[cell.get("seed")], backend=ev.definition["backend"], measure=m,
                               mode="async", body_bytes=size, dataset=digest, labels=labels, evaluation=ev.id,
                               owner=ev.owner)
                      for t, m in wanted]

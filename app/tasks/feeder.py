@@ -67,8 +67,8 @@ from learner.taskio import TaskArrays, load_task
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
 from .backlog import Backlog
 from .leases import LeaseKeeping
-from .runner import Accepted, TaskRunner
-from .work import State
+from .runner import TaskRunner
+from .work import State, Work
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -95,7 +95,7 @@ class Feeder(Backlog, LeaseKeeping):
         self.limit = backlog_size or BACKLOG_SIZE
         self.limit_bytes = backlog_bytes
         # task id -> (its acceptance, when offered, its arrays' bytes), oldest first
-        self.offered: collections.OrderedDict[str, tuple[Accepted, float, int]] = collections.OrderedDict()
+        self.offered: collections.OrderedDict[str, tuple[Work, float, int]] = collections.OrderedDict()
         self.offered_bytes = 0
         self.offered_weight = 0.0  # entries, an upload counting 1 and a dataset's cell CELL_WEIGHT
         self.cache_size = max(1, queue_size)  # offered tasks kept here at most (and OFFER_CACHE_BYTES)
@@ -113,7 +113,7 @@ class Feeder(Backlog, LeaseKeeping):
         self._tasks: list[asyncio.Task] = []
         self._stop_listening = threading.Event()
         self._listener: threading.Thread | None = None
-        self._attempts: dict[str, Accepted] = {}  # task id -> the attempt running it here under a lease
+        self._attempts: dict[str, Work] = {}  # task id -> the attempt running it here under a lease
         self._attempts_lock = threading.Lock()
         self._keeper: threading.Thread | None = None  # the lease renewals' thread
 
@@ -304,7 +304,7 @@ class Feeder(Backlog, LeaseKeeping):
             await self._give_back([c.record.id for c in claims if c.record.id not in attempts])
         return len(attempts)
 
-    async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Accepted | None:
+    async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Work | None:
         """A claimed task accepted by another replica, from its stored npz; a task that cannot be
         re-run from it is failed, loudly."""
         dataset, labels = record.options.get("dataset"), None
@@ -325,7 +325,7 @@ class Feeder(Backlog, LeaseKeeping):
                 log.warning("could not record the claimed task's failure", extra={"task_id": record.id,
                                                                                     "error": str(exc2)})
             return None
-        return Accepted(task_id=record.id, task=task, config=config, backend=record.backend, state=State.WAITING,
+        return Work(task_id=record.id, task=task, config=config, backend=record.backend, state=State.WAITING,
                         include_scores=bool(record.options.get("include_scores")),
                         measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
                         created_at=record.created_at, dataset=dataset, labels=labels,

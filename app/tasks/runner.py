@@ -51,8 +51,6 @@ from .work import Work
 
 log = logging.getLogger("rev88." + __name__)
 
-Accepted = Work  # (its name before issue #55)
-
 
 def new_task_id() -> str:
     return uuid.uuid4().hex

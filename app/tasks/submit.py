@@ -113,7 +113,7 @@ def hash_aside(task: TaskArrays, pool) -> None:
 async def submit(runner: Any, work: Any, *, body: bytes | memoryview | None = None, body_sha256: str | None = None,
                  key: str | None = None, messages: list[tuple] | None = None,
                  gone: Callable[[], Awaitable[None]] | None = None, claimed: bool = False) -> Submitted:
-    """The runner's one entry (``TaskRunner.submit``): ``work`` is one ``Accepted`` or a list of
+    """The runner's one entry (``TaskRunner.submit``): ``work`` is one ``Work`` or a list of
     them (cells: recorded in one transaction with ``messages``, their webhook's outbox rows)."""
     if isinstance(work, list):
         return await _cells(runner, work, messages)

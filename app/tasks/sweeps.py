@@ -29,7 +29,8 @@ from learner.errors import ConfigError
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..ledger.datasets import SweepRecord
 from ..ledger.outbox import message_rows
-from .runner import Accepted, new_task_id
+from .runner import new_task_id
+from .work import Work
 
 FINISHED = ("succeeded", "failed", "cancelled")
 CELL_STATUSES = ("queued", "running", *FINISHED)
@@ -226,7 +227,7 @@ class Sweeps:
         labels = await asyncio.to_thread(catalog.labels, sweep.dataset)
         record = await asyncio.to_thread(catalog.get, sweep.dataset)
         include = bool(sweep.definition.get("include_scores"))
-        accs = [Accepted(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
+        accs = [Work(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
                          include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
                          labels=labels, sweep=sweep.id, owner=sweep.owner) for c in missing]
         # its webhook's message, in the cells' transaction (the first time they are recorded)
