@@ -253,8 +253,11 @@ def test_queued_cells_seed_states_are_prepared_before_their_launch(tmp_path):
         assert all(states.missing(make_config({"seed": s}), rows) for s in seeds)
         sweep = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1, 0.2]},
                                         "seeds": seeds}).json()["id"]
-        wait_for(lambda: not any(states.missing(make_config({"seed": s}), rows) for s in seeds), 30, 0.02,
-                 "the queued cells' states, computed while the worker is held")
+        # (``missing`` is False already while a state is under way: wait for the prepare thread's count,
+        # which it takes once a state is kept)
+        wait_for(lambda: c.get("/health").json()["seed_cache"]["prepared_ahead"] - before["prepared_ahead"]
+                 >= len(seeds), 30, 0.02, "the queued cells' states, computed while the worker is held")
+        assert not any(states.missing(make_config({"seed": s}), rows) for s in seeds)
         ahead = c.get("/health").json()["seed_cache"]
         assert ahead["prepared_ahead"] - before["prepared_ahead"] == len(seeds)  # one per seed, not per cell
         hits = states.snapshot()["hits"]
