@@ -25,6 +25,13 @@ Not a test; run it by hand at a quiet moment:
     python bench/bench_launches.py [--lrs 10] [--seeds 132] [--eval-seeds 12] [--uploads 132] [--clients 8]
                                    [--launch-ms 132] [--out bench/results]
 
+The host's ceiling (issue #55): ``--cores 1,2,1,2`` runs the sweep alone on a fresh server for each
+entry, the server's threads (and this bench's) pinned to that many cores, alternating, and prints
+the table, the speed-up from one core to two (the best rate of each) and what Amdahl's law makes of
+it for 16 cores of this speed (the serial share s from the speed-up S on two: s = 2/S - 1):
+
+    python bench/bench_launches.py --skip-evaluation --uploads 0 --launch-ms 1 --cores 1,2,1,2
+
 The kept outputs (~600 MB for the defaults) go to --cache (default /tmp/rev88-stand-in); a
 second run reuses them.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -182,6 +190,31 @@ def uploads(port: int, pid: int, stats: Path, body: bytes, lr: float, count: int
                     "clients / launch_ms (a GPU's lone task takes about a full launch's time too)"}
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of ``pid`` (and so the threads they start later) on ``cores`` only."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # (a thread that ended meanwhile)
+            pass
+
+
+def ceiling(runs: list[dict]) -> dict:
+    """The table of ``--cores`` runs, the speed-up from one core to two (best rate of each) and its
+    projection by Amdahl's law to 16 cores of this speed."""
+    rows = [{"cores": r["cores"], "host_cpu_ms_per_cell_without_polls": r["host_cpu_ms_per_cell_without_polls"],
+             "server_cells_per_s": r["server_cells_per_s"]} for r in runs]
+    best = {n: max(r["server_cells_per_s"] for r in runs if r["cores"] == n) for n in {r["cores"] for r in runs}}
+    doc: dict = {"runs": rows, "best_cells_per_s": best}
+    if 1 in best and 2 in best:
+        speedup = best[2] / best[1]
+        serial = min(1.0, max(0.0, 2.0 / speedup - 1.0))
+        doc.update({"speedup_1_to_2": round(speedup, 3), "serial_share": round(serial, 3),
+                    "projected_cells_per_s_16_cores": round(best[1] / (serial + (1.0 - serial) / 16.0), 1),
+                    "projected_cells_per_s_any_cores": None if serial == 0 else round(best[1] / serial, 1)})
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lrs", type=int, default=10, help="learning rates in the sweep's grid")
@@ -195,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-evaluation", action="store_true")
     parser.add_argument("--uploads", type=int, default=132, help="synchronous uploads of draw 0 (0: none; at most --seeds)")
     parser.add_argument("--clients", type=int, default=8, help="connections the uploads are sent from at once")
+    parser.add_argument("--cores", default="", help="comma-separated core counts (1,2,1,2): the sweep alone, "
+                        "once per entry on a fresh server pinned to that many cores, and the speed-up")
     args = parser.parse_args(argv)
+    cores = [int(c) for c in args.cores.split(",") if c.strip()]
+    available = sorted(os.sched_getaffinity(0))
+    if any(n < 1 or n > len(available) for n in cores):
+        parser.error(f"--cores: each entry between 1 and the {len(available)} cores this process may use")
 
     from learner.data import bundled_mnist_dir
     from learner.evaluate import dataset_seed
@@ -222,6 +261,34 @@ def main(argv: list[str] | None = None) -> int:
     queue = 2 * args.batch_max
     serve = ["--batch-max", str(args.batch_max), "--workers", "1", "--queue-size", str(queue),
              "--sweep-max-cells", str(len(sweep_cells)), *args.serve_args.split()]
+    if cores:
+        runs = []
+        for n in cores:
+            os.sched_setaffinity(0, set(available[:n]))
+            try:
+                runs.append({"cores": n, **one_server(args, folder, expected, serve, digest, body, lrs, sweep_cells,
+                                                      eval_cells, stand_in_rate, set(available[:n]), sweep_only=True)["sweep"]})
+            finally:
+                os.sched_setaffinity(0, set(available))
+            print(json.dumps(runs[-1]["cores"]), runs[-1]["host_cpu_ms_per_cell_without_polls"],
+                  runs[-1]["server_cells_per_s"], file=sys.stderr)
+        doc["ceiling"] = ceiling(runs)
+    else:
+        doc.update(one_server(args, folder, expected, serve, digest, body, lrs, sweep_cells, eval_cells,
+                              stand_in_rate, None))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launches.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def one_server(args, folder: Path, expected: list[str], serve: list[str], digest: str, body: bytes, lrs: list,
+               sweep_cells: list, eval_cells: list, stand_in_rate: float, pinned: set[int] | None,
+               sweep_only: bool = False) -> dict:
+    """One fresh server: the sweep, then (unless ``sweep_only``) the evaluation and the uploads.
+    ``pinned``: the cores its threads may use."""
+    doc: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stand-in.json"
         proc, port = start_server("cpu-fast", Path(tmp) / "server.log", Path(tmp) / "data",
@@ -251,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = json.loads(data)["sweeps"][0]
                 return row["id"] == sweep_id and row["status"] in ("completed", "cancelled")
 
+            if pinned is not None:
+                pin(proc.pid, pinned)
             sweep = measure(stats, proc.pid, len(sweep_cells), start_sweep, sweep_done, stand_in_rate)
             status, _, data = request(port, "GET", f"/sweeps/{sweep.pop('handle')}")
             state = json.loads(data)
@@ -261,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["sweep"] = sweep
             print(json.dumps({"sweep": sweep}, indent=2), file=sys.stderr)
 
-            if not args.skip_evaluation:
+            if not args.skip_evaluation and not sweep_only:
                 # warm: the eleven draws built and stored (once per process), then measured
                 definition = json.dumps({"draws": "0-10", "config": {"seed": 0}}).encode()
                 status, _, data = request(port, "POST", "/evaluations", definition, "application/json")
@@ -297,16 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                 doc["evaluation"] = evaluation
                 print(json.dumps({"evaluation": evaluation}, indent=2), file=sys.stderr)
 
-            if args.uploads:
+            if args.uploads and not sweep_only:
                 doc["uploads"] = uploads(port, proc.pid, stats, body, lrs[0], min(args.uploads, args.seeds),
                                          args.clients, expected, args.seeds, stand_in_rate)
         finally:
             stop_server(proc)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "launches.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(json.dumps(doc, indent=2))
-    return 0
+    return doc
 
 
 if __name__ == "__main__":
