@@ -6,6 +6,8 @@ Everything else derives from ``TASK_ROW``:
     TaskRecord            the record both ledgers return (a dataclass of the record columns)
     the SQL column lists  app/ledger/rows.py: what lists read, what a full read adds
     the row mapper        app/ledger/rows.py ``record_from_row``: one for both engines
+    the writes            app/ledger/task_writes.py: the INSERTs and the outcome's UPDATE of both
+                          engines, from each column's ``writes``
     TaskSummary           app/models.py: the API model of a listed task (the ``api`` columns)
     the schemas           tests/test_task_row.py: each engine's table (its migrations:
                           app/ledger/migrations/sqlite/ and app/ledger/migrations/) has exactly
@@ -51,44 +53,53 @@ class Column:
     record: bool = True  # a field of TaskRecord
     listed: bool = True  # read by lists and summaries (False: read only with the answer, or never)
     engine: str | None = None  # only this engine's table has it (its own bookkeeping)
+    # the writes that set it (app/ledger/task_writes.py generates their statements): "new" (a task
+    # recorded queued), "outcome" (its outcome recorded), "finished" (a task recorded finished, whole)
+    writes: tuple[str, ...] = ()
+
+
+NEW, OUTCOME, WHOLE = ("new",), ("outcome",), ("finished",)
 
 
 TASK_ROW: tuple[Column, ...] = (
-    Column("id", "text", str),
-    Column("status", "text", Status),
-    Column("kind", "text", Literal["task", "measure"]),
-    Column("mode", "text", Literal["sync", "async"]),
-    Column("created_at", "real", float, description="unix seconds"),
-    Column("started_at", "real", float | None, None),
-    Column("finished_at", "real", float | None, None),
-    Column("attempts", "integer", int, 0, "runs started; 2 or more: run again after a restart"),
-    Column("backend", "text", str),
-    Column("config", "json", dict[str, Any]),
-    Column("options", "json", dict[str, Any]),
-    Column("train_count", "integer", int),
-    Column("test_count", "integer", int),
-    Column("input_hashes", "json", dict[str, str] | None, None),
+    Column("id", "text", str, writes=NEW + WHOLE),
+    Column("status", "text", Status, writes=NEW + OUTCOME + WHOLE),
+    Column("kind", "text", Literal["task", "measure"], writes=NEW + WHOLE),
+    Column("mode", "text", Literal["sync", "async"], writes=NEW + WHOLE),
+    Column("created_at", "real", float, description="unix seconds", writes=NEW + WHOLE),
+    Column("started_at", "real", float | None, None, writes=WHOLE),
+    Column("finished_at", "real", float | None, None, writes=OUTCOME + WHOLE),
+    Column("attempts", "integer", int, 0, "runs started; 2 or more: run again after a restart", writes=WHOLE),
+    Column("backend", "text", str, writes=NEW + WHOLE),
+    Column("config", "json", dict[str, Any], writes=NEW + WHOLE),
+    Column("options", "json", dict[str, Any], writes=NEW + WHOLE),
+    Column("train_count", "integer", int, writes=NEW + WHOLE),
+    Column("test_count", "integer", int, writes=NEW + WHOLE),
+    Column("input_hashes", "json", dict[str, str] | None, None, writes=NEW + OUTCOME + WHOLE),
     Column("body_sha256", "text", str | None, None,
            "SHA-256 of the uploaded body; null for a synchronous task sent without an Idempotency-Key "
-           "(not hashed: input_hashes identify its arrays)"),
-    Column("body_bytes", "bigint", int),
-    Column("idempotency_key", "text", str | None, None),
-    Column("device", "text", str | None, None),
-    Column("error", "json", None, None, "failed or cancelled: {status, error, ...}"),
-    Column("predictions_sha256", "text", str | None, None),
-    Column("run_ms", "real", float | None, None),
-    Column("energy_j", "real", float | None, None, "the answer's energy.gross_j (null where it has none)"),
-    Column("answer_bytes", "integer", None, 0, "the stored (compressed) answer's size"),
+           "(not hashed: input_hashes identify its arrays)", writes=NEW + WHOLE),
+    Column("body_bytes", "bigint", int, writes=NEW + WHOLE),
+    Column("idempotency_key", "text", str | None, None, writes=NEW),
+    Column("device", "text", str | None, None, writes=WHOLE),
+    Column("error", "json", None, None, "failed or cancelled: {status, error, ...}", writes=OUTCOME + WHOLE),
+    Column("predictions_sha256", "text", str | None, None, writes=OUTCOME + WHOLE),
+    Column("run_ms", "real", float | None, None, writes=OUTCOME + WHOLE),
+    Column("energy_j", "real", float | None, None, "the answer's energy.gross_j (null where it has none)",
+           writes=OUTCOME + WHOLE),
+    Column("answer_bytes", "integer", None, 0, "the stored (compressed) answer's size", writes=OUTCOME + WHOLE),
     # the answer itself: stored compressed (its codec beside it), decoded into the record when asked for
-    Column("answer", "blob", None, None, listed=False),
-    Column("answer_codec", "text", None, None, record=False, listed=False),
-    Column("answer_json_bytes", "integer", None, 0, record=False, listed=False),
+    Column("answer", "blob", None, None, listed=False, writes=OUTCOME + WHOLE),
+    Column("answer_codec", "text", None, None, record=False, listed=False, writes=OUTCOME + WHOLE),
+    Column("answer_json_bytes", "integer", None, 0, record=False, listed=False, writes=OUTCOME + WHOLE),
     # each engine's own bookkeeping
-    Column("has_upload", "flag", record=False, listed=False, default=0, engine="sqlite"),
-    Column("has_input", "flag", record=False, listed=False, default=False, engine="postgresql"),
-    Column("lease_owner", "text", record=False, listed=False, default=None, engine="postgresql"),
-    Column("lease_expires_at", "real", record=False, listed=False, default=None, engine="postgresql"),
-    Column("claims", "integer", record=False, listed=False, default=0, engine="postgresql"),
+    Column("has_upload", "flag", record=False, listed=False, default=0, engine="sqlite", writes=NEW + OUTCOME),
+    Column("has_input", "flag", record=False, listed=False, default=False, engine="postgresql",
+           writes=NEW + OUTCOME),
+    Column("lease_owner", "text", record=False, listed=False, default=None, engine="postgresql", writes=NEW + OUTCOME),
+    Column("lease_expires_at", "real", record=False, listed=False, default=None, engine="postgresql",
+           writes=NEW + OUTCOME),
+    Column("claims", "integer", record=False, listed=False, default=0, engine="postgresql", writes=NEW),
     Column("expiries", "integer", record=False, listed=False, default=0, engine="postgresql"),
     Column("cancel_requested_at", "real", record=False, listed=False, default=None, engine="postgresql"),
 )

@@ -137,3 +137,39 @@ def test_an_answer_with_class_predictions_is_stored_compactly_and_read_back_the_
     assert plain == ANSWER_CODEC
     _, _, big = encode_answer({**answer, "predictions": np.array([256, 1])})
     assert big == ANSWER_CODEC
+
+
+def test_the_writes_derive_from_it():
+    """Each write's statement (app/ledger/task_writes.py) sets exactly the columns whose ``writes``
+    name it, on each engine; a task recorded queued or whole sets every required column; and no
+    other module spells the row's columns in an INSERT or in the outcome's UPDATE."""
+    import re
+    from pathlib import Path
+
+    from app.ledger import task_writes
+    from app.task_row import REQUIRED
+
+    required = {c.name for c in RECORD_COLUMNS if c.default is REQUIRED}
+    for engine in ("sqlite", "postgresql"):
+        for write in task_writes.WRITES:
+            names = task_writes.columns(write, engine)
+            assert names == tuple(c.name for c in columns_of(engine) if write in c.writes)
+            statement = task_writes.insert("t", write, engine, task_writes.sqlite_mark)
+            assert statement.sql == f"INSERT INTO t ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+            assert statement.values({n: i for i, n in enumerate(names)}) == tuple(range(len(names)))
+        assert required <= set(task_writes.columns("new", engine)) <= {c.name for c in columns_of(engine)}
+        assert required | {"finished_at", "answer"} <= set(task_writes.columns("finished", engine))
+        assert {"status", "finished_at", "answer", "error"} <= set(task_writes.columns("outcome", engine))
+    given = task_writes.assignments("outcome", "sqlite", task_writes.sqlite_mark,
+                                    {"has_upload": "0", "input_hashes": "COALESCE({}, input_hashes)"})
+    assert "has_upload = 0" in given.sql and "input_hashes = COALESCE(?, input_hashes)" in given.sql
+    assert "has_upload" not in given.names and "input_hashes" in given.names
+    with pytest.raises(ValueError, match="sets no column lease_owner on sqlite"):
+        task_writes.insert("t", "new", "sqlite", task_writes.sqlite_mark, {"lease_owner": "NULL"})
+    with pytest.raises(ValueError, match="unknown write"):
+        task_writes.columns("running", "sqlite")
+    root = Path(__file__).resolve().parents[1] / "app"
+    spelled = [path for path in root.rglob("*.py") if path.name != "task_writes.py"
+               and (re.search(r"INSERT INTO (rev88_)?tasks \(", path.read_text())
+                    or re.search(r"answer_codec = [?%]", path.read_text()))]
+    assert spelled == []

@@ -87,8 +87,6 @@ from .rows import (
     SUMMARY_COLUMNS,
     SUMMARY_WIDTH,
     columns_as,
-    encode_answer,
-    finished_values,
     record_from_row,
 )
 from .rows import dumps as _dumps
@@ -99,13 +97,13 @@ from .store import (
     LedgerError,
     LedgerUnavailable,
     Outcome,
-    answer_columns,
     check_finished_task,
     check_new_task,
     check_outcome,
     check_task_id,
 )
 from .task_reads import POSTGRESQL, TaskReads
+from .task_writes import assignments, finished_row, insert, new_row, outcome_row, pg_mark, pg_named_mark
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -136,6 +134,18 @@ REAP_BATCH = 500
 CHECK_IDLE_S = 1.0  # a pooled connection idle longer than this is checked (one round trip) before use
 
 NOW = "EXTRACT(EPOCH FROM clock_timestamp())::float8"  # the server's clock, epoch seconds
+
+# the task row's writes (app/ledger/task_writes.py), with PostgreSQL's own part: the server's clock,
+# whether an input is kept, the lease (a synchronous task is held by its replica from the start)
+_NEW = insert("rev88_tasks", "new", "postgresql", pg_named_mark,
+              {"created_at": NOW, "lease_expires_at": f"{NOW} + %(lease)s"})
+_NEW_CELLS = insert("rev88_tasks", "new", "postgresql", pg_mark,
+                    {"created_at": NOW, "has_input": "false", "lease_owner": "NULL", "lease_expires_at": "NULL",
+                     "claims": "0", "idempotency_key": "NULL"})
+_OUTCOME = assignments("outcome", "postgresql", pg_named_mark,
+                       {"finished_at": NOW, "input_hashes": "COALESCE({}, t.input_hashes)", "has_input": "false",
+                        "lease_owner": "NULL", "lease_expires_at": "NULL"})
+_FINISHED = insert("rev88_tasks", "finished", "postgresql", pg_mark, {"finished_at": NOW})
 
 # the task row's columns (app/ledger/rows.py, from app/task_row.py), with the alias of an UPDATE's table
 T_SUMMARY_COLUMNS = columns_as("t")
@@ -497,20 +507,12 @@ class PostgresLedger(TaskReads):
         check_task_id(task_id)
         held = mode == "sync"
         params = {
-            "id": task_id, "kind": kind, "mode": mode, "backend": backend, "config": _dumps(config),
-            "options": _dumps(options), "train": int(train_count), "test": int(test_count),
-            "hashes": None if input_hashes is None else _dumps(input_hashes), "sha": body_sha256,
-            "bytes": int(body_bytes), "has_input": body is not None, "key": idempotency_key,
-            "owner": self.owner if held else None, "lease": self.lease_s if held else None,
-            "claims": 1 if held else 0,
+            **new_row(task_id, kind, mode, backend, config, options, train_count, test_count, input_hashes,
+                      body_sha256, body_bytes, idempotency_key),
+            "has_input": body is not None, "lease_owner": self.owner if held else None,
+            "lease": self.lease_s if held else None, "claims": 1 if held else 0,
         }
-        insert = (
-            "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
-            " test_count, input_hashes, body_sha256, body_bytes, has_input, idempotency_key, lease_owner,"
-            f" lease_expires_at, claims) VALUES (%(id)s, 'queued', %(kind)s, %(mode)s, {NOW}, %(backend)s,"
-            " %(config)s, %(options)s, %(train)s, %(test)s, %(hashes)s, %(sha)s, %(bytes)s, %(has_input)s, %(key)s,"
-            f" %(owner)s, {NOW} + %(lease)s, %(claims)s)"
-        )
+        insert = _NEW.sql
         if idempotency_key is not None:
             insert += " ON CONFLICT (idempotency_key) DO NOTHING"
         insert += f" RETURNING {ALL_COLUMNS}"
@@ -557,16 +559,12 @@ class PostgresLedger(TaskReads):
         for t in tasks:
             check_new_task(t["kind"], t["mode"], None, t["body_bytes"], t["body_sha256"], None)
             check_task_id(t["task_id"])
-            rows.append((t["task_id"], t["kind"], t["mode"], t["backend"], _dumps(t["config"]), _dumps(t["options"]),
-                         int(t["train_count"]), int(t["test_count"]),
-                         None if t.get("input_hashes") is None else _dumps(t["input_hashes"]), t["body_sha256"],
-                         int(t["body_bytes"])))
+            rows.append(_NEW_CELLS.values(new_row(t["task_id"], t["kind"], t["mode"], t["backend"], t["config"],
+                                                  t["options"], t["train_count"], t["test_count"],
+                                                  t.get("input_hashes"), t["body_sha256"], t["body_bytes"])))
         try:
             with self._conn(f"record {len(rows)} task(s)") as conn, conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO rev88_tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
-                    f" test_count, input_hashes, body_sha256, body_bytes, has_input, claims) VALUES (%s, 'queued', %s,"
-                    f" %s, {NOW}, %s, %s, %s, %s, %s, %s, %s, %s, false, 0)", rows)
+                cur.executemany(_NEW_CELLS.sql, rows)
                 insert_messages(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"])]
                                 + list(messages or []), "postgresql")
                 if any(t["mode"] == "async" for t in tasks):
@@ -600,7 +598,7 @@ class PostgresLedger(TaskReads):
             if row is None:
                 raise
             found = _record(row, True)
-            if found.body_sha256 != params["sha"] or _dumps(found.config) != params["config"]:
+            if found.body_sha256 != params["body_sha256"] or _dumps(found.config) != params["config"]:
                 raise  # (another task of that id: cannot be, ids are random; the 503 stands)
             log.warning("task recorded although its connection was lost during COMMIT", extra={"task_id": task_id})
             raise _AlreadyRecorded(found) from None
@@ -689,23 +687,14 @@ class PostgresLedger(TaskReads):
         when another replica holds (or has taken over) its lease: fenced by owner and epoch (the
         attempt's ``epoch`` when given: then only that lease writes, whoever holds the task now)."""
         check_outcome(status, answer, error, answer_json)
-        blob, json_bytes, codec = encode_answer(answer, answer_json) if answer is not None else (None, 0, None)
-        sha, run_ms, energy_j = answer_columns(answer)
         columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
-        params = {"status": status, "answer": blob, "codec": codec,
-                  "bytes": len(blob or b""), "json_bytes": json_bytes, "error": None if error is None else _dumps(error),
-                  "sha": sha, "run_ms": run_ms, "energy_j": energy_j, "owner": self.owner, "id": task_id,
-                  "hashes": None if input_hashes is None else _dumps(input_hashes)}
+        params = {**outcome_row(status, answer, error, answer_json, input_hashes), "owner": self.owner, "id": task_id}
         attempt = epoch
         for _ in range(3):
             params["epoch"] = epoch = attempt if attempt is not None else self._epoch(task_id)
             with self._conn(f"record the result of task {task_id}", transaction=False) as conn:
                 done = conn.execute(
-                    f"WITH done AS (UPDATE rev88_tasks t SET status = %(status)s, finished_at = {NOW},"
-                    " answer = %(answer)b, answer_codec = %(codec)s, answer_bytes = %(bytes)s,"
-                    " answer_json_bytes = %(json_bytes)s, error = %(error)s, predictions_sha256 = %(sha)s,"
-                    " run_ms = %(run_ms)s, energy_j = %(energy_j)s, input_hashes = COALESCE(%(hashes)s, t.input_hashes),"
-                    " has_input = false, lease_owner = NULL, lease_expires_at = NULL"
+                    f"WITH done AS (UPDATE rev88_tasks t SET {_OUTCOME.sql}"
                     " WHERE t.id = %(id)s AND t.status IN ('queued', 'running') AND"
                     f" {self._FENCE_HELD if epoch is not None else self._FENCE_FREE} RETURNING {columns}),"
                     " gone AS (DELETE FROM rev88_task_inputs WHERE task_id = %(id)s AND EXISTS (SELECT 1 FROM done))"
@@ -719,7 +708,7 @@ class PostgresLedger(TaskReads):
             raise LedgerUnavailable(f"cannot record the result of task {task_id}: its lease kept changing hands")
         self._unhold(task_id, attempt)
         if self._totals is not None:
-            self._totals = (self._totals[0] + 1, self._totals[1] + len(blob or b""))
+            self._totals = (self._totals[0] + 1, self._totals[1] + params["answer_bytes"])
         self._retain(keep=task_id)
         return record
 
@@ -742,8 +731,8 @@ class PostgresLedger(TaskReads):
         apply retention. ValueError for a bad outcome or an id already in the ledger."""
         for t in tasks:
             check_finished_task(t)
-        values = [finished_values(t) for t in tasks]
-        rows = [tuple(v.values()) for v in values]
+        values = [finished_row(t) for t in tasks]
+        rows = [_FINISHED.values(v) for v in values]
         added = sum(v["answer_bytes"] for v in values)
         if not rows:
             return
@@ -752,9 +741,7 @@ class PostgresLedger(TaskReads):
                 # Their clients hold the answers (issue #21): the commit need not wait for the WAL's
                 # flush (lost only with the database server, within 3 x wal_writer_delay; never torn).
                 cur.execute("SET LOCAL synchronous_commit = off")
-                marks = ", ".join("%b" if name == "answer" else "%s" for name in values[0])
-                cur.executemany(f"INSERT INTO rev88_tasks ({', '.join(values[0])}, finished_at) VALUES ({marks}, {NOW})",
-                                rows)
+                cur.executemany(_FINISHED.sql, rows)
                 insert_messages(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)], "postgresql")
         except psycopg.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({_first_line(exc)})") from exc

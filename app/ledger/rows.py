@@ -47,23 +47,6 @@ def answer_columns(answer: dict | None) -> tuple[str | None, float | None, float
             _number(energy.get("gross_j")) if isinstance(energy, dict) else None)
 
 
-def finished_values(t: Any) -> dict[str, Any]:
-    """A task that ran and finished without a record before (a ``FinishedTask``): its row's values
-    by column, but for ``finished_at`` (each engine's clock) and its engine's own bookkeeping, with
-    its answer encoded. Both ledgers' ``add_finished`` insert it."""
-    hashes = t.input_hashes() if callable(t.input_hashes) else t.input_hashes
-    blob, json_bytes, codec = encode_answer(t.answer, t.answer_json) if t.answer is not None else (None, 0, None)
-    sha, run_ms, energy_j = answer_columns(t.answer)
-    return {"id": t.task_id, "status": t.status, "kind": t.kind, "mode": t.mode, "created_at": t.created_at,
-            "started_at": t.started_at, "attempts": 1 if t.started_at is not None else 0, "backend": t.backend,
-            "config": dumps(t.config), "options": dumps(t.options), "train_count": int(t.train_count),
-            "test_count": int(t.test_count), "input_hashes": None if hashes is None else dumps(hashes),
-            "body_sha256": t.body_sha256, "body_bytes": int(t.body_bytes), "device": t.device, "answer": blob,
-            "answer_codec": codec, "answer_bytes": len(blob or b""), "answer_json_bytes": json_bytes,
-            "error": None if t.error is None else dumps(t.error), "predictions_sha256": sha, "run_ms": run_ms,
-            "energy_j": energy_j}
-
-
 def columns_as(alias: str, with_answer: bool = False) -> str:
     """The column list with a table alias (``t.id, t.status, ...``)."""
     names = [c.name for c in LISTED_COLUMNS] + (["answer", "answer_codec"] if with_answer else [])

@@ -52,11 +52,17 @@ from .rows import (  # noqa: F401 - (answer_columns: re-exported)
     answer_columns,
     dumps,
     encode_answer,
-    finished_values,
     loads,
     record_from_row,
 )
 from .task_reads import SQLITE, TaskReads
+from .task_writes import assignments, finished_row, insert, new_row, outcome_row, sqlite_mark
+
+# the task row's writes (app/ledger/task_writes.py): SQLite's own part is whether an upload is kept
+_NEW = insert("tasks", "new", "sqlite", sqlite_mark)
+_OUTCOME = assignments("outcome", "sqlite", sqlite_mark,
+                       {"input_hashes": "COALESCE({}, input_hashes)", "has_upload": "0"})
+_FINISHED = insert("tasks", "finished", "sqlite", sqlite_mark)
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -458,8 +464,6 @@ class Ledger(TaskReads):
         body and options give (that task, False); anything else raises IdempotencyConflict."""
         check_new_task(kind, mode, body, body_bytes, body_sha256, idempotency_key)
         self.upload_path(task_id)  # validates the id
-        texts = (_dumps(config), _dumps(options), None if input_hashes is None else _dumps(input_hashes))
-
         def existing_for_key(conn) -> TaskRecord | None:
             if idempotency_key is None:
                 return None
@@ -484,14 +488,9 @@ class Ledger(TaskReads):
                 found = existing_for_key(conn)
                 if found is not None:
                     return found, False
-                conn.execute(
-                    "INSERT INTO tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
-                    " test_count, input_hashes, body_sha256, body_bytes, has_upload, idempotency_key)"
-                    " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (task_id, kind, mode, time.time(), backend, texts[0], texts[1], int(train_count),
-                     int(test_count), texts[2], body_sha256, int(body_bytes), int(upload is not None),
-                     idempotency_key),
-                )
+                row = new_row(task_id, kind, mode, backend, config, options, train_count, test_count, input_hashes,
+                              body_sha256, body_bytes, idempotency_key, created_at=time.time())
+                conn.execute(_NEW.sql, _NEW.values({**row, "has_upload": int(upload is not None)}))
                 insert_messages(conn, task_rows(task_id, options), "sqlite")  # its webhook's messages (issue #34)
                 record = self._get(conn, task_id)
             committed = True
@@ -513,16 +512,13 @@ class Ledger(TaskReads):
         for t in tasks:
             check_new_task(t["kind"], t["mode"], None, t["body_bytes"], t["body_sha256"], None)
             self.upload_path(t["task_id"])
-            rows.append((t["task_id"], t["kind"], t["mode"], now, t["backend"], _dumps(t["config"]),
-                         _dumps(t["options"]), int(t["train_count"]), int(t["test_count"]),
-                         None if t.get("input_hashes") is None else _dumps(t["input_hashes"]), t["body_sha256"],
-                         int(t["body_bytes"])))
+            row = new_row(t["task_id"], t["kind"], t["mode"], t["backend"], t["config"], t["options"],
+                          t["train_count"], t["test_count"], t.get("input_hashes"), t["body_sha256"], t["body_bytes"],
+                          created_at=now)
+            rows.append(_NEW.values({**row, "has_upload": 0}))
         try:
             with self._write(f"record {len(rows)} task(s)") as conn:
-                conn.executemany(
-                    "INSERT INTO tasks (id, status, kind, mode, created_at, backend, config, options, train_count,"
-                    " test_count, input_hashes, body_sha256, body_bytes, has_upload, idempotency_key)"
-                    " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL)", rows)
+                conn.executemany(_NEW.sql, rows)
                 insert_messages(conn, [m for t in tasks for m in task_rows(t["task_id"], t["options"], now)]
                                 + list(messages or []), "sqlite")
         except sqlite3.IntegrityError as exc:
@@ -592,18 +588,14 @@ class Ledger(TaskReads):
         would have raised for it alone (ValueError, KeyError, AlreadyFinished), which leaves the
         others written. A failure of the database itself (LedgerUnavailable) raises: none written."""
         results: list[TaskRecord | Exception | None] = [None] * len(outcomes)
-        rows: list[tuple[int, tuple]] = []
+        rows: list[tuple[int, dict]] = []
         for i, o in enumerate(outcomes):
             try:
                 check_outcome(o.status, o.answer, o.error, o.answer_json)
             except ValueError as exc:
                 results[i] = exc
                 continue
-            blob, json_bytes, codec = encode_answer(o.answer, o.answer_json) if o.answer is not None else (None, 0, None)
-            sha, run_ms, energy_j = answer_columns(o.answer)
-            rows.append((i, (o.status, blob, codec, len(blob or b""),
-                             json_bytes, None if o.error is None else _dumps(o.error), sha, run_ms, energy_j,
-                             None if (hashes := o.hashes()) is None else _dumps(hashes), o.task_id)))
+            rows.append((i, outcome_row(o.status, o.answer, o.error, o.answer_json, o.hashes())))
         if not rows:
             return results  # type: ignore[return-value]
         written: list[tuple[str, int]] = []
@@ -612,7 +604,7 @@ class Ledger(TaskReads):
         with self._write(doing) as conn:
             now = time.time()
             for i, values in rows:
-                task_id = values[-1]
+                task_id = outcomes[i].task_id
                 # its status and whether an upload is kept for it: one column each, not its record
                 found = conn.execute("SELECT status, has_upload FROM tasks WHERE id = ?", (task_id,)).fetchone()
                 if found is None:
@@ -621,13 +613,10 @@ class Ledger(TaskReads):
                 if found[0] in FINISHED:
                     results[i] = AlreadyFinished(self._get(conn, task_id, with_answer=False))
                     continue
-                conn.execute(
-                    "UPDATE tasks SET status = ?, finished_at = ?, answer = ?, answer_codec = ?, answer_bytes = ?,"
-                    " answer_json_bytes = ?, error = ?, predictions_sha256 = ?, run_ms = ?, energy_j = ?,"
-                    " input_hashes = COALESCE(?, input_hashes), has_upload = 0 WHERE id = ?",
-                    (values[0], now, *values[1:]))
+                conn.execute(f"UPDATE tasks SET {_OUTCOME.sql} WHERE id = ?",
+                             (*_OUTCOME.values({**values, "finished_at": now}), task_id))
                 results[i] = self._get(conn, task_id, outcomes[i].with_answer) if outcomes[i].want_record else True
-                written.append((task_id, values[3], bool(found[1])))
+                written.append((task_id, values["answer_bytes"], bool(found[1])))
         if not written:
             return results  # type: ignore[return-value]
         if self._totals is not None:
@@ -671,16 +660,15 @@ class Ledger(TaskReads):
             check_finished_task(t)
         now = time.time()  # (a task's own finish time where it has one: a group commit writes several at once,
         # and retention deletes the oldest finished first)
-        values = [{**finished_values(t), "finished_at": now if t.finished_at is None else t.finished_at} for t in tasks]
-        rows = [tuple(v.values()) for v in values]
+        values = [finished_row(t, now if t.finished_at is None else t.finished_at) for t in tasks]
+        rows = [_FINISHED.values(v) for v in values]
         added_bytes = sum(v["answer_bytes"] for v in values)
         if not rows:
             return
         try:
             # Their clients hold the answers (issue #21): the commit need not wait for the disk.
             with self._write(f"record {len(rows)} finished task(s)", synced=False) as conn:
-                conn.executemany(f"INSERT INTO tasks ({', '.join(values[0])}) VALUES ({', '.join('?' * len(values[0]))})",
-                                 rows)
+                conn.executemany(_FINISHED.sql, rows)
                 insert_messages(conn, [m for t in tasks for m in task_rows(t.task_id, t.options)], "sqlite")
         except sqlite3.IntegrityError as exc:
             raise ValueError(f"a finished task's id is already in the ledger ({exc})") from exc
