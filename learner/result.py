@@ -116,61 +116,34 @@ def device_predictions(out: RunOutput) -> np.ndarray:
     return predictions
 
 
-@dataclasses.dataclass(frozen=True)
-class Digests:
-    """What finishing a run reads of its buffers: its predictions, which of its buffers hold a
-    non-finite entry, and every SHA-256 of them the metadata names (~575 KB hashed for a
-    10,000-query task). ``run_digests`` makes it where its caller likes: a launch makes its tasks'
-    on a pool of threads, side by side (hashlib and numpy's checks let go of the GIL for large
-    buffers), and assembles each task's metadata on one."""
-
-    predictions: np.ndarray | None  # (None where non_finite names a buffer)
-    non_finite: list[str]
-    hashes: dict[str, Any]  # the metadata's final parameter, velocity, state vector, predictions, scores hashes
+def large_digests(out: RunOutput) -> dict[str, str]:
+    """The SHA-256s of a run's two large buffers, as its metadata names them: the predictions
+    (``device_predictions``) and the scores (400 KB for a 10,000-query task)."""
+    return {"predictions_sha256": array_sha256(device_predictions(out)), "scores_sha256": array_sha256(out.scores)}
 
 
-def _non_finite(out: RunOutput, parameters: np.ndarray) -> list[str]:
-    return [name for name, values in (("scores", out.scores), ("parameters", parameters),
-                                      ("velocity", state_vector(out.final_velocity)))
-            if not np.isfinite(values).all()]
-
-
-def run_digests(out: RunOutput, depth: int) -> Digests:
-    """``out``'s ``Digests`` (raising what ``device_predictions`` raises for a backend's bad
-    predictions). ``depth``: the config's, which names the parameters."""
-    parameters = state_vector(out.final_parameters)
-    non_finite = _non_finite(out, parameters)
-    if non_finite:  # (its answer is that error: nothing more is read)
-        return Digests(None, non_finite, {})
-    predictions = device_predictions(out)
-    names = parameter_names(depth)
-    hashes = {
-        "final_parameter_sha256": named_sha256(names, out.final_parameters),
-        "final_velocity_sha256": named_sha256(names, out.final_velocity),
-        "state_vector_sha256": array_sha256(parameters),
-        "predictions_sha256": array_sha256(predictions),
-        "scores_sha256": array_sha256(out.scores),
-    }
-    return Digests(predictions, non_finite, hashes)
-
-
-def diverged(non_finite: list[str]) -> TrainingDivergedError:
-    """The error of a run whose buffers ``non_finite`` names hold a non-finite entry."""
-    return TrainingDivergedError(
-        f"training diverged: non-finite {', '.join(non_finite)} after training (try a smaller learning_rate)",
-        non_finite=non_finite,
-        epoch=None,
-        step=None,
-    )
-
-
-def check_finite(out: RunOutput) -> None:
+def check_finite(out: RunOutput, parameters: np.ndarray | None = None) -> None:
     """After training: every score, parameter and velocity entry finite. (Backends stop at
     the first non-finite loss they see, with the epoch and step; this catches the rest, and
-    everything on the fused backend, which checks only here.)"""
-    problems = _non_finite(out, state_vector(out.final_parameters))
+    everything on the fused backend, which checks only here.) ``parameters``: the final
+    parameters as one state vector, when the caller has it already."""
+    problems = []
+    if not np.isfinite(out.scores).all():
+        problems.append("scores")
+    if parameters is None:
+        parameters = state_vector(out.final_parameters)
+    if not np.isfinite(parameters).all():
+        problems.append("parameters")
+    if not np.isfinite(state_vector(out.final_velocity)).all():
+        problems.append("velocity")
     if problems:
-        raise diverged(problems)
+        raise TrainingDivergedError(
+            f"training diverged: non-finite {', '.join(problems)} after training "
+            "(try a smaller learning_rate)",
+            non_finite=problems,
+            epoch=None,
+            step=None,
+        )
 
 
 def run_task(
@@ -203,26 +176,26 @@ def finish_task(
     out: RunOutput,
     host_prep: float,
     tasks_in_launch: int | None = None,
-    digests: Digests | None = None,
+    large_sha256: dict[str, str] | None = None,
 ) -> TaskResult:
     """Check one task's run output and assemble its result and metadata.
 
     Shared by ``run_task`` (one task, ``engine.run``) and batched launches
     (``engine.run_many``: one ``out`` per task; ``tasks_in_launch`` then says how many
     tasks shared the launch and is recorded in the metadata). ``host_prep`` is this
-    task's own host-side preparation time (``prepare``). ``digests``: ``run_digests(out)``,
-    made elsewhere beforehand -- a launch makes them on a pool of threads and finishes its tasks
-    on one (the rest is Python, which threads would only pass the GIL back and forth for).
+    task's own host-side preparation time (``prepare``). ``large_sha256``: the SHA-256s of
+    the large buffers (``large_digests``: the scores and the predictions), computed elsewhere
+    beforehand -- a launch hashes them on a pool of threads (GIL-free) and finishes its tasks
+    on one (the rest is Python and small hashes, which threads would only pass the GIL back and
+    forth for).
     """
     validation = cached_validation()
     # a cancelled task gets no result, even when its run had just finished (on the fused
     # backend this is where a task cancelled during its launch is dropped)
     check_cancel(prepared.cancel, config.epochs, 0, config.epochs)
-    if digests is None:
-        digests = run_digests(out, config.depth)
-    if digests.non_finite:
-        raise diverged(digests.non_finite)
-    predictions = digests.predictions
+    parameters = state_vector(out.final_parameters)
+    check_finite(out, parameters)
+    predictions = device_predictions(out)
     with _count_lock:
         _run_counts[engine.name] = _run_counts.get(engine.name, 0) + 1
         run_count = _run_counts[engine.name]
@@ -238,7 +211,10 @@ def finish_task(
                                      else [array_sha256(p) for p in prepared.permutations]),
         "initial_parameter_sha256": (dict(prepared.initial_sha256) if prepared.initial_sha256 is not None
                                      else named_sha256(names, prepared.initial)),
-        **digests.hashes,
+        "final_parameter_sha256": named_sha256(names, out.final_parameters),
+        "final_velocity_sha256": named_sha256(names, out.final_velocity),
+        "state_vector_sha256": array_sha256(parameters),
+        **(large_sha256 if large_sha256 is not None else large_digests(out)),
         "preparation_seconds": host_prep + out.preparation_seconds,
         "training_prediction_seconds": out.training_prediction_seconds,
         "run_count": run_count,

@@ -35,11 +35,10 @@ class Mutant:
 
 MUTANTS = [
     # ---- answers paired with the wrong task (issue #54)
-    Mutant("m1_digests_by_position", "a launch's digests paired by position among the tasks that ran",
+    Mutant("m1_digests_by_position", "a launch's large hashes paired by position among the tasks that ran",
            "app/tasks/device.py",
-           "digests = {i: pool.submit(run_digests, run[3], run[1].depth) for i, run in enumerate(launch.runs)\n"
-           "                   if isinstance(run, tuple)}",
-           "digests = {i: pool.submit(run_digests, run[3], run[1].depth) for i, run in "
+           "digests = {i: pool.submit(large_digests, run[3]) for i, run in enumerate(launch.runs) if isinstance(run, tuple)}",
+           "digests = {i: pool.submit(large_digests, run[3]) for i, run in "
            "enumerate([r for r in launch.runs if isinstance(r, tuple)])}",
            ("tests/test_pairing.py", "-k", "sqlite")),
     Mutant("m2_another_items_config", "a launch's result built with another item's config", "app/tasks/device.py",

@@ -22,7 +22,7 @@ from learner.backends import Backend, Prepared, RunOutput, get_backend
 from learner.cancel import CancelToken
 from learner.config import Config
 from learner.errors import TaskCancelled
-from learner.result import TaskResult, finish_task, run_digests, run_task
+from learner.result import TaskResult, finish_task, large_digests, run_task
 from learner.taskio import TaskArrays
 from learner.train import prepare
 from learner.validate import cached_validation
@@ -219,18 +219,17 @@ def launch_on_device(
 def finish_launch(launch: Launch, pool: Any = None) -> list[DeviceOutcome | BaseException]:
     """The host's part after a launch, off the device: each task's result checked, hashed and
     assembled (``learner.result.finish_task``, the same code as a single task's). With ``pool``,
-    what reads a task's buffers (``run_digests``: its checks for non-finite entries, its
-    predictions and every SHA-256 of them, ~575 KB hashed) is done on its threads -- hashlib and
-    numpy let go of the GIL for them, so they run side by side -- while this thread finishes the
-    tasks in order, each with its digests once they are there: the rest of a task's finishing is
-    Python, which threads would only pass the GIL back and forth for (docs/performance.md, "Small
-    costs inside a request"; "One life for every unit of work"). One outcome per item, in order.
-    A task cancelled while the launch ran has its result discarded (TaskCancelled)."""
+    the large buffers' SHA-256s (scores, predictions: ``large_digests``) are computed on its
+    threads -- hashlib lets go of the GIL for them, so they run side by side -- while this thread
+    finishes the tasks in order, each with its digests once they are there; the rest of a task's
+    finishing is Python and small hashes, which threads would only pass the GIL back and forth
+    for (this way is the fastest of the three measured: docs/performance.md, "Small costs inside a
+    request"). One outcome per item, in order. A task
+    cancelled while the launch ran has its result discarded (TaskCancelled)."""
     count = sum(1 for run in launch.runs if isinstance(run, tuple))
     digests: dict[int, Any] = {}
     if pool is not None and count >= 2:
-        digests = {i: pool.submit(run_digests, run[3], run[1].depth) for i, run in enumerate(launch.runs)
-                   if isinstance(run, tuple)}
+        digests = {i: pool.submit(large_digests, run[3]) for i, run in enumerate(launch.runs) if isinstance(run, tuple)}
 
     def one(i: int) -> DeviceOutcome | BaseException:
         run = launch.runs[i]
@@ -241,15 +240,15 @@ def finish_launch(launch: Launch, pool: Any = None) -> list[DeviceOutcome | Base
         cancel = item[2] if len(item) > 2 else None
         if cancel is not None and cancel.cancelled:
             return TaskCancelled(cancel.reason or "cancelled", config.epochs, 0, config.epochs)
-        made = None
+        large = None
         if i in digests:
             try:
-                made = digests[i].result()
+                large = digests[i].result()
             except Exception:  # noqa: BLE001 - (finish_task meets the same trouble and answers it)
-                made = None
+                large = None
         try:
             result = finish_task(task, config, launch.engine, prepared, out, host_prep, tasks_in_launch=count,
-                                 digests=made)
+                                 large_sha256=large)
         except Exception as exc:  # noqa: BLE001 - e.g. TrainingDivergedError: this task's answer
             return exc
         return DeviceOutcome(result, launch.share, launch.reason)
