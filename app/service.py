@@ -48,7 +48,7 @@ from .settings import Settings, SettingsError
 from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
 from .tasks.evaluations import Evaluations
-from .tasks.feeder import Feeder
+from .tasks.feeder import FeedPlan
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
 from .tasks.sweeps import Sweeps
@@ -134,27 +134,23 @@ class Service:
             ready=lambda: 1 if self.ready else 0,
         )
         self.metrics.watch_workers(self.executor)
+        self.keys = KeyRing(self.datasets.store, settings.api_key)  # tenants' keys (app/tasks/tenants.py)
+        # Asynchronous work waits in the ledger; the runner's feeder claims it into the device queue by
+        # fair share (app/tasks/feeder.py): SQLite's claims in process, PostgreSQL's leases shared by replicas
         self.runner = TaskRunner(
             ledger=self.ledger, writer=self.ledger_writer, executor=self.executor, energy=self.energy,
             engines=self.engines, metrics=self.metrics, task_timeout_s=settings.task_timeout_s,
-            batch_max=self.batch_max, versions=self.versions,
+            batch_max=self.batch_max, versions=self.versions, datasets=self.datasets, keys=self.keys,
+            claims=self.ledger if is_shared(self.ledger) else LocalClaims(self.ledger),
+            feed=FeedPlan(workers=len(self.plan.devices), batch_max=self.batch_max, queue_size=self.queue_size,
+                          lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
+                          backlog_size=settings.backlog_size, backlog_bytes=self._backlog_bytes(settings),
+                          ready=lambda: self.state == "ready"),
+            io_pool=lambda: self.io_pool,
         )
-        self.runner.datasets = self.datasets
         self.sweeps = Sweeps(self.runner, self.datasets, settings)
         self.evaluations = Evaluations(self.runner, self.datasets, settings)
-        self.keys = KeyRing(self.datasets.store, settings.api_key)  # tenants' keys (app/tasks/tenants.py)
-        self.runner.shares, self.runner.keys = self.keys.share, self.keys
         self.runner.finished_hooks.append(self._count_for_tenant)
-        # Asynchronous work waits in the ledger; the feeder claims it into the device queue by fair
-        # share (app/tasks/feeder.py): SQLite's claims in process, PostgreSQL's leases shared by replicas
-        claims = self.ledger if is_shared(self.ledger) else LocalClaims(self.ledger)
-        self.runner.feeder = Feeder(
-            self.runner, claims, workers=len(self.plan.devices), batch_max=self.batch_max,
-            queue_size=self.queue_size, lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
-            backlog_size=settings.backlog_size, backlog_bytes=self._backlog_bytes(settings),
-            ready=lambda: self.state == "ready")
-        if is_shared(self.ledger):
-            self.runner.uses_leases(self.runner.feeder)
         self.executor.tenant_name = lambda tenant: self.keys.name_of(tenant) if tenant else "admin/open"
         self.metrics.watch_ledger(self.ledger_stats)
         self.metrics.watch_admission(self.admission)
@@ -302,7 +298,6 @@ class Service:
         self.io_pool = concurrent.futures.ThreadPoolExecutor(
             thread_name_prefix="rev88-io", initializer=name_os_thread, initargs=("rev88-io",))
         self._loop.set_default_executor(self.io_pool)
-        self.runner.io_pool = self.io_pool
         if self.settings.threads:
             import torch
 

@@ -56,10 +56,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from learner.config import make_config
 from learner.taskio import TaskArrays, load_task
@@ -67,38 +69,72 @@ from learner.taskio import TaskArrays, load_task
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
 from .backlog import Backlog
 from .leases import LeaseKeeping
-from .runner import TaskRunner
 from .work import State, Work
+
+if TYPE_CHECKING:
+    from ..runtime.executor import DeviceExecutor
+    from .datasets import DatasetCatalog
+
+
+class Runs(Protocol):
+    """What the feeder needs of the runner that owns it (app/tasks/runner.py): its queue and
+    what waits in it, its ledger and datasets, the one way in, a tenant's weight and a task's
+    record (the feeder's imports point one way: the runner builds the feeder, never the reverse)."""
+
+    executor: DeviceExecutor
+    ledger: Any
+    pending: dict[str, Work]
+    datasets: DatasetCatalog
+
+    async def submit(self, work: Work | list[Work], **how: Any) -> Any: ...
+
+    def weight_of(self, tenant: str) -> float: ...
+
+    async def get(self, task_id: str) -> TaskRecord | None: ...
 
 log = logging.getLogger("rev88." + __name__)
 
 BACKLOG_SIZE = 100_000  # REV88_BACKLOG_SIZE's default: waiting asynchronous tasks (rows of ~2 KB each)
 
 
+@dataclasses.dataclass(frozen=True)
+class FeedPlan:
+    """How the feeder takes work: the replica's workers and launches, its device queue, the
+    leases' renewal and the claims' poll, the backlog's bounds, and ``ready``: whether this replica
+    may take work (its warm-up has passed; claims wait for it)."""
+
+    workers: int
+    batch_max: int
+    queue_size: int
+    lease_renew_s: float
+    claim_poll_s: float
+    backlog_size: int | None = None
+    backlog_bytes: int | None = None
+    ready: Callable[[], bool] | None = None
+
+
 class Feeder(Backlog, LeaseKeeping):
-    def __init__(self, runner: TaskRunner, ledger: Any, *, workers: int, batch_max: int, queue_size: int,
-                 lease_renew_s: float, claim_poll_s: float, backlog_size: int | None = None,
-                 backlog_bytes: int | None = None, ready: Any = None) -> None:
+    def __init__(self, runner: Runs, ledger: Any, plan: FeedPlan) -> None:
         """``ledger``: what claims (the PostgreSQL ledger itself, or app/ledger/local_claims.py's
-        LocalClaims over SQLite); ``ready``: whether this replica may take work (its warm-up has
-        passed); claims wait for it."""
+        LocalClaims over SQLite)."""
         self.runner, self.ledger = runner, ledger
         self.leases = bool(getattr(ledger, "leases", True))  # PostgreSQL's claims are leases
-        self.ready = ready or (lambda: True)
+        self.ready = plan.ready or (lambda: True)
+        workers, batch_max = plan.workers, plan.batch_max
         self.slots = max(1, workers * batch_max)  # tasks this replica's workers take at once
         # work claimed ahead, waiting in the device queue so that no worker waits for a claim: one more
         # launch per worker when batching; else, with SQLite, one task per worker -- but with a shared
         # ledger none (a task claimed ahead here could have run at once on an idle replica)
         self.prefetch = self.slots if batch_max > 1 else (0 if self.leases else max(1, workers))
         self.batch_max = batch_max
-        self.renew_s, self.poll_s = lease_renew_s, claim_poll_s
-        self.limit = backlog_size or BACKLOG_SIZE
-        self.limit_bytes = backlog_bytes
+        self.renew_s, self.poll_s = plan.lease_renew_s, plan.claim_poll_s
+        self.limit = plan.backlog_size or BACKLOG_SIZE
+        self.limit_bytes = plan.backlog_bytes
         # task id -> (its acceptance, when offered, its arrays' bytes), oldest first
         self.offered: collections.OrderedDict[str, tuple[Work, float, int]] = collections.OrderedDict()
         self.offered_bytes = 0
         self.offered_weight = 0.0  # entries, an upload counting 1 and a dataset's cell CELL_WEIGHT
-        self.cache_size = max(1, queue_size)  # offered tasks kept here at most (and OFFER_CACHE_BYTES)
+        self.cache_size = max(1, plan.queue_size)  # offered tasks kept here at most (and OFFER_CACHE_BYTES)
         self.depth: dict[str, Any] | None = None  # the backlog as last counted
         self.counters = {"claimed": 0, "from_stored_input": 0, "leases_lost": 0, "cancels_noticed": 0,
                          "reaped_requeued": 0, "reaped_failed": 0, "reaped_cancelled": 0, "released": 0,

@@ -41,12 +41,15 @@ from ..ledger import AlreadyFinished, Ledger, LedgerWriter, TaskRecord
 from ..runtime.executor import Batch, DeviceExecutor, Job
 from ..runtime.metrics import Metrics
 from .answers import Settled, input_hashes
+from .datasets import DatasetCatalog
 from .device import Engines, has_run_many, launch_key, worker_engine
+from .feeder import Feeder, FeedPlan
 from .finisher import Finisher, unrecorded
 from .launches import Finishing, Launches
 from .options import measure_timeout_s
 from .submit import Submitted, submit
 from .tenant_gate import TenantGate
+from .tenants import KeyRing
 from .work import Work
 
 log = logging.getLogger("rev88." + __name__)
@@ -69,26 +72,30 @@ class TaskRunner(TenantGate):
 
     def __init__(self, *, ledger: Ledger, writer: LedgerWriter, executor: DeviceExecutor, energy: Any,
                  engines: Engines, metrics: Metrics, task_timeout_s: float, batch_max: int,
-                 versions: Callable[[], dict[str, Any]]) -> None:
+                 versions: Callable[[], dict[str, Any]], datasets: DatasetCatalog, keys: KeyRing, claims: Any,
+                 feed: FeedPlan, io_pool: Callable[[], concurrent.futures.Executor | None]) -> None:
+        """``claims``: what the feeder claims from (the PostgreSQL ledger itself, or
+        app/ledger/local_claims.py's LocalClaims over SQLite); ``io_pool``: the service's io pool
+        once it has started (a large body's hashes)."""
         self.ledger, self.writer, self.executor = ledger, writer, executor
         self.energy, self.engines, self.metrics = energy, engines, metrics
         self.task_timeout_s, self.batch_max, self.versions = task_timeout_s, batch_max, versions
+        self.datasets = datasets  # tasks on stored datasets (app/tasks/datasets.py)
+        self.keys = keys  # the key ring (app/tasks/tenants.py): the quotas and their messages
+        self.shares: Callable[[str], tuple[float, int | None]] = keys.share  # (weight, max_running): fair share
+        self.io_pool = io_pool
         self.pending: dict[str, Work] = {}  # task id -> its work, while queued or running here
-        self.finisher = Finisher(writer=writer, metrics=metrics, versions=versions, pending=self.pending)
-        self.recorded_hooks = self.finisher.recorded_hooks  # (work, Outcome) once in the ledger (sweeps' rows)
-        self.finished_hooks = self.finisher.finished_hooks  # (work, status, answer) of every end (tenants' counts)
-        # a tenant's (weight, max_running) for the executor's fair share (the service's key ring)
-        self.shares: Callable[[str], tuple[float, int | None]] = lambda owner: (1.0, None)
-        self.keys: Any = None  # the service's key ring (app/tasks/tenants.py): the quotas' messages
         # The feeder (app/tasks/feeder.py): asynchronous work waits in the ledger and is claimed into
         # the device queue by fair share, with either store. ``shared`` is the same object when the
         # ledger is shared by replicas (PostgreSQL: leases, fencing, cancels across replicas); None
         # with SQLite.
-        self.feeder: Any = None
-        self.shared: Any = None
-        self.datasets: Any = None  # the DatasetCatalog (app/tasks/datasets.py): tasks on stored datasets
+        self.feeder = Feeder(self, claims, feed)
+        self.shared: Feeder | None = self.feeder if self.feeder.leases else None
+        self.finisher = Finisher(writer=writer, metrics=metrics, versions=versions, pending=self.pending,
+                                 leases=self.shared)
+        self.recorded_hooks = self.finisher.recorded_hooks  # (work, Outcome) once in the ledger (sweeps' rows)
+        self.finished_hooks = self.finisher.finished_hooks  # (work, status, answer) of every end (tenants' counts)
         self.launches = Launches(self, self.finisher)  # the worker's side of launches (app/tasks/launches.py)
-        self.io_pool: concurrent.futures.Executor | None = None  # the service's io pool (a large body's hashes)
 
     @property
     def background(self) -> set[asyncio.Task]:
@@ -101,10 +108,6 @@ class TaskRunner(TenantGate):
     @record_retry_s.setter
     def record_retry_s(self, value: float) -> None:
         self.finisher.record_retry_s = value
-
-    def uses_leases(self, feeder: Any) -> None:
-        """A shared ledger (PostgreSQL): its feeder keeps the leases of the attempts run here."""
-        self.shared = self.finisher.leases = feeder
 
     # ------------------------------------------------------------------ accept
     async def submit(self, work: Work | list[Work], **how: Any) -> Submitted:

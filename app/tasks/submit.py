@@ -141,7 +141,7 @@ async def submit(runner: Any, work: Any, *, body: bytes | memoryview | None = No
                 {"status": exc.status, "error": f"not accepted: {exc.message}"}, epoch=acc.epoch))
         raise
     if acc.task is not None:  # (else its job hashes it aside, once parsed)
-        hash_aside(acc.task, runner.io_pool)
+        hash_aside(acc.task, runner.io_pool())
     return Submitted(record, settled=await runner.settle(acc, gone() if gone is not None else None))
 
 
