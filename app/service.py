@@ -122,10 +122,12 @@ class Service:
         self.drain_reason: str | None = None
         self.energy = Energy()
         self.metrics = Metrics()
+        self.keys = KeyRing(self.datasets.store, settings.api_key)  # tenants' keys (app/tasks/tenants.py)
         self.executor = DeviceExecutor(
             self.queue_size, idle_hook=self.energy.sample_idle, idle_interval_s=IDLE_SAMPLE_INTERVAL_S,
             batch_max=self.batch_max, batch_wait_s=settings.batch_wait_ms / 1000.0,
             on_launch=self.metrics.launch_tasks.observe, devices=self.plan.devices,
+            tenant_name=lambda tenant: self.keys.name_of(tenant) if tenant else "admin/open",
         )
         self.metrics.bind(
             depth=lambda: self.executor.depth,
@@ -134,7 +136,6 @@ class Service:
             ready=lambda: 1 if self.ready else 0,
         )
         self.metrics.watch_workers(self.executor)
-        self.keys = KeyRing(self.datasets.store, settings.api_key)  # tenants' keys (app/tasks/tenants.py)
         # Asynchronous work waits in the ledger; the runner's feeder claims it into the device queue by
         # fair share (app/tasks/feeder.py): SQLite's claims in process, PostgreSQL's leases shared by replicas
         self.runner = TaskRunner(
@@ -151,7 +152,6 @@ class Service:
         self.sweeps = Sweeps(self.runner, self.datasets, settings)
         self.evaluations = Evaluations(self.runner, self.datasets, settings)
         self.runner.finished_hooks.append(self._count_for_tenant)
-        self.executor.tenant_name = lambda tenant: self.keys.name_of(tenant) if tenant else "admin/open"
         self.metrics.watch_ledger(self.ledger_stats)
         self.metrics.watch_admission(self.admission)
         # Signed webhooks from the ledger's outbox (app/webhooks/): any replica delivers any message

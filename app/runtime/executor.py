@@ -95,6 +95,7 @@ class DeviceExecutor(TenantAdmission, JobStops, WorkerLoop):
         on_launch: Callable[[int], None] | None = None,
         devices: list[str] | None = None,
         select_device: Callable[[str], None] | None = None,
+        tenant_name: Callable[[str], str] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -123,7 +124,8 @@ class DeviceExecutor(TenantAdmission, JobStops, WorkerLoop):
         self.workers = [Worker(self, i, device) for i, device in enumerate(devices)]
         self.fair = FairShare()  # which tenant's job runs next (app/runtime/fair_share.py); under the lock
         self._running: collections.Counter[str] = collections.Counter()  # tenant -> jobs running
-        self.tenant_name: Callable[[str], str] = lambda tenant: tenant or "admin/open"  # for refusals
+        # a tenant's name in refusals (the service's key ring names its keys)
+        self.tenant_name: Callable[[str], str] = tenant_name or (lambda tenant: tenant or "admin/open")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
