@@ -46,6 +46,24 @@ TIMING_SCOPE = (
 
 _run_counts: dict[str, int] = {}
 _count_lock = threading.Lock()
+# a process that finishes another's runs (app/tasks/finish_process.py) reports that process's
+# validation and versions, never its own: it touches no device
+_adopted: tuple[dict, dict] | None = None
+
+
+def adopt(validation: dict, static_versions: dict) -> None:
+    """(a process that finishes the runs of another) The validation and versions its results
+    report: the other process's."""
+    global _adopted
+    _adopted = (dict(validation), dict(static_versions))
+
+
+def next_run_count(engine_name: str) -> int:
+    """This process's count of results finished on ``engine_name``, one more (the metadata's
+    ``run_count``)."""
+    with _count_lock:
+        _run_counts[engine_name] = _run_counts.get(engine_name, 0) + 1
+        return _run_counts[engine_name]
 
 
 @dataclasses.dataclass
@@ -99,7 +117,7 @@ def _gpu_uuid(props) -> str | None:
 
 
 def versions() -> dict[str, Any]:
-    return dict(_static_versions())
+    return dict(_static_versions() if _adopted is None else _adopted[1])
 
 
 def device_predictions(out: RunOutput) -> np.ndarray:
@@ -189,16 +207,14 @@ def finish_task(
     on one (the rest is Python and small hashes, which threads would only pass the GIL back and
     forth for).
     """
-    validation = cached_validation()
+    validation = cached_validation() if _adopted is None else _adopted[0]
     # a cancelled task gets no result, even when its run had just finished (on the fused
     # backend this is where a task cancelled during its launch is dropped)
     check_cancel(prepared.cancel, config.epochs, 0, config.epochs)
     parameters = state_vector(out.final_parameters)
     check_finite(out, parameters)
     predictions = device_predictions(out)
-    with _count_lock:
-        _run_counts[engine.name] = _run_counts.get(engine.name, 0) + 1
-        run_count = _run_counts[engine.name]
+    run_count = next_run_count(engine.name)
     names = parameter_names(config.depth)
     metadata: dict[str, Any] = {
         "config": config.as_dict(),
