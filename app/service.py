@@ -338,7 +338,11 @@ class Service:
         if self.settings.finish_process and self.batch_max > 1:
             with self._uploads_lock:  # (one for every worker's launches; the first warm-up starts it)
                 if self.finish_process is None:
-                    self.finish_process = FinishProcess(validation, versions())
+                    try:
+                        self.finish_process = FinishProcess()
+                    except Exception as exc:  # noqa: BLE001 - the same answers without it: said, not fatal
+                        log.error("REV88_FINISH_PROCESS: the finishing process did not start; the server finishes "
+                                  "its launches itself", extra={"error": f"{type(exc).__name__}: {exc}"})
         t1 = time.perf_counter()
         engine = worker_engine(self.backend, self.engines)
         result = run_task(warmup_task(), Config(), engine)

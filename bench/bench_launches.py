@@ -16,7 +16,7 @@ replay's own CPU (reading the kept outputs) is subtracted. Two runs in one:
                  many-core host cannot spread; the io pool's, sized to the cores, it can)
 
 Reported for each: host CPU per cell (from /proc: every thread of the server, by thread group,
-the replay excluded; also without the bench's own polls, whose cost it measures), cells per
+and its child processes -- REV88_FINISH_PROCESS's -- the replay excluded; also without the bench's own polls, whose cost it measures), cells per
 second as the client sees them (polling every POLL_S) and as the server's own span (acceptance
 to the last answer), and those rates against the stand-in's (its launch rate at full launches). Every cell's predictions_sha256 is checked against the kept output's. CPU time,
 not wall time, for the per-cell figure; the rate is wall time on whatever else the machine does.
@@ -77,11 +77,28 @@ def expected_hashes(folder: Path, count: int) -> list[str]:
     return [array_sha256(np.asarray(scores[i]).argmax(axis=1).astype(np.int64)) for i in range(count)]
 
 
+def children_cpu(pid: int) -> float:
+    """Seconds of CPU so far of ``pid``'s child processes (REV88_FINISH_PROCESS's finishing
+    process, multiprocessing's resource tracker): host work too."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # (its parent)
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def measure(stats: Path, pid: int, cells: int, start, done, stand_in_rate: float) -> dict:
     """CPU and wall from ``start()`` until ``done()`` says every cell finished; then what one of
     those polls costs the server (POLL_COST_ASKS more of them, by CPU), so that the host's figure
     is also given without the client's polling (a sweep.completed webhook costs none)."""
     replay0, before, w0, u0 = replay_cpu(stats), cpu_by_group(pid), time.perf_counter(), time.time()
+    before["children"] = children_cpu(pid)
     handle = start()
     polls = 1
     while not done(handle):
@@ -90,9 +107,10 @@ def measure(stats: Path, pid: int, cells: int, start, done, stand_in_rate: float
     wall = time.perf_counter() - w0
     device = timeline(stats, u0, time.time())
     after, replay1 = cpu_by_group(pid), replay_cpu(stats)
+    after["children"] = children_cpu(pid)
     replay = replay1 - replay0
     groups = {k: round((after[k] - before[k]) / cells * 1000.0, 4) for k in after}
-    host = (after["process"] - before["process"] - replay) / cells * 1000.0
+    host = (after["process"] - before["process"] + after["children"] - before["children"] - replay) / cells * 1000.0
     p0 = cpu_by_group(pid)["process"]
     for _ in range(POLL_COST_ASKS):
         done(handle)

@@ -20,10 +20,8 @@ from app.tasks.finish_process import FinishProcess
 from learner.backends import get_backend
 from learner.cancel import CancelToken
 from learner.config import make_config
-from learner.result import versions
 from learner.taskio import task_to_npz_bytes
 from learner.train import prepare
-from learner.validate import cached_validation
 
 from .helpers import small_task
 
@@ -31,10 +29,11 @@ TIMING = {"run_ms": 1.0, "tasks_in_launch": 6}
 
 
 def _launch(seeds: list[int], *, known: set[int] = frozenset(), diverged: set[int] = frozenset(),
-            cancelled: set[int] = frozenset(), failed: set[int] = frozenset()) -> Launch:
+            cancelled: set[int] = frozenset(), failed: set[int] = frozenset(), bad: set[int] = frozenset()) -> Launch:
     """A launch of small tasks run for real on cpu-fast, one per seed; ``known``: seeds whose
     output carries its predictions (as a GPU's); ``diverged``: a NaN put in its scores;
-    ``cancelled``: its token cancelled after the run; ``failed``: an error instead of a run."""
+    ``cancelled``: its token cancelled after the run; ``failed``: an error instead of a run;
+    ``bad``: predictions of the wrong dtype from its backend."""
     engine = get_backend("cpu-fast")
     items, runs = [], []
     for k, seed in enumerate(seeds):
@@ -49,6 +48,8 @@ def _launch(seeds: list[int], *, known: set[int] = frozenset(), diverged: set[in
         out = engine.run(task, prepared)
         if seed in known:
             out = dataclasses.replace(out, predictions=out.scores.argmax(axis=1).astype(np.int64))
+        if seed in bad:
+            out = dataclasses.replace(out, predictions=out.scores.argmax(axis=1).astype(np.int32))
         if seed in diverged:
             out.scores[0, 3] = np.nan
         if seed in cancelled:
@@ -75,21 +76,22 @@ def _same(here: list, there: list) -> None:
 
 @pytest.fixture(scope="module")
 def finisher():
-    process = FinishProcess(cached_validation(), versions())
+    process = FinishProcess()
     yield process
     process.close()
 
 
 def test_every_outcome_of_a_launch_is_the_same_as_finished_in_the_thread(finisher):
-    seeds = [11, 12, 13, 14, 15, 16]
+    seeds = [11, 12, 13, 14, 15, 16, 17]
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    launch = _launch(seeds, known={12}, diverged={13}, cancelled={14}, failed={15})
+    launch = _launch(seeds, known={12}, diverged={13}, cancelled={14}, failed={15}, bad={17})
     here, there = finish_launch(launch, pool), finisher.finish(launch, pool)
     _same(here, there)
     kinds = [type(o).__name__ for o in there]
     assert kinds == ["DeviceOutcome", "DeviceOutcome", "TrainingDivergedError", "TaskCancelled", "ValueError",
-                     "DeviceOutcome"]
-    assert finisher.broken is None and finisher.counters["finished_here"] == 1  # (the diverged one)
+                     "DeviceOutcome", "ValueError"]
+    assert "predictions must be int64" in str(there[6])
+    assert finisher.broken is None and finisher.counters["finished_here"] == 1  # (the bad predictions)
     # each answer is its own task's: its seed in its config, its inputs' hashes
     for seed, outcome, (task, *_rest) in zip(seeds, there, launch.items):
         if isinstance(outcome, DeviceOutcome):
@@ -106,7 +108,7 @@ def test_a_launch_of_one_or_of_mixed_shapes_is_finished_in_the_thread(finisher):
 
 
 def test_a_child_that_dies_is_said_and_the_launches_are_finished_here(caplog):
-    process = FinishProcess(cached_validation(), versions())
+    process = FinishProcess()
     try:
         process._proc.kill()
         process._proc.join(10)
