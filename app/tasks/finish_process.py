@@ -43,6 +43,9 @@ def _child(conn: Any) -> None:
     import concurrent.futures
     import functools
 
+    import learner.backends.base  # noqa: F401 - (imported now, before "ready": torch's import is not a launch's)
+    import learner.result  # noqa: F401
+
     readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rev88-finish-read")
     conn.send("ready")
     while True:
