@@ -49,7 +49,6 @@ from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
 from .tasks.evaluations import Evaluations
 from .tasks.feeder import FeedPlan
-from .tasks.finish_process import FinishProcess
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
 from .tasks.sweeps import Sweeps
@@ -94,7 +93,6 @@ class Service:
         self.settings = settings
         self.engines: Engines = engines or get_backend
         self.io_pool: concurrent.futures.ThreadPoolExecutor | None = None  # asyncio.to_thread's, from start()
-        self.finish_process: FinishProcess | None = None  # REV88_FINISH_PROCESS: from the first warm-up
         self.backend = check_backend(settings.backend)  # "cuda" without a GPU stops startup here
         try:
             self.plan = plan(self.backend, settings.workers, settings.queue_size, settings.batch_max)
@@ -149,7 +147,7 @@ class Service:
                           lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
                           backlog_size=settings.backlog_size, backlog_bytes=self._backlog_bytes(settings),
                           ready=lambda: self.state == "ready"),
-            io_pool=lambda: self.io_pool, finish_process=lambda: self.finish_process,
+            io_pool=lambda: self.io_pool,
         )
         self.sweeps = Sweeps(self.runner, self.datasets, settings)
         self.evaluations = Evaluations(self.runner, self.datasets, settings)
@@ -335,14 +333,6 @@ class Service:
         if not validation.get("passed"):
             failed = [f"{c['dtype']} depth {c['depth']}" for c in validation.get("checks", []) if not c.get("passed")]
             raise RuntimeError(f"learner validation failed: {', '.join(failed) or 'see /health'}")
-        if self.settings.finish_process and self.batch_max > 1:
-            with self._uploads_lock:  # (one for every worker's launches; the first warm-up starts it)
-                if self.finish_process is None:
-                    try:
-                        self.finish_process = FinishProcess()
-                    except Exception as exc:  # noqa: BLE001 - the same answers without it: said, not fatal
-                        log.error("REV88_FINISH_PROCESS: the finishing process did not start; the server finishes "
-                                  "its launches itself", extra={"error": f"{type(exc).__name__}: {exc}"})
         t1 = time.perf_counter()
         engine = worker_engine(self.backend, self.engines)
         result = run_task(warmup_task(), Config(), engine)
@@ -445,8 +435,6 @@ class Service:
         # launches being finished (app/tasks/launches.py) record their cells, then settling
         # asynchronous tasks record what the workers answered
         await asyncio.to_thread(self.runner.launches.close)
-        if self.finish_process is not None:
-            await asyncio.to_thread(self.finish_process.close)
         if self.runner.background:
             await asyncio.wait(list(self.runner.background), timeout=5.0)
         await self.runner.feeder.stop()  # stop claiming; (PostgreSQL) leases of unfinished tasks given back

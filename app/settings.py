@@ -127,7 +127,6 @@ class Settings:
     # uvicorn's own HTTP protocol, on a uvicorn release the service was not tested on
     # (app/http/versions.py); off: the body protocol (app/http/protocol.py)
     stock_http: bool = False
-    finish_process: bool = False  # a launch's results finished in a process of its own (app/tasks/finish_process.py)
     # The shared ledger (app/ledger/postgres.py, docs/ledger.md): PostgreSQL at database_url, a
     # pool of db_pool_size connections, every wait bounded by db_timeout_s; asynchronous tasks
     # claimed under leases of lease_s renewed every lease_renew_s, failed after lease_attempts
@@ -339,7 +338,6 @@ class Settings:
             keepalive_s=number("REV88_KEEPALIVE_S", defaults.keepalive_s),
             max_connections=integer("REV88_MAX_CONNECTIONS", defaults.max_connections),
             stock_http=switch("REV88_STOCK_HTTP", defaults.stock_http),
-            finish_process=switch("REV88_FINISH_PROCESS", defaults.finish_process),
             database_url=text("REV88_DATABASE_URL", None),
             db_pool_size=integer("REV88_DB_POOL_SIZE", defaults.db_pool_size),
             db_timeout_s=number("REV88_DB_TIMEOUT_S", defaults.db_timeout_s),

@@ -46,12 +46,6 @@ TIMING_SCOPE = (
 
 _run_counts: dict[str, int] = {}
 _count_lock = threading.Lock()
-def next_run_count(engine_name: str) -> int:
-    """This process's count of results finished on ``engine_name``, one more (the metadata's
-    ``run_count``)."""
-    with _count_lock:
-        _run_counts[engine_name] = _run_counts.get(engine_name, 0) + 1
-        return _run_counts[engine_name]
 
 
 @dataclasses.dataclass
@@ -128,58 +122,28 @@ def large_digests(out: RunOutput) -> dict[str, str]:
     return {"predictions_sha256": array_sha256(device_predictions(out)), "scores_sha256": array_sha256(out.scores)}
 
 
-@dataclasses.dataclass(frozen=True)
-class Digests:
-    """What finishing a run reads of its buffers: which of them hold a non-finite entry, its
-    predictions, and every SHA-256 of them the metadata names (~575 KB hashed for a
-    10,000-query task). Made by ``run_digests`` wherever its caller likes (another process:
-    app/tasks/finish_process.py) and handed to ``finish_task``."""
-
-    predictions: np.ndarray | None  # (None where non_finite names a buffer)
-    non_finite: list[str]
-    hashes: dict[str, Any]  # the final parameters', velocity's, state vector's, predictions' and scores' SHA-256s
-
-
-def run_digests(out: RunOutput, depth: int) -> Digests:
-    """``out``'s ``Digests`` (``depth``: its config's, which names the parameters); raises what
-    ``device_predictions`` raises for a backend's bad predictions."""
-    parameters = state_vector(out.final_parameters)
-    non_finite = _non_finite(out, parameters)
-    if non_finite:  # (its answer is that error: nothing more is read)
-        return Digests(None, non_finite, {})
-    predictions = device_predictions(out)
-    names = parameter_names(depth)
-    return Digests(predictions, [], {"final_parameter_sha256": named_sha256(names, out.final_parameters),
-                                     "final_velocity_sha256": named_sha256(names, out.final_velocity),
-                                     "state_vector_sha256": array_sha256(parameters),
-                                     "predictions_sha256": array_sha256(predictions),
-                                     "scores_sha256": array_sha256(out.scores)})
-
-
-def _non_finite(out: RunOutput, parameters: np.ndarray) -> list[str]:
-    return [name for name, values in (("scores", out.scores), ("parameters", parameters),
-                                      ("velocity", state_vector(out.final_velocity)))
-            if not np.isfinite(values).all()]
-
-
 def check_finite(out: RunOutput, parameters: np.ndarray | None = None) -> None:
     """After training: every score, parameter and velocity entry finite. (Backends stop at
     the first non-finite loss they see, with the epoch and step; this catches the rest, and
     everything on the fused backend, which checks only here.) ``parameters``: the final
     parameters as one state vector, when the caller has it already."""
-    problems = _non_finite(out, state_vector(out.final_parameters) if parameters is None else parameters)
+    problems = []
+    if not np.isfinite(out.scores).all():
+        problems.append("scores")
+    if parameters is None:
+        parameters = state_vector(out.final_parameters)
+    if not np.isfinite(parameters).all():
+        problems.append("parameters")
+    if not np.isfinite(state_vector(out.final_velocity)).all():
+        problems.append("velocity")
     if problems:
-        raise diverged(problems)
-
-
-def diverged(non_finite: list[str]) -> TrainingDivergedError:
-    """The error of a run whose buffers ``non_finite`` names hold a non-finite entry."""
-    return TrainingDivergedError(
-        f"training diverged: non-finite {', '.join(non_finite)} after training (try a smaller learning_rate)",
-        non_finite=list(non_finite),
-        epoch=None,
-        step=None,
-    )
+        raise TrainingDivergedError(
+            f"training diverged: non-finite {', '.join(problems)} after training "
+            "(try a smaller learning_rate)",
+            non_finite=problems,
+            epoch=None,
+            step=None,
+        )
 
 
 def run_task(
@@ -213,7 +177,6 @@ def finish_task(
     host_prep: float,
     tasks_in_launch: int | None = None,
     large_sha256: dict[str, str] | None = None,
-    digests: Digests | None = None,
 ) -> TaskResult:
     """Check one task's run output and assemble its result and metadata.
 
@@ -224,26 +187,19 @@ def finish_task(
     the large buffers (``large_digests``: the scores and the predictions), computed elsewhere
     beforehand -- a launch hashes them on a pool of threads (GIL-free) and finishes its tasks
     on one (the rest is Python and small hashes, which threads would only pass the GIL back and
-    forth for). ``digests``: everything read of the buffers, made beforehand (``run_digests``).
+    forth for).
     """
     validation = cached_validation()
     # a cancelled task gets no result, even when its run had just finished (on the fused
     # backend this is where a task cancelled during its launch is dropped)
     check_cancel(prepared.cancel, config.epochs, 0, config.epochs)
+    parameters = state_vector(out.final_parameters)
+    check_finite(out, parameters)
+    predictions = device_predictions(out)
+    with _count_lock:
+        _run_counts[engine.name] = _run_counts.get(engine.name, 0) + 1
+        run_count = _run_counts[engine.name]
     names = parameter_names(config.depth)
-    if digests is None:
-        parameters = state_vector(out.final_parameters)
-        check_finite(out, parameters)
-        predictions = device_predictions(out)
-        hashes = {"final_parameter_sha256": named_sha256(names, out.final_parameters),
-                  "final_velocity_sha256": named_sha256(names, out.final_velocity),
-                  "state_vector_sha256": array_sha256(parameters),
-                  **(large_sha256 if large_sha256 is not None else large_digests(out))}
-    else:
-        if digests.non_finite:
-            raise diverged(digests.non_finite)
-        predictions, hashes = digests.predictions, digests.hashes
-    run_count = next_run_count(engine.name)
     metadata: dict[str, Any] = {
         "config": config.as_dict(),
         "parameter_count": parameter_count(config.depth),
@@ -255,7 +211,10 @@ def finish_task(
                                      else [array_sha256(p) for p in prepared.permutations]),
         "initial_parameter_sha256": (dict(prepared.initial_sha256) if prepared.initial_sha256 is not None
                                      else named_sha256(names, prepared.initial)),
-        **hashes,
+        "final_parameter_sha256": named_sha256(names, out.final_parameters),
+        "final_velocity_sha256": named_sha256(names, out.final_velocity),
+        "state_vector_sha256": array_sha256(parameters),
+        **(large_sha256 if large_sha256 is not None else large_digests(out)),
         "preparation_seconds": host_prep + out.preparation_seconds,
         "training_prediction_seconds": out.training_prediction_seconds,
         "run_count": run_count,

@@ -134,8 +134,7 @@ class Launches:
         return [Finishing(future, i) for i in range(len(items))]
 
     def _finish(self, launch) -> list[Ended | None]:
-        elsewhere = self.runner.finish_process()  # (REV88_FINISH_PROCESS: app/tasks/finish_process.py)
-        outcomes = (finish_launch if elsewhere is None else elsewhere.finish)(launch, self.finisher.hashers)
+        outcomes = finish_launch(launch, self.finisher.hashers)
         count = sum(1 for run in launch.runs if isinstance(run, tuple))
         return self.finisher.launch([(item[3], value) for item, value in zip(launch.items, outcomes)],
                                     launch.device_s, count)

@@ -44,7 +44,6 @@ from .answers import Settled, input_hashes
 from .datasets import DatasetCatalog
 from .device import Engines, has_run_many, launch_key, worker_engine
 from .feeder import Feeder, FeedPlan
-from .finish_process import FinishProcess
 from .finisher import Finisher, unrecorded
 from .launches import Finishing, Launches
 from .options import measure_timeout_s
@@ -74,12 +73,10 @@ class TaskRunner(TenantGate):
     def __init__(self, *, ledger: Ledger, writer: LedgerWriter, executor: DeviceExecutor, energy: Any,
                  engines: Engines, metrics: Metrics, task_timeout_s: float, batch_max: int,
                  versions: Callable[[], dict[str, Any]], datasets: DatasetCatalog, keys: KeyRing, claims: Any,
-                 feed: FeedPlan, io_pool: Callable[[], concurrent.futures.Executor | None],
-                 finish_process: Callable[[], FinishProcess | None] = lambda: None) -> None:
+                 feed: FeedPlan, io_pool: Callable[[], concurrent.futures.Executor | None]) -> None:
         """``claims``: what the feeder claims from (the PostgreSQL ledger itself, or
         app/ledger/local_claims.py's LocalClaims over SQLite); ``io_pool``: the service's io pool
-        once it has started (a large body's hashes); ``finish_process``: the process launches are
-        finished in, once the warm-up has started it (REV88_FINISH_PROCESS), or None."""
+        once it has started (a large body's hashes)."""
         self.ledger, self.writer, self.executor = ledger, writer, executor
         self.energy, self.engines, self.metrics = energy, engines, metrics
         self.task_timeout_s, self.batch_max, self.versions = task_timeout_s, batch_max, versions
@@ -87,7 +84,6 @@ class TaskRunner(TenantGate):
         self.keys = keys  # the key ring (app/tasks/tenants.py): the quotas and their messages
         self.shares: Callable[[str], tuple[float, int | None]] = keys.share  # (weight, max_running): fair share
         self.io_pool = io_pool
-        self.finish_process = finish_process
         self.pending: dict[str, Work] = {}  # task id -> its work, while queued or running here
         # The feeder (app/tasks/feeder.py): asynchronous work waits in the ledger and is claimed into
         # the device queue by fair share, with either store. ``shared`` is the same object when the

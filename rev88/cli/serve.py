@@ -45,7 +45,6 @@ SERVE_ENV = {
     "keepalive": "REV88_KEEPALIVE_S",
     "max_connections": "REV88_MAX_CONNECTIONS",
     "stock_http": "REV88_STOCK_HTTP",
-    "finish_process": "REV88_FINISH_PROCESS",
     "database_url": "REV88_DATABASE_URL",
     "db_pool_size": "REV88_DB_POOL_SIZE",
     "db_timeout": "REV88_DB_TIMEOUT_S",
@@ -259,9 +258,6 @@ def add_serve(sub) -> None:
                    "instead of the body protocol (needed on a uvicorn release the service was not tested on; "
                    "loses the header timeout, the lingering close, uploads reserved as they arrive, large bodies in "
                    "one buffer) [REV88_STOCK_HTTP, default off]")
-    p.add_argument("--finish-process", action="store_const", const="1", help="finish each launch's results "
-                   "(checks, hashes, metadata) in a process of its own, off the server's GIL (with --batch-max > 1) "
-                   "[REV88_FINISH_PROCESS, default off]")
     p.add_argument("--database-url", help="postgresql://user:password@host:port/db: the ledger in PostgreSQL, "
                    "shared by every replica (claims, leases; docs/ledger.md) [REV88_DATABASE_URL; default: SQLite in "
                    "the data dir; prefer the variable: a flag shows in the process list]")
