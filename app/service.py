@@ -48,7 +48,7 @@ from .settings import Settings, SettingsError
 from .tasks.datasets import DatasetCatalog
 from .tasks.device import Engines, worker_engine
 from .tasks.evaluations import Evaluations
-from .tasks.feeder import FeedPlan
+from .tasks.feed_plan import FeedPlan
 from .tasks.options import check_backend
 from .tasks.runner import TaskRunner
 from .tasks.sweeps import Sweeps

@@ -56,61 +56,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from learner.config import make_config
 from learner.taskio import TaskArrays, load_task
 
 from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
 from .backlog import Backlog
+from .feed_plan import FeedPlan, Runs
 from .leases import LeaseKeeping
 from .work import State, Work
-
-if TYPE_CHECKING:
-    from ..runtime.executor import DeviceExecutor
-    from .datasets import DatasetCatalog
-
-
-class Runs(Protocol):
-    """What the feeder needs of the runner that owns it (app/tasks/runner.py): its queue and
-    what waits in it, its ledger and datasets, the one way in, a tenant's weight and a task's
-    record (the feeder's imports point one way: the runner builds the feeder, never the reverse)."""
-
-    executor: DeviceExecutor
-    ledger: Any
-    pending: dict[str, Work]
-    datasets: DatasetCatalog
-
-    async def submit(self, work: Work | list[Work], **how: Any) -> Any: ...
-
-    def weight_of(self, tenant: str) -> float: ...
-
-    async def get(self, task_id: str) -> TaskRecord | None: ...
 
 log = logging.getLogger("rev88." + __name__)
 
 BACKLOG_SIZE = 100_000  # REV88_BACKLOG_SIZE's default: waiting asynchronous tasks (rows of ~2 KB each)
-
-
-@dataclasses.dataclass(frozen=True)
-class FeedPlan:
-    """How the feeder takes work: the replica's workers and launches, its device queue, the
-    leases' renewal and the claims' poll, the backlog's bounds, and ``ready``: whether this replica
-    may take work (its warm-up has passed; claims wait for it)."""
-
-    workers: int
-    batch_max: int
-    queue_size: int
-    lease_renew_s: float
-    claim_poll_s: float
-    backlog_size: int | None = None
-    backlog_bytes: int | None = None
-    ready: Callable[[], bool] | None = None
 
 
 class Feeder(Backlog, LeaseKeeping):

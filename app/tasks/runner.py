@@ -43,7 +43,8 @@ from ..runtime.metrics import Metrics
 from .answers import Settled, input_hashes
 from .datasets import DatasetCatalog
 from .device import Engines, has_run_many, launch_key, worker_engine
-from .feeder import Feeder, FeedPlan
+from .feed_plan import FeedPlan
+from .feeder import Feeder
 from .finisher import Finisher, unrecorded
 from .launches import Finishing, Launches
 from .options import measure_timeout_s
