@@ -464,6 +464,7 @@ class Ledger(TaskReads):
         body and options give (that task, False); anything else raises IdempotencyConflict."""
         check_new_task(kind, mode, body, body_bytes, body_sha256, idempotency_key)
         self.upload_path(task_id)  # validates the id
+
         def existing_for_key(conn) -> TaskRecord | None:
             if idempotency_key is None:
                 return None
@@ -613,8 +614,8 @@ class Ledger(TaskReads):
                 if found[0] in FINISHED:
                     results[i] = AlreadyFinished(self._get(conn, task_id, with_answer=False))
                     continue
-                conn.execute(f"UPDATE tasks SET {_OUTCOME.sql} WHERE id = ?",
-                             (*_OUTCOME.values({**values, "finished_at": now}), task_id))
+                values["finished_at"] = now
+                conn.execute(f"UPDATE tasks SET {_OUTCOME.sql} WHERE id = ?", (*_OUTCOME.values(values), task_id))
                 results[i] = self._get(conn, task_id, outcomes[i].with_answer) if outcomes[i].want_record else True
                 written.append((task_id, values["answer_bytes"], bool(found[1])))
         if not written:
