@@ -241,6 +241,9 @@ class Metrics:
         self.tenant_device_seconds = Counter("rev88_tenant_device_seconds", "Learner run seconds by tenant (key name)",
                                              ["tenant"], registry=r)
         self._tenant_names: set[str] = set()
+        # (metric, labels) -> its labelled series: prometheus_client's ``labels()`` checks and locks on
+        # every call (~10 µs); the label values are bounded (OUTCOMES, ROUTES, TENANT_SERIES names)
+        self._series: dict[tuple, object] = {}
         self.webhook_deliveries = Counter(
             "rev88_webhook_deliveries", "Webhook attempts by outcome: delivered, retry, failed, stopped, lease_lost",
             ["outcome"], registry=r)
@@ -269,8 +272,14 @@ class Metrics:
     def watch_webhooks(self, oldest_pending_s: Callable[[], float]) -> None:
         self.webhook_oldest_pending.set_function(oldest_pending_s)
 
+    def _labelled(self, metric, *labels: str):
+        series = self._series.get((metric, labels))
+        if series is None:
+            series = self._series[(metric, labels)] = metric.labels(*labels)
+        return series
+
     def webhook_delivery(self, outcome: str) -> None:
-        self.webhook_deliveries.labels(outcome).inc()
+        self._labelled(self.webhook_deliveries, outcome).inc()
 
     def enable_gpu(self, telemetry: Callable[[], tuple[dict | None, str | None]]) -> None:
         self.registry.register(GpuCollector(telemetry))
@@ -286,15 +295,15 @@ class Metrics:
                 name = "other"
             else:
                 self._tenant_names.add(name)
-        self.tenant_tasks.labels(name, status).inc()
+        self._labelled(self.tenant_tasks, name, status).inc()
         if run_seconds:
-            self.tenant_device_seconds.labels(name).inc(run_seconds)
+            self._labelled(self.tenant_device_seconds, name).inc(run_seconds)
 
     def outcome(self, outcome: str) -> None:
-        self.tasks.labels(outcome if outcome in OUTCOMES else "error").inc()
+        self._labelled(self.tasks, outcome if outcome in OUTCOMES else "error").inc()
 
     def request(self, path: str, seconds: float) -> None:
-        self.request_seconds.labels(path if path in ROUTES else "other").observe(seconds)
+        self._labelled(self.request_seconds, path if path in ROUTES else "other").observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

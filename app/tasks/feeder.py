@@ -193,7 +193,11 @@ class Feeder(Backlog, LeaseKeeping):
             self._wake.set()
 
     def job_done(self, _future: Any) -> None:
-        """A local job ended (any thread): a worker may be free."""
+        """A local job ended (any thread): a worker may be free -- for work waiting in the ledger.
+        (SQLite: the index is exact; with nothing in it there is nothing to claim, and the next
+        ``offer`` wakes the claimer itself.)"""
+        if not self.leases and not len(self.ledger):
+            return
         self.wake()
 
     # ------------------------------------------------------------------ claims
@@ -211,6 +215,8 @@ class Feeder(Backlog, LeaseKeeping):
         executor = self.runner.executor
         waiting = self.waiting()
         executor.fair_waiting(set(waiting))  # (whatever the room: a tenant's wait counts from its arrival)
+        if not waiting and not self.leases:  # (SQLite's index is exact: nothing waits in the ledger)
+            return None
         room = executor.capacity - executor.depth
         if room <= 0:
             return None

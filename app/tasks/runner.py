@@ -227,7 +227,9 @@ class TaskRunner(TenantGate):
         finisher.loop = asyncio.get_running_loop()
         try:
             finishing: Finishing = await self.executor.wait(work.job, self.timeout_for(work), gone)
-            ended = finishing.outcome(await asyncio.wrap_future(finishing.future))
+            done = finishing.future  # (a lone task's launch is finished on its worker: done already, no hop)
+            ended = finishing.outcome(done.result() if done.done() and done.exception() is None
+                                      else await asyncio.wrap_future(done))
         except BaseException as exc:  # noqa: BLE001 - every failure is answered and recorded
             return await finisher.failed(work, exc)
         if ended is None:  # (another outcome came first: its record stands)
