@@ -242,7 +242,7 @@ class Metrics:
                                              ["tenant"], registry=r)
         self._tenant_names: set[str] = set()
         # (metric, labels) -> its labelled series: prometheus_client's ``labels()`` checks and locks on
-        # every call (~10 µs); the label values are bounded (OUTCOMES, ROUTES, TENANT_SERIES names)
+        # every call; the label values are bounded (OUTCOMES, ROUTES, TENANT_SERIES names)
         self._series: dict[tuple, object] = {}
         self.webhook_deliveries = Counter(
             "rev88_webhook_deliveries", "Webhook attempts by outcome: delivered, retry, failed, stopped, lease_lost",
