@@ -527,6 +527,44 @@ def test_finish_many_fences_each_outcome_by_its_attempt(pg_url):
         a.close()
 
 
+def test_a_launchs_outcomes_are_one_transaction_and_each_refusal_its_own(pg_url):
+    """A launch's attempts are written in one transaction (one commit for the launch), each
+    statement fenced by its own lease: a stale attempt (LeaseLost), a finished task
+    (AlreadyFinished) and an outcome without its answer (ValueError) are those outcomes' results,
+    and every other outcome is written, its input deleted and its lease no longer held here."""
+    from app.ledger.store import Outcome
+
+    a = open_ledger(pg_url, "one-owner", lease_s=30)
+    try:
+        tasks = [add(a) for _ in range(5)]
+        claims = {c.record.id: c for c in a.claim(5)}
+        ok1, stale, finished, bogus, ok2 = tasks
+        expire(pg_url, stale.id)
+        assert a.reap()["requeued"] == 1
+        [again] = a.claim(1)
+        assert again.record.id == stale.id
+        a.finish(finished.id, "cancelled", epoch=claims[finished.id].epoch)
+        results = a.finish_many([
+            Outcome(ok1.id, "succeeded", answer(ok1.id), epoch=claims[ok1.id].epoch),
+            Outcome(stale.id, "succeeded", answer(stale.id), epoch=claims[stale.id].epoch),
+            Outcome(finished.id, "succeeded", answer(finished.id), epoch=claims[finished.id].epoch),
+            Outcome(bogus.id, "succeeded", None, epoch=claims[bogus.id].epoch),  # no answer
+            Outcome(ok2.id, "failed", None, {"status": 422, "error": "diverged"}, epoch=claims[ok2.id].epoch)])
+        assert results[0].status == "succeeded" and results[0].answer == answer(ok1.id)
+        assert isinstance(results[1], LeaseLost) and a.get(stale.id).status in ("queued", "running")
+        assert isinstance(results[2], AlreadyFinished) and a.get(finished.id).status == "cancelled"
+        assert isinstance(results[3], ValueError) and a.get(bogus.id).status in ("queued", "running")
+        assert results[4].status == "failed" and a.get(ok2.id).error["error"] == "diverged"
+        assert a.get(ok1.id).answer == answer(ok1.id)
+        held = set(a.held())
+        assert ok1.id not in held and ok2.id not in held and bogus.id in held and stale.id in held
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            inputs = {r[0] for r in conn.execute("SELECT task_id FROM rev88_task_inputs").fetchall()}
+        assert ok1.id not in inputs and ok2.id not in inputs and bogus.id in inputs
+    finally:
+        a.close()
+
+
 def test_two_ledgers_of_one_owner_fence_each_others_attempts(pg_url):
     """The same owner on two ledger objects (a restarted replica that kept its name): claim,
     expire, reap, claim again: the first attempt's renewal and write are both refused."""

@@ -687,18 +687,12 @@ class PostgresLedger(TaskReads):
         when another replica holds (or has taken over) its lease: fenced by owner and epoch (the
         attempt's ``epoch`` when given: then only that lease writes, whoever holds the task now)."""
         check_outcome(status, answer, error, answer_json)
-        columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
         params = {**outcome_row(status, answer, error, answer_json, input_hashes), "owner": self.owner, "id": task_id}
         attempt = epoch
         for _ in range(3):
             params["epoch"] = epoch = attempt if attempt is not None else self._epoch(task_id)
             with self._conn(f"record the result of task {task_id}", transaction=False) as conn:
-                done = conn.execute(
-                    f"WITH done AS (UPDATE rev88_tasks t SET {_OUTCOME.sql}"
-                    " WHERE t.id = %(id)s AND t.status IN ('queued', 'running') AND"
-                    f" {self._FENCE_HELD if epoch is not None else self._FENCE_FREE} RETURNING {columns}),"
-                    " gone AS (DELETE FROM rev88_task_inputs WHERE task_id = %(id)s AND EXISTS (SELECT 1 FROM done))"
-                    " SELECT * FROM done", params, binary=True).fetchone()
+                done = self._write_outcome(conn, params, with_answer, epoch is not None)
                 if done is None:
                     self._refused(conn, task_id, "the result", attempt)
                     continue
@@ -706,25 +700,73 @@ class PostgresLedger(TaskReads):
             break
         else:
             raise LedgerUnavailable(f"cannot record the result of task {task_id}: its lease kept changing hands")
-        self._unhold(task_id, attempt)
-        if self._totals is not None:
-            self._totals = (self._totals[0] + 1, self._totals[1] + params["answer_bytes"])
-        self._retain(keep=task_id)
+        self._finished_here([(task_id, attempt, params["answer_bytes"])])
         return record
 
+    def _write_outcome(self, conn: psycopg.Connection, params: dict, with_answer: bool, held: bool) -> tuple | None:
+        """The outcome's UPDATE (fenced: by the attempt's lease when ``held``) and its input's DELETE,
+        one statement; the row written, or None when the fence refused it."""
+        columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
+        return conn.execute(
+            f"WITH done AS (UPDATE rev88_tasks t SET {_OUTCOME.sql}"
+            " WHERE t.id = %(id)s AND t.status IN ('queued', 'running') AND"
+            f" {self._FENCE_HELD if held else self._FENCE_FREE} RETURNING {columns}),"
+            " gone AS (DELETE FROM rev88_task_inputs WHERE task_id = %(id)s AND EXISTS (SELECT 1 FROM done))"
+            " SELECT * FROM done", params, binary=True).fetchone()
+
+    def _finished_here(self, written: list[tuple[str, int | None, int]]) -> None:
+        """(task id, its attempt's epoch, its answer's bytes) of outcomes committed: their leases no
+        longer held here, the totals counted, retention applied once."""
+        for task_id, epoch, _ in written:
+            self._unhold(task_id, epoch)
+        if self._totals is not None:
+            self._totals = (self._totals[0] + len(written), self._totals[1] + sum(n for _, _, n in written))
+        if written:
+            self._retain(keep=written[-1][0])
+
     def finish_many(self, outcomes: list[Outcome]) -> list[TaskRecord | Exception]:
-        """``finish`` for each of ``outcomes``, one statement each (each fenced by its own lease,
-        and each a commit of its own: a fence refused for one leaves the others). One result per
-        outcome: its record, or the exception ``finish`` raised for it. LedgerUnavailable raises
-        (the outcomes after it are not written)."""
-        results: list[TaskRecord | Exception] = []
-        for o in outcomes:
+        """``finish`` for each of ``outcomes``. A launch's attempts (each with its lease's epoch) in
+        ONE transaction -- one commit, one flush of the WAL, for the launch --, each statement fenced
+        by its own lease: a fence refused for one is that outcome's result and leaves the others.
+        Outcomes without an epoch (a lone task that takes its lease as it writes) one by one. One
+        result per outcome: its record, or the exception ``finish`` raised for it (KeyError,
+        AlreadyFinished, LeaseLost, ValueError). LedgerUnavailable raises (none of the
+        transaction's outcomes are written)."""
+        results: list[TaskRecord | Exception | None] = [None] * len(outcomes)
+        fenced = [i for i, o in enumerate(outcomes) if o.epoch is not None]
+        if len(fenced) > 1:
+            written: list[tuple[str, int | None, int]] = []
+            with self._conn(f"record the results of {len(fenced)} tasks") as conn:
+                for i in fenced:
+                    o = outcomes[i]
+                    try:
+                        results[i], answer_bytes = self._fenced_outcome(conn, o)
+                        written.append((o.task_id, o.epoch, answer_bytes))
+                    except (ValueError, KeyError, AlreadyFinished, LeaseLost) as exc:
+                        results[i] = exc
+            self._finished_here(written)
+        for i, o in enumerate(outcomes):
+            if results[i] is not None:
+                continue
             try:
-                results.append(self.finish(o.task_id, o.status, o.answer, o.error, o.answer_json, o.with_answer,
-                                           o.hashes(), epoch=o.epoch))
+                results[i] = self.finish(o.task_id, o.status, o.answer, o.error, o.answer_json, o.with_answer,
+                                         o.hashes(), epoch=o.epoch)
             except (ValueError, KeyError, AlreadyFinished, LeaseLost) as exc:
-                results.append(exc)
-        return results
+                results[i] = exc
+        return results  # type: ignore[return-value]
+
+    def _fenced_outcome(self, conn: psycopg.Connection, o: Outcome) -> tuple[TaskRecord, int]:
+        """One attempt's outcome inside a launch's transaction (``finish_many``): its record, and
+        its answer's stored bytes."""
+        check_outcome(o.status, o.answer, o.error, o.answer_json)
+        params = {**outcome_row(o.status, o.answer, o.error, o.answer_json, o.hashes()), "owner": self.owner,
+                  "id": o.task_id, "epoch": o.epoch}
+        for _ in range(3):
+            done = self._write_outcome(conn, params, o.with_answer, True)
+            if done is not None:
+                return _record(done, o.with_answer), params["answer_bytes"]
+            self._refused(conn, o.task_id, "the result", o.epoch)  # (returns: writable meanwhile, write again)
+        raise LedgerUnavailable(f"cannot record the result of task {o.task_id}: its lease kept changing hands")
 
     def add_finished(self, tasks: list[FinishedTask]) -> None:
         """Record tasks that ran and finished without a record before, in one transaction, then
