@@ -119,7 +119,15 @@ def one_entry(args, cluster, count: int, folder: Path, expected: list[str], body
                 row = json.loads(data)["sweeps"][0]
                 return row["id"] == sweep_id and row["status"] in ("completed", "cancelled")
 
+            def by_thread() -> dict[str, float]:
+                total: dict[str, float] = {}
+                for p, _, _ in servers:
+                    for group, seconds in cpu_by_group(p.pid).items():
+                        total[group] = total.get(group, 0.0) + seconds
+                return total
+
             replay0 = sum(replay_cpu(s) for _, _, s in servers)
+            threads0 = by_thread()
             own0, pg0 = host_cpu()
             w0 = time.perf_counter()
             definition = json.dumps({"dataset": digest, "grid": {"learning_rate": lrs},
@@ -134,6 +142,7 @@ def one_entry(args, cluster, count: int, folder: Path, expected: list[str], body
             wall = time.perf_counter() - w0
             time.sleep(0.3)  # (what follows the last answer: log lines, the leases' release)
             own1, pg1 = host_cpu()
+            threads1 = by_thread()
             replay = sum(replay_cpu(s) for _, _, s in servers) - replay0
             p0 = cpu_by_group(servers[0][0].pid)["process"]
             for _ in range(POLL_COST_ASKS):
@@ -152,6 +161,8 @@ def one_entry(args, cluster, count: int, folder: Path, expected: list[str], body
                     "host_cpu_ms_per_cell_without_polls": round(host - polls * poll_ms / cells, 4),
                     "replicas_ms_per_cell": round((own1 - own0 - replay) / cells * 1000.0, 4),
                     "postgres_ms_per_cell": round((pg1 - pg0) / cells * 1000.0, 4),
+                    "by_thread_ms_per_cell": {k: round((threads1[k] - threads0.get(k, 0.0)) / cells * 1000.0, 4)
+                                              for k in threads1},  # (every replica's, the replay included)
                     "cells_launched_by_replica": ran, "polls": polls, "poll_cpu_ms": round(poll_ms, 3)}
         finally:
             for proc, _, _ in servers:

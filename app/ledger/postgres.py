@@ -692,7 +692,7 @@ class PostgresLedger(TaskReads):
         for _ in range(3):
             params["epoch"] = epoch = attempt if attempt is not None else self._epoch(task_id)
             with self._conn(f"record the result of task {task_id}", transaction=False) as conn:
-                done = self._write_outcome(conn, params, with_answer, epoch is not None)
+                done = self._write_outcome(conn, params, with_answer, epoch is not None).fetchone()
                 if done is None:
                     self._refused(conn, task_id, "the result", attempt)
                     continue
@@ -703,16 +703,18 @@ class PostgresLedger(TaskReads):
         self._finished_here([(task_id, attempt, params["answer_bytes"])])
         return record
 
-    def _write_outcome(self, conn: psycopg.Connection, params: dict, with_answer: bool, held: bool) -> tuple | None:
+    def _write_outcome(self, conn: psycopg.Connection, params: dict, with_answer: bool, held: bool,
+                       columns: str | None = None) -> psycopg.Cursor:
         """The outcome's UPDATE (fenced: by the attempt's lease when ``held``) and its input's DELETE,
-        one statement; the row written, or None when the fence refused it."""
-        columns = ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
-        return conn.execute(
+        one statement, sent; its cursor's row is the row written (``columns``: those, by default the
+        record's), none when the fence refused it."""
+        columns = columns or ", ".join(f"t.{c}" for c in (ALL_COLUMNS if with_answer else SUMMARY_COLUMNS).split(", "))
+        return conn.cursor(binary=True).execute(
             f"WITH done AS (UPDATE rev88_tasks t SET {_OUTCOME.sql}"
             " WHERE t.id = %(id)s AND t.status IN ('queued', 'running') AND"
             f" {self._FENCE_HELD if held else self._FENCE_FREE} RETURNING {columns}),"
             " gone AS (DELETE FROM rev88_task_inputs WHERE task_id = %(id)s AND EXISTS (SELECT 1 FROM done))"
-            " SELECT * FROM done", params, binary=True).fetchone()
+            " SELECT * FROM done", params)
 
     def _finished_here(self, written: list[tuple[str, int | None, int]]) -> None:
         """(task id, its attempt's epoch, its answer's bytes) of outcomes committed: their leases no
@@ -724,25 +726,42 @@ class PostgresLedger(TaskReads):
         if written:
             self._retain(keep=written[-1][0])
 
-    def finish_many(self, outcomes: list[Outcome]) -> list[TaskRecord | Exception]:
+    def finish_many(self, outcomes: list[Outcome]) -> list[TaskRecord | bool | Exception]:
         """``finish`` for each of ``outcomes``. A launch's attempts (each with its lease's epoch) in
-        ONE transaction -- one commit, one flush of the WAL, for the launch --, each statement fenced
-        by its own lease: a fence refused for one is that outcome's result and leaves the others.
-        Outcomes without an epoch (a lone task that takes its lease as it writes) one by one. One
-        result per outcome: its record, or the exception ``finish`` raised for it (KeyError,
-        AlreadyFinished, LeaseLost, ValueError). LedgerUnavailable raises (none of the
-        transaction's outcomes are written)."""
-        results: list[TaskRecord | Exception | None] = [None] * len(outcomes)
+        ONE transaction -- one commit, one flush of the WAL, for the launch --, their statements
+        sent together (libpq's pipeline: one round trip), each fenced by its own lease: a fence
+        refused for one is that outcome's result and leaves the others. Outcomes without an epoch
+        (a lone task that takes its lease as it writes) one by one. One result per outcome: its
+        record (True once written where it wants none: ``Outcome.want_record``), or the exception
+        ``finish`` raised for it (KeyError, AlreadyFinished, LeaseLost, ValueError).
+        LedgerUnavailable raises (none of the transaction's outcomes are written)."""
+        results: list[TaskRecord | bool | Exception | None] = [None] * len(outcomes)
         fenced = [i for i, o in enumerate(outcomes) if o.epoch is not None]
         if len(fenced) > 1:
             written: list[tuple[str, int | None, int]] = []
             with self._conn(f"record the results of {len(fenced)} tasks") as conn:
-                for i in fenced:
+                sent = []
+                with conn.pipeline():
+                    for i in fenced:
+                        o = outcomes[i]
+                        try:
+                            check_outcome(o.status, o.answer, o.error, o.answer_json)
+                        except ValueError as exc:
+                            results[i] = exc
+                            continue
+                        params = {**outcome_row(o.status, o.answer, o.error, o.answer_json, o.hashes()),
+                                  "owner": self.owner, "id": o.task_id, "epoch": o.epoch}
+                        sent.append((i, params, self._write_outcome(conn, params, o.with_answer, True,
+                                                                    None if o.want_record else "t.id")))
+                for i, params, cursor in sent:
                     o = outcomes[i]
                     try:
-                        results[i], answer_bytes = self._fenced_outcome(conn, o)
-                        written.append((o.task_id, o.epoch, answer_bytes))
-                    except (ValueError, KeyError, AlreadyFinished, LeaseLost) as exc:
+                        done = cursor.fetchone()
+                        if done is None:  # refused: why (or, should it be writable now, written again)
+                            done = self._written_again(conn, o, params)
+                        results[i] = _record(done, o.with_answer) if o.want_record else True
+                        written.append((o.task_id, o.epoch, params["answer_bytes"]))
+                    except (KeyError, AlreadyFinished, LeaseLost) as exc:
                         results[i] = exc
             self._finished_here(written)
         for i, o in enumerate(outcomes):
@@ -755,17 +774,15 @@ class PostgresLedger(TaskReads):
                 results[i] = exc
         return results  # type: ignore[return-value]
 
-    def _fenced_outcome(self, conn: psycopg.Connection, o: Outcome) -> tuple[TaskRecord, int]:
-        """One attempt's outcome inside a launch's transaction (``finish_many``): its record, and
-        its answer's stored bytes."""
-        check_outcome(o.status, o.answer, o.error, o.answer_json)
-        params = {**outcome_row(o.status, o.answer, o.error, o.answer_json, o.hashes()), "owner": self.owner,
-                  "id": o.task_id, "epoch": o.epoch}
+    def _written_again(self, conn: psycopg.Connection, o: Outcome, params: dict) -> tuple:
+        """An attempt's outcome its fence refused inside a launch's transaction: KeyError,
+        AlreadyFinished or LeaseLost -- or, should the row have become writable meanwhile, written."""
         for _ in range(3):
-            done = self._write_outcome(conn, params, o.with_answer, True)
+            self._refused(conn, o.task_id, "the result", o.epoch)
+            done = self._write_outcome(conn, params, o.with_answer, True,
+                                       None if o.want_record else "t.id").fetchone()
             if done is not None:
-                return _record(done, o.with_answer), params["answer_bytes"]
-            self._refused(conn, o.task_id, "the result", o.epoch)  # (returns: writable meanwhile, write again)
+                return done
         raise LedgerUnavailable(f"cannot record the result of task {o.task_id}: its lease kept changing hands")
 
     def add_finished(self, tasks: list[FinishedTask]) -> None:
