@@ -107,6 +107,26 @@ MUTANTS = [
            "[(config, record.train_count) for config in cells]",
            "[(cells[0], record.train_count) for config in cells]",
            ("tests/test_launches.py", "-k", "recorded_each_time")),
+    # ---- the host's ceiling (issue #55): what saves work must not lose any
+    Mutant("m16_launch_unfenced", "a launch's outcomes written on PostgreSQL without their attempts' fence",
+           "app/ledger/postgres.py",
+           "sent.append((i, params, self._write_outcome(conn, params, o.with_answer, True,",
+           "sent.append((i, params, self._write_outcome(conn, params, o.with_answer, False,",
+           ("tests/test_ledger_pg.py", "-k", "launchs_outcomes or finish_many")),
+    Mutant("m17_launch_leases_kept", "a launch's written outcomes still counted as leases held here",
+           "app/ledger/postgres.py",
+           "            self._finished_here(written)\n", "",
+           ("tests/test_ledger_pg.py", "-k", "launchs_outcomes")),
+    Mutant("m18_sync_end_claims", "every synchronous task's end waking the claimer with nothing waiting",
+           "app/tasks/feeder.py",
+           "        if not self.leases and not len(self.ledger):\n            return\n        self.wake()",
+           "        self.wake()",
+           ("tests/test_app_sync_record.py",)),
+    Mutant("m19_plan_claims_nothing_waiting", "the plan claiming from SQLite's index when it is empty",
+           "app/tasks/feeder.py",
+           "        if not waiting and not self.leases:  # (SQLite's index is exact: nothing waits in the ledger)\n"
+           "            return None\n", "",
+           ("tests/test_app_sync_record.py",)),
 ]
 
 
