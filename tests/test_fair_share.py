@@ -164,6 +164,36 @@ def test_a_tenant_arriving_late_is_served_within_its_share_at_once(tmp_path):
         assert abs(share - 1 / 3) <= TOLERANCE + 1 / window, shares
 
 
+def test_one_claim_of_several_picks_each_tenant_by_its_weight(tmp_path):
+    """One claim that fills several places of the device queue at once (launches of 8, a queue of
+    16) picks the tenants by their weights (3 : 1), not in equal numbers: the device queue's own
+    order cannot give a tenant more than was claimed for it."""
+    gate = Gate()
+    app = create_app(Settings(backend="cpu-fast", workers=1, api_key=ADMIN_KEY, queue_size=16, batch_max=8,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(gate, batching=True))
+    service = app.state.service
+    with inprocess_server(app) as server, server.client() as c:
+        heavy, light = sorted(_keys(c, [3, 1]), key=lambda k: -k["weight"])
+        feeder = service.runner.feeder
+        real_claim_some = feeder.claim_some
+
+        async def no_claims():  # (the plan is read below, before any claim changes it)
+            return 0
+
+        feeder.claim_some = no_claims
+        try:
+            _sweep(c, light["key"], list(range(24)))  # (the light tenant's work the oldest)
+            _sweep(c, heavy["key"], list(range(24)))
+            limit, picks = feeder.plan()
+        finally:
+            feeder.claim_some = real_claim_some
+            feeder.wake()
+        counts = dict(picks)
+        assert limit == 16 and sum(counts.values()) == 16, (limit, picks)
+        assert counts == {heavy["id"]: 12, light["id"]: 4}, picks
+        _starts(c, [heavy, light], 48)  # (and all of it still runs)
+
+
 def test_fair_share_holds_with_a_shared_ledger(tmp_path, pg_url):
     """The same rule with PostgreSQL's claims: three tenants, weights 2, 1, 1."""
     gate = Gate()
