@@ -193,12 +193,10 @@ class Feeder(Backlog, LeaseKeeping):
             self._wake.set()
 
     def job_done(self, _future: Any) -> None:
-        """A local job ended (any thread): a worker may be free -- for work waiting in the ledger.
-        (SQLite: the index is exact; with nothing in it there is nothing to claim, and the next
-        ``offer`` wakes the claimer itself.)"""
-        if not self.leases and not len(self.ledger):
-            return
-        self.wake()
+        """A local job ended (any thread): a worker may be free. (SQLite's index is exact: with
+        nothing in it, nothing to claim; the next ``offer`` wakes the claimer itself.)"""
+        if self.leases or len(self.ledger):
+            self.wake()
 
     # ------------------------------------------------------------------ claims
 
