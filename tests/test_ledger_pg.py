@@ -527,12 +527,17 @@ def test_finish_many_fences_each_outcome_by_its_attempt(pg_url):
         a.close()
 
 
-def test_a_launchs_outcomes_are_one_transaction_and_each_refusal_its_own(pg_url):
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "libpq-without-pipeline"])
+def test_a_launchs_outcomes_are_one_transaction_and_each_refusal_its_own(pg_url, pipeline, monkeypatch):
     """A launch's attempts are written in one transaction (one commit for the launch, its
-    statements sent together), each statement fenced by its own lease: a stale attempt (LeaseLost), a finished task
-    (AlreadyFinished) and an outcome without its answer (ValueError) are those outcomes' results,
-    and every other outcome is written, its input deleted and its lease no longer held here."""
+    statements sent together where libpq can), each statement fenced by its own lease: a stale
+    attempt (LeaseLost), a finished task (AlreadyFinished) and an outcome without its answer
+    (ValueError) are those outcomes' results, and every other outcome is written, its input
+    deleted and its lease no longer held here."""
     from app.ledger.store import Outcome
+
+    if not pipeline:
+        monkeypatch.setattr(psycopg.Pipeline, "is_supported", lambda: False)
 
     a = open_ledger(pg_url, "one-owner", lease_s=30)
     try:

@@ -741,7 +741,8 @@ class PostgresLedger(TaskReads):
             written: list[tuple[str, int | None, int]] = []
             with self._conn(f"record the results of {len(fenced)} tasks") as conn:
                 sent = []
-                with conn.pipeline():
+                # (libpq 14 or later, as psycopg[binary] bundles; an older one sends them one by one)
+                with conn.pipeline() if psycopg.Pipeline.is_supported() else contextlib.nullcontext():
                     for i in fenced:
                         o = outcomes[i]
                         try:
