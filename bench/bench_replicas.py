@@ -110,25 +110,25 @@ def one_entry(args, cluster, count: int, folder: Path, expected: list[str], body
                 except (FileNotFoundError, ProcessLookupError):
                     pass
 
-            def host_cpu() -> tuple[float, float]:
-                own = sum(cpu_by_group(p.pid)["process"] + children_cpu(p.pid) for p, _, _ in servers)
-                return own, postgres_cpu(postmaster)
-
             def sweep_done(sweep_id: str) -> bool:
                 status, _, data = request(port0, "GET", "/sweeps?limit=1")
                 row = json.loads(data)["sweeps"][0]
                 return row["id"] == sweep_id and row["status"] in ("completed", "cancelled")
 
             def by_thread() -> dict[str, float]:
-                total: dict[str, float] = {}
+                """Every replica's CPU by thread group (and "children": their child processes')."""
+                total: dict[str, float] = {"children": sum(children_cpu(p.pid) for p, _, _ in servers)}
                 for p, _, _ in servers:
                     for group, seconds in cpu_by_group(p.pid).items():
                         total[group] = total.get(group, 0.0) + seconds
                 return total
 
+            def host_cpu(threads: dict[str, float]) -> float:  # (the replicas' own, with their children's)
+                return threads["process"] + threads["children"]
+
             replay0 = sum(replay_cpu(s) for _, _, s in servers)
-            threads0 = by_thread()
-            own0, pg0 = host_cpu()
+            threads0, pg0 = by_thread(), postgres_cpu(postmaster)
+            own0 = host_cpu(threads0)
             w0 = time.perf_counter()
             definition = json.dumps({"dataset": digest, "grid": {"learning_rate": lrs},
                                      "seeds": {"start": 0, "count": args.seeds}}).encode()
@@ -141,8 +141,8 @@ def one_entry(args, cluster, count: int, folder: Path, expected: list[str], body
                 polls += 1
             wall = time.perf_counter() - w0
             time.sleep(0.3)  # (what follows the last answer: log lines, the leases' release)
-            own1, pg1 = host_cpu()
-            threads1 = by_thread()
+            threads1, pg1 = by_thread(), postgres_cpu(postmaster)
+            own1 = host_cpu(threads1)
             replay = sum(replay_cpu(s) for _, _, s in servers) - replay0
             p0 = cpu_by_group(servers[0][0].pid)["process"]
             for _ in range(POLL_COST_ASKS):
