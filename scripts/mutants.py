@@ -127,6 +127,20 @@ MUTANTS = [
            "        if not waiting and not self.leases:  # (SQLite's index is exact: nothing waits in the ledger)\n"
            "            return None\n", "",
            ("tests/test_app_sync_record.py",)),
+    # ---- answers paired with the wrong task, again (issue #55): where a launch's results and a claim's parts meet
+    Mutant("m24_refusals_told_to_another", "a launch's ledger results told to its outcomes shifted by one (the "
+           "refusal of one told to another)", "app/tasks/finisher.py",
+           "for (i, work, outcome), result in zip(rows, results):",
+           "for (i, work, outcome), result in zip(rows, results[1:] + results[:1]):",
+           ("tests/test_pairing.py", "-k", "refuses_one")),
+    Mutant("m25_claim_epoch_of_first", "every task of a claim run under the first one's lease (epoch)",
+           "app/tasks/feeder.py", "                acc.epoch = claim.epoch\n", "                acc.epoch = claims[0].epoch\n",
+           ("tests/test_claims.py", "-k", "claimed_together")),
+    Mutant("m26_claim_input_of_first", "every stored task of a claim run on the first one's stored input",
+           "app/tasks/feeder.py",
+           "acc = await self._from_stored(claim.record, bodies.get(task_id), claim.epoch)",
+           "acc = await self._from_stored(claim.record, bodies.get(stored[0]) if stored else None, claim.epoch)",
+           ("tests/test_claims.py", "-k", "claimed_together")),
 ]
 
 

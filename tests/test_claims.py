@@ -261,3 +261,33 @@ def test_a_task_on_a_dataset_recorded_elsewhere_is_run_here_from_the_shared_data
         assert doc["predictions_sha256"] == EXPECTED and doc["dataset"] == record.digest
         assert service.runner.shared.counters["from_stored_input"] == 1
         nothing_held(service)
+
+
+def test_tasks_claimed_together_each_run_under_its_own_lease_on_its_own_input(tmp_path, pg_url, other, monkeypatch):
+    """One claim takes three tasks with three inputs: one another replica held before (its lease
+    expired and reaped: this attempt is its second, epoch 2) and two never claimed (epoch 1). Each
+    attempt writes under its own lease -- none refused, none left to expire and run again -- and
+    each answer is its own task's (its input read from the store by its own id)."""
+    tasks = [small_task(60, 8, seed=21 + i) for i in range(3)]
+    expected = [run_task(t, None, "cpu").predictions_sha256 for t in tasks]
+    assert len(set(expected)) == 3
+    with node(tmp_path, pg_url) as (server, service):
+        claimed: list[list[str]] = []
+
+        def claim(*args, real=service.ledger.claim):
+            got = real(*args)
+            claimed.append([c.record.id for c in got])
+            return got
+
+        with claims_held_back(service):
+            ids = [record_elsewhere(other, task_to_npz_bytes(t)) for t in tasks]
+            assert [c.record.id for c in other.claim(1)] == ids[:1]  # held elsewhere, whose replica then stops
+            expire(pg_url, ids[0])
+            wait_for(lambda: row(pg_url, ids[0])["owner"] is None, timeout=30, what="the expired lease reaped")
+            monkeypatch.setattr(service.ledger, "claim", claim)
+        for task_id, want, attempt in zip(ids, expected, (2, 1, 1)):
+            done = finished(pg_url, task_id)
+            assert done["status"] == "succeeded" and done["claims"] == attempt, (attempt, done)
+            assert httpx.get(f"{server.url}/tasks/{task_id}").json()["predictions_sha256"] == want
+        assert sorted(claimed[0]) == sorted(ids), claimed  # (one claim: the three attempts' leases differ)
+        nothing_held(service)

@@ -157,3 +157,59 @@ def test_one_writer_transaction_of_a_launchs_outcomes_among_single_outcomes_pair
     finally:
         writer.close(30)
         ledger.close()
+
+
+def _finished_behind_its_back(store: dict, task_id: str) -> None:
+    """The task recorded cancelled in the ledger by another hand than this process's (another
+    replica's cancel, a restart's leftovers): its run here goes on, and its outcome is refused."""
+    if "database_url" in store:
+        import psycopg
+
+        with psycopg.connect(store["database_url"], autocommit=True) as conn:
+            conn.execute("UPDATE rev88_tasks SET status = 'cancelled', finished_at = EXTRACT(EPOCH FROM "
+                         "clock_timestamp()) WHERE id = %s", (task_id,))
+        return
+    import sqlite3
+    import time
+    from pathlib import Path
+
+    with sqlite3.connect(Path(store["data_dir"]) / "ledger.sqlite3") as db:
+        db.execute("UPDATE tasks SET status = 'cancelled', finished_at = ? WHERE id = ?", (time.time(), task_id))
+
+
+def test_a_launch_whose_ledger_refuses_one_outcome_tells_each_cell_its_own(store):
+    """One launch of four cells, the first finished in the ledger meanwhile by another hand:
+    the ledger refuses that outcome alone. The sweep then shows that cell as the ledger has it
+    (cancelled), not as this process ran it, and each other cell with its own answer -- a refusal
+    told to the wrong cell would show the refused cell succeeded and keep another's answer out."""
+    gate = Gate()
+    if "database_url" in store:  # (no renewal before the launch: it would see the cancel and drop the cell from it)
+        store = {**store, "lease_s": 120.0, "lease_renew_s": 60.0}
+    app = create_app(Settings(backend="cpu-fast", workers=1, api_key=ADMIN_KEY, batch_max=8, batch_wait_ms=100,
+                              queue_size=16, **store), engines=gated_engines(gate, batching=True))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers={**NPZ, **ADMIN}).status_code in (200, 201)
+        gate.hold()
+        try:
+            held = c.post("/tasks", content=BODY, headers={**NPZ, **ADMIN, "Prefer": "respond-async"}).json()["id"]
+            wait_for(lambda: c.get(f"/tasks/{held}", headers=ADMIN).json()["status"] == "running", 60, 0.05,
+                     "a task held on the device")
+            sweep = c.post("/sweeps", json={"dataset": DIGEST, "seeds": [1, 2, 3, 4]}, headers=ADMIN).json()["id"]
+            wait_for(lambda: c.get("/health", headers=ADMIN).json()["admission"]["device_queue"]["depth"] == 4,
+                     30, 0.02, "the sweep's cells queued behind the held task")
+            cells = c.get(f"/sweeps/{sweep}", headers=ADMIN).json()["cells"]
+            _finished_behind_its_back(store, cells[0]["task_id"])
+        finally:
+            gate.release()
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}", headers=ADMIN).json())["status"] == "completed"
+                       and d, 120, 0.1, "the sweep")
+        records = [c.get(f"/tasks/{row['task_id']}", headers=ADMIN).json() for row in doc["cells"]]
+        launch = app.state.service.executor.stats.largest_launch
+    assert launch == 4  # (the four cells, one launch: the refused outcome was one of its transaction's)
+    assert [row["status"] for row in doc["cells"]] == ["cancelled", "succeeded", "succeeded", "succeeded"], doc["cells"]
+    assert records[0]["status"] == "cancelled" and "predictions_sha256" not in doc["cells"][0]
+    for i in (1, 2, 3):
+        row, record = doc["cells"][i], records[i]
+        assert record["status"] == "succeeded", record
+        _assert_alone(record, row["config"]["seed"], f"the cell of seed {row['config']['seed']}")
+        assert row["predictions_sha256"] == record["predictions_sha256"]
