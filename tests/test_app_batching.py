@@ -29,7 +29,7 @@ from app.settings import Settings, SettingsError
 from app.tasks.device import BATCH_METHOD, launch_key, share_energy
 from learner.backends import get_backend
 from learner.backends.cpu import CpuBackend
-from learner.config import make_config
+from learner.config import FIELDS, make_config
 from learner.energy import IdleBaseline, SimulatedMeter, request_energy
 from learner.errors import TrainingDivergedError
 from learner.result import run_task
@@ -208,6 +208,20 @@ def test_different_keys_never_share_a_launch_and_stay_fifo(recorder):
         assert launch_key(a[0], CONFIG, "cpu") != launch_key(a[0], CONFIG, "cpu-fast")
     finally:
         stop(service)
+
+
+@pytest.mark.parametrize("field", [f for f in FIELDS if f != "seed"])
+def test_every_config_field_but_the_seed_keeps_tasks_in_launches_of_their_own(field):
+    """A launch trains every task with one set of hyperparameters (the fused backend passes one
+    learning rate, one momentum, ... to its kernels): tasks that differ in any config field but the
+    seed never share a launch key, or a sweep's learning rates would run at its first cell's."""
+    task = small_task(30, 5, seed=1)
+    value = CONFIG.as_dict()[field]
+    other = value + 1 if isinstance(value, int) else (value / 2 if value else 0.25)
+    changed = CONFIG.replace(**{field: other})
+    assert changed.as_dict()[field] != value
+    assert launch_key(task, CONFIG, "fused") != launch_key(task, changed, "fused")
+    assert launch_key(task, CONFIG, "fused") == launch_key(task, CONFIG.replace(seed=CONFIG.seed + 1), "fused")
 
 
 def test_batch_max_1_turns_batching_off(recorder):
