@@ -41,6 +41,7 @@ NPZ_TYPE = "application/x-npz"
 class TaskOptions:
     config_overrides: dict[str, Any]  # from the query, already type-coerced and checked
     backend: str  # concrete: a name from learner.backends.NAMES other than "auto"
+    query_config: Config = dataclasses.field(default_factory=Config)  # the config the query alone makes
     include_scores: bool = False
     measure: dict[str, Any] | None = None  # protocol arguments for ?measure=energy
     dataset: str | None = None  # ?dataset=sha256:...: the stored dataset to train on (no body)
@@ -51,7 +52,7 @@ class TaskOptions:
     def config(self, form_config: dict[str, Any] | None = None) -> Config:
         """Query overrides merged with a multipart ``config`` field; a key in both is an error."""
         if not form_config:
-            return make_config(self.config_overrides)
+            return self.query_config
         both = sorted(set(form_config) & set(self.config_overrides))
         if both:
             raise InvalidRequest(f"config key(s) given both as query parameter and in the 'config' field: {', '.join(both)}")
@@ -82,10 +83,10 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
     if measure is not None and measure != "energy":
         raise InvalidRequest(f"measure={measure!r} is not known; the one measurement is measure=energy")
     overrides = coerce_config_strings(query)
-    make_config(overrides)  # fail fast, before the upload is read
     return TaskOptions(
         config_overrides=overrides,
         backend=backend,
+        query_config=make_config(overrides),  # checked now, before the upload is read
         include_scores="scores" in include,
         measure=None if measure is None else measure_arguments(protocol),
         dataset=dataset,
