@@ -141,6 +141,10 @@ MUTANTS = [
            "acc = await self._from_stored(claim.record, bodies.get(task_id), claim.epoch)",
            "acc = await self._from_stored(claim.record, bodies.get(stored[0]) if stored else None, claim.epoch)",
            ("tests/test_claims.py", "-k", "claimed_together")),
+    Mutant("m27_launch_cancel_of_first", "every task of a launch discarded (or kept) by the first one's cancel",
+           "app/tasks/device.py", "        item = launch.items[i]\n        cancel = item[2] if len(item) > 2 else None\n",
+           "        item = launch.items[i]\n        cancel = launch.items[0][2] if len(item) > 2 else None\n",
+           ("tests/test_launches.py", "-k", "cancelled_while")),
 ]
 
 

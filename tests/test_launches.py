@@ -310,3 +310,73 @@ def test_a_sweeps_seed_states_are_prepared_while_it_is_recorded_each_time(tmp_pa
             sweep = posted["r"].json()["id"]
             wait_for(lambda s=sweep: c.get(f"/sweeps/{s}").json()["status"] == "completed", 120, 0.1, "the sweep")
             assert c.get("/health").json()["seed_cache"]["prepared_ahead"] - before == len(seeds)  # one per seed
+
+
+class _Uninterruptible:
+    """cpu-fast as a GPU launch behaves: ``run_many`` waits for its gate, then trains every task of
+    the launch to the end -- a token cancelled meanwhile cannot stop a kernel that is running (the
+    fused backend's launch); the service must drop that task's result after the launch."""
+
+    def __init__(self, inner, gate: Gate) -> None:
+        self.inner, self.gate, self.name, self.device = inner, gate, inner.name, inner.device
+        self.entered = threading.Event()
+
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "uninterruptible": True}
+
+    def run(self, task, prepared):
+        return self.inner.run(task, prepared)
+
+    def run_many(self, tasks, prepareds):
+        import dataclasses
+
+        if len(tasks) > 1:
+            self.entered.set()
+            while not self.gate.is_open():
+                time.sleep(0.005)
+        return [self.inner.run(t, dataclasses.replace(p, cancel=None)) for t, p in zip(tasks, prepareds)]
+
+
+def test_a_task_cancelled_while_its_launch_runs_is_cancelled_and_the_others_keep_their_answers(tmp_path):
+    """Four cells in one launch that cannot be interrupted; one of them -- not the first -- is
+    cancelled while the launch runs: it ends cancelled (its result, trained to the end, dropped),
+    and the three others succeed with their own answers."""
+    from learner.backends import get_backend
+
+    gate, engines = Gate(), {}
+
+    def engine(name, device=None):
+        inner = get_backend(name, device)
+        return engines.setdefault(inner.name, _Uninterruptible(inner, gate))
+
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=200, queue_size=16,
+                              data_dir=str(tmp_path / "data")), engines=engine)
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code in (200, 201)
+        gate.hold()
+        try:
+            sweep = c.post("/sweeps", json={"dataset": DIGEST, "seeds": [1, 2, 3, 4]}).json()["id"]
+            assert engines["cpu-fast"].entered.wait(60)
+            cells = wait_for(lambda: (rows := c.get(f"/sweeps/{sweep}").json()["cells"])
+                             and all(row["status"] == "running" for row in rows) and rows, 30, 0.02,
+                             "the four cells running in one launch")
+            answer: dict = {}
+            canceller = threading.Thread(target=lambda: answer.update(
+                r=c.post(f"/tasks/{cells[2]['task_id']}/cancel", timeout=60)), daemon=True)
+            canceller.start()
+            wait_for(lambda: app.state.service.runner.pending[cells[2]["task_id"]].cancel.cancelled, 30, 0.01,
+                     "the cancel to reach the running task")
+        finally:
+            gate.release()
+        canceller.join(60)
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] in ("completed", "cancelled") and d,
+                       120, 0.1, "the sweep")
+        records = [c.get(f"/tasks/{row['task_id']}").json() for row in doc["cells"]]
+    assert answer["r"].status_code == 200 and answer["r"].json()["status"] == "cancelled", answer["r"].text
+    assert [r["status"] for r in records] == ["succeeded", "succeeded", "cancelled", "succeeded"], records
+    for record, row in zip(records, doc["cells"]):
+        if record["status"] == "succeeded":
+            alone = run_task(load_task(BODY), make_config({"seed": row["config"]["seed"]}), "cpu-fast")
+            assert [record[k] for k in HASHES] == [alone.predictions_sha256, alone.scores_sha256], row
+            assert all(record["metadata"][k] == alone.metadata[k] for k in META), row
+            assert record["timing"]["tasks_in_launch"] == 4
