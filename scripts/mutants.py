@@ -145,6 +145,13 @@ MUTANTS = [
            "app/tasks/device.py", "        item = launch.items[i]\n        cancel = item[2] if len(item) > 2 else None\n",
            "        item = launch.items[i]\n        cancel = launch.items[0][2] if len(item) > 2 else None\n",
            ("tests/test_launches.py", "-k", "cancelled_while")),
+    Mutant("m28_webhook_doc_of_first", "a round's sweep and evaluation messages all sent with the first one's "
+           "document", "app/webhooks/delivery.py", "            doc = seen[subject_id]\n",
+           "            doc = next(iter(seen.values()))\n", ("tests/test_webhooks.py", "-k", "many_subjects")),
+    Mutant("m29_webhook_slot_late_binding", "a claim's delivery slots all given back as its last message's "
+           "(the others never free)", "app/webhooks/delivery.py",
+           "task.add_done_callback(lambda _t, mid=m.id: self._done(mid))",
+           "task.add_done_callback(lambda _t: self._done(m.id))", ("tests/test_webhooks.py", "-k", "every_delivery_slot")),
 ]
 
 

@@ -585,3 +585,87 @@ def test_the_outbox_keeps_one_schema_and_filters_by_tenant_in_the_store(tmp_path
     assert outbox.promote_many([(message.id, "task.succeeded", b"{}", 0.0)]) == 1
     assert outbox.redeliver("t1", "bob") == [] and outbox.redeliver("t1", "alice") == [message.id]
     ledger.close()
+
+
+def test_many_subjects_at_once_each_get_their_own_message_through_few_delivery_slots(store):
+    """Three sweeps finishing in one launch (their completions promoted in one round) and six tasks'
+    webhooks, through two delivery slots: every message is delivered, each sweep's body is its own
+    sweep's (its id and counts) and each task's its own task's (its predictions' hash)."""
+    gate = Gate()
+    settings = dict(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=100, queue_size=32,
+                    webhook_concurrency=2, **FAST, **store)
+    with Receiver() as r, inprocess_server(create_app(Settings(**settings),
+                                                      engines=gated_engines(gate, batching=True))) as server, \
+            server.client() as c:
+        secret = c.get("/webhooks/secret").json()["key"]
+        put = c.post("/datasets", content=BODY, headers={"content-type": "application/octet-stream"})
+        digest = put.json()["digest"]
+        gate.hold()
+        try:
+            _device_held(c)
+            sweeps = {}
+            for seeds in ([1], [2, 3], [4, 5, 6]):
+                s = c.post("/sweeps", json={"dataset": digest, "seeds": seeds, "webhook": r.url,
+                                            "webhook_events": "completed"})
+                assert s.status_code == 202, s.text
+                sweeps[s.json()["id"]] = len(seeds)
+            wait_for(lambda: c.get("/health").json()["admission"]["device_queue"]["depth"] == 6, 30, 0.02,
+                     "the sweeps' six cells queued together")
+        finally:
+            gate.release()
+        tasks = [submit(c, r.url, "completed", seed=str(10 + i)) for i in range(6)]
+        payloads = [Webhook(secret).verify(q.body, q.headers) for q in r.wait_for(9, timeout=60)]
+        assert app_launch(server) >= 6  # (the six cells shared one launch: their sweeps ended together)
+        hashes = {t: task_doc(c, t)["predictions_sha256"] for t in tasks}
+    by_type: dict[str, dict[str, dict]] = {}
+    for p in payloads:
+        by_type.setdefault(p["type"], {})[p["data"]["id"]] = p["data"]
+    assert set(by_type["sweep.completed"]) == set(sweeps)
+    for sweep_id, cells in sweeps.items():
+        data = by_type["sweep.completed"][sweep_id]
+        assert data["counts"] == {**data["counts"], "succeeded": cells}, data
+    assert set(by_type["task.succeeded"]) == set(tasks) and len(set(hashes.values())) == len(tasks)
+    for task_id, data in by_type["task.succeeded"].items():
+        assert data["predictions_sha256"] == hashes[task_id], data
+
+
+def app_launch(server) -> int:
+    return server.app.state.service.executor.stats.largest_launch
+
+
+def _device_held(c: httpx.Client) -> None:
+    """A task without a webhook on the device, held at the gate: what is sent next queues behind it
+    and goes in one launch once the gate opens, however slowly it was sent."""
+    held = post_task(c, BODY, headers=ASYNC).json()["id"]
+    wait_for(lambda: c.get(f"/tasks/{held}").json()["status"] == "running", 60, 0.02, "a task held on the device")
+
+
+def test_every_delivery_slot_comes_back_after_messages_delivered_together():
+    """Two messages claimed together (their tasks ended in one launch) and delivered: both of
+    the two delivery slots are free again -- the next two messages, whose receiver does not answer
+    yet, are both attempted at once, not one after the other."""
+    gate = Gate()
+    settings = dict(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=100, webhook_concurrency=2,
+                    webhook_timeout_s=60.0, **FAST)
+    with Receiver(plan=[204, 204, "hang"]) as r, inprocess_server(
+            create_app(Settings(**settings), engines=gated_engines(gate, batching=True))) as server, \
+            server.client() as c:
+        gate.hold()
+        try:
+            _device_held(c)
+            first = [submit(c, r.url, "completed", seed=str(s)) for s in (1, 2)]
+            wait_for(lambda: c.get("/health").json()["admission"]["device_queue"]["depth"] == 2, 30, 0.02,
+                     "two tasks queued together")
+        finally:
+            gate.release()
+        for task_id in first:
+            [m] = settled(c, f"/tasks/{task_id}/deliveries")
+            assert m["state"] == "delivered", m
+        assert server.app.state.service.executor.stats.largest_launch == 2
+        second = [submit(c, r.url, "completed", seed=str(s)) for s in (3, 4)]
+        held = r.wait_for(4, timeout=20)  # (two slots: both attempts in flight while neither is answered)
+        r.release()
+        assert {json.loads(q.body)["data"]["id"] for q in held[2:]} == set(second)
+        for task_id in second:
+            [m] = settled(c, f"/tasks/{task_id}/deliveries")
+            assert m["state"] == "delivered", m
