@@ -137,8 +137,10 @@ def test_a_tenant_arriving_late_is_served_within_its_share_at_once(tmp_path):
         late, a, b = keys  # (the late one has the highest key id: an id tie-break would starve it)
         gate.hold()
         try:
-            _sweep(c, a["key"], list(range(60)))
-            _sweep(c, b["key"], list(range(60)))
+            # (backlogs long enough that, however many of them run while this test looks, plenty of both
+            # are still waiting when C arrives: the window below counts only while every tenant waits)
+            _sweep(c, a["key"], list(range(150)))
+            _sweep(c, b["key"], list(range(150)))
         finally:
             gate.release()
         wait_for(lambda: sum(1 for k in (a, b) for t in c.get("/tasks", params={"limit": 500}, headers=bearer(
@@ -150,7 +152,7 @@ def test_a_tenant_arriving_late_is_served_within_its_share_at_once(tmp_path):
                 "tasks"][0]["created_at"], 10, what="C's cells")
         finally:
             gate.release()
-        starts = _starts(c, keys, 150)
+        starts = _starts(c, keys, 330)
     after = [(at, i) for at, i in starts if at >= arrived]
     shares, window = _shares_while_all_wait(after, 3)
     first_c = next(n for n, (_, i) in enumerate(after) if i == 0)
