@@ -152,6 +152,9 @@ MUTANTS = [
            "(the others never free)", "app/webhooks/delivery.py",
            "task.add_done_callback(lambda _t, mid=m.id: self._done(mid))",
            "task.add_done_callback(lambda _t: self._done(m.id))", ("tests/test_webhooks.py", "-k", "every_delivery_slot")),
+    Mutant("m30_virtual_time_back", "virtual time moved back when a backlogged tenant's work behind it begins",
+           "app/runtime/fair_share.py", "        self.now = max(self.now, start)", "        self.now = start",
+           ("tests/test_fair_share.py", "-k", "never_moves_back")),
 ]
 
 

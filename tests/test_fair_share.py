@@ -287,6 +287,24 @@ def test_an_idle_tenant_reenters_at_the_current_virtual_time_a_backlogged_one_ke
     assert fair.next_start("new") == tag
 
 
+def test_virtual_time_never_moves_back_when_a_backlogged_tenant_behind_it_begins():
+    """A tenant that kept work waiting runs at a tag behind the current virtual time (it keeps its
+    place); the device beginning that work must not move virtual time back -- a tenant back from
+    idle would then re-enter with credit for the time it was away."""
+    fair = FairShare()
+    fair.waiting({"busy", "behind"})
+    for _ in range(10):
+        fair.began(fair.enter("busy", 1.0, 1.0))
+        fair.done("busy")
+    assert fair.now == 9.0
+    behind = fair.enter("behind", 1.0, 1.0)
+    assert behind == 0.0
+    fair.began(behind)  # (its work begins: behind now)
+    assert fair.now == 9.0
+    fair.waiting({"busy", "behind", "back"})
+    assert fair.next_start("back") == 9.0  # no credit for its idle time
+
+
 def test_the_device_queue_runs_equal_tags_oldest_first_whatever_the_tenants_names():
     """Two tenants' first jobs enter at the same virtual time: the one queued first runs first,
     though its tenant's name sorts last; then they alternate."""
