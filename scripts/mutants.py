@@ -155,6 +155,9 @@ MUTANTS = [
     Mutant("m30_virtual_time_back", "virtual time moved back when a backlogged tenant's work behind it begins",
            "app/runtime/fair_share.py", "        self.now = max(self.now, start)", "        self.now = start",
            ("tests/test_fair_share.py", "-k", "never_moves_back")),
+    Mutant("m31_max_queued_ignores_adding", "a key's max_queued checked without what the request adds",
+           "app/tasks/tenants.py", "if limit is None or count + adding <= limit:", "if limit is None or count < limit:",
+           ("tests/test_tenants.py", "-k", "quotas")),
 ]
 
 

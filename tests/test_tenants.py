@@ -275,6 +275,14 @@ def test_quotas_answer_429_with_the_rate_limit_headers(store):
         for task_id in ids:
             finished(c, task_id, queued["key"])
         assert post_task(c, BODY, headers={**ASYNC, **bearer(queued["key"])}).status_code == 202
+        # what a request adds counts: a sweep of four cells passes a max_queued of 3 with nothing unfinished
+        sweeper = make_key(c, "sweeper", max_queued=3)
+        digest = c.post("/datasets", content=BODY, headers={"Content-Type": "application/octet-stream",
+                                                            **bearer(sweeper["key"])}).json()["digest"]
+        r = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1, 2, 3]}, headers=bearer(sweeper["key"]))
+        assert r.status_code == 429 and "has 0 unfinished" in r.json()["error"] and "4 more" in r.json()["error"], r.text
+        r = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1, 2]}, headers=bearer(sweeper["key"]))
+        assert r.status_code == 202, r.text
 
 
 def test_fair_share_runs_a_small_tenant_between_a_floods_tasks():
