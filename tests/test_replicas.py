@@ -411,9 +411,11 @@ def test_keys_hold_on_every_replica_revocation_and_the_rate_limit(tmp_path, pg_u
 def test_fair_share_across_replicas_through_the_claim_query(tmp_path, pg_url, gate):
     """Two replicas of one worker each: tenant B's 2 tasks, sent behind tenant A's 12 (through the
     other replica), are claimed after at most a few of A's -- the claim orders tenants by their
-    decayed device time, on every replica."""
+    decayed device time, on every replica. (A device queue of 2 -- one running, one claimed ahead --
+    so that the claims decide: with the default 8 a replica may have claimed seven of A's before
+    B's arrive, and B's then start after those, a wait bounded by the device queue, not the claim.)"""
     admin = {"Authorization": "Bearer replica-admin"}
-    env = {"REV88_API_KEY": "replica-admin"}
+    env = {"REV88_API_KEY": "replica-admin", "REV88_QUEUE_SIZE": "2"}
     body = task_to_npz_bytes(small_task(300, 40, seed=6))
     with replica(tmp_path, pg_url, gate, "a", **env) as a, replica(tmp_path, pg_url, gate, "b", **env) as b, \
             a.client(headers=admin) as ca, b.client(headers=admin) as cb:
