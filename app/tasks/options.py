@@ -41,7 +41,7 @@ NPZ_TYPE = "application/x-npz"
 class TaskOptions:
     config_overrides: dict[str, Any]  # from the query, already type-coerced and checked
     backend: str  # concrete: a name from learner.backends.NAMES other than "auto"
-    query_config: Config = dataclasses.field(default_factory=Config)  # the config the query alone makes
+    query_config: Config  # the config the query alone makes (made and checked by parse_options)
     include_scores: bool = False
     measure: dict[str, Any] | None = None  # protocol arguments for ?measure=energy
     dataset: str | None = None  # ?dataset=sha256:...: the stored dataset to train on (no body)
