@@ -8,6 +8,7 @@ them in one transaction."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import signal
 import sqlite3
@@ -328,8 +329,6 @@ class _Uninterruptible:
         return self.inner.run(task, prepared)
 
     def run_many(self, tasks, prepareds):
-        import dataclasses
-
         if len(tasks) > 1:
             self.entered.set()
             while not self.gate.is_open():
