@@ -158,6 +158,10 @@ MUTANTS = [
     Mutant("m31_max_queued_ignores_adding", "a key's max_queued checked without what the request adds",
            "app/tasks/tenants.py", "if limit is None or count + adding <= limit:", "if limit is None or count < limit:",
            ("tests/test_tenants.py", "-k", "quotas")),
+    # ---- found by a hunt over the task's life (2026-12-06): each survived the tests nearest to it
+    Mutant("m32_claims_not_evictable", "claimed work queued as not evictable and a synchronous upload as evictable",
+           "app/tasks/runner.py", "evictable=fed,", "evictable=not fed,",
+           ("tests/test_admission.py", "-k", "takes_a_claimed")),
 ]
 
 

@@ -253,6 +253,47 @@ def test_an_upload_while_another_tenants_sweep_runs_is_accepted(tmp_path):
         c.post(f"/sweeps/{sweep.json()['id']}/cancel", headers=bearer(a))
 
 
+def test_a_synchronous_upload_takes_a_claimed_cells_place_and_the_cell_runs_later(tmp_path):
+    """The device queue full of claimed cells (REV88_QUEUE_SIZE 1, the worker held at a gate):
+    another tenant's synchronous upload takes a cell's place back -- the cell waits in the ledger
+    again -- and is answered; the cell taken back runs later and the sweep completes, every cell
+    succeeded. (Claimed work may be taken back; an upload whose client waits may not.)"""
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, batch_max=1, api_key=ADMIN_KEY, queue_size=1,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c, server.client() as s:
+        admin = bearer(ADMIN_KEY)
+        a = c.post("/keys", json={"name": "sweeper"}, headers=admin).json()["key"]
+        digest = _dataset(c, a)
+        gate.hold()
+        sweep = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1, 2, 3], "config": {"epochs": 1}},
+                       headers=bearer(a))
+        assert sweep.status_code == 202, sweep.text
+        wait_for(lambda: _in_flight(c) == 2, 30, 0.02, "a cell running and one claimed into the full queue")
+        answers: list[httpx.Response] = []
+        upload = threading.Thread(target=lambda: answers.append(post_task(s, BODY, headers=admin)))
+        upload.start()
+        try:
+            wait_for(lambda: answers or _queue(c)["returned_to_ledger"] >= 1, 30, 0.02,
+                     "the upload queued (or answered)")
+            queue = _queue(c)
+            assert not answers, answers[0].text  # (not refused: it waits in the queue)
+            assert queue["returned_to_ledger"] == 1 and queue["depth"] == 1, queue
+        finally:
+            gate.release()
+            upload.join(60)
+        assert answers[0].status_code == 200, answers[0].text
+        sweep_id = sweep.json()["id"]
+        wait_for(lambda: c.get(f"/sweeps/{sweep_id}", headers=bearer(a)).json()["status"] == "completed", 60, 0.05,
+                 "the sweep completed")
+        assert c.get(f"/sweeps/{sweep_id}", headers=bearer(a)).json()["counts"]["succeeded"] == 4
+        assert _queue(c)["deepest"] <= 1
+
+
+def _queue(c) -> dict:
+    return c.get("/health", headers=bearer(ADMIN_KEY)).json()["admission"]["device_queue"]
+
+
 def _in_flight(c) -> int:
     doc = c.get("/health", headers=bearer(ADMIN_KEY)).json()
     return doc["admission"]["device_queue"]["depth"] + sum(w["busy"] for w in doc["queue"]["workers"])
