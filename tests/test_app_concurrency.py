@@ -331,3 +331,30 @@ def test_timeout_while_running_is_504_and_the_task_is_stopped_on_the_device(time
     assert timeouts_counted(timeout_server) - timeouts_before == 1
     with timeout_server.client() as c:
         assert 'rev88_tasks_stopped_total{where="running"}' in c.get("/metrics").text
+
+
+def test_an_asynchronous_task_past_its_timeout_is_stopped_and_recorded_failed(timeout_server):
+    """Nobody waits for an asynchronous task, so its timeout is a timer of its own: one held
+    running past REV88_TASK_TIMEOUT_S is stopped on the device and recorded failed with a 504,
+    and the device is free for the next task."""
+    small = task_to_npz_bytes(small_task(19, 7, seed=8))
+    before = _queue(timeout_server)
+    timeout_server.gate.hold()  # never released for this task: only its timeout can end it
+    try:
+        with timeout_server.client() as c:
+            task_id = post_task(c, small, headers={"Prefer": "respond-async"}).json()["id"]
+            wait_for(lambda: c.get(f"/tasks/{task_id}").json()["status"] in ("succeeded", "failed", "cancelled"),
+                     10 * TIMEOUT_S, 0.05, "the asynchronous task finished by its timeout")
+            record = c.get(f"/tasks/{task_id}").json()
+    finally:
+        timeout_server.gate.release()
+    assert record["status"] == "failed" and record["started_at"] is not None, record
+    error = record["error"]
+    assert error["status"] == 504 and error["where"] == "running" and error["stopped"] is True, error
+    assert "REV88_TASK_TIMEOUT_S" in error["error"] and "stopped on the device" in error["error"], error
+    assert running_job(timeout_server) is None
+    with timeout_server.client() as c:
+        assert post_task(c, small).status_code == 200  # the device is free again
+    after = _queue(timeout_server)
+    assert after["stopped"] - before["stopped"] == 1 and after["completed"] - before["completed"] == 1
+    assert after["depth"] == 0 and after["in_flight"] == 0
