@@ -162,6 +162,12 @@ MUTANTS = [
     Mutant("m32_claims_not_evictable", "claimed work queued as not evictable and a synchronous upload as evictable",
            "app/tasks/runner.py", "evictable=fed,", "evictable=not fed,",
            ("tests/test_admission.py", "-k", "takes_a_claimed")),
+    Mutant("m33_async_timer_idle", "an asynchronous task's timeout timer that never stops its job", "app/tasks/runner.py",
+           "if job is not None and not job.future.done():", "if job is not None and job.future.done():",
+           ("tests/test_app_concurrency.py", "-k", "asynchronous_task_past")),
+    Mutant("m34_energy_valid_without_hash", "a draw's energy valid without its predictions hashing as its task's",
+           "app/tasks/evaluation_report.py", '"valid": bool(doc.get("valid")) and same if',
+           '"valid": bool(doc.get("valid")) if', ("tests/test_evaluations.py", "-k", "energy_is_valid_only")),
 ]
 
 

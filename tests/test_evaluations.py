@@ -354,6 +354,30 @@ def test_an_energy_evaluation_measures_each_draw_and_says_why_it_is_not_valid_he
         assert doc["definition"]["protocol"]["trials"] == 1
 
 
+def test_a_draws_energy_is_valid_only_when_its_gates_pass_and_its_predictions_hash_as_the_tasks():
+    """The rule a GPU's measurement is graded by (app/tasks/evaluation_report.py), on plain records:
+    every gate passed is not enough -- the measured run's predictions must hash as the draw's own
+    task's did, or the joules are of another computation."""
+    from types import SimpleNamespace
+
+    from app.tasks.evaluation_report import energy_of
+
+    def measured(valid):
+        doc = {"valid": valid, "predictions_sha256": "a" * 64, "failed_gates": [] if valid else ["sham"],
+               "figures": {"headline": {"net_mj_per_task": {"mean": 1.25, "sample_sd": 0.05}}},
+               "timing": {"wall_ms_per_task": {"mean": 0.5}}}
+        return SimpleNamespace(status="succeeded", answer={"measurement": doc, "energy_reason": None}, error=None)
+
+    same = energy_of(measured(True), "a" * 64)
+    assert same["valid"] is True and same["predictions_match_task"] is True and same["mj_per_task"] == 1.25
+    other = energy_of(measured(True), "b" * 64)
+    assert other["valid"] is False and other["predictions_match_task"] is False
+    assert energy_of(measured(False), "a" * 64)["valid"] is False
+    assert energy_of(measured(None), "a" * 64)["valid"] is None  # no meter: not measured, not invalid
+    queued = energy_of(None, "a" * 64)
+    assert queued == {"status": "queued", "valid": None, "mj_per_task": None}
+
+
 def test_the_list_carries_each_evaluations_status_and_counts_read_without_answers(store):
     """GET /evaluations while draws wait: a row's status (queued, running) and counts equal its
     document's, on both ledgers; the list reads its ungraded rows' tasks in one status-only
