@@ -168,6 +168,9 @@ MUTANTS = [
     Mutant("m34_energy_valid_without_hash", "a draw's energy valid without its predictions hashing as its task's",
            "app/tasks/evaluation_report.py", '"valid": bool(doc.get("valid")) and same if',
            '"valid": bool(doc.get("valid")) if', ("tests/test_evaluations.py", "-k", "energy_is_valid_only")),
+    Mutant("m35_max_queued_ignores_sync_in_flight", "a key's max_queued not counting its synchronous tasks in flight",
+           "app/tasks/tenant_gate.py", "        return self.ledger.count_unfinished(owner) + unrecorded_here",
+           "        return self.ledger.count_unfinished(owner)", ("tests/test_tenants.py", "-k", "quotas")),
 ]
 
 

@@ -4,6 +4,7 @@ all); revocation, rotation with a grace period, expiry. On a real server, both s
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -283,6 +284,28 @@ def test_quotas_answer_429_with_the_rate_limit_headers(store):
         assert r.status_code == 429 and "has 0 unfinished" in r.json()["error"] and "4 more" in r.json()["error"], r.text
         r = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1, 2]}, headers=bearer(sweeper["key"]))
         assert r.status_code == 202, r.text
+        # a synchronous task in flight counts too, though its record is written only once it has finished
+        waiter = make_key(c, "waiter", max_queued=1)
+        answers: list = []
+        gate.hold()
+        with server.client() as c2:
+            held = threading.Thread(target=lambda: answers.append(post_task(c2, BODY, headers=bearer(waiter["key"]))),
+                                    daemon=True)
+            try:
+                held.start()
+                wait_for(lambda: _in_flight_of(c, "waiter"), 30, 0.02, "the synchronous task queued or running")
+                r = post_task(c, BODY, headers={**ASYNC, **bearer(waiter["key"])})
+                assert r.status_code == 429 and "max_queued 1" in r.json()["error"], r.text
+            finally:
+                gate.release()
+                held.join(60)
+        assert answers[0].status_code == 200, answers[0].text
+        assert post_task(c, BODY, headers={**ASYNC, **bearer(waiter["key"])}).status_code == 202
+
+
+def _in_flight_of(c: httpx.Client, tenant: str) -> int:
+    row = c.get("/health", headers=bearer(ADMIN_KEY)).json()["admission"]["tenants"].get(tenant) or {}
+    return row.get("queued", 0) + row.get("running", 0)
 
 
 def test_fair_share_runs_a_small_tenant_between_a_floods_tasks():
