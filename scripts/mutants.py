@@ -171,6 +171,9 @@ MUTANTS = [
     Mutant("m35_max_queued_ignores_sync_in_flight", "a key's max_queued not counting its synchronous tasks in flight",
            "app/tasks/tenant_gate.py", "        return self.ledger.count_unfinished(owner) + unrecorded_here",
            "        return self.ledger.count_unfinished(owner)", ("tests/test_tenants.py", "-k", "quotas")),
+    Mutant("m36_measurement_task_timeout", "a measurement timed out by a task's timeout, not its protocol's",
+           "app/tasks/runner.py", "            return measure_timeout_s(work.measure, self.task_timeout_s)",
+           "            return self.task_timeout_s", ("tests/test_app_concurrency.py", "-k", "measurement_waits")),
 ]
 
 

@@ -358,3 +358,29 @@ def test_an_asynchronous_task_past_its_timeout_is_stopped_and_recorded_failed(ti
     after = _queue(timeout_server)
     assert after["stopped"] - before["stopped"] == 1 and after["completed"] - before["completed"] == 1
     assert after["depth"] == 0 and after["in_flight"] == 0
+
+
+def test_a_measurement_waits_in_the_queue_by_its_own_timeout_not_a_tasks(timeout_server):
+    """A measurement's timeout is its protocol's (every window, and a task's timeout for each run
+    it makes), far longer than REV88_TASK_TIMEOUT_S: one queued behind another measurement for
+    longer than a task's timeout still runs and is answered."""
+    params = {"measure": "energy", "trials": "1", "target_seconds": "0.1", "settle_seconds": "0", "idle_seconds": "0"}
+    results: dict[str, httpx.Response] = {}
+    timeout_server.gate.hold()
+    first = threading.Thread(target=_send, args=(timeout_server, results, "first",
+                                                 task_to_npz_bytes(small_task(19, 7, seed=12)), params))
+    second = threading.Thread(target=_send, args=(timeout_server, results, "second",
+                                                  task_to_npz_bytes(small_task(19, 7, seed=13)), params))
+    first.start()
+    try:
+        wait_for(lambda: (running_job(timeout_server) or {}).get("kind") == "measure", 60, what="the first measuring")
+        second.start()
+        wait_for(lambda: _queue(timeout_server)["depth"] == 1, 30, 0.02, "the second measurement queued")
+        time.sleep(2 * TIMEOUT_S)  # past a task's timeout, well within a measurement's
+        assert "second" not in results, results["second"].text  # still waiting, not expired
+    finally:
+        timeout_server.gate.release()
+        first.join(300)
+        second.join(300)
+    assert results["first"].status_code == 200, results["first"].text
+    assert results["second"].status_code == 200, results["second"].text
