@@ -174,6 +174,12 @@ MUTANTS = [
     Mutant("m36_measurement_task_timeout", "a measurement timed out by a task's timeout, not its protocol's",
            "app/tasks/runner.py", "            return measure_timeout_s(work.measure, self.task_timeout_s)",
            "            return self.task_timeout_s", ("tests/test_app_concurrency.py", "-k", "measurement_waits")),
+    Mutant("m37_backlog_bytes_past_limit", "REV88_BACKLOG_BYTES refusing only past the limit, not at it",
+           "app/tasks/backlog.py", 'backlog["bytes"] >= self.limit_bytes', 'backlog["bytes"] > self.limit_bytes',
+           ("tests/test_admission.py", "-k", "backlog_bytes_limit")),
+    Mutant("m38_cells_body_sha_prefix", "a sweep's cells recorded with the digest's prefix as their body_sha256",
+           "app/tasks/runner.py", 'body_sha256=w.dataset.split(":", 1)[1]', 'body_sha256=w.dataset.split(":", 1)[0]',
+           ("tests/test_sweeps.py", "-k", "every_cell_as_its_single")),
 ]
 
 

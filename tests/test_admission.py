@@ -337,9 +337,9 @@ def test_the_backlog_limit_refuses_asynchronous_work_naming_it(tmp_path):
 
 def test_the_backlog_bytes_limit_refuses_uploads_not_cells_on_stored_datasets(tmp_path):
     """REV88_BACKLOG_BYTES bounds what waiting uploads keep on disk: once the waiting uploads hold
-    it, the next asynchronous upload is refused (503 naming it); a sweep's cells keep no upload of
-    their own and are still accepted."""
-    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, backlog_bytes=1,
+    it -- one upload of exactly its size -- the next asynchronous upload is refused (503 naming it);
+    a sweep's cells keep no upload of their own and are still accepted."""
+    app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, backlog_bytes=len(BODY),
                               data_dir=str(tmp_path / "d")), engines=gated_engines(gate := Gate()))
     with inprocess_server(app) as server, server.client() as c:
         admin = bearer(ADMIN_KEY)
@@ -350,9 +350,9 @@ def test_the_backlog_bytes_limit_refuses_uploads_not_cells_on_stored_datasets(tm
                 assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202
                 wait_for(lambda n=n: _in_flight(c) == n, 30, 0.02, f"{n} task(s) claimed")
             assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202  # the backlog held 0 bytes
-            assert _backlog(c)["bytes"] >= len(BODY)
+            assert _backlog(c)["bytes"] == len(BODY)
             r = post_task(c, BODY, headers={**ASYNC, **admin})
-            assert r.status_code == 503 and "REV88_BACKLOG_BYTES 1" in r.json()["error"], r.text
+            assert r.status_code == 503 and f"REV88_BACKLOG_BYTES {len(BODY)}" in r.json()["error"], r.text
             assert r.json()["limit"] == "REV88_BACKLOG_BYTES"
             r = c.post("/sweeps", json={"dataset": digest, "seeds": [1, 2]}, headers=admin)
             assert r.status_code == 202, r.text

@@ -58,6 +58,9 @@ def test_a_sweep_runs_every_cell_as_its_single_task_and_counts(store):
             assert (row["correct"], row["total"]) == (single["correct"], 10) and row["timing"]["run_ms"] > 0
             task = c.get(f"/tasks/{row['task_id']}").json()  # every cell is a task in the ledger
             assert task["status"] == "succeeded" and task["dataset"] == DIGEST
+        # each cell's record names its input, the dataset's npz, by its SHA-256 (the digest's)
+        listed = {t["id"]: t for t in c.get("/tasks", params={"limit": 100}).json()["tasks"]}
+        assert [listed[row["task_id"]]["body_sha256"] for row in doc["cells"]] == [DIGEST[7:]] * 8
         table = list(csv.DictReader(io.StringIO(c.get(f"/sweeps/{sweep_id}", params={"format": "csv"}).text)))
         assert [r["task_id"] for r in table] == [row["task_id"] for row in doc["cells"]]
         assert table[0]["epochs"] == "1" and table[0]["correct"] == str(doc["cells"][0]["correct"])
