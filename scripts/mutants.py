@@ -180,6 +180,9 @@ MUTANTS = [
     Mutant("m38_cells_body_sha_prefix", "a sweep's cells recorded with the digest's prefix as their body_sha256",
            "app/tasks/runner.py", 'body_sha256=w.dataset.split(":", 1)[1]', 'body_sha256=w.dataset.split(":", 1)[0]',
            ("tests/test_sweeps.py", "-k", "every_cell_as_its_single")),
+    Mutant("m39_max_running_plus_one", "a key's max_running letting one more job run", "app/runtime/worker_loop.py",
+           "self._running[job.tenant] >= job.max_running", "self._running[job.tenant] > job.max_running",
+           ("tests/test_tenants.py", "-k", "max_running_holds")),
 ]
 
 
