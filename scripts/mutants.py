@@ -183,6 +183,9 @@ MUTANTS = [
     Mutant("m39_max_running_plus_one", "a key's max_running letting one more job run", "app/runtime/worker_loop.py",
            "self._running[job.tenant] >= job.max_running", "self._running[job.tenant] > job.max_running",
            ("tests/test_tenants.py", "-k", "max_running_holds")),
+    Mutant("m40_launch_timeout_as_stopped", "a timeout during a launch that cannot be stopped answered as stopped",
+           "app/tasks/finisher.py", 'if job.stop[0] == "timeout":', 'if job.stop[0] == "deadline":',
+           ("tests/test_launches.py", "-k", "timeout_passes_while")),
 ]
 
 

@@ -336,6 +336,42 @@ class _Uninterruptible:
         return [self.inner.run(t, dataclasses.replace(p, cancel=None)) for t, p in zip(tasks, prepareds)]
 
 
+def test_cells_whose_timeout_passes_while_their_launch_runs_are_answered_as_timeouts_not_as_stopped(tmp_path):
+    """Two cells in one launch that cannot be interrupted, their REV88_TASK_TIMEOUT_S passing while
+    it runs: each ends failed with a 504 that says so -- the launch could not be stopped, its result
+    was discarded -- not that it was stopped on the device (it ran to the end)."""
+    from learner.backends import get_backend
+
+    gate, engines = Gate(), {}
+
+    def engine(name, device=None):
+        inner = get_backend(name, device)
+        return engines.setdefault(inner.name, _Uninterruptible(inner, gate))
+
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=8, batch_wait_ms=200, queue_size=16,
+                              task_timeout_s=1.0, data_dir=str(tmp_path / "data")), engines=engine)
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code in (200, 201)
+        gate.hold()
+        try:
+            sweep = c.post("/sweeps", json={"dataset": DIGEST, "seeds": [1, 2]}).json()["id"]
+            assert engines["cpu-fast"].entered.wait(60)
+            ids = [row["task_id"] for row in c.get(f"/sweeps/{sweep}").json()["cells"]]
+            pending = app.state.service.runner.pending
+            wait_for(lambda: all(pending[t].cancel.cancelled for t in ids), 30, 0.02, "both cells' timeouts")
+        finally:
+            gate.release()
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 60, 0.05,
+                       "the sweep")
+        records = [c.get(f"/tasks/{t}").json() for t in ids]
+    assert doc["counts"]["failed"] == 2, doc["counts"]
+    for record in records:
+        error = record["error"]
+        assert record["status"] == "failed" and error["status"] == 504 and error["where"] == "running", record
+        assert "could not be stopped, its result is discarded" in error["error"], error
+        assert "REV88_TASK_TIMEOUT_S" in error["error"], error
+
+
 def test_a_task_cancelled_while_its_launch_runs_is_cancelled_and_the_others_keep_their_answers(tmp_path):
     """Four cells in one launch that cannot be interrupted; one of them -- not the first -- is
     cancelled while the launch runs: it ends cancelled (its result, trained to the end, dropped),
