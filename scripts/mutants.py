@@ -186,6 +186,12 @@ MUTANTS = [
     Mutant("m40_launch_timeout_as_stopped", "a timeout during a launch that cannot be stopped answered as stopped",
            "app/tasks/finisher.py", 'if job.stop[0] == "timeout":', 'if job.stop[0] == "deadline":',
            ("tests/test_launches.py", "-k", "timeout_passes_while")),
+    Mutant("m41_timer_kept", "a finished task's timeout timer left on the event loop (it holds the work)",
+           "app/tasks/finisher.py", "        if work.timer is not None:\n            work.timer.cancel()\n",
+           "        if work.timer is not None:\n            pass\n", ("tests/test_app_memory.py", "-k", "freed_at_once")),
+    Mutant("m42_idle_worker_keeps_launch", "an idle worker keeping its last launch's jobs (and their tasks)",
+           "app/runtime/worker_loop.py", "            del head, group\n", "            pass\n",
+           ("tests/test_app_memory.py", "-k", "freed_at_once")),
 ]
 
 

@@ -46,3 +46,37 @@ def test_refused_requests_allocate_nothing_large(tmp_path):
     # 18 refusals, two thirds of them of a 6.5 MB task: the peak grows by at most a few copies
     # of that body, never by what the refused work would have needed (hundreds of MB to GBs)
     assert grown < 96 * MIB, f"peak RSS grew by {grown / MIB:.1f} MiB while refusing"
+
+
+def test_a_finished_asynchronous_tasks_work_is_freed_at_once(tmp_path):
+    """Once an asynchronous task's outcome is recorded nothing in the server holds its work (its
+    arrays, megabytes for a real upload): not its timeout's timer on the event loop (due only after
+    REV88_TASK_TIMEOUT_S), not its job -- nor the idle worker that ran it, until its next launch."""
+    import gc
+    import weakref
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    from .gates import Gate, gated_engines
+    from .server import inprocess_server, wait_for
+
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
+    runner = app.state.service.runner
+    with inprocess_server(app) as server, server.client() as c:
+        gate.hold()
+        try:
+            r = post_task(c, task_to_npz_bytes(small_task(64, 16, seed=3)), headers={"Prefer": "respond-async"})
+            assert r.status_code == 202, r.text
+            task_id = r.json()["id"]
+            ref = weakref.ref(wait_for(lambda: runner.pending.get(task_id), 30, 0.01, "the task claimed"))
+        finally:
+            gate.release()
+        wait_for(lambda: c.get(f"/tasks/{task_id}").json()["status"] == "succeeded", 30, 0.05, "the task")
+
+        def freed() -> bool:
+            gc.collect()
+            return ref() is None
+
+        wait_for(freed, 10, 0.05, "its work freed")

@@ -112,6 +112,8 @@ class WorkerLoop:
                 group = self._gather(worker, head) if batched else self._take(worker, [head])
             if group:
                 self._run(worker, group)
+            # not kept while this worker waits for its next job: the jobs' closures hold their tasks
+            del head, group
 
     def _next_for(self, worker: Worker) -> Job | None:
         """(Lock held.) The job this worker runs next: of each tenant's oldest job it may run (not
