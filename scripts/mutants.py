@@ -192,6 +192,13 @@ MUTANTS = [
     Mutant("m42_idle_worker_keeps_launch", "an idle worker keeping its last launch's jobs (and their tasks)",
            "app/runtime/worker_loop.py", "            del head, group\n", "            pass\n",
            ("tests/test_app_memory.py", "-k", "freed_at_once")),
+    Mutant("m43_shares_rounded_up", "the device queue's shares rounded up (they add up to more than the queue)",
+           "app/runtime/admission.py", "max(1, math.floor(self.capacity * max(w, 1e-9) / total + 1e-9))",
+           "max(1, math.ceil(self.capacity * max(w, 1e-9) / total - 1e-9))",
+           ("tests/test_admission.py", "-k", "shares_are")),
+    Mutant("m44_health_synchronous_counts_claims", "/health's synchronous count per tenant counting claimed work",
+           "app/runtime/admission.py", 'if j.kind != "warmup" and not (hard_only and j.evictable))',
+           'if j.kind != "warmup")', ("tests/test_admission.py", "-k", "takes_a_claimed")),
 ]
 
 

@@ -56,6 +56,7 @@ def test_shares_are_the_capacity_by_weight_among_the_tenants_waiting():
     assert ex.shares({"a": 1.0, "b": 1.0}) == {"a": 4, "b": 4}
     assert ex.shares({"a": 3.0, "b": 1.0}) == {"a": 6, "b": 2}
     assert ex.shares({t: 1.0 for t in "abcdefghij"})["a"] == 1  # at least one place each
+    assert ex.shares({"a": 1.0, "b": 1.0, "c": 1.0}) == {"a": 2, "b": 2, "c": 2}  # never more than the queue
     assert ex.shares({}, "a", 1.0) == {"a": 8}  # a tenant alone: the whole queue
 
 
@@ -270,6 +271,8 @@ def test_a_synchronous_upload_takes_a_claimed_cells_place_and_the_cell_runs_late
                        headers=bearer(a))
         assert sweep.status_code == 202, sweep.text
         wait_for(lambda: _in_flight(c) == 2, 30, 0.02, "a cell running and one claimed into the full queue")
+        tenants = c.get("/health", headers=admin).json()["admission"]["tenants"]
+        assert (tenants["sweeper"]["queued"], tenants["sweeper"]["synchronous"]) == (1, 0), tenants  # claimed
         answers: list[httpx.Response] = []
         upload = threading.Thread(target=lambda: answers.append(post_task(s, BODY, headers=admin)))
         upload.start()
@@ -279,6 +282,9 @@ def test_a_synchronous_upload_takes_a_claimed_cells_place_and_the_cell_runs_late
             queue = _queue(c)
             assert not answers, answers[0].text  # (not refused: it waits in the queue)
             assert queue["returned_to_ledger"] == 1 and queue["depth"] == 1, queue
+            tenants = c.get("/health", headers=admin).json()["admission"]["tenants"]
+            assert (tenants["admin"]["queued"], tenants["admin"]["synchronous"]) == (1, 1), tenants
+            assert tenants["sweeper"]["queued"] == 0 and tenants["sweeper"]["backlog"] >= 3, tenants
         finally:
             gate.release()
             upload.join(60)
