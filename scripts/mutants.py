@@ -199,6 +199,12 @@ MUTANTS = [
     Mutant("m44_health_synchronous_counts_claims", "/health's synchronous count per tenant counting claimed work",
            "app/runtime/admission.py", 'if j.kind != "warmup" and not (hard_only and j.evictable))',
            'if j.kind != "warmup")', ("tests/test_admission.py", "-k", "takes_a_claimed")),
+    Mutant("m45_finish_twice", "a unit's outcome taken a second time while the first is being told",
+           "app/tasks/work.py", "            if self.state in (S.FINISHED, S.TOLD):\n                return False",
+           "            if self.state == S.TOLD:\n                return False", ("tests/test_work.py",)),
+    Mutant("m46_precision_not_kept", "a task's ?precision= not kept in its options (a claim elsewhere runs without it)",
+           "app/tasks/work.py", '("dataset", "sweep", "evaluation", "owner", "webhook", "precision")',
+           '("dataset", "sweep", "evaluation", "owner", "webhook")', ("tests/test_work.py",)),
 ]
 
 
