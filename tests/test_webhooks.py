@@ -398,20 +398,29 @@ def test_a_synchronous_task_sweeps_and_evaluations_send_their_completion(store):
         put = c.post("/datasets", content=BODY, headers={"content-type": "application/octet-stream"})
         assert put.status_code in (200, 201), put.text
         digest = put.json()["digest"]
+        on_dataset = c.post("/tasks", params={"dataset": digest, "webhook": r.url, "webhook_events": "started,completed"})
+        assert on_dataset.status_code == 200, on_dataset.text
+        on_dataset_id = on_dataset.json()["id"]
+        assert c.get(f"/tasks/{on_dataset_id}").json()["status"] == "succeeded"  # recorded, not deferred
         sweep = c.post("/sweeps", json={"dataset": digest, "grid": {"epochs": [1, 2]}, "webhook": r.url,
                                         "webhook_events": "completed"})
         assert sweep.status_code == 202, sweep.text
         sweep_id = sweep.json()["id"]
         [m] = settled(c, f"/sweeps/{sweep_id}/deliveries")
         assert m["state"] == "delivered" and m["type"] == "sweep.completed"
+        messages = settled(c, f"/tasks/{on_dataset_id}/deliveries", count=2)
+        assert sorted(m["type"] for m in messages) == ["task.started", "task.succeeded"], messages
+        assert {m["state"] for m in messages} == {"delivered"}, messages
         by_type = {}
-        for q in r.wait_for(2):
+        for q in r.wait_for(4):
             payload = Webhook(secret).verify(q.body, q.headers)
-            by_type[payload["type"]] = payload["data"]
-        assert by_type["task.succeeded"]["id"] == sync_id
-        assert by_type["sweep.completed"]["id"] == sweep_id and by_type["sweep.completed"]["counts"]["succeeded"] == 2
+            by_type.setdefault(payload["type"], []).append(payload["data"])
+        assert sorted(t["id"] for t in by_type["task.succeeded"]) == sorted([sync_id, on_dataset_id])
+        assert [t["id"] for t in by_type["task.started"]] == [on_dataset_id]
+        [completed] = by_type["sweep.completed"]
+        assert completed["id"] == sweep_id and completed["counts"]["succeeded"] == 2
         assert c.post(f"/sweeps/{sweep_id}/deliveries/redeliver").status_code == 202
-        assert r.wait_for(3)[2].headers["webhook-id"] == m["id"]
+        assert r.wait_for(5)[4].headers["webhook-id"] == m["id"]
         # a task without a webhook: an empty log, and nothing to redeliver
         plain = post_task(c, BODY, headers=ASYNC).json()["id"]
         assert log_of(c, plain)["messages"] == []
