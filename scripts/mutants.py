@@ -205,6 +205,11 @@ MUTANTS = [
     Mutant("m46_precision_not_kept", "a task's ?precision= not kept in its options (a claim elsewhere runs without it)",
            "app/tasks/work.py", '("dataset", "sweep", "evaluation", "owner", "webhook", "precision")',
            '("dataset", "sweep", "evaluation", "owner", "webhook")', ("tests/test_work.py",)),
+    Mutant("m47_dataset_task_no_max_queued", "a task on a stored dataset not checked against its key's max_queued",
+           "app/api/intake.py",
+           "    asynchronous, key = _admitted(request, service, upload=False)\n    await service.runner.check_queued(tenant_of(request), 1)\n",
+           "    asynchronous, key = _admitted(request, service, upload=False)\n",
+           ("tests/test_tenants.py", "-k", "quotas")),
 ]
 
 

@@ -267,6 +267,8 @@ def test_quotas_answer_429_with_the_rate_limit_headers(store):
                                                                 **bearer(queued["key"])}).json()["digest"]
             r = c.post("/sweeps", json={"dataset": digest, "seeds": [0]}, headers=bearer(queued["key"]))
             assert r.status_code == 429 and "max_queued" in r.json()["error"]
+            r = c.post("/tasks", params={"dataset": digest}, headers={**ASYNC, **bearer(queued["key"])})
+            assert r.status_code == 429 and "max_queued 2" in r.json()["error"], r.text  # a task on a dataset too
             r = c.post("/evaluations", json={"draws": "0"}, headers=bearer(queued["key"]))
             assert r.status_code == 429 and "max_queued" in r.json()["error"]
             other = make_key(c, "other")  # another tenant is not held back by it
