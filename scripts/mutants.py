@@ -210,6 +210,9 @@ MUTANTS = [
            "    asynchronous, key = _admitted(request, service, upload=False)\n    await service.runner.check_queued(tenant_of(request), 1)\n",
            "    asynchronous, key = _admitted(request, service, upload=False)\n",
            ("tests/test_tenants.py", "-k", "quotas")),
+    Mutant("m48_stored_task_no_scores", "a task run again from its stored input without its include=scores",
+           "app/tasks/feeder.py", 'include_scores=bool(record.options.get("include_scores")),', "include_scores=False,",
+           ("tests/test_app_ledger.py", "-k", "kill_9_with_accepted")),
 ]
 
 

@@ -162,8 +162,9 @@ def test_kill_9_with_accepted_tasks_queued_then_a_restart_runs_every_one(tmp_pat
     with running_server(tmp_path, env=env, gate=gate.path) as srv:
         gate.hold()  # nothing finishes before the kill
         with srv.client() as c:
-            ids = [post_task(c, task_to_npz_bytes(t), params={"epochs": str(cfg.epochs)}, headers=ASYNC).json()["id"]
-                   for t, cfg in zip(tasks, configs)]
+            ids = [post_task(c, task_to_npz_bytes(t), headers=ASYNC, params={
+                       "epochs": str(cfg.epochs), **({"include": "scores"} if i % 2 else {})}).json()["id"]
+                   for i, (t, cfg) in enumerate(zip(tasks, configs))]
             wait_for(lambda: (running_job(srv) or {}).get("id") == ids[0], 60, what="the first task on the device")
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(30)
@@ -174,10 +175,14 @@ def test_kill_9_with_accepted_tasks_queued_then_a_restart_runs_every_one(tmp_pat
     assert {rows[i] for i in ids} <= {"queued", "running"}
     assert all((data / "uploads" / f"{i}.npz").exists() for i in ids)
     with running_server(tmp_path, env=env) as srv, srv.client() as c:
-        for task_id, task, cfg in zip(ids, tasks, configs):
+        for i, (task_id, task, cfg) in enumerate(zip(ids, tasks, configs)):
             doc = finished(c, task_id)
             assert doc["status"] == "succeeded", doc
-            assert doc["predictions_sha256"] == run_task(task, cfg, "cpu-fast").predictions_sha256
+            alone = run_task(task, cfg, "cpu-fast")
+            assert doc["predictions_sha256"] == alone.predictions_sha256
+            assert ("scores" in doc) == bool(i % 2)  # run again from its stored input, with its own options
+            if i % 2:
+                assert np.asarray(doc["scores"], dtype=np.float32).tobytes() == alone.scores.astype(np.float32).tobytes()
         assert c.get(f"/tasks/{ids[0]}").json()["metadata"]["config"]["epochs"] == configs[0].epochs
         health = c.get("/health").json()["ledger"]
         assert health["recovered_at_start"] == {"requeued": 4, "failed": 0}
