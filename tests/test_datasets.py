@@ -131,6 +131,8 @@ def test_a_task_on_a_dataset_answers_as_the_upload_and_counts_with_labels(store)
         assert replay.status_code == 202 and replay.json()["id"] == task_id, replay.text
         assert replay.headers["idempotent-replayed"] == "true"
         assert "idempotent-replayed" not in accepted.headers
+        listed = {t["id"]: t for t in c.get("/tasks", params={"limit": 50}).json()["tasks"]}
+        assert listed[task_id]["body_sha256"] == DIGEST[7:]  # its input named by the dataset's digest
         # a dataset in use by an unfinished task cannot be deleted; refusals name the problem
         assert c.post("/tasks", params={"dataset": DIGEST}, content=BODY, headers=NPZ).status_code == 422
         unknown = c.post("/tasks", params={"dataset": "sha256:" + "1" * 64})
