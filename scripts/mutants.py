@@ -211,12 +211,15 @@ MUTANTS = [
            "    asynchronous, key = _admitted(request, service, upload=False)\n",
            ("tests/test_tenants.py", "-k", "quotas")),
     Mutant("m48_stored_task_no_scores", "a task run again from its stored input without its include=scores",
-           "app/tasks/feeder.py", 'include_scores=bool(record.options.get("include_scores")),', "include_scores=False,",
+           "app/tasks/work.py", 'include_scores=bool(o.get("include_scores")),', "include_scores=False,",
            ("tests/test_app_ledger.py", "-k", "kill_9_with_accepted")),
     Mutant("m49_dataset_task_body_sha_prefix", "a task on a stored dataset recorded with the digest's prefix as its "
            "body_sha256", "app/api/intake.py", 'options.dataset.split(":", 1)[1], key, asynchronous)',
            'options.dataset.split(":", 1)[0], key, asynchronous)',
            ("tests/test_datasets.py", "-k", "answers_as_the_upload")),
+    Mutant("m50_claim_without_precision", "a recorded task run again elsewhere without its ?precision=",
+           "app/tasks/work.py", 'webhook=o.get("webhook"), precision=o.get("precision"))',
+           'webhook=o.get("webhook"), precision=None)', ("tests/test_work.py",)),
 ]
 
 

@@ -96,3 +96,21 @@ def test_what_the_ledger_keeps_of_it_is_what_a_claim_on_another_replica_needs():
                            "webhook": {"url": "http://127.0.0.1:9/h", "events": ["completed"]}, "precision": "ieee"}
     assert work().options() == {"include_scores": False, "measure": None}  # (unset fields not written)
     assert work(measure={"trials": 1}).kind == "measure" and work().kind == "task"
+
+
+def test_a_recorded_task_run_again_elsewhere_is_admitted_as_it_was():
+    """What the ledger keeps (``options()``) and what a claim of it on another replica, or a
+    restart, reads back (``Work.from_record``): the same unit, waiting, every option kept."""
+    from types import SimpleNamespace
+
+    first = work(mode="async", include_scores=True, measure={"trials": 2}, dataset="sha256:" + "b" * 64,
+                 sweep="sw-2", evaluation="ev-3", owner="k-9", webhook={"url": "http://127.0.0.1:9/h", "events": []},
+                 precision="tf32x3", body_bytes=1234, created_at=1_700_000_000.5)
+    record = SimpleNamespace(id=first.task_id, backend=first.backend, options=first.options(),
+                             body_bytes=first.body_bytes, created_at=first.created_at)
+    again = Work.from_record(record, None, first.config, labels="the labels")
+    assert again.state is State.WAITING and again.labels == "the labels" and again.config is first.config
+    fields = ("task_id", "backend", "mode", "include_scores", "measure", "dataset", "sweep", "evaluation", "owner",
+              "webhook", "precision", "body_bytes", "created_at", "kind")
+    assert {f: getattr(again, f) for f in fields} == {f: getattr(first, f) for f in fields}
+    assert again.options() == first.options()

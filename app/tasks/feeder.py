@@ -68,7 +68,7 @@ from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, TaskRecord
 from .backlog import Backlog
 from .feed_plan import FeedPlan, Runs
 from .leases import LeaseKeeping
-from .work import State, Work
+from .work import Work
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -327,13 +327,7 @@ class Feeder(Backlog, LeaseKeeping):
                 log.warning("could not record the claimed task's failure", extra={"task_id": record.id,
                                                                                     "error": str(exc2)})
             return None
-        return Work(task_id=record.id, task=task, config=config, backend=record.backend, state=State.WAITING,
-                        include_scores=bool(record.options.get("include_scores")),
-                        measure=record.options.get("measure"), mode="async", body_bytes=record.body_bytes,
-                        created_at=record.created_at, dataset=dataset, labels=labels,
-                        sweep=record.options.get("sweep"), evaluation=record.options.get("evaluation"),
-                        owner=record.options.get("owner"), webhook=record.options.get("webhook"),
-                        precision=record.options.get("precision"))
+        return Work.from_record(record, task, config, labels)
 
 
     # ------------------------------------------------------------------ reaping, depth

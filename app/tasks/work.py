@@ -174,6 +174,17 @@ class Work:
                 options[name] = value
         return options
 
+    @classmethod
+    def from_record(cls, record: TaskRecord, task: TaskArrays, config: Config, labels: Any = None) -> Work:
+        """A recorded asynchronous task to run again here (a claim of another replica's, a restart's
+        leftover), waiting: what it was admitted with, read back from what ``options()`` kept."""
+        o = record.options
+        return cls(task_id=record.id, task=task, config=config, backend=record.backend, state=State.WAITING,
+                   include_scores=bool(o.get("include_scores")), measure=o.get("measure"), mode="async",
+                   body_bytes=record.body_bytes, created_at=record.created_at, dataset=o.get("dataset"),
+                   labels=labels, sweep=o.get("sweep"), evaluation=o.get("evaluation"), owner=o.get("owner"),
+                   webhook=o.get("webhook"), precision=o.get("precision"))
+
     def parsed(self) -> TaskArrays | None:
         """The task, parsing its body here if its job has not yet (None: a body its job will refuse)."""
         if self.task is None and self.late is not None:
