@@ -220,6 +220,9 @@ MUTANTS = [
     Mutant("m50_claim_without_precision", "a recorded task run again elsewhere without its ?precision=",
            "app/tasks/work.py", 'webhook=o.get("webhook"), precision=o.get("precision"))',
            'webhook=o.get("webhook"), precision=None)', ("tests/test_work.py",)),
+    Mutant("m51_dataset_task_held_to_upload_bytes", "a task on a stored dataset refused by REV88_BACKLOG_BYTES "
+           "(it keeps no upload)", "app/api/intake.py", "_admitted(request, service, upload=False)",
+           "_admitted(request, service, upload=True)", ("tests/test_admission.py", "-k", "backlog_bytes_limit")),
 ]
 
 

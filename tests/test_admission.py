@@ -344,7 +344,7 @@ def test_the_backlog_limit_refuses_asynchronous_work_naming_it(tmp_path):
 def test_the_backlog_bytes_limit_refuses_uploads_not_cells_on_stored_datasets(tmp_path):
     """REV88_BACKLOG_BYTES bounds what waiting uploads keep on disk: once the waiting uploads hold
     it -- one upload of exactly its size -- the next asynchronous upload is refused (503 naming it);
-    a sweep's cells keep no upload of their own and are still accepted."""
+    a sweep's cells and a task on a stored dataset keep no upload of their own and are still accepted."""
     app = create_app(Settings(backend="cpu", workers=1, api_key=ADMIN_KEY, backlog_bytes=len(BODY),
                               data_dir=str(tmp_path / "d")), engines=gated_engines(gate := Gate()))
     with inprocess_server(app) as server, server.client() as c:
@@ -361,6 +361,8 @@ def test_the_backlog_bytes_limit_refuses_uploads_not_cells_on_stored_datasets(tm
             assert r.status_code == 503 and f"REV88_BACKLOG_BYTES {len(BODY)}" in r.json()["error"], r.text
             assert r.json()["limit"] == "REV88_BACKLOG_BYTES"
             r = c.post("/sweeps", json={"dataset": digest, "seeds": [1, 2]}, headers=admin)
+            assert r.status_code == 202, r.text
+            r = c.post("/tasks", params={"dataset": digest}, headers={**ASYNC, **admin})  # no upload kept either
             assert r.status_code == 202, r.text
         finally:
             gate.release()
