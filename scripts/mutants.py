@@ -223,6 +223,10 @@ MUTANTS = [
     Mutant("m51_dataset_task_held_to_upload_bytes", "a task on a stored dataset refused by REV88_BACKLOG_BYTES "
            "(it keeps no upload)", "app/api/intake.py", "_admitted(request, service, upload=False)",
            "_admitted(request, service, upload=True)", ("tests/test_admission.py", "-k", "backlog_bytes_limit")),
+    Mutant("m52_sync_replay_not_waiting", "a synchronous replay of a key whose task still runs here answered 202",
+           "app/api/intake.py",
+           "    if not asynchronous and not record.finished and record.id in service.runner.pending:",
+           "    if False:", ("tests/test_app_ledger.py", "-k", "synchronous_replay_while")),
 ]
 
 

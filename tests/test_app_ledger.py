@@ -153,6 +153,34 @@ def test_an_idempotency_key_returns_the_same_task(server):
     assert attempts["status"] == "succeeded"
 
 
+def test_a_synchronous_replay_while_the_first_request_runs_waits_for_its_answer(server):
+    """The same Idempotency-Key sent again, synchronously, while the first request's task is still
+    running here: the second waits for that task and answers its answer (200, replayed), not a 202."""
+    body = task_to_npz_bytes(small_task(50, 6, seed=43))
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str) -> None:
+        with server.client() as c:
+            answers[name] = post_task(c, body, headers={"Idempotency-Key": "key-43"})
+
+    first, second = (threading.Thread(target=send, args=(n,), daemon=True) for n in ("first", "second"))
+    server.gate.hold()
+    try:
+        first.start()
+        wait_for(lambda: running_job(server) is not None, 60, 0.02, "the first request's task running")
+        second.start()
+        second.join(1.0)  # (held at the gate, the first cannot finish: nothing may answer the second yet)
+        assert "second" not in answers, answers["second"].text
+    finally:
+        server.gate.release()
+        first.join(60)
+        second.join(60)
+    assert answers["first"].status_code == answers["second"].status_code == 200, answers["second"].text
+    assert answers["second"].json()["id"] == answers["first"].json()["id"]
+    assert answers["second"].json()["predictions_sha256"] == answers["first"].json()["predictions_sha256"]
+    assert answers["second"].headers.get("idempotent-replayed") == "true"
+
+
 def test_kill_9_with_accepted_tasks_queued_then_a_restart_runs_every_one(tmp_path):
     data = tmp_path / "data"
     gate = FileGate(tmp_path / "hold")
