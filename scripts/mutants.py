@@ -227,6 +227,9 @@ MUTANTS = [
            "app/api/intake.py",
            "    if not asynchronous and not record.finished and record.id in service.runner.pending:",
            "    if False:", ("tests/test_app_ledger.py", "-k", "synchronous_replay_while")),
+    Mutant("m53_list_keeps_running_counts", "GET /sweeps keeping a sweep's counts while a cell still runs",
+           "app/tasks/sweeps.py", 'if not counts["queued"] and not counts["running"]:', 'if not counts["queued"]:',
+           ("tests/test_sweeps.py", "-k", "list_carries")),
 ]
 
 

@@ -162,7 +162,7 @@ def test_the_list_carries_each_sweeps_status_and_counts_read_without_answers(sto
         completed(c, done)
         gate.hold()
         try:
-            held = sweep({"grid": {"epochs": [1, 2]}, "seeds": [0]})
+            held = sweep({"config": {"epochs": 2}, "seeds": [0]})  # (its one cell running, none queued)
             wait_for(lambda: c.get(f"/sweeps/{held}").json()["counts"]["running"] == 1, 30, what="a running cell")
             behind = sweep({"seeds": [5, 6]})
             stopped = sweep({"seeds": [7]})
@@ -175,7 +175,7 @@ def test_the_list_carries_each_sweeps_status_and_counts_read_without_answers(sto
                 doc = c.get(f"/sweeps/{sweep_id}").json()
                 assert (rows[sweep_id]["status"], rows[sweep_id]["counts"]) == (doc["status"], doc["counts"])
                 assert rows[sweep_id]["cells"] == sum(doc["counts"].values()) == len(doc["cells"])
-            assert rows[held]["counts"] == {"queued": 1, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 0}
+            assert rows[held]["counts"] == {"queued": 0, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 0}
         finally:
             gate.release()
         for sweep_id in (held, behind):
