@@ -230,6 +230,9 @@ MUTANTS = [
     Mutant("m53_list_keeps_running_counts", "GET /sweeps keeping a sweep's counts while a cell still runs",
            "app/tasks/sweeps.py", 'if not counts["queued"] and not counts["running"]:', 'if not counts["queued"]:',
            ("tests/test_sweeps.py", "-k", "list_carries")),
+    Mutant("m54_sweep_row_without_accuracy", "a sweep's cell rows without their accuracy", "app/tasks/sweeps.py",
+           'for name in ("correct", "total", "accuracy"):', 'for name in ("correct", "total"):',
+           ("tests/test_sweeps.py", "-k", "every_cell_as_its_single")),
 ]
 
 

@@ -56,6 +56,7 @@ def test_a_sweep_runs_every_cell_as_its_single_task_and_counts(store):
                                               "learning_rate": cfg["learning_rate"], "seed": cfg["seed"]}).json()
             assert row["predictions_sha256"] == single["predictions_sha256"]  # byte for byte
             assert (row["correct"], row["total"]) == (single["correct"], 10) and row["timing"]["run_ms"] > 0
+            assert row["accuracy"] == single["accuracy"] == row["correct"] / 10
             task = c.get(f"/tasks/{row['task_id']}").json()  # every cell is a task in the ledger
             assert task["status"] == "succeeded" and task["dataset"] == DIGEST
         # each cell's record names its input, the dataset's npz, by its SHA-256 (the digest's)
