@@ -266,17 +266,17 @@ def test_a_synchronous_upload_takes_a_claimed_cells_place_and_the_cell_runs_late
         admin = bearer(ADMIN_KEY)
         a = c.post("/keys", json={"name": "sweeper"}, headers=admin).json()["key"]
         digest = _dataset(c, a)
-        gate.hold()
-        sweep = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1, 2, 3], "config": {"epochs": 1}},
-                       headers=bearer(a))
-        assert sweep.status_code == 202, sweep.text
-        wait_for(lambda: _in_flight(c) == 2, 30, 0.02, "a cell running and one claimed into the full queue")
-        tenants = c.get("/health", headers=admin).json()["admission"]["tenants"]
-        assert (tenants["sweeper"]["queued"], tenants["sweeper"]["synchronous"]) == (1, 0), tenants  # claimed
         answers: list[httpx.Response] = []
-        upload = threading.Thread(target=lambda: answers.append(post_task(s, BODY, headers=admin)))
-        upload.start()
+        upload = threading.Thread(target=lambda: answers.append(post_task(s, BODY, headers=admin)), daemon=True)
+        gate.hold()
         try:
+            sweep = c.post("/sweeps", json={"dataset": digest, "seeds": [0, 1, 2, 3], "config": {"epochs": 1}},
+                           headers=bearer(a))
+            assert sweep.status_code == 202, sweep.text
+            wait_for(lambda: _in_flight(c) == 2, 30, 0.02, "a cell running and one claimed into the full queue")
+            tenants = c.get("/health", headers=admin).json()["admission"]["tenants"]
+            assert (tenants["sweeper"]["queued"], tenants["sweeper"]["synchronous"]) == (1, 0), tenants  # claimed
+            upload.start()
             wait_for(lambda: answers or _queue(c)["returned_to_ledger"] >= 1, 30, 0.02,
                      "the upload queued (or answered)")
             queue = _queue(c)
@@ -287,7 +287,8 @@ def test_a_synchronous_upload_takes_a_claimed_cells_place_and_the_cell_runs_late
             assert tenants["sweeper"]["queued"] == 0 and tenants["sweeper"]["backlog"] >= 3, tenants
         finally:
             gate.release()
-            upload.join(60)
+            if upload.is_alive():
+                upload.join(60)
         assert answers[0].status_code == 200, answers[0].text
         sweep_id = sweep.json()["id"]
         wait_for(lambda: c.get(f"/sweeps/{sweep_id}", headers=bearer(a)).json()["status"] == "completed", 60, 0.05,

@@ -23,7 +23,8 @@ method per step (an illegal step raises ``IllegalStep``: a bug, said at once)::
 Who moves it: the route and the runner's entry (admitted, record, wait, queue: app/tasks/runner.py),
 the feeder (wait, queue, give_back), the device worker (start: app/runtime/executor.py's on_start),
 the finisher (finish, tell). What stays the same for its whole life -- its config, options and
-owner -- is set when it is admitted.
+owner -- is set when it is admitted; ``options()`` is what the ledger keeps of it and
+``from_record`` reads it back (a claim on another replica, a restart).
 """
 
 from __future__ import annotations
