@@ -233,6 +233,9 @@ MUTANTS = [
     Mutant("m54_sweep_row_without_accuracy", "a sweep's cell rows without their accuracy", "app/tasks/sweeps.py",
            'for name in ("correct", "total", "accuracy"):', 'for name in ("correct", "total"):',
            ("tests/test_sweeps.py", "-k", "every_cell_as_its_single")),
+    Mutant("m55_discard_keeps_bytes", "a cancelled waiting upload's bytes left in SQLite's backlog count",
+           "app/ledger/local_claims.py", "                    del entries[i]\n                    self._bytes -= entry[2]\n",
+           "                    del entries[i]\n", ("tests/test_admission.py", "-k", "cancelled_waiting_task")),
 ]
 
 

@@ -381,10 +381,11 @@ def test_a_cancelled_waiting_task_leaves_the_backlog_and_never_reaches_the_devic
                 assert post_task(c, BODY, headers={**ASYNC, **admin}).status_code == 202
             wait_for(lambda: _in_flight(c) == 2, 30, 0.02, "two tasks claimed")
             waiting = [post_task(c, BODY, headers={**ASYNC, **admin}).json()["id"] for _ in range(3)]
-            assert _backlog(c)["tasks"] == 3
+            assert (_backlog(c)["tasks"], _backlog(c)["bytes"]) == (3, 3 * len(BODY))
             r = c.post(f"/tasks/{waiting[1]}/cancel", headers=admin)
             assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
-            assert _backlog(c)["tasks"] == 2  # out of the backlog at once, not when a claim meets it
+            # out of the backlog at once, not when a claim meets it: its upload's bytes too
+            assert (_backlog(c)["tasks"], _backlog(c)["bytes"]) == (2, 2 * len(BODY))
         finally:
             gate.release()
         for task_id in waiting:
