@@ -236,6 +236,13 @@ MUTANTS = [
     Mutant("m55_discard_keeps_bytes", "a cancelled waiting upload's bytes left in SQLite's backlog count",
            "app/ledger/local_claims.py", "                    del entries[i]\n                    self._bytes -= entry[2]\n",
            "                    del entries[i]\n", ("tests/test_admission.py", "-k", "cancelled_waiting_task")),
+    Mutant("m56_failed_claim_loses_tasks", "SQLite's claim dropping the tasks it took when the ledger cannot be read",
+           "app/ledger/local_claims.py", "                self.add(task_id, tenant or None, created_at, stored)\n",
+           "                pass\n", ("tests/test_ledger.py", "-k", "lose_nothing")),
+    Mutant("m57_release_requeues_finished", "SQLite's release putting a task finished meanwhile back in the backlog",
+           "app/ledger/local_claims.py",
+           '            if record is not None and not record.finished and record.mode == "async":',
+           '            if record is not None and record.mode == "async":', ("tests/test_ledger.py", "-k", "lose_nothing")),
 ]
 
 

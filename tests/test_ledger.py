@@ -785,3 +785,32 @@ def test_the_embedded_claims_check_each_task_against_the_ledger_and_follow_the_p
     assert [c.record.id for c in rest] == [ids[2], ids[4], ids[5]]  # the pick, then the oldest of any tenant
     assert claims.claim(5) == [] and len(claims) == 0
     ledger.close()
+
+
+def test_the_embedded_claims_lose_nothing_when_the_ledger_cannot_be_read_and_release_only_unfinished_work(tmp_path):
+    """A claim whose check against the ledger fails (the database away) raises, and every task it
+    took waits again, in its place; tasks released back (taken out of the device queue, a failed
+    queueing) wait again only if the ledger still has them unfinished."""
+    from app.ledger import LedgerUnavailable
+    from app.ledger.local_claims import LocalClaims
+
+    ledger = Ledger(tmp_path / "data")
+    claims = LocalClaims(ledger)
+    ids = []
+    for i, owner in enumerate(["a", "b", "a"]):
+        record, _ = create(ledger, mode="async", options={"include_scores": False, "owner": owner})
+        ids.append(record.id)
+        claims.add(record.id, owner, 1000.0 + i, 100)
+    before = (len(claims), claims.waiting(), claims.waiting_bytes())
+    real = ledger.get_many
+    ledger.get_many = lambda *a, **k: (_ for _ in ()).throw(LedgerUnavailable("the database is away"))
+    with pytest.raises(LedgerUnavailable):
+        claims.claim(2, [("a", 2)])
+    ledger.get_many = real
+    assert (len(claims), claims.waiting(), claims.waiting_bytes()) == before  # nothing lost
+    got = claims.claim(3)
+    assert [c.record.id for c in got] == ids and len(claims) == 0
+    ledger.finish(ids[1], "cancelled", error={"status": 409, "error": "cancelled"})
+    assert claims.release(ids) == [ids[0], ids[2]]  # the cancelled one does not wait again
+    assert {t: n for t, (n, _) in claims.waiting().items()} == {"a": 2} and len(claims) == 2
+    ledger.close()
