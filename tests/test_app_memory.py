@@ -1,16 +1,22 @@
 """Refused requests allocate nothing large: the server's peak resident memory (VmHWM, read from
-/proc) hardly moves while it refuses over-bound configs and over-budget tasks."""
+/proc) hardly moves while it refuses over-bound configs and over-budget tasks; and a finished
+task's work is freed at once."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
 
+from app.main import create_app
+from app.settings import Settings
 from learner.taskio import task_to_npz_bytes
 
+from .gates import Gate, gated_engines
 from .helpers import small_task
-from .server import post_task, running_server
+from .server import inprocess_server, post_task, running_server, wait_for
 
 MIB = 1024 * 1024
 
@@ -52,15 +58,6 @@ def test_a_finished_asynchronous_tasks_work_is_freed_at_once(tmp_path):
     """Once an asynchronous task's outcome is recorded nothing in the server holds its work (its
     arrays, megabytes for a real upload): not its timeout's timer on the event loop (due only after
     REV88_TASK_TIMEOUT_S), not its job -- nor the idle worker that ran it, until its next launch."""
-    import gc
-    import weakref
-
-    from app.main import create_app
-    from app.settings import Settings
-
-    from .gates import Gate, gated_engines
-    from .server import inprocess_server, wait_for
-
     gate = Gate()
     app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
     runner = app.state.service.runner
