@@ -27,9 +27,9 @@ venv: $(BIN)/python
 
 # Installing is done once, and again only when what it builds from changed: a stamp file in the
 # venv per kind of install (serving on the CPU, on a GPU, the tests), newer than pyproject.toml,
-# the cpu-fast kernel's C source and this Makefile (its torch versions). The code itself is
+# the C sources (the cpu-fast kernel, the SHA-256 lanes) and this Makefile (its torch versions). The code itself is
 # installed editable, so a changed .py needs nothing. `make reinstall` installs again regardless.
-BUILT_FROM := pyproject.toml Makefile $(wildcard learner/backends/*.c learner/backends/*.h)
+BUILT_FROM := pyproject.toml Makefile $(wildcard learner/*.c learner/backends/*.c learner/backends/*.h)
 STAMP_CPU := $(VENV)/.rev88-installed-cpu
 STAMP_GPU := $(VENV)/.rev88-installed-gpu
 STAMP_TEST := $(VENV)/.rev88-installed-test

@@ -67,9 +67,9 @@ def _child(conn, validation: dict) -> None:
     import concurrent.futures
 
     import learner.result
-    from app.tasks.device import DeviceOutcome
+    from app.tasks.device import DIGEST_GROUP, DeviceOutcome
     from learner.backends.base import RunOutput
-    from learner.result import finish_task, large_digests
+    from learner.result import finish_task, run_digests
 
     learner.result.cached_validation = lambda: validation  # (the server's, computed once there)
     pool = concurrent.futures.ThreadPoolExecutor(2)
@@ -84,21 +84,24 @@ def _child(conn, validation: dict) -> None:
         try:
             arrays = [np.ndarray(shape, dtype, buffer=b.buf) for b, (shape, dtype) in zip(blocks, shapes)]
             scores, params, velocity, predictions = arrays
-            digests = [pool.submit(large_digests, SimpleNamespace(scores=scores[i], predictions=predictions[i]))
-                       for i in range(len(facts))]
-            rows = []
+            outs = []
             for i, f in enumerate(facts):
                 cuts = np.cumsum([int(np.prod(s)) for s in f["shapes"]])[:-1]
-                out = RunOutput(final_parameters=[p.reshape(s) for p, s in zip(np.split(params[i], cuts), f["shapes"])],
-                                final_velocity=[v.reshape(s) for v, s in zip(np.split(velocity[i], cuts), f["shapes"])],
-                                scores=scores[i], training_prediction_seconds=0.001, preparation_seconds=0.0,
-                                predictions=predictions[i])
+                outs.append(RunOutput(
+                    final_parameters=[p.reshape(s) for p, s in zip(np.split(params[i], cuts), f["shapes"])],
+                    final_velocity=[v.reshape(s) for v, s in zip(np.split(velocity[i], cuts), f["shapes"])],
+                    scores=scores[i], training_prediction_seconds=0.001, preparation_seconds=0.0,
+                    predictions=predictions[i]))
+            groups = [pool.submit(run_digests, outs[at:at + DIGEST_GROUP]) for at in range(0, len(outs), DIGEST_GROUP)]
+            rows = []
+            for i, f in enumerate(facts):
                 task = SimpleNamespace(train_count=f["train_count"], test_count=f["test_count"],
                                        input_hashes=lambda f=f: dict(f["input_hashes"]))
                 prepared = SimpleNamespace(cancel=None, permutation_sha256=f["permutation_sha256"],
                                            initial_sha256=f["initial_sha256"])
-                result = finish_task(task, f["config"], engine, prepared, out, f["host_prep"],
-                                     tasks_in_launch=len(facts), large_sha256=digests[i].result())
+                result = finish_task(task, f["config"], engine, prepared, outs[i], f["host_prep"],
+                                     tasks_in_launch=len(facts),
+                                     digests=groups[i // DIGEST_GROUP].result()[i % DIGEST_GROUP])
                 rows.append(answer_row(f["id"], DeviceOutcome(result, None, "stand-in: no meter")))
             del scores, params, velocity, predictions, arrays
         finally:

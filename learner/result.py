@@ -21,7 +21,7 @@ from .cancel import check as check_cancel
 from .config import Config
 from .energy import driver_version
 from .errors import TrainingDivergedError
-from .hashing import array_sha256, named_sha256, state_vector
+from .hashing import array_sha256, named_sha256, sha256_many, state_vector
 from .model import FEATURES
 from .taskio import TaskArrays
 from .train import parameter_count, parameter_names, prepare
@@ -122,6 +122,25 @@ def large_digests(out: RunOutput) -> dict[str, str]:
     return {"predictions_sha256": array_sha256(device_predictions(out)), "scores_sha256": array_sha256(out.scores)}
 
 
+def run_digests(outs: list[RunOutput]) -> list[dict[str, Any]]:
+    """Every SHA-256 of each run's output that its result names -- the predictions, the scores,
+    each final parameter and velocity array (in model order), the state vector -- for many runs
+    in one call (``sha256_many``: a launch's buffers hashed side by side), for ``finish_task``."""
+    items: list = []
+    for out in outs:
+        items += [device_predictions(out), out.scores, *out.final_parameters, *out.final_velocity,
+                  list(out.final_parameters)]
+    hexes = sha256_many(items)
+    digests, at = [], 0
+    for out in outs:
+        n, m = len(out.final_parameters), len(out.final_velocity)
+        digests.append({"predictions_sha256": hexes[at], "scores_sha256": hexes[at + 1],
+                        "final_parameters": hexes[at + 2:at + 2 + n], "final_velocity": hexes[at + 2 + n:at + 2 + n + m],
+                        "state_vector_sha256": hexes[at + 2 + n + m]})
+        at += 3 + n + m
+    return digests
+
+
 def check_finite(out: RunOutput, parameters: np.ndarray | None = None) -> None:
     """After training: every score, parameter and velocity entry finite. (Backends stop at
     the first non-finite loss they see, with the epoch and step; this catches the rest, and
@@ -176,18 +195,17 @@ def finish_task(
     out: RunOutput,
     host_prep: float,
     tasks_in_launch: int | None = None,
-    large_sha256: dict[str, str] | None = None,
+    digests: dict[str, Any] | None = None,
 ) -> TaskResult:
     """Check one task's run output and assemble its result and metadata.
 
     Shared by ``run_task`` (one task, ``engine.run``) and batched launches
     (``engine.run_many``: one ``out`` per task; ``tasks_in_launch`` then says how many
     tasks shared the launch and is recorded in the metadata). ``host_prep`` is this
-    task's own host-side preparation time (``prepare``). ``large_sha256``: the SHA-256s of
-    the large buffers (``large_digests``: the scores and the predictions), computed elsewhere
-    beforehand -- a launch hashes them on a pool of threads (GIL-free) and finishes its tasks
-    on one (the rest is Python and small hashes, which threads would only pass the GIL back and
-    forth for).
+    task's own host-side preparation time (``prepare``). ``digests``: the run's SHA-256s
+    (``run_digests``), computed elsewhere beforehand -- a launch hashes its runs' buffers side by
+    side on a pool of threads (GIL-free) and finishes its tasks on one (the rest is Python, which
+    threads would only pass the GIL back and forth for).
     """
     validation = cached_validation()
     # a cancelled task gets no result, even when its run had just finished (on the fused
@@ -211,10 +229,12 @@ def finish_task(
                                      else [array_sha256(p) for p in prepared.permutations]),
         "initial_parameter_sha256": (dict(prepared.initial_sha256) if prepared.initial_sha256 is not None
                                      else named_sha256(names, prepared.initial)),
-        "final_parameter_sha256": named_sha256(names, out.final_parameters),
-        "final_velocity_sha256": named_sha256(names, out.final_velocity),
-        "state_vector_sha256": array_sha256(parameters),
-        **(large_sha256 if large_sha256 is not None else large_digests(out)),
+        "final_parameter_sha256": (dict(zip(names, digests["final_parameters"], strict=True)) if digests
+                                   else named_sha256(names, out.final_parameters)),
+        "final_velocity_sha256": (dict(zip(names, digests["final_velocity"], strict=True)) if digests
+                                  else named_sha256(names, out.final_velocity)),
+        "state_vector_sha256": digests["state_vector_sha256"] if digests else array_sha256(parameters),
+        **({k: digests[k] for k in ("predictions_sha256", "scores_sha256")} if digests else large_digests(out)),
         "preparation_seconds": host_prep + out.preparation_seconds,
         "training_prediction_seconds": out.training_prediction_seconds,
         "run_count": run_count,

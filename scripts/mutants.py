@@ -37,10 +37,9 @@ MUTANTS = [
     # ---- answers paired with the wrong task (issue #54)
     Mutant("m1_digests_by_position", "a launch's large hashes paired by position among the tasks that ran",
            "app/tasks/device.py",
-           "digests = {i: pool.submit(large_digests, run[3]) for i, run in enumerate(launch.runs) if isinstance(run, tuple)}",
-           "digests = {i: pool.submit(large_digests, run[3]) for i, run in "
-           "enumerate([r for r in launch.runs if isinstance(r, tuple)])}",
-           ("tests/test_pairing.py", "-k", "sqlite")),
+           "            group = ran[at:at + DIGEST_GROUP]\n",
+           "            group = list(range(at, min(at + DIGEST_GROUP, count)))\n",
+           ("tests/test_pairing.py", "-k", "sqlite or hash_groups")),
     Mutant("m2_another_items_config", "a launch's result built with another item's config", "app/tasks/device.py",
            "result = finish_task(task, config, launch.engine,",
            "result = finish_task(task, launch.runs[[j for j, r in enumerate(launch.runs) if isinstance(r, tuple)][0]][1], "
@@ -243,6 +242,14 @@ MUTANTS = [
            "app/ledger/local_claims.py",
            '            if record is not None and not record.finished and record.mode == "async":',
            '            if record is not None and record.mode == "async":', ("tests/test_ledger.py", "-k", "lose_nothing")),
+    # ---- a launch's hashes made side by side (learner/sha256_lanes.c)
+    Mutant("m58_digests_by_group_position", "every run of a hash group given its group's first run's digests",
+           "app/tasks/device.py", "digests.update((i, (future, k)) for k, i in enumerate(group))",
+           "digests.update((i, (future, 0)) for k, i in enumerate(group))",
+           ("tests/test_pairing.py", "-k", "hash_groups")),
+    Mutant("m59_many_digests_unsorted", "sha256_many's digests given back in the lanes' order (longest first)",
+           "learner/hashing.py", "            out[i] = digest\n", "            out[order.index(i)] = digest\n",
+           ("tests/test_hashing.py",)),
 ]
 
 

@@ -213,3 +213,46 @@ def test_a_launch_whose_ledger_refuses_one_outcome_tells_each_cell_its_own(store
         assert record["status"] == "succeeded", record
         _assert_alone(record, row["config"]["seed"], f"the cell of seed {row['config']['seed']}")
         assert row["predictions_sha256"] == record["predictions_sha256"]
+
+
+def test_a_launchs_digests_are_each_runs_own_across_its_hash_groups():
+    """A launch larger than one group of the hash pool's calls (``DIGEST_GROUP`` runs each), with
+    runs that raised among those that ran: every task's hashes are those of its own outputs."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from app.tasks.device import DIGEST_GROUP, Launch, finish_launch
+    from learner.backends.base import RunOutput
+    from learner.hashing import array_sha256, state_vector
+
+    shapes = [(41, 41)] * 4 + [(10, 82), (10,)]
+    runs: list = []
+    for i in range(2 * DIGEST_GROUP + 5):
+        if i % 7 == 3:
+            runs.append(RuntimeError(f"run {i} refused"))
+            continue
+        rng = np.random.default_rng(i)
+        out = RunOutput(final_parameters=[rng.random(s, dtype=np.float32) for s in shapes],
+                        final_velocity=[rng.random(s, dtype=np.float32) for s in shapes],
+                        scores=rng.random((50, 10), dtype=np.float32), training_prediction_seconds=0.001,
+                        preparation_seconds=0.0)
+        task = SimpleNamespace(train_count=5, test_count=50, input_hashes=dict)
+        prepared = SimpleNamespace(cancel=None, permutation_sha256=[], initial_sha256={})
+        runs.append((task, make_config({"seed": i}), prepared, out, 0.0))
+    launch = Launch([(None, None)] * len(runs), SimpleNamespace(name="stand-in", device="cpu"), runs, None,
+                    "no meter", 0.001)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outcomes = finish_launch(launch, pool)
+    for i, (run, outcome) in enumerate(zip(runs, outcomes, strict=True)):
+        if isinstance(run, BaseException):
+            assert outcome is run
+            continue
+        out, meta = run[3], outcome.result.metadata
+        assert meta["scores_sha256"] == array_sha256(out.scores), i
+        assert meta["predictions_sha256"] == array_sha256(out.scores.argmax(axis=1).astype(np.int64)), i
+        assert list(meta["final_parameter_sha256"].values()) == [array_sha256(p) for p in out.final_parameters], i
+        assert list(meta["final_velocity_sha256"].values()) == [array_sha256(v) for v in out.final_velocity], i
+        assert meta["state_vector_sha256"] == array_sha256(state_vector(out.final_parameters)), i
+        assert meta["tasks_in_launch"] == sum(isinstance(r, tuple) for r in runs)

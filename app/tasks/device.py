@@ -22,7 +22,7 @@ from learner.backends import Backend, Prepared, RunOutput, get_backend
 from learner.cancel import CancelToken
 from learner.config import Config
 from learner.errors import TaskCancelled
-from learner.result import TaskResult, finish_task, large_digests, run_task
+from learner.result import TaskResult, finish_task, run_digests, run_task
 from learner.taskio import TaskArrays
 from learner.train import prepare
 from learner.validate import cached_validation
@@ -110,6 +110,10 @@ def measure_on_device(task, config: Config, backend: str, arguments: dict[str, A
 # --------------------------------------------------------------------------- batched launches
 
 BATCH_METHOD = "batched launch, divided equally by task count"
+# runs whose digests one call of the hash pool makes: sixteen runs' scores fill the lanes' sixteen
+# places exactly (learner/sha256_lanes.c), and the finisher starts on a launch's first tasks as
+# soon as their group is hashed
+DIGEST_GROUP = 16
 
 
 def launch_key(task: TaskArrays, config: Config, backend: str, precision: str | None = None) -> tuple:
@@ -219,17 +223,22 @@ def launch_on_device(
 def finish_launch(launch: Launch, pool: Any = None) -> list[DeviceOutcome | BaseException]:
     """The host's part after a launch, off the device: each task's result checked, hashed and
     assembled (``learner.result.finish_task``, the same code as a single task's). With ``pool``,
-    the large buffers' SHA-256s (scores, predictions: ``large_digests``) are computed on its
-    threads -- hashlib lets go of the GIL for them, so they run side by side -- while this thread
-    finishes the tasks in order, each with its digests once they are there; the rest of a task's
-    finishing is Python and small hashes, which threads would only pass the GIL back and forth
-    for (this way is the fastest of the three measured: docs/performance.md, "Small costs inside a
-    request"). One outcome per item, in order. A task
-    cancelled while the launch ran has its result discarded (TaskCancelled)."""
-    count = sum(1 for run in launch.runs if isinstance(run, tuple))
-    digests: dict[int, Any] = {}
+    every SHA-256 of the runs' outputs (``run_digests``: ~30 buffers a task, 575 KB for 10,000
+    queries) is computed on its threads, ``DIGEST_GROUP`` runs to a call -- hashlib and the
+    lanes let go of the GIL for them, and a group's buffers of one kind are hashed side by side
+    (``learner.hashing.sha256_many``) -- while this thread finishes the tasks in order, each with
+    its digests once its group's are there; the rest of a task's finishing is Python, which
+    threads would only pass the GIL back and forth for (docs/performance.md, "Small costs inside
+    a request"). One outcome per item, in order. A task cancelled while the launch ran has its
+    result discarded (TaskCancelled)."""
+    ran = [i for i, run in enumerate(launch.runs) if isinstance(run, tuple)]
+    count = len(ran)
+    digests: dict[int, tuple[Any, int]] = {}  # run's index -> (its group's future, its place in the group)
     if pool is not None and count >= 2:
-        digests = {i: pool.submit(large_digests, run[3]) for i, run in enumerate(launch.runs) if isinstance(run, tuple)}
+        for at in range(0, count, DIGEST_GROUP):
+            group = ran[at:at + DIGEST_GROUP]
+            future = pool.submit(run_digests, [launch.runs[i][3] for i in group])
+            digests.update((i, (future, k)) for k, i in enumerate(group))
 
     def one(i: int) -> DeviceOutcome | BaseException:
         run = launch.runs[i]
@@ -240,15 +249,16 @@ def finish_launch(launch: Launch, pool: Any = None) -> list[DeviceOutcome | Base
         cancel = item[2] if len(item) > 2 else None
         if cancel is not None and cancel.cancelled:
             return TaskCancelled(cancel.reason or "cancelled", config.epochs, 0, config.epochs)
-        large = None
+        hashed = None
         if i in digests:
+            future, k = digests[i]
             try:
-                large = digests[i].result()
+                hashed = future.result()[k]
             except Exception:  # noqa: BLE001 - (finish_task meets the same trouble and answers it)
-                large = None
+                hashed = None
         try:
             result = finish_task(task, config, launch.engine, prepared, out, host_prep, tasks_in_launch=count,
-                                 large_sha256=large)
+                                 digests=hashed)
         except Exception as exc:  # noqa: BLE001 - e.g. TrainingDivergedError: this task's answer
             return exc
         return DeviceOutcome(result, launch.share, launch.reason)
