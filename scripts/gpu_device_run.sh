@@ -142,6 +142,17 @@ if [ ! -f "$inc/Python.h" ]; then
   fi
 fi
 
+# 3b. the SHA-256 lanes (learner/sha256_lanes.c: a launch's hashes sixteen side by side where the
+# CPU has AVX-512), built in place as `pip install` builds them here; without them the service
+# hashes with hashlib (the same digests, more host CPU a cell)
+lanes_so=learner/_sha256_lanes$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+if ${CC:-gcc} -O3 -fno-strict-aliasing -fPIC -shared -I"$inc" ${C_INCLUDE_PATH:+-I"${C_INCLUDE_PATH%%:*}"} \
+    learner/sha256_lanes.c -o "$lanes_so" >>"$LOG" 2>&1; then
+  say "built $lanes_so: $($PY -c 'from learner.hashing import lanes_speedup as s; print(f"lanes at {s():.2f} x hashlib here")' 2>>"$LOG")"
+else
+  say "WARNING: could not build the SHA-256 lanes (see run.log): the service hashes with hashlib"
+fi
+
 # 4. the check, inside the call's timeout: setup so far + inner timeout + kill + tail <= DEVICE_TIMEOUT_S
 inner=${INNER_TIMEOUT_S:-$((BUDGET_S + GRACE_S))}
 room=$((DEVICE_TIMEOUT_S - (SECONDS - T0) - KILL_AFTER_S - TAIL_S))
