@@ -30,6 +30,7 @@ import numpy as np
 from learner import seed_state
 from learner.backends import device_datasets, get_backend, loaded_backends
 from learner.config import Config
+from learner.hashing import lanes_speedup
 from learner.result import run_task, versions
 from learner.taskio import validate_task
 from learner.validate import cached_validation
@@ -202,6 +203,9 @@ class Service:
             "warm_backends": sorted(backends) if self.warmup else [],
             "backends": backends,
             "cached_graphs": graphs,
+            # a launch's SHA-256s sixteen side by side (learner/hashing.py): whether, once measured
+            "sha256_lanes": None if not lanes_speedup.cache_info().currsize else {
+                "used": lanes_speedup() > 1.0, "speedup_vs_hashlib": round(lanes_speedup(), 2)},
             "warmup": self.warmup,
             "failure": self.failure,
         }
@@ -330,6 +334,7 @@ class Service:
         t0 = time.perf_counter()
         validation = cached_validation()
         self.validation = validation
+        lanes_speedup()  # (measured here once, not in the first launch's hashing)
         if not validation.get("passed"):
             failed = [f"{c['dtype']} depth {c['depth']}" for c in validation.get("checks", []) if not c.get("passed")]
             raise RuntimeError(f"learner validation failed: {', '.join(failed) or 'see /health'}")

@@ -97,6 +97,12 @@ def test_health_document(client):
     assert "cpu" in learner["warm_backends"]
     assert learner["backends"]["cpu"]["backend"] == "cpu" and learner["backends"]["cpu"]["threads"] >= 1
     assert learner["cached_graphs"] == []  # the cpu backend captures no graphs
+    # measured at the warm-up: whether a launch's hashes go sixteen side by side here, and how fast
+    from learner.hashing import lanes_speedup
+
+    lanes = learner["sha256_lanes"]  # (the server's own measurement: this process's differs a little)
+    assert set(lanes) == {"used", "speedup_vs_hashlib"} and lanes["used"] == (lanes["speedup_vs_hashlib"] > 1.0)
+    assert lanes["used"] == (lanes_speedup() > 1.0), lanes
     assert learner["warmup"]["backend"] == "cpu" and len(learner["warmup"]["predictions_sha256"]) == 64
 
     queue = h["queue"]
