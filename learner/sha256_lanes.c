@@ -144,9 +144,14 @@ AVX512 static void compress_avx512(uint32_t state[8][LANES], const uint8_t *cons
         _mm512_store_si512((void *)state[j], _mm512_add_epi32(_mm512_load_si512((const void *)state[j]), out[j]));
 }
 
+static int avx512_cpu = -1;  /* asked once, when the module is loaded */
+
 static int has_avx512_cpu(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (avx512_cpu < 0) {
+        __builtin_cpu_init();
+        avx512_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    }
+    return avx512_cpu;
 }
 #else
 static int has_avx512_cpu(void) { return 0; }
@@ -380,4 +385,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sha256_lanes",
                                     "SHA-256 of many buffers, sixteen side by side", -1, methods};
 
-PyMODINIT_FUNC PyInit__sha256_lanes(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__sha256_lanes(void) {
+    has_avx512_cpu();
+    return PyModule_Create(&module);
+}
