@@ -465,7 +465,9 @@ def _run(report: dict, out_dir: Path, mnist_dir: Path, dry_run: bool, log, deadl
             doc = c.health()  # its 200, or its 503 (not ready) with the document saying why
             s.doc.update({"gpu": doc.get("gpu"), "gpu_reason": doc.get("gpu_reason"),
                           "energy": doc.get("energy"), "backend": doc.get("backend"),
-                          "warmup": (doc.get("learner") or {}).get("warmup"), "versions": doc.get("versions")})
+                          "warmup": (doc.get("learner") or {}).get("warmup"), "versions": doc.get("versions"),
+                          # a launch's hashes side by side on this host (gpu_device_run.sh builds the lanes)
+                          "sha256_lanes": (doc.get("learner") or {}).get("sha256_lanes")})
             s.check("ready", doc.get("ready") is True)
             s.check("backend", doc.get("backend") == main_backend)
             gpu = doc.get("gpu")
