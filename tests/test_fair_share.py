@@ -75,6 +75,22 @@ def _starts(c: httpx.Client, keys: list[dict], total: int) -> list[tuple[float, 
     return sorted((t["started_at"], i) for t, i in rows)
 
 
+def _fill_the_device(c: httpx.Client, queue_size: int, batch_max: int) -> None:
+    """The admin's work on the held device and claimed ahead of it, as far as the feeder claims
+    (a launch running and one more: app/tasks/feeder.py), with more of it still waiting in the
+    ledger, before the tenants' backlogs are posted: so that the feeder claims nothing more until
+    the device is released, and every tenant's first cell is then claimed by fair share among all of
+    them -- not by which sweep happened to be recorded first while the feeder had room (the first
+    tenant's first two launches, else: a head start that virtual time does not take back)."""
+    _sweep(c, ADMIN_KEY, list(range(1000, 1000 + queue_size + 2 * batch_max)))
+
+    def claimed_ahead() -> bool:
+        admin = c.get("/health", headers=bearer(ADMIN_KEY)).json()["admission"]["tenants"].get("admin") or {}
+        return admin.get("running") == batch_max and admin.get("queued", 0) >= batch_max and admin.get("backlog", 0) > 0
+
+    wait_for(claimed_ahead, 30, 0.02, "the admin's launch running, one more claimed, the rest waiting")
+
+
 def _shares_while_all_wait(starts: list[tuple[float, int]], tenants: int) -> tuple[list[float], int]:
     """Each tenant's share of the starts up to the one before the first tenant runs out of work
     (while every tenant still has work waiting), and how many starts that is."""
@@ -111,6 +127,7 @@ def test_each_tenants_share_of_the_starts_is_its_weights_share(tmp_path, weights
         keys = _keys(c, list(weights))
         gate.hold()
         try:
+            _fill_the_device(c, queue_size, batch_max)
             for key in keys:
                 _sweep(c, key["key"], list(range(per_tenant)))
         finally:
