@@ -116,12 +116,6 @@ def device_predictions(out: RunOutput) -> np.ndarray:
     return predictions
 
 
-def large_digests(out: RunOutput) -> dict[str, str]:
-    """The SHA-256s of a run's two large buffers, as its metadata names them: the predictions
-    (``device_predictions``) and the scores (400 KB for a 10,000-query task)."""
-    return {"predictions_sha256": array_sha256(device_predictions(out)), "scores_sha256": array_sha256(out.scores)}
-
-
 def run_digests(outs: list[RunOutput]) -> list[dict[str, Any]]:
     """Every SHA-256 of each run's output that its result names -- the predictions, the scores,
     each final parameter and velocity array (in model order), the state vector -- for many runs
@@ -203,7 +197,7 @@ def finish_task(
     (``engine.run_many``: one ``out`` per task; ``tasks_in_launch`` then says how many
     tasks shared the launch and is recorded in the metadata). ``host_prep`` is this
     task's own host-side preparation time (``prepare``). ``digests``: the run's SHA-256s
-    (``run_digests``), computed elsewhere beforehand -- a launch hashes its runs' buffers side by
+    (``run_digests``; made here when not given), computed elsewhere beforehand -- a launch hashes its runs' buffers side by
     side on a pool of threads (GIL-free) and finishes its tasks on one (the rest is Python, which
     threads would only pass the GIL back and forth for).
     """
@@ -217,6 +211,8 @@ def finish_task(
     with _count_lock:
         _run_counts[engine.name] = _run_counts.get(engine.name, 0) + 1
         run_count = _run_counts[engine.name]
+    if digests is None:  # (a lone run: hashed here, one buffer at a time -- sha256_many's choice)
+        digests = run_digests([out])[0]
     names = parameter_names(config.depth)
     metadata: dict[str, Any] = {
         "config": config.as_dict(),
@@ -229,12 +225,11 @@ def finish_task(
                                      else [array_sha256(p) for p in prepared.permutations]),
         "initial_parameter_sha256": (dict(prepared.initial_sha256) if prepared.initial_sha256 is not None
                                      else named_sha256(names, prepared.initial)),
-        "final_parameter_sha256": (dict(zip(names, digests["final_parameters"], strict=True)) if digests
-                                   else named_sha256(names, out.final_parameters)),
-        "final_velocity_sha256": (dict(zip(names, digests["final_velocity"], strict=True)) if digests
-                                  else named_sha256(names, out.final_velocity)),
-        "state_vector_sha256": digests["state_vector_sha256"] if digests else array_sha256(parameters),
-        **({k: digests[k] for k in ("predictions_sha256", "scores_sha256")} if digests else large_digests(out)),
+        "final_parameter_sha256": dict(zip(names, digests["final_parameters"], strict=True)),
+        "final_velocity_sha256": dict(zip(names, digests["final_velocity"], strict=True)),
+        "state_vector_sha256": digests["state_vector_sha256"],
+        "predictions_sha256": digests["predictions_sha256"],
+        "scores_sha256": digests["scores_sha256"],
         "preparation_seconds": host_prep + out.preparation_seconds,
         "training_prediction_seconds": out.training_prediction_seconds,
         "run_count": run_count,
