@@ -192,6 +192,7 @@ class Service:
             for program in info.get("cached_programs", [])
         ]
         validation = self.validation
+        lanes = lanes_speedup() if lanes_speedup.cache_info().currsize else None  # (once measured)
         return {
             "validated": bool(validation and validation.get("passed")),
             "validation": None if validation is None else {
@@ -203,9 +204,8 @@ class Service:
             "warm_backends": sorted(backends) if self.warmup else [],
             "backends": backends,
             "cached_graphs": graphs,
-            # a launch's SHA-256s sixteen side by side (learner/hashing.py): whether, once measured
-            "sha256_lanes": None if not lanes_speedup.cache_info().currsize else {
-                "used": lanes_speedup() > 1.0, "speedup_vs_hashlib": round(lanes_speedup(), 2)},
+            # a launch's SHA-256s sixteen side by side (learner/hashing.py): whether, and how much faster
+            "sha256_lanes": None if lanes is None else {"used": lanes > 1.0, "speedup_vs_hashlib": round(lanes, 2)},
             "warmup": self.warmup,
             "failure": self.failure,
         }

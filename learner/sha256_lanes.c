@@ -1,7 +1,7 @@
 /* SHA-256 (FIPS 180-4) of many buffers at once, sixteen side by side.
  *
- * A launch's answers carry about thirty SHA-256s per task: its scores (400 KB for 10,000
- * queries), its predictions, each final parameter and velocity array, the state vector. One
+ * A launch's answers carry fifteen SHA-256s of its outputs per task: its scores (400 KB for
+ * 10,000 queries), its predictions, each final parameter and velocity array, the state vector. One
  * buffer at a time, SHA-NI does ~1.6 GB/s on the VM this was written on (docs/performance.md);
  * the rounds of one buffer depend on each other, so a core's vector units sit idle. Sixteen
  * independent buffers fill the sixteen 32-bit lanes of an AVX-512 register instead: each lane

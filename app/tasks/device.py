@@ -223,7 +223,7 @@ def launch_on_device(
 def finish_launch(launch: Launch, pool: Any = None) -> list[DeviceOutcome | BaseException]:
     """The host's part after a launch, off the device: each task's result checked, hashed and
     assembled (``learner.result.finish_task``, the same code as a single task's). With ``pool``,
-    every SHA-256 of the runs' outputs (``run_digests``: ~30 buffers a task, 575 KB for 10,000
+    every SHA-256 of the runs' outputs (``run_digests``: 15 buffers a task, 575 KB for 10,000
     queries) is computed on its threads, ``DIGEST_GROUP`` runs to a call -- hashlib and the
     lanes let go of the GIL for them, and a group's buffers of one kind are hashed side by side
     (``learner.hashing.sha256_many``) -- while this thread finishes the tasks in order, each with
