@@ -133,6 +133,8 @@ class ReplayDevice:
         index = json.loads((folder / "index.json").read_text())
         self.rows = {k: i for i, k in enumerate(index["keys"])}
         self.shapes = [tuple(s) for s in index["shapes"]]
+        ends = np.cumsum([int(np.prod(shape)) for shape in self.shapes]).tolist()
+        self.cuts = list(zip([0, *ends[:-1]], ends))  # each array's columns in a flat state
         # read whole into memory once (~700 MB for the bench's defaults), as a device's outputs are there
         # when its launch ends: a launch's replay from a memory map could wait for the disk
         self.scores = np.load(folder / "scores.npy")
@@ -178,9 +180,11 @@ class ReplayDevice:
                                "(bench/device_stand_in.py precompute)")
         return row
 
-    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
-        cuts = np.cumsum([int(np.prod(shape)) for shape in self.shapes])[:-1]
-        return [part.reshape(shape) for part, shape in zip(np.split(flat, cuts), self.shapes)]
+    def _split(self, flat: np.ndarray) -> list[list[np.ndarray]]:
+        """(T, n) flat states -> each task's arrays, views of ``flat`` (each one C-contiguous), cut
+        once per launch as a GPU backend unpacks its launch's states (learner/kernels/fused_parts.py)."""
+        kinds = [flat[:, a:b].reshape(len(flat), *shape) for (a, b), shape in zip(self.cuts, self.shapes)]
+        return [[kind[i] for kind in kinds] for i in range(len(flat))]
 
     def run(self, task, prepared):
         if key_of(task, prepared.config) not in self.rows:  # (the warm-up's tiny task, say: really run)
@@ -200,9 +204,10 @@ class ReplayDevice:
         for kept, out in ((self.scores, scores), (self.params, params), (self.velocity, velocity)):
             np.take(kept, rows, axis=0, out=out, mode="clip")  # (not "raise": it buffers `out`)
         predictions[...] = np.take(self.predictions, rows, axis=0)
-        outs = [RunOutput(final_parameters=self._split(params[i]), final_velocity=self._split(velocity[i]),
-                          scores=scores[i], training_prediction_seconds=self.launch_s, preparation_seconds=0.0,
-                          predictions=predictions[i]) for i in range(len(tasks))]
+        outs = [RunOutput(final_parameters=p, final_velocity=v, scores=scores[i],
+                          training_prediction_seconds=self.launch_s, preparation_seconds=0.0,
+                          predictions=predictions[i])
+                for i, (p, v) in enumerate(zip(self._split(params), self._split(velocity)))]
         with self._lock:
             self.launches += 1
             self.tasks += len(tasks)

@@ -119,7 +119,8 @@ def device_predictions(out: RunOutput) -> np.ndarray:
 def run_digests(outs: list[RunOutput]) -> list[dict[str, Any]]:
     """Every SHA-256 of each run's output that its result names -- the predictions, the scores,
     each final parameter and velocity array (in model order), the state vector -- for many runs
-    in one call (``sha256_many``: a launch's buffers hashed side by side), for ``finish_task``."""
+    in one call (``sha256_many``: a launch's buffers hashed side by side), for ``finish_task``;
+    and what of each run is not finite (``non_finite``), read while its buffers are at hand."""
     items: list = []
     for out in outs:
         items += [device_predictions(out), out.scores, *out.final_parameters, *out.final_velocity,
@@ -130,25 +131,24 @@ def run_digests(outs: list[RunOutput]) -> list[dict[str, Any]]:
         n, m = len(out.final_parameters), len(out.final_velocity)
         digests.append({"predictions_sha256": hexes[at], "scores_sha256": hexes[at + 1],
                         "final_parameters": hexes[at + 2:at + 2 + n], "final_velocity": hexes[at + 2 + n:at + 2 + n + m],
-                        "state_vector_sha256": hexes[at + 2 + n + m]})
+                        "state_vector_sha256": hexes[at + 2 + n + m], "non_finite": non_finite(out)})
         at += 3 + n + m
     return digests
 
 
-def check_finite(out: RunOutput, parameters: np.ndarray | None = None) -> None:
+def non_finite(out: RunOutput) -> list[str]:
+    """What of a run's output has a non-finite entry: "scores", "parameters", "velocity"."""
+    return [name for name, values in (("scores", out.scores), ("parameters", state_vector(out.final_parameters)),
+                                      ("velocity", state_vector(out.final_velocity)))
+            if not np.isfinite(values).all()]
+
+
+def check_finite(out: RunOutput, problems: list[str] | None = None) -> None:
     """After training: every score, parameter and velocity entry finite. (Backends stop at
     the first non-finite loss they see, with the epoch and step; this catches the rest, and
-    everything on the fused backend, which checks only here.) ``parameters``: the final
-    parameters as one state vector, when the caller has it already."""
-    problems = []
-    if not np.isfinite(out.scores).all():
-        problems.append("scores")
-    if parameters is None:
-        parameters = state_vector(out.final_parameters)
-    if not np.isfinite(parameters).all():
-        problems.append("parameters")
-    if not np.isfinite(state_vector(out.final_velocity)).all():
-        problems.append("velocity")
+    everything on the fused backend, which checks only here.) ``problems``: ``non_finite(out)``,
+    when the caller has it already (``run_digests`` finds it)."""
+    problems = non_finite(out) if problems is None else problems
     if problems:
         raise TrainingDivergedError(
             f"training diverged: non-finite {', '.join(problems)} after training "
@@ -205,14 +205,13 @@ def finish_task(
     # a cancelled task gets no result, even when its run had just finished (on the fused
     # backend this is where a task cancelled during its launch is dropped)
     check_cancel(prepared.cancel, config.epochs, 0, config.epochs)
-    parameters = state_vector(out.final_parameters)
-    check_finite(out, parameters)
+    if digests is None:  # (a lone run: hashed here, one buffer at a time -- sha256_many's choice)
+        digests = run_digests([out])[0]
+    check_finite(out, digests["non_finite"])
     predictions = device_predictions(out)
     with _count_lock:
         _run_counts[engine.name] = _run_counts.get(engine.name, 0) + 1
         run_count = _run_counts[engine.name]
-    if digests is None:  # (a lone run: hashed here, one buffer at a time -- sha256_many's choice)
-        digests = run_digests([out])[0]
     names = parameter_names(config.depth)
     metadata: dict[str, Any] = {
         "config": config.as_dict(),

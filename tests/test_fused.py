@@ -479,6 +479,49 @@ def test_pack_unpack_roundtrip_and_padding_check():
             unpack_state(bad, depth)
 
 
+def test_a_launchs_states_unpack_as_each_tasks_own():
+    """``unpack_states`` cuts each kind of array out of a launch's T states at once: every task's
+    arrays are exactly what packing its own parameters gave, in order, shape and dtype, each
+    C-contiguous (hashed as it lies), and a padded lane of any one state is still refused."""
+    from learner.config import make_config
+    from learner.kernels.fused_train import pack_state, unpack_states
+    from learner.train import initial_parameters
+
+    for depth in (1, 2, 3):
+        tasks = [[p.numpy() for p in initial_parameters(make_config({"depth": depth, "seed": s}))] for s in range(5)]
+        states = np.stack([pack_state(params, depth) for params in tasks])
+        got = unpack_states(states, depth)
+        assert len(got) == len(tasks)
+        for arrays, params in zip(got, tasks):
+            assert len(arrays) == len(params) == 2 * depth + 2
+            for a, b in zip(arrays, params):
+                assert a.shape == b.shape and a.dtype == np.float32 and a.flags.c_contiguous
+                assert a.tobytes() == b.tobytes()
+        bad = states.copy()
+        bad[3, -1] = 1.0  # the fourth task's padded class bias
+        with pytest.raises(RuntimeError, match="padded lane"):
+            unpack_states(bad, depth)
+
+
+def test_the_padding_unpack_states_checks_is_every_padded_lane_and_no_other():
+    """``unpack_states`` reads the padding as a few regions in place: a nonzero in any one lane of
+    any task's state is refused exactly where ``padding_mask`` (the padding's definition) says
+    the lane is padding."""
+    from learner.kernels.fused_parts import padding_mask, state_size, unpack_states
+
+    for depth in (1, 2):
+        mask, states = padding_mask(depth), np.zeros((3, state_size(depth)), np.float32)
+        for lane in range(state_size(depth)):
+            states[2, lane] = -0.0 if lane % 7 == 0 else 1e-38  # (-0.0 is zero: never refused)
+            try:
+                unpack_states(states, depth)
+                refused = False
+            except RuntimeError:
+                refused = True
+            assert refused == (bool(mask[lane]) and lane % 7 != 0), (depth, lane)
+            states[2, lane] = 0.0
+
+
 def test_launch_checks_shape_and_config():
     from learner.backends.fused import check_launch
     from learner.config import make_config

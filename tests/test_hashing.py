@@ -148,10 +148,16 @@ def test_run_digests_are_the_metadatas_hashes_of_each_run():
                          preparation_seconds=0.0)
 
     outs = [run(seed, 100 + 13 * seed) for seed in range(20)]
+    outs[3].scores[7, 2] = np.nan  # (a run's non-finite entries are its own: found for it alone)
+    outs[7].final_parameters[5][2] = np.inf
+    outs[11].final_velocity[0][40, 40] = -np.inf
+    outs[11].scores[0, 0] = np.nan
+    non_finite = {3: ["scores"], 7: ["parameters"], 11: ["scores", "velocity"]}
     names = [str(i) for i in range(6)]
-    for out, got in zip(outs, run_digests(outs), strict=True):
+    for i, (out, got) in enumerate(zip(outs, run_digests(outs), strict=True)):
         assert got == {"predictions_sha256": array_sha256(device_predictions(out)),
                        "scores_sha256": array_sha256(out.scores),
                        "final_parameters": list(named_sha256(names, out.final_parameters).values()),
                        "final_velocity": list(named_sha256(names, out.final_velocity).values()),
-                       "state_vector_sha256": array_sha256(state_vector(out.final_parameters))}
+                       "state_vector_sha256": array_sha256(state_vector(out.final_parameters)),
+                       "non_finite": non_finite.get(i, [])}, i

@@ -418,3 +418,41 @@ def test_a_task_cancelled_while_its_launch_runs_is_cancelled_and_the_others_keep
             assert [record[k] for k in HASHES] == [alone.predictions_sha256, alone.scores_sha256], row
             assert all(record["metadata"][k] == alone.metadata[k] for k in META), row
             assert record["timing"]["tasks_in_launch"] == 4
+
+
+def test_the_device_runs_at_most_a_few_launches_ahead_of_the_finisher(tmp_path):
+    """A launch's outputs are host memory until it is finished: with the finisher held, a worker
+    runs UNFINISHED_MAX launches and then waits (not the whole sweep); released, every cell is
+    answered as if nothing had waited."""
+    from app.tasks.launches import UNFINISHED_MAX
+
+    engines = gated_engines(Gate(), batching=True)
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=2, batch_wait_ms=20,
+                              data_dir=str(tmp_path / "d")), engines=engines)
+    held = threading.Event()
+    cells = 4 * UNFINISHED_MAX  # two a launch: twice as many launches as may wait
+    with inprocess_server(app) as server, server.client() as c:
+        finisher = app.state.service.runner.finisher
+        real = finisher.launch
+
+        def launch(*args, **kwargs):
+            held.wait(120)
+            return real(*args, **kwargs)
+
+        finisher.launch = launch  # (the finisher's thread calls it for every launch: held there)
+        device = engines("cpu-fast")
+        before = device.entered  # (the service's warm-up ran a task of its own)
+
+        def ran() -> int:
+            return device.entered - before
+
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1]},
+                                        "seeds": {"start": 0, "count": cells}}).json()["id"]
+        wait_for(lambda: ran() >= 2 * UNFINISHED_MAX, 60, 0.02, "the first launches")
+        time.sleep(0.5)  # (a worker without the bound runs the rest of the sweep meanwhile: a few ms a launch)
+        assert ran() == 2 * UNFINISHED_MAX
+        held.set()
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 120, 0.1,
+                       "the sweep")
+    assert doc["counts"]["succeeded"] == cells and ran() == cells

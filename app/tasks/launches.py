@@ -16,6 +16,14 @@ after it (``prepare_ahead``; learner/seed_state.py waits for a state under way r
 computing it twice). One thread: it computes states faster than the device uses them
 (docs/performance.md, "Small costs inside a request").
 
+The device never runs far ahead of the finisher: a worker starts a launch (``run``: every task of
+a backend that batches) only while fewer than
+``UNFINISHED_MAX`` launches (this one counted) are out of the device and not yet finished. A
+launch's outputs are host memory (a 132-task launch's scores alone are 53 MB); a device faster
+than the host's finishing -- an H200 against two cores -- would otherwise pile them up for a whole
+sweep (25 of a 5,280-cell sweep's 40 launches held at once against the stand-in device). The
+bound leaves the pipeline its overlap: launch k runs while k-1 and k-2 are finished.
+
 One bad task fails alone: its own error is its outcome, among the others' -- a task that diverged,
 one cancelled, one whose tenant's key was revoked while it waited (checked as its launch is
 gathered: it does not run).
@@ -46,6 +54,8 @@ from .finisher import Ended, Finisher, Measured
 
 log = logging.getLogger("rev88." + __name__)
 
+UNFINISHED_MAX = 3  # a device worker's launches out of the device and not yet finished, the one running counted
+
 
 @dataclasses.dataclass(frozen=True)
 class Finishing:
@@ -70,6 +80,7 @@ class Launches:
         self._draining = False
         self.counters = finisher.counters  # (the finisher's counts, and what was prepared ahead)
         self.counters["states_prepared_ahead"] = 0
+        self._worker = threading.local()  # each device worker's places: one for each launch until it is finished
 
     def close(self) -> None:
         with self._ahead_lock:
@@ -128,8 +139,17 @@ class Launches:
         """(a device worker) The launch on the device; its finishing handed to the finisher thread.
         An item is (task, config, cancel token, its work)."""
         r = self.runner
-        launch = launch_on_device(items, backend, r.energy, r.engines, precision, refuse=self._refusal)
-        future = self.finisher.thread.submit(self._finish, launch)
+        places = getattr(self._worker, "places", None)
+        if places is None:
+            places = self._worker.places = threading.BoundedSemaphore(UNFINISHED_MAX)
+        places.acquire()  # (waits while this worker's last UNFINISHED_MAX - 1 launches are being finished)
+        try:
+            launch = launch_on_device(items, backend, r.energy, r.engines, precision, refuse=self._refusal)
+            future = self.finisher.thread.submit(self._finish, launch)
+        except BaseException:
+            places.release()
+            raise
+        future.add_done_callback(lambda done: places.release())
         future.add_done_callback(_log_failure)
         return [Finishing(future, i) for i in range(len(items))]
 

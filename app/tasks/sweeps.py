@@ -212,12 +212,14 @@ class Sweeps:
         if not created and sweep.definition != definition:
             raise Conflict(f"Idempotency-Key {key!r} was already used for sweep {sweep.id} with another definition; "
                            "use a new key for a new sweep", sweep_id=sweep.id)
-        await self._record_cells(sweep, backend, fresh=created)
+        await self._record_cells(sweep, backend, configs=cells if created else None)
         return sweep, created
 
-    async def _record_cells(self, sweep: SweepRecord, backend: str, fresh: bool = False) -> None:
-        """Record and queue the sweep's cells that the ledger does not have yet (``fresh``: the
-        sweep was created just now, its cells' new ids cannot be there: not asked)."""
+    async def _record_cells(self, sweep: SweepRecord, backend: str, configs: list[Config] | None = None) -> None:
+        """Record and queue the sweep's cells that the ledger does not have yet. ``configs``: the
+        sweep was created just now from these, one a cell in order: its cells' new ids cannot be in
+        the ledger (not asked), and their configs are not made again from the record's."""
+        fresh = configs is not None
         runner, catalog = self.runner, self.datasets
         have = {} if fresh else await asyncio.to_thread(runner.ledger.get_many, [c["task_id"] for c in sweep.cells])
         missing = [c for c in sweep.cells if c["task_id"] not in have]
@@ -227,9 +229,11 @@ class Sweeps:
         labels = await asyncio.to_thread(catalog.labels, sweep.dataset)
         record = await asyncio.to_thread(catalog.get, sweep.dataset)
         include = bool(sweep.definition.get("include_scores"))
-        accs = [Work(task_id=c["task_id"], task=task, config=make_config(c["config"]), backend=backend,
-                         include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
-                         labels=labels, sweep=sweep.id, owner=sweep.owner) for c in missing]
+        if configs is None:
+            configs = [make_config(c["config"]) for c in missing]
+        accs = [Work(task_id=c["task_id"], task=task, config=config, backend=backend,
+                     include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
+                     labels=labels, sweep=sweep.id, owner=sweep.owner) for c, config in zip(missing, configs, strict=True)]
         # its webhook's message, in the cells' transaction (the first time they are recorded)
         messages = (message_rows("sweep", sweep.id, sweep.definition.get("webhook"), sweep.owner)
                     if len(missing) == len(sweep.cells) else [])

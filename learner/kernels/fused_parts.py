@@ -378,7 +378,9 @@ def pack_state(params: list[np.ndarray], depth: int) -> np.ndarray:
 
 @functools.cache
 def padding_mask(depth: int) -> np.ndarray:
-    """(state_size(depth),) bool: True where a lane of the padded state is padding (read-only)."""
+    """(state_size(depth),) bool: True where a lane of the padded state is padding (read-only): the
+    padding's definition, which ``unpack_states`` reads as regions in place (tests/test_fused.py
+    holds the two together lane by lane)."""
     pad = np.ones(state_size(depth), dtype=bool)
     for k in range(2 * depth):
         pad[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)[:WIDTH, :WIDTH] = False
@@ -390,26 +392,28 @@ def padding_mask(depth: int) -> np.ndarray:
     return pad
 
 
-def _arrays(state: np.ndarray, depth: int) -> list[np.ndarray]:
-    out = [state[k * W_SIZE : (k + 1) * W_SIZE].reshape(HALF, HALF)[:WIDTH, :WIDTH].copy() for k in range(2 * depth)]
-    head = 2 * depth * W_SIZE
-    hl = state[head : head + H_SIZE].reshape(CLASS_PAD, HALF)
-    hr = state[head + H_SIZE : head + 2 * H_SIZE].reshape(CLASS_PAD, HALF)
-    out.append(np.concatenate([hl[:CLASSES, :WIDTH], hr[:CLASSES, :WIDTH]], axis=1))
-    out.append(state[head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES].copy())
-    return out
-
-
 def unpack_states(states: np.ndarray, depth: int, what: str = "state") -> list[list[np.ndarray]]:
     """(T, state_size) padded flat states -> each task's arrays in model order; raises if any padded
-    lane of any of them is not exactly 0 (checked for the T states at once)."""
+    lane of any of them is not exactly 0 (checked for the T states at once). Each kind of array is
+    cut out of the T states in one copy; a task's arrays are views of those copies (a task's own
+    copies cost ~20 us a task of the device worker's time, 5 ms for a 132-task launch)."""
     states = np.asarray(states, dtype=np.float32)
     if states.ndim != 2 or states.shape[1] != state_size(depth):
         raise ValueError(f"{what} must have shape (T, {state_size(depth)}), got {states.shape}")
-    nonzero = np.count_nonzero(states[:, padding_mask(depth)])
-    if nonzero:
+    t, blocks, head = states.shape[0], 2 * depth, 2 * depth * W_SIZE
+    padded = states[:, :head].reshape(t, blocks, HALF, HALF)
+    halves = states[:, head : head + 2 * H_SIZE].reshape(t, 2, CLASS_PAD, HALF)
+    # the padding is these regions (padding_mask's lanes, read in place: no copy of the T states)
+    padding = (padded[:, :, :WIDTH, WIDTH:], padded[:, :, WIDTH:, :], halves[:, :, :CLASSES, WIDTH:],
+               halves[:, :, CLASSES:, :], states[:, head + 2 * H_SIZE + CLASSES :])
+    if any(part.any() for part in padding):
+        nonzero = sum(np.count_nonzero(part) for part in padding)
         raise RuntimeError(f"fused kernel bug: {nonzero} padded lane(s) of the {what} are not exactly zero")
-    return [_arrays(state, depth) for state in states]
+    weights = np.ascontiguousarray(padded[:, :, :WIDTH, :WIDTH])
+    left, right = halves[:, 0, :CLASSES, :WIDTH], halves[:, 1, :CLASSES, :WIDTH]
+    head_weight = np.concatenate([left, right], axis=2)  # (T, 10, 82): the head's two halves side by side
+    head_bias = states[:, head + 2 * H_SIZE : head + 2 * H_SIZE + CLASSES].copy()
+    return [[*weights[i], head_weight[i], head_bias[i]] for i in range(t)]
 
 
 def unpack_state(state: np.ndarray, depth: int, what: str = "state") -> list[np.ndarray]:
