@@ -47,8 +47,8 @@ MUTANTS = [
            ("tests/test_pairing.py", "-k", "sqlite")),
     Mutant("m3_cells_numbered_among_fed", "a launch's outcomes paired with its items asynchronous ones first "
            "(a cell given a synchronous task's answer when both share a launch)", "app/tasks/launches.py",
-           "return self.finisher.launch([(item[3], value) for item, value in zip(launch.items, outcomes)],",
-           "return self.finisher.launch([(item[3], value) for item, value in zip(sorted(launch.items, "
+           "self.finisher.launch([(item[3], value) for item, value in zip(launch.items, outcomes)],",
+           "self.finisher.launch([(item[3], value) for item, value in zip(sorted(launch.items, "
            "key=lambda it: it[3].mode), outcomes)],",
            ("tests/test_pairing.py", "-k", "sqlite")),
     Mutant("m4_writer_slice_not_advancing", "the ledger writer's slice of a launch's results not advancing",
@@ -250,6 +250,25 @@ MUTANTS = [
     Mutant("m59_many_digests_unsorted", "sha256_many's digests given back in the lanes' order (longest first)",
            "learner/hashing.py", "            out[i] = digest\n", "            out[order.index(i)] = digest\n",
            ("tests/test_hashing.py",)),
+    # ---- the device loop and the finisher, each on its own (issue #55, 2026-12-06 afternoon)
+    Mutant("m60_device_unbounded", "the device running every launch it is given, however far the finisher is behind",
+           "app/tasks/launches.py", "        places.acquire()  #", "        places  #",
+           ("tests/test_launches.py", "-k", "few_launches")),
+    Mutant("m61_finisher_waits_for_the_write", "the finisher thread waiting for each launch's records to be written",
+           "app/tasks/finisher.py",
+           "        write.add_done_callback(lambda write: self._written(write, rows, ended, told, done))\n",
+           "        write.add_done_callback(lambda write: self._written(write, rows, ended, told, done))\n"
+           "        done.exception()\n",
+           ("tests/test_launches.py", "-k", "answers_the_next")),
+    Mutant("m62_stop_before_the_records", "the stop going on before the launches' records are written",
+           "app/tasks/launches.py", "        concurrent.futures.wait(list(self._unrecorded), timeout=timeout_s)\n", "",
+           ("tests/test_launches.py", "-k", "stop_while")),
+    Mutant("m63_finiteness_not_read", "a run's non-finite entries not found with its digests",
+           "learner/result.py", "            if not np.isfinite(values).all()]", "            if False]",
+           ("tests/test_hashing.py", "-k", "run_digests")),
+    Mutant("m64_padding_region_unread", "fused's unpacking not reading the head's padded class rows",
+           "learner/kernels/fused_parts.py", "               halves[:, :, CLASSES:, :], states", "               states",
+           ("tests/test_fused.py", "-k", "padding")),
 ]
 
 

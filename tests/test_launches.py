@@ -456,3 +456,69 @@ def test_the_device_runs_at_most_a_few_launches_ahead_of_the_finisher(tmp_path):
         doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 120, 0.1,
                        "the sweep")
     assert doc["counts"]["succeeded"] == cells and ran() == cells
+
+
+def test_the_finisher_answers_the_next_launches_while_the_last_ones_records_are_written(tmp_path):
+    """The finisher thread hands a launch's records to the ledger writer and goes on to the next
+    launch; nobody is told a cell's answer before its record is written (the writer's thread
+    tells them then), and every cell is answered once the writes go through."""
+    from app.tasks.launches import UNFINISHED_MAX
+
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=2, batch_wait_ms=20,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(Gate(), batching=True))
+    held, writing = threading.Event(), threading.Event()
+    cells = 2 * UNFINISHED_MAX
+    with inprocess_server(app) as server, server.client() as c:
+        service = app.state.service
+        ledger = service.ledger_writer.ledger
+        real = ledger.finish_many
+
+        def finish_many(outcomes):
+            writing.set()
+            held.wait(120)
+            return real(outcomes)
+
+        ledger.finish_many = finish_many  # (the writer's thread records every launch's outcomes through it)
+        told = []
+        service.runner.finisher.recorded_hooks.append(lambda work, outcome: told.append(work.task_id))
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1]},
+                                        "seeds": {"start": 0, "count": cells}}).json()["id"]
+        assert writing.wait(60), "the first launch's records"
+        counters = service.runner.launches.counters
+        wait_for(lambda: counters["launches"] >= UNFINISHED_MAX, 60, 0.02,
+                 "the next launches answered while the first one's records wait")
+        assert counters["cells_answered"] >= cells - 2 and told == []  # (answered, not told: nothing written)
+        held.set()
+        doc = wait_for(lambda: (d := c.get(f"/sweeps/{sweep}").json())["status"] == "completed" and d, 120, 0.1,
+                       "the sweep")
+    assert doc["counts"]["succeeded"] == cells and sorted(told) == sorted(r["task_id"] for r in doc["cells"])
+
+
+def test_a_stop_while_a_launchs_records_are_being_written_keeps_them_on_postgresql(tmp_path, pg_url):
+    """The service stops while a launch's records are still being written (held here): its stop
+    waits for them before it gives the unfinished tasks' leases back, so the ledger keeps the
+    cells succeeded (not queued again to run a second time)."""
+    app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=2, batch_wait_ms=20, database_url=pg_url,
+                              data_dir=str(tmp_path / "d")), engines=gated_engines(Gate(), batching=True))
+    held, writing = threading.Event(), threading.Event()
+    with inprocess_server(app) as server, server.client() as c:
+        ledger = app.state.service.ledger_writer.ledger
+        real = ledger.finish_many
+
+        def finish_many(outcomes):
+            writing.set()
+            held.wait(120)
+            return real(outcomes)
+
+        ledger.finish_many = finish_many
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        sweep = c.post("/sweeps", json={"dataset": DIGEST, "grid": {"learning_rate": [0.1]},
+                                        "seeds": {"start": 0, "count": 2}}).json()["id"]
+        assert writing.wait(60), "the launch's records"
+        cells = [row["task_id"] for row in c.get(f"/sweeps/{sweep}").json()["cells"]]
+        threading.Timer(0.5, held.set).start()  # (written while the server stops)
+    psycopg = pg.require_psycopg()
+    with psycopg.connect(pg_url) as conn:  # what the stop left in the ledger
+        statuses = dict(conn.execute("SELECT id, status FROM rev88_tasks WHERE id = ANY(%s)", (cells,)).fetchall())
+    assert statuses == dict.fromkeys(cells, "succeeded")

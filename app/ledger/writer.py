@@ -84,7 +84,7 @@ class LedgerWriter:
 
     def finish_launch(self, outcomes: list[Outcome]) -> concurrent.futures.Future:
         """A launch's outcomes (app/tasks/launches.py), written together in the next transaction of
-        outcomes, at once (the finisher thread waits for it); the future's result is one item per
+        outcomes, at once (whoever waits on the launch waits for it); the future's result is one item per
         outcome: its record, or the exception ``finish`` raised for it (LeaseLost for a stale
         attempt's, say). A failure of the database itself is the future's exception."""
         future: concurrent.futures.Future = concurrent.futures.Future()

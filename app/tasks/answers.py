@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,38 @@ def input_hashes(task) -> dict[str, str]:
     from learner.hashing import array_sha256
 
     return {name: array_sha256(arr) for name, arr in task.as_dict().items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A measurement's document, as its job made it on the device worker."""
+
+    doc: dict
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def task_timing(work: Any, run_ms: float, clock: str, device_s: float, launch_size: int) -> dict[str, Any]:
+    """A task's answer's ``timing``: from its receipt to now (``work``: its ``Work``)."""
+    return {"receive_ms": ms(work.receive_s), "parse_ms": ms(work.parse_s), "queue_wait_ms": ms(work.queue_wait_s),
+            "run_ms": round(run_ms, 3), "run_clock": clock, "device_ms": ms(device_s),
+            "tasks_in_launch": launch_size, "total_ms": ms(time.perf_counter() - work.t0)}
+
+
+def measure_answer(work: Any, doc: dict, device_s: float, versions: dict[str, Any]) -> dict[str, Any]:
+    """A measurement's answer: its document, and the timing of its request."""
+    timing = {"receive_ms": ms(work.receive_s), "parse_ms": ms(work.parse_s),
+              "queue_wait_ms": ms(work.queue_wait_s), "device_ms": ms(device_s),
+              "total_ms": ms(time.perf_counter() - work.t0)}
+    answer = {"id": work.task_id, "request_id": work.request_id, "measure": "energy", "protocol": work.measure,
+              "predictions_sha256": doc.get("predictions_sha256"), "scores_sha256": doc.get("scores_sha256"),
+              "energy": doc.get("energy")}
+    if doc.get("energy") is None:
+        answer["energy_reason"] = doc.get("energy_reason")
+    answer.update({"measurement": doc, "timing": timing, "device": doc.get("device"), "versions": versions})
+    return answer
 
 
 def task_answer(task_id: str, request_id: str | None, outcome: DeviceOutcome, timing: dict, include_scores: bool) -> dict:

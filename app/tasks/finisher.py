@@ -4,12 +4,12 @@ Success, failure, cancel, timeout: each outcome is made into its answer (or erro
 record handed to the ledger here, its hooks (sweeps' rows, webhooks, tenants' counts) run and
 whoever waits told from here. Two doors, one set of rules:
 
-    launch(entries)   (the finisher thread) a launch's outcomes -- a batched launch's, or a lone
-                      task's, a launch of one -- as the device worker hands them over: each answer
-                      built (its JSON encoded once), the outcomes of recorded work written in ONE
-                      ledger transaction, a deferred task's record handed to the next group
-                      commit; then the event loop woken ONCE for the launch (``_told``), and the
-                      launch's future resolved with one ``Ended`` per entry
+    launch(entries)   (the finisher thread) a launch's outcomes (a lone task's: a launch of one)
+                      as the device worker hands them over: each answer built (its JSON encoded
+                      once), recorded work's outcomes handed to the writer as ONE transaction, a
+                      deferred task's record to the next group commit; once written, the loop
+                      woken ONCE for the launch (``_told``, from the writer's thread: this one
+                      answers the next launch meanwhile) and its future given one ``Ended`` each
     failed(work, exc) (the loop) work that failed where no launch finishes it: a timeout or cancel
                       while it waited, a drain, a refusal, a run that raised; recorded the same
                       way (a lone write, retried while a shared database is away)
@@ -33,19 +33,12 @@ from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, LedgerWriter
 from ..runtime.executor import DeviceExecutor
 from ..runtime.metrics import Metrics
 from ..threads import name_os_thread
-from .answers import Settled, input_hashes, run_timing, task_answer
+from .answers import Measured, Settled, input_hashes, measure_answer, run_timing, task_answer, task_timing
 from .datasets import score
 from .device import DeviceOutcome
 from .work import Work
 
 log = logging.getLogger("rev88." + __name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """A measurement's document, as its job made it on the device worker."""
-
-    doc: dict
 
 
 @dataclasses.dataclass
@@ -68,10 +61,6 @@ class Ended:
 
     settled: Settled
     retry: Outcome | None = None
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)
 
 
 def unrecorded(work: Work, exc: BaseException) -> bool:
@@ -123,11 +112,7 @@ class Finisher:
             self.metrics.task_energy.inc(outcome.energy["gross_j"])
         if work.late is not None:
             device_s = max(0.0, device_s - work.parse_s)
-        timing = {
-            "receive_ms": _ms(work.receive_s), "parse_ms": _ms(work.parse_s), "queue_wait_ms": _ms(work.queue_wait_s),
-            "run_ms": round(run_ms, 3), "run_clock": clock, "device_ms": _ms(device_s),
-            "tasks_in_launch": launch_size, "total_ms": _ms(time.perf_counter() - work.t0),
-        }
+        timing = task_timing(work, run_ms, clock, device_s, launch_size)
         extra = {"task_id": work.task_id, "train_count": work.task.train_count, "test_count": work.task.test_count,
                  "backend": outcome.result.metadata["backend"], "device": work.device, "mode": work.mode,
                  "timing": timing}
@@ -151,9 +136,14 @@ class Finisher:
         return Settled(status, body, headers=headers), state, error
 
     # ------------------------------------------------------------------ the finisher thread
-    def launch(self, entries: list[tuple[Work, Any]], device_s: float, launch_size: int) -> list[Ended | None]:
+    def launch(self, entries: list[tuple[Work, Any]], device_s: float, launch_size: int,
+               done: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
         """A launch's outcomes (a ``DeviceOutcome``, a ``Measured`` document, or the exception that
-        is its answer), in order: one ``Ended`` each (None where another outcome came first)."""
+        is its answer), in order: ``done`` (made here when not given) gets one ``Ended`` each (None
+        where another outcome came first) once their records are written. This thread does not
+        wait for the write: the ledger writer's thread tells the loop, and ``done``, when it is
+        done, while this one answers the next launch."""
+        done = done if done is not None else concurrent.futures.Future()
         self.counters["launches"] += 1
         ended: list[Ended | None] = [None] * len(entries)
         rows: list[tuple[int, Work, Outcome]] = []  # recorded work: one transaction
@@ -174,27 +164,31 @@ class Finisher:
                 outcome = Outcome(work.task_id, status, None, record, input_hashes=_hashes_of(work), epoch=work.epoch,
                                   want_record=False)
             rows.append((i, work, outcome))
-        if rows:
+        if not rows:
+            self.call_on_loop(self._told, told)
+            done.set_result(ended)
+            return done
+        write = self.writer.finish_launch([o for _, _, o in rows])
+        write.add_done_callback(lambda write: self._written(write, rows, ended, told, done))
+        return done
+
+    def _written(self, write: concurrent.futures.Future, rows: list[tuple[int, Work, Outcome]],
+                 ended: list[Ended | None], told: list[Told], done: concurrent.futures.Future) -> None:
+        """(the ledger writer's thread, once a launch's records are written) Who is told what."""
+        try:
             try:
-                results = self.writer.finish_launch([o for _, _, o in rows]).result()
+                results = write.result()
                 self.counters["ledger_transactions"] += 1
             except LedgerUnavailable as exc:  # the database is away: each outcome retried on its own, on the loop
                 log.warning("a launch's outcomes could not be recorded together; retrying them one by one",
                             extra={"tasks": len(rows), "error": str(exc)})
                 results = [None] * len(rows)
-                for i, _, outcome in rows:
-                    ended[i].retry = outcome
-            for (i, work, outcome), result in zip(rows, results):
-                if result is None:  # (its write is retried: the retry tells)
-                    told.append(Told(work, outcome.status, None, None, False, retry=outcome))
-                elif isinstance(result, BaseException):
-                    if unrecorded(work, result):
-                        ended[i].settled.headers["X-Ledger-Error"] = str(result)[:200]
-                    told.append(Told(work, outcome.status, None, None, False))
-                else:
-                    told.append(Told(work, outcome.status, outcome.answer, outcome, True))
+            told += told_of(rows, results, ended)
+        except BaseException as exc:  # noqa: BLE001 - said loudly by whoever holds ``done``
+            done.set_exception(exc)
+            return
         self.call_on_loop(self._told, told)
-        return ended
+        done.set_result(ended)
 
     def _made(self, work: Work, value: Any, device_s: float, launch_size: int) -> tuple[Settled, str, dict | None]:
         """(the answer as HTTP sees it, its status, its error record) of one outcome."""
@@ -210,6 +204,7 @@ class Finisher:
             self.metrics.outcome("ok")
             self.metrics.queue_wait_seconds.observe(work.queue_wait_s)
             settled = Settled(200, measure_answer(work, value.doc, device_s, self.versions()))
+            log.info("measurement answered", extra={"task_id": work.task_id, "timing": settled.body["timing"]})
             settled.json()
             return settled, "succeeded", None
         exc = value
@@ -378,19 +373,21 @@ class Finisher:
         return settled
 
 
-def measure_answer(work: Work, doc: dict, device_s: float, versions: dict[str, Any]) -> dict[str, Any]:
-    """A measurement's answer: its document, and the timing of its request."""
-    timing = {"receive_ms": _ms(work.receive_s), "parse_ms": _ms(work.parse_s),
-              "queue_wait_ms": _ms(work.queue_wait_s), "device_ms": _ms(device_s),
-              "total_ms": _ms(time.perf_counter() - work.t0)}
-    answer = {"id": work.task_id, "request_id": work.request_id, "measure": "energy", "protocol": work.measure,
-              "predictions_sha256": doc.get("predictions_sha256"), "scores_sha256": doc.get("scores_sha256"),
-              "energy": doc.get("energy")}
-    if doc.get("energy") is None:
-        answer["energy_reason"] = doc.get("energy_reason")
-    answer.update({"measurement": doc, "timing": timing, "device": doc.get("device"), "versions": versions})
-    log.info("measurement answered", extra={"task_id": work.task_id, "timing": timing})
-    return answer
+def told_of(rows: list[tuple[int, Work, Outcome]], results: list, ended: list[Ended | None]) -> list[Told]:
+    """What each of a launch's recorded units is told, from its write's result: its record; an
+    exception (not recorded: a lease lost, say); None (the database was away: retried on its own)."""
+    told = []
+    for (i, work, outcome), result in zip(rows, results):
+        if result is None:  # (its write is retried: the retry tells)
+            ended[i].retry = outcome
+            told.append(Told(work, outcome.status, None, None, False, retry=outcome))
+        elif isinstance(result, BaseException):
+            if unrecorded(work, result):
+                ended[i].settled.headers["X-Ledger-Error"] = str(result)[:200]
+            told.append(Told(work, outcome.status, None, None, False))
+        else:
+            told.append(Told(work, outcome.status, outcome.answer, outcome, True))
+    return told
 
 
 def _hashes_of(work: Work):

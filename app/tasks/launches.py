@@ -42,6 +42,7 @@ from typing import Any
 from learner import seed_state
 
 from ..threads import name_os_thread
+from .answers import Measured
 from .device import (
     finish_launch,
     has_run_many,
@@ -50,7 +51,7 @@ from .device import (
     run_on_device,
     worker_engine,
 )
-from .finisher import Ended, Finisher, Measured
+from .finisher import Ended, Finisher
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -81,12 +82,15 @@ class Launches:
         self.counters = finisher.counters  # (the finisher's counts, and what was prepared ahead)
         self.counters["states_prepared_ahead"] = 0
         self._worker = threading.local()  # each device worker's places: one for each launch until it is finished
+        self._unrecorded: set[concurrent.futures.Future] = set()  # launches handed to the finisher, not yet recorded
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop preparing; every launch handed to the finisher finished and its records written."""
         with self._ahead_lock:
             self._ahead.clear()
         self.preparer.shutdown(wait=True)
         self.finisher.close()
+        concurrent.futures.wait(list(self._unrecorded), timeout=timeout_s)
 
     # ------------------------------------------------------------------ ahead of the launch
     def prepare_ahead(self, accs: list[Any]) -> None:
@@ -143,21 +147,32 @@ class Launches:
         if places is None:
             places = self._worker.places = threading.BoundedSemaphore(UNFINISHED_MAX)
         places.acquire()  # (waits while this worker's last UNFINISHED_MAX - 1 launches are being finished)
+        done: concurrent.futures.Future = concurrent.futures.Future()  # the launch's outcomes, once recorded
         try:
             launch = launch_on_device(items, backend, r.energy, r.engines, precision, refuse=self._refusal)
-            future = self.finisher.thread.submit(self._finish, launch)
+            self.finisher.thread.submit(self._finish, launch, done)
         except BaseException:
             places.release()
             raise
-        future.add_done_callback(lambda done: places.release())
-        future.add_done_callback(_log_failure)
-        return [Finishing(future, i) for i in range(len(items))]
+        done.add_done_callback(lambda _: places.release())
+        self._watch(done)
+        return [Finishing(done, i) for i in range(len(items))]
 
-    def _finish(self, launch) -> list[Ended | None]:
-        outcomes = finish_launch(launch, self.finisher.hashers)
-        count = sum(1 for run in launch.runs if isinstance(run, tuple))
-        return self.finisher.launch([(item[3], value) for item, value in zip(launch.items, outcomes)],
-                                    launch.device_s, count)
+    def _watch(self, done: concurrent.futures.Future) -> None:
+        """A launch's outcomes until they are recorded (``close`` waits for them); its failure said."""
+        self._unrecorded.add(done)
+        done.add_done_callback(self._unrecorded.discard)
+        done.add_done_callback(_log_failure)
+
+    def _finish(self, launch, done: concurrent.futures.Future) -> None:
+        try:
+            outcomes = finish_launch(launch, self.finisher.hashers)
+            count = sum(1 for run in launch.runs if isinstance(run, tuple))
+            self.finisher.launch([(item[3], value) for item, value in zip(launch.items, outcomes)],
+                                 launch.device_s, count, done)
+        except BaseException as exc:  # noqa: BLE001 - said loudly (_log_failure)
+            if not done.done():
+                done.set_exception(exc)
 
     def run_alone(self, work: Any) -> Finishing:
         """(a device worker) One task's job: in a launch of its own on a backend that batches (with
@@ -182,20 +197,24 @@ class Launches:
             value = run_on_device(work.task, work.config, work.backend, r.energy, r.engines, cancel=work.cancel,
                                   precision=work.precision)
         device_s = time.monotonic() - (work.started_mono or t0)
+        future: concurrent.futures.Future = concurrent.futures.Future()
         if not work.deferred:  # its outcome is written before anyone is told: on the finisher's thread
-            future = self.finisher.thread.submit(self.finisher.launch, [(work, value)], device_s, 1)
-            future.add_done_callback(_log_failure)
+            self.finisher.thread.submit(self._finish_one, work, value, device_s, future)
+            self._watch(future)
             return Finishing(future, 0)
         # A plain synchronous task (its record goes to the next group commit, nobody waits for the
         # disk): finished here, on this worker, by the same finisher, without the hop to its thread
         # (bench/bench_shell.py: the hop cost a tiny task more server CPU than its answer)
-        future = concurrent.futures.Future()
-        try:
-            future.set_result(self.finisher.launch([(work, value)], device_s, 1))
-        except Exception as exc:  # noqa: BLE001 - said loudly, as a launch's finishing that failed
-            future.set_exception(exc)
-            _log_failure(future)
+        self._finish_one(work, value, device_s, future)
+        future.add_done_callback(_log_failure)
         return Finishing(future, 0)
+
+    def _finish_one(self, work: Any, value: Any, device_s: float, done: concurrent.futures.Future) -> None:
+        try:
+            self.finisher.launch([(work, value)], device_s, 1, done)
+        except Exception as exc:  # noqa: BLE001 - said loudly, as a launch's finishing that failed
+            if not done.done():
+                done.set_exception(exc)
 
     def _refusal(self, item: tuple) -> BaseException | None:
         work = item[3] if len(item) > 3 else None
