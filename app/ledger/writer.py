@@ -115,48 +115,56 @@ class LedgerWriter:
 
     def _loop(self) -> None:
         name_os_thread()  # "rev88-ledger"
-        while True:
-            items = [self._queue.get()]
-            while True:  # everything queued meanwhile: consecutive "running" marks share a transaction
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            if self.linger_s > 0 and all(kind in LINGERING for kind, _ in items):
-                self._linger(items)
-            running: list[tuple[str, str | None, float]] = []
-            finished: list[tuple[FinishedTask, concurrent.futures.Future]] = []
-            outcomes: list[tuple[Outcome, concurrent.futures.Future]] = []
-            for kind, payload in items:
-                if kind == "running":
-                    running.append(payload)
-                    continue
-                if kind in ("finished", "finished-now"):
-                    finished.append(payload)
-                    continue
-                if kind in ("outcome", "outcome-now"):
-                    outcomes.append(payload)
-                    continue
-                if kind == "launch":
-                    launch, future = payload
-                    outcomes.append((launch, future))
-                    continue
-                self._mark(running)  # (a task's running mark was queued before its outcome)
-                self._add(finished)
-                self._finish(outcomes)
-                running, finished, outcomes = [], [], []
-                if kind is _STOP:
-                    return
-                fn, args, future = payload
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                    future.set_exception(exc)
-            self._mark(running)
+        while self._write(self._take()):
+            pass  # (no name here keeps a written batch -- its futures, their callbacks' work -- until the next)
+
+    def _take(self) -> list:
+        items = [self._queue.get()]
+        while True:  # everything queued meanwhile: consecutive "running" marks share a transaction
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if self.linger_s > 0 and all(kind in LINGERING for kind, _ in items):
+            self._linger(items)
+        return items
+
+    def _write(self, items: list) -> bool:
+        """One batch of what was handed over, in order; False once it held the stop."""
+        running: list[tuple[str, str | None, float]] = []
+        finished: list[tuple[FinishedTask, concurrent.futures.Future]] = []
+        outcomes: list[tuple[Outcome, concurrent.futures.Future]] = []
+        for kind, payload in items:
+            if kind == "running":
+                running.append(payload)
+                continue
+            if kind in ("finished", "finished-now"):
+                finished.append(payload)
+                continue
+            if kind in ("outcome", "outcome-now"):
+                outcomes.append(payload)
+                continue
+            if kind == "launch":
+                launch, future = payload
+                outcomes.append((launch, future))
+                continue
+            self._mark(running)  # (a task's running mark was queued before its outcome)
             self._add(finished)
             self._finish(outcomes)
+            running, finished, outcomes = [], [], []
+            if kind is _STOP:
+                return False
+            fn, args, future = payload
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                future.set_exception(exc)
+        self._mark(running)
+        self._add(finished)
+        self._finish(outcomes)
+        return True
 
     def _linger(self, items: list) -> None:
         """Only records nobody waits for so far (answered tasks', asynchronous tasks' outcomes,
