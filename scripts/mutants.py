@@ -269,6 +269,9 @@ MUTANTS = [
     Mutant("m64_padding_region_unread", "fused's unpacking not reading the head's padded class rows",
            "learner/kernels/fused_parts.py", "               halves[:, :, CLASSES:, :], states", "               states",
            ("tests/test_fused.py", "-k", "padding")),
+    Mutant("m65_writer_keeps_its_last_batch", "the ledger writer keeping its last batch until the next one",
+           "app/ledger/writer.py", "        while self._write(self._take()):\n",
+           "        while self._write(items := self._take()):\n", ("tests/test_app_memory.py", "-k", "freed_at_once")),
 ]
 
 
