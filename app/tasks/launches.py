@@ -17,9 +17,8 @@ computing it twice). One thread: it computes states faster than the device uses 
 (docs/performance.md, "Small costs inside a request").
 
 The device never runs far ahead of the finisher: a worker starts a launch (``run``: every task of
-a backend that batches) only while fewer than
-``UNFINISHED_MAX`` launches (this one counted) are out of the device and not yet finished. A
-launch's outputs are host memory (a 132-task launch's scores alone are 53 MB); a device faster
+a backend that batches) only while fewer than ``UNFINISHED_MAX`` launches (this one counted) are
+out of the device and not yet finished. A launch's outputs are host memory (a 132-task launch's scores alone are 53 MB); a device faster
 than the host's finishing -- an H200 against two cores -- would otherwise pile them up for a whole
 sweep (25 of a 5,280-cell sweep's 40 launches held at once against the stand-in device). The
 bound leaves the pipeline its overlap: launch k runs while k-1 and k-2 are finished.
