@@ -272,6 +272,9 @@ MUTANTS = [
     Mutant("m65_writer_keeps_its_last_batch", "the ledger writer keeping its last batch until the next one",
            "app/ledger/writer.py", "        while self._write(self._take()):\n",
            "        while self._write(items := self._take()):\n", ("tests/test_app_memory.py", "-k", "freed_at_once")),
+    Mutant("m66_batch_json_by_value_alone", "a batch's remembered JSON keyed by value alone (1, 1.0 and True one key)",
+           "app/ledger/task_writes.py", "key = tuple((k, type(v), v) for k, v in value.items())",
+           "key = tuple((k, v) for k, v in value.items())", ("tests/test_task_row.py", "-k", "batch")),
 ]
 
 

@@ -173,3 +173,21 @@ def test_the_writes_derive_from_it():
                and (re.search(r"INSERT INTO (rev88_)?tasks \(", path.read_text())
                     or re.search(r"answer_codec = [?%]", path.read_text()))]
     assert spelled == []
+
+
+def test_a_batchs_rows_carry_the_same_json_as_each_rows_own():
+    """``new_rows`` encodes a flat value equal to one it has encoded once (a sweep's cells share their
+    options and input hashes): every row's text is still its own value's, whatever the types."""
+    from app.ledger.task_writes import new_row, new_rows
+
+    shared = {"dataset": "sha256:" + "a" * 64, "sweep": "s1", "owner": None, "include_scores": False}
+    values = [dict(shared), dict(shared), {**shared, "owner": "k1"}, {"a": 1}, {"a": True}, {"a": 1.0},
+              {"a": [1, 2]}, {"a": {"b": 1}}, {"a": {"b": True}}, {"b": 1, "a": 2}, {"a": 2, "b": 1}, {}, None]
+    tasks = [dict(task_id=f"t{i}", kind="task", mode="async", backend="cpu", config={"seed": i, "lr": v},
+                  options=v if v is not None else {}, train_count=10, test_count=5, input_hashes=v,
+                  body_sha256="b" * 64, body_bytes=1) for i, v in enumerate(values)]
+    batch = new_rows(tasks, created_at=1.0)
+    for t, row in zip(tasks, batch, strict=True):
+        alone = new_row(t["task_id"], t["kind"], t["mode"], t["backend"], t["config"], t["options"], t["train_count"],
+                        t["test_count"], t["input_hashes"], t["body_sha256"], t["body_bytes"], created_at=1.0)
+        assert row == alone

@@ -103,7 +103,16 @@ from .store import (
     check_task_id,
 )
 from .task_reads import POSTGRESQL, TaskReads
-from .task_writes import assignments, finished_row, insert, new_row, outcome_row, pg_mark, pg_named_mark
+from .task_writes import (
+    assignments,
+    finished_row,
+    insert,
+    new_row,
+    new_rows,
+    outcome_row,
+    pg_mark,
+    pg_named_mark,
+)
 
 log = logging.getLogger("rev88." + __name__)
 
@@ -555,13 +564,10 @@ class PostgresLedger(TaskReads):
         """Record many new asynchronous tasks without a body or an Idempotency-Key (a sweep's
         cells) as queued, claimable by any replica, in one transaction (one wake-up), with
         ``messages`` (webhook outbox rows: a sweep's, an evaluation's)."""
-        rows = []
         for t in tasks:
             check_new_task(t["kind"], t["mode"], None, t["body_bytes"], t["body_sha256"], None)
             check_task_id(t["task_id"])
-            rows.append(_NEW_CELLS.values(new_row(t["task_id"], t["kind"], t["mode"], t["backend"], t["config"],
-                                                  t["options"], t["train_count"], t["test_count"],
-                                                  t.get("input_hashes"), t["body_sha256"], t["body_bytes"])))
+        rows = [_NEW_CELLS.values(row) for row in new_rows(tasks)]
         try:
             with self._conn(f"record {len(rows)} task(s)") as conn, conn.cursor() as cur:
                 cur.executemany(_NEW_CELLS.sql, rows)

@@ -56,7 +56,7 @@ from .rows import (  # noqa: F401 - (answer_columns: re-exported)
     record_from_row,
 )
 from .task_reads import SQLITE, TaskReads
-from .task_writes import assignments, finished_row, insert, new_row, outcome_row, sqlite_mark
+from .task_writes import assignments, finished_row, insert, new_row, new_rows, outcome_row, sqlite_mark
 
 # the task row's writes (app/ledger/task_writes.py): SQLite's own part is whether an upload is kept
 _NEW = insert("tasks", "new", "sqlite", sqlite_mark)
@@ -508,15 +508,11 @@ class Ledger(TaskReads):
         dataset is stored apart) as queued, in one transaction: all of them, or none (ValueError
         for an id already in the ledger). ``tasks``: ``create``'s keyword arguments. ``messages``:
         webhook outbox rows written in the same transaction (a sweep's, an evaluation's)."""
-        rows = []
         now = time.time()
         for t in tasks:
             check_new_task(t["kind"], t["mode"], None, t["body_bytes"], t["body_sha256"], None)
-            self.upload_path(t["task_id"])
-            row = new_row(t["task_id"], t["kind"], t["mode"], t["backend"], t["config"], t["options"],
-                          t["train_count"], t["test_count"], t.get("input_hashes"), t["body_sha256"], t["body_bytes"],
-                          created_at=now)
-            rows.append(_NEW.values({**row, "has_upload": 0}))
+            check_task_id(t["task_id"])
+        rows = [_NEW.values({**row, "has_upload": 0}) for row in new_rows(tasks, created_at=now)]
         try:
             with self._write(f"record {len(rows)} task(s)") as conn:
                 conn.executemany(_NEW.sql, rows)
