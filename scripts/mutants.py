@@ -275,6 +275,9 @@ MUTANTS = [
     Mutant("m66_batch_json_by_value_alone", "a batch's remembered JSON keyed by value alone (1, 1.0 and True one key)",
            "app/ledger/task_writes.py", "key = tuple((k, type(v), v) for k, v in value.items())",
            "key = tuple((k, v) for k, v in value.items())", ("tests/test_task_row.py", "-k", "batch")),
+    Mutant("m67_compact_text_skips_ten", "a stored answer's JSON length counting two-digit predictions only past 10",
+           "app/ledger/rows.py", "if top >= 10 else 0", "if top > 10 else 0",
+           ("tests/test_task_row.py", "-k", "compactly")),
 ]
 
 

@@ -115,14 +115,15 @@ def test_a_record_makes_the_trip_through_either_engine(engine, tmp_path, request
         "predictions_sha256": "c" * 64, "run_ms": 1.5, "energy_j": 0.25}
 
 
-def test_an_answer_with_class_predictions_is_stored_compactly_and_read_back_the_same():
+@pytest.mark.parametrize("largest", [[], [9], [10], [100], [12, 100, 255]])
+def test_an_answer_with_class_predictions_is_stored_compactly_and_read_back_the_same(largest):
     import numpy as np
     import orjson
 
     from app.ledger.rows import ANSWER_CODEC, COMPACT_CODEC, decode_answer, encode_answer
 
-    predictions = np.random.default_rng(4).integers(0, 10, 10_000).astype(np.int64)
-    predictions[:3] = [12, 100, 255]
+    predictions = np.random.default_rng(4).integers(0, 10, 10_000 if largest else 0).astype(np.int64)
+    predictions[:len(largest)] = largest
     answer = {"id": "t", "request_id": None, "predictions": predictions, "predictions_sha256": "ab" * 32,
               "metadata": {"seed": 3, "x": [1.5, 2]}, "energy": None}
     blob, json_bytes, codec = encode_answer(answer)
