@@ -192,3 +192,20 @@ def test_a_batchs_rows_carry_the_same_json_as_each_rows_own():
         alone = new_row(t["task_id"], t["kind"], t["mode"], t["backend"], t["config"], t["options"], t["train_count"],
                         t["test_count"], t["input_hashes"], t["body_sha256"], t["body_bytes"], created_at=1.0)
         assert row == alone
+
+
+def test_a_json_column_reads_back_as_json_reads_it():
+    """Every value ``dumps`` writes reads back the same, of the same types, as json.loads reads it (a
+    faster parser is no drop-in: orjson reads an integer past 64 bits as a float, 2026-12-06)."""
+    import json
+
+    from app.ledger.rows import dumps, loads
+
+    values = [{"seed": 2**63 - 1, "big": 2**64 + 1, "neg": -(2**70)}, {"lr": 1e-05, "x": 0.1, "z": -0.0, "e": 1e308},
+              {"name": "é ü 漢 \U0001f600", "lone": "\ud800"}, [1, True, 1.0, None, "1"], {"a": {"b": [{"c": []}]}},
+              "text", 3, 2.5, True, None]
+    for value in values:
+        text = dumps(value)
+        got, want = loads(text), json.loads(text)
+        assert got == want and repr(got) == repr(want)
+    assert loads(None) is None
