@@ -522,3 +522,47 @@ def test_a_stop_while_a_launchs_records_are_being_written_keeps_them_on_postgres
     with psycopg.connect(pg_url) as conn:  # what the stop left in the ledger
         statuses = dict(conn.execute("SELECT id, status FROM rev88_tasks WHERE id = ANY(%s)", (cells,)).fetchall())
     assert statuses == dict.fromkeys(cells, "succeeded")
+
+
+def test_a_claimed_task_pushed_out_of_the_offered_cache_while_its_batch_is_queued_still_runs(tmp_path):
+    """A claim batch holds a task whose arrays the feeder no longer keeps (its upload is read back
+    from the ledger) and one offered here. While that upload is read, new uploads are offered and
+    push the cache past its bound: the offered task still runs, from the work it was offered (taken
+    out of the cache with its claim), not failed for an input its claim never read back."""
+    import asyncio
+
+    from app.ledger.base import Claim
+
+    app = create_app(Settings(backend="cpu-fast", workers=1, queue_size=2, data_dir=str(tmp_path / "d")))
+    with inprocess_server(app) as server, server.client() as c:
+        service = app.state.service
+        feeder = service.runner.feeder
+
+        async def no_claims():  # (the claims below are made by hand)
+            return 0
+
+        feeder.claim_some = no_claims
+        body = task_to_npz_bytes(small_task(40, 6, seed=3))
+        ids = [c.post("/tasks", content=body, headers={**NPZ, "Prefer": "respond-async"}).json()["id"] for _ in range(2)]
+        first, offered = ids
+        assert feeder._take_offered(first) is not None and offered in feeder.offered  # (as if pushed out earlier)
+        reading, read = threading.Event(), threading.Event()
+        real = feeder.ledger.load_uploads
+
+        def load_uploads(task_ids):
+            reading.set()
+            assert read.wait(60)
+            return real(task_ids)
+
+        feeder.ledger.load_uploads = load_uploads
+        queued = asyncio.run_coroutine_threadsafe(
+            feeder._queue_claims([Claim(service.ledger.get(t), None) for t in (first, offered)]), feeder._loop)
+        assert reading.wait(60)
+        more = [c.post("/tasks", content=body, headers={**NPZ, "Prefer": "respond-async"}).json()["id"] for _ in range(2)]
+        assert offered not in feeder.offered and all(t in feeder.offered for t in more)  # (pushed out)
+        read.set()
+        assert queued.result(60) == 2
+        for task_id in (first, offered):
+            doc = wait_for(lambda t=task_id: (d := c.get(f"/tasks/{t}").json())["status"] not in ("queued", "running")
+                           and d, 60, 0.05, "the claimed tasks")
+            assert doc["status"] == "succeeded", doc

@@ -778,11 +778,11 @@ def test_the_embedded_claims_check_each_task_against_the_ledger_and_follow_the_p
     ids = list(made)
     ledger.finish(ids[0], "cancelled", error={"status": 409, "error": "cancelled before it ran"})  # (not discarded)
     got = claims.claim(3, [("b", 1), ("a", 1)])
-    assert [c.record.id for c in got] == [ids[1], ids[3]]  # a's oldest unfinished and b's oldest; not the cancelled
+    assert [c.task_id for c in got] == [ids[1], ids[3]]  # a's oldest unfinished and b's oldest; not the cancelled
     assert len(claims) == 3  # the cancelled one left the index
     assert claims.waiting() == {"a": (1, 1002.0), "b": (1, 1004.0), "": (1, 1005.0)}
     rest = claims.claim(5, [("", 1)])
-    assert [c.record.id for c in rest] == [ids[2], ids[4], ids[5]]  # the pick, then the oldest of any tenant
+    assert [c.task_id for c in rest] == [ids[2], ids[4], ids[5]]  # the pick, then the oldest of any tenant
     assert claims.claim(5) == [] and len(claims) == 0
     ledger.close()
 
@@ -802,14 +802,14 @@ def test_the_embedded_claims_lose_nothing_when_the_ledger_cannot_be_read_and_rel
         ids.append(record.id)
         claims.add(record.id, owner, 1000.0 + i, 100)
     before = (len(claims), claims.waiting(), claims.waiting_bytes())
-    real = ledger.get_many
-    ledger.get_many = lambda *a, **k: (_ for _ in ()).throw(LedgerUnavailable("the database is away"))
+    real = ledger.statuses
+    ledger.statuses = lambda *a, **k: (_ for _ in ()).throw(LedgerUnavailable("the database is away"))
     with pytest.raises(LedgerUnavailable):
         claims.claim(2, [("a", 2)])
-    ledger.get_many = real
+    ledger.statuses = real
     assert (len(claims), claims.waiting(), claims.waiting_bytes()) == before  # nothing lost
     got = claims.claim(3)
-    assert [c.record.id for c in got] == ids and len(claims) == 0
+    assert [c.task_id for c in got] == ids and len(claims) == 0
     ledger.finish(ids[1], "cancelled", error={"status": 409, "error": "cancelled"})
     assert claims.release(ids) == [ids[0], ids[2]]  # the cancelled one does not wait again
     assert {t: n for t, (n, _) in claims.waiting().items()} == {"a": 2} and len(claims) == 2

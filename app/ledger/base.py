@@ -34,10 +34,17 @@ class LeaseLost(Exception):
 @dataclasses.dataclass
 class Claim:
     """A queued asynchronous task this replica has claimed: its record, and the lease's epoch
-    (``claims``: the fence a result is written under, together with the owner)."""
+    (``claims``: the fence a result is written under, together with the owner). ``record`` None:
+    not read (app/ledger/local_claims.py checks its status alone; the feeder runs most claims
+    from the work it was offered, and reads the others)."""
 
-    record: TaskRecord
-    epoch: int
+    record: TaskRecord | None
+    epoch: int | None
+    task_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.record is not None:
+            self.task_id = self.record.id
 
 
 @dataclasses.dataclass

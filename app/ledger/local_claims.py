@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import Claim, Renewal
-from .store import TaskRecord
+from .store import UNFINISHED, TaskRecord
 
 # an entry of the index: (created_at, task id, stored upload bytes)
 Entry = tuple[float, str, int]
@@ -117,8 +117,9 @@ class LocalClaims:
     def claim(self, limit: int, picks: list[tuple[str, int]] | None = None) -> list[Claim]:
         """(blocking) Up to ``limit`` waiting tasks: ``picks`` [(tenant, n)] -- each tenant's
         ``n`` oldest, the order fair share chose (app/runtime/fair_share.py, by the feeder) --
-        then, up to ``limit``, the oldest of any tenant (None: only those); each checked against
-        the ledger (a task cancelled while it waited is dropped)."""
+        then, up to ``limit``, the oldest of any tenant (None: only those); each one's status
+        checked against the ledger (a task cancelled while it waited is dropped), its record not
+        read (``Claim.record`` None: the feeder holds most of them, offered)."""
         if limit < 1:
             return []
         picked: list[tuple[str, Entry]] = []
@@ -133,19 +134,14 @@ class LocalClaims:
         if not picked:
             return []
         try:
-            records = self.ledger.get_many([entry[1] for _, entry in picked])
+            statuses = self.ledger.statuses([entry[1] for _, entry in picked])
         except BaseException:
             for tenant, (created_at, task_id, stored) in picked:  # the ledger could not be read: they wait on
                 self.add(task_id, tenant or None, created_at, stored)
             raise
-        claims = []
-        for _, (_, task_id, _) in picked:
-            record = records.get(task_id)
-            if record is None or record.finished or record.mode != "async":
-                continue  # cancelled (or gone) while it waited: nothing to run
-            claims.append(Claim(record, None))
-        claims.sort(key=lambda c: (c.record.created_at, c.record.id))
-        return claims
+        # (only asynchronous tasks wait here; one cancelled, or gone, while it waited has nothing to run)
+        waiting = sorted(entry for _, entry in picked if statuses.get(entry[1]) in UNFINISHED)
+        return [Claim(None, None, task_id) for _, task_id, _ in waiting]
 
     def release(self, task_ids: list[str]) -> list[str]:
         """(blocking) Claimed tasks that wait again (read back from the ledger: unfinished ones only)."""

@@ -278,18 +278,28 @@ class Feeder(Backlog, LeaseKeeping):
         the way: reading or parsing its input, the queue, the database)."""
         attempts: set[str] = set()
         try:
-            stored = [c.record.id for c in claims if c.record.id not in self.offered
-                      and not c.record.options.get("dataset")]
+            pending = self.runner.pending  # (an older attempt of a task still running here: not twice)
+            # the work offered here, out of the cache at once: an offer meanwhile cannot push it out
+            held = {c.task_id: acc for c in claims if c.task_id not in pending
+                    and (acc := self._take_offered(c.task_id)) is not None}
+            unread = [c.task_id for c in claims if c.record is None and c.task_id not in held]
+            records = await asyncio.to_thread(self.runner.ledger.get_many, unread) if unread else {}
+            stored = [c.task_id for c in claims if c.task_id not in held
+                      and (record := c.record or records.get(c.task_id)) is not None
+                      and not record.options.get("dataset")]
             bodies = await asyncio.to_thread(self.ledger.load_uploads, stored) if stored else {}
             for claim in claims:
-                task_id = claim.record.id
-                if task_id in self.runner.pending:  # an older attempt of it still runs here: not twice
+                task_id = claim.task_id
+                if task_id in pending:
                     log.warning("claimed a task an older attempt here still runs; its lease is given back",
                                 extra={"task_id": task_id})
                     continue
-                acc = self._take_offered(task_id)
+                acc = held.pop(task_id, None)
                 if acc is None:
-                    acc = await self._from_stored(claim.record, bodies.get(task_id), claim.epoch)
+                    record = claim.record or records.get(task_id)
+                    if record is None or record.finished:  # (gone, or finished, since its claim)
+                        continue
+                    acc = await self._from_stored(record, bodies.get(task_id), claim.epoch)
                     if acc is None:
                         continue
                     self.counters["from_stored_input"] += 1
@@ -303,7 +313,7 @@ class Feeder(Backlog, LeaseKeeping):
                     continue
                 attempts.add(task_id)
         finally:
-            await self._give_back([c.record.id for c in claims if c.record.id not in attempts])
+            await self._give_back([c.task_id for c in claims if c.task_id not in attempts])
         return len(attempts)
 
     async def _from_stored(self, record: TaskRecord, body: bytes | None, epoch: int) -> Work | None:
