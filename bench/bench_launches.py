@@ -225,7 +225,10 @@ def ceiling(runs: list[dict]) -> dict:
     """The table of ``--cores`` runs, the speed-up from one core to two (best rate of each) and its
     projection by Amdahl's law to 16 cores of this speed."""
     rows = [{"cores": r["cores"], "host_cpu_ms_per_cell_without_polls": r["host_cpu_ms_per_cell_without_polls"],
-             "server_cells_per_s": r["server_cells_per_s"]} for r in runs]
+             "server_cells_per_s": r["server_cells_per_s"],
+             # (where the span's serial ends go: the device idle before its first launch and after its last)
+             "before_first_launch_ms": (r.get("device") or {}).get("before_first_ms"),
+             "after_last_launch_ms": (r.get("device") or {}).get("after_last_ms")} for r in runs]
     best = {n: max(r["server_cells_per_s"] for r in runs if r["cores"] == n) for n in {r["cores"] for r in runs}}
     doc: dict = {"runs": rows, "best_cells_per_s": best}
     if 1 in best and 2 in best:
