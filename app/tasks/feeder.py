@@ -282,12 +282,7 @@ class Feeder(Backlog, LeaseKeeping):
             # the work offered here, out of the cache at once: an offer meanwhile cannot push it out
             held = {c.task_id: acc for c in claims if c.task_id not in pending
                     and (acc := self._take_offered(c.task_id)) is not None}
-            unread = [c.task_id for c in claims if c.record is None and c.task_id not in held]
-            records = await asyncio.to_thread(self.runner.ledger.get_many, unread) if unread else {}
-            stored = [c.task_id for c in claims if c.task_id not in held
-                      and (record := c.record or records.get(c.task_id)) is not None
-                      and not record.options.get("dataset")]
-            bodies = await asyncio.to_thread(self.ledger.load_uploads, stored) if stored else {}
+            records, bodies = await _read_back([c for c in claims if c.task_id not in held], self.runner.ledger, self.ledger)
             for claim in claims:
                 task_id = claim.task_id
                 if task_id in pending:
@@ -296,7 +291,7 @@ class Feeder(Backlog, LeaseKeeping):
                     continue
                 acc = held.pop(task_id, None)
                 if acc is None:
-                    record = claim.record or records.get(task_id)
+                    record = records.get(task_id)
                     if record is None or record.finished:  # (gone, or finished, since its claim)
                         continue
                     acc = await self._from_stored(record, bodies.get(task_id), claim.epoch)
@@ -385,3 +380,14 @@ def _counts(picks: list[str]) -> list[tuple[str, int]]:
     """[(tenant, how many)] from a list of picks, in the order each tenant first comes."""
     counts = collections.Counter(picks)
     return [(t, counts[t]) for t in dict.fromkeys(picks)]
+
+
+async def _read_back(claims: list, ledger: Any, claims_ledger: Any) -> tuple[dict[str, TaskRecord], dict[str, bytes]]:
+    """The records of ``claims`` (read where a claim came without one) and the stored uploads of
+    those not on a dataset: what their work is made from when this replica does not hold it."""
+    unread = [c.task_id for c in claims if c.record is None]
+    records = await asyncio.to_thread(ledger.get_many, unread) if unread else {}
+    records.update({c.task_id: c.record for c in claims if c.record is not None})
+    stored = [t for t, record in records.items() if not record.options.get("dataset")]
+    bodies = await asyncio.to_thread(claims_ledger.load_uploads, stored) if stored else {}
+    return records, bodies
