@@ -102,7 +102,7 @@ def new_row(task_id: str, kind: str, mode: str, backend: str, config: dict, opti
 def new_rows(tasks: list[dict], created_at: float | None = None) -> list[dict[str, Any]]:
     """``new_row`` for many tasks (``create_many``'s keyword dicts): a sweep's cells share their
     options and input hashes, so a flat JSON value equal to one already encoded in this batch is
-    not encoded again (a third of a 1,320-cell sweep's recording, docs/performance.md)."""
+    not encoded again (docs/performance.md)."""
     encode = _Remembered()
     return [new_row(t["task_id"], t["kind"], t["mode"], t["backend"], t["config"], t["options"], t["train_count"],
                     t["test_count"], t.get("input_hashes"), t["body_sha256"], t["body_bytes"],

@@ -282,7 +282,8 @@ class Feeder(Backlog, LeaseKeeping):
             # the work offered here, out of the cache at once: an offer meanwhile cannot push it out
             held = {c.task_id: acc for c in claims if c.task_id not in pending
                     and (acc := self._take_offered(c.task_id)) is not None}
-            records, bodies = await _read_back([c for c in claims if c.task_id not in held], self.runner.ledger, self.ledger)
+            records, bodies = await _read_back([c for c in claims if c.task_id not in held and c.task_id not in pending],
+                                               self.runner.ledger, self.ledger)
             for claim in claims:
                 task_id = claim.task_id
                 if task_id in pending:
@@ -388,6 +389,6 @@ async def _read_back(claims: list, ledger: Any, claims_ledger: Any) -> tuple[dic
     unread = [c.task_id for c in claims if c.record is None]
     records = await asyncio.to_thread(ledger.get_many, unread) if unread else {}
     records.update({c.task_id: c.record for c in claims if c.record is not None})
-    stored = [t for t, record in records.items() if not record.options.get("dataset")]
+    stored = [t for t, record in records.items() if not record.finished and not record.options.get("dataset")]
     bodies = await asyncio.to_thread(claims_ledger.load_uploads, stored) if stored else {}
     return records, bodies
