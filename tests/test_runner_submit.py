@@ -85,12 +85,15 @@ def test_the_budget_is_checked_where_the_body_is_parsed():
 class Recorder:
     """The runner's side of ``submit``: what it was asked to do, in order."""
 
-    def __init__(self, created: bool = True, full: bool = False) -> None:
+    def __init__(self, created: bool = True, full: bool = False, launches_ahead: int = 8,
+                 recorded: set[str] | None = None) -> None:
         self.calls: list[tuple] = []
         self.created, self.full = created, full
         self.feeder = self
         self.ledger = self
         self.io_pool = None
+        self.launches_ahead = launches_ahead  # (the first chunk of cells recorded)
+        self.recorded = recorded if recorded is not None else set()  # ids the ledger has (another request's)
 
     # the runner
     def record(self, acc, body_sha256, body_bytes, body, key):
@@ -101,7 +104,11 @@ class Recorder:
         self.calls.append(("prepare_ahead", [a.name for a in accs]))
 
     def record_many(self, accs, messages):
+        if any(a.name in self.recorded for a in accs):
+            self.calls.append(("refused", [a.name for a in accs]))
+            raise ValueError("a task id is already in the ledger")  # (all of them or none)
         self.calls.append(("record_many", [a.name for a in accs], messages))
+        self.recorded.update(a.name for a in accs)
 
     def queue(self, acc, fed=False):
         if self.full:
@@ -120,6 +127,9 @@ class Recorder:
         self.calls.append(("offer", acc.name))
 
     # the ledger
+    def statuses(self, task_ids):
+        return {t: "queued" for t in task_ids if t in self.recorded}
+
     def finish(self, task_id, status, answer, error, epoch=None):
         self.calls.append(("finish", task_id, status, error["status"]))
 
@@ -179,6 +189,46 @@ def test_cells_are_recorded_together_then_each_waits_in_the_ledger():
     # (their seed states begun first: computed while the ledger records them)
     assert r.calls == [("prepare_ahead", ["c1", "c2"]), ("record_many", ["c1", "c2"], [("m",)]),
                        ("offer", "c1"), ("offer", "c2")]
+
+
+def test_a_large_batch_of_cells_is_recorded_in_growing_chunks_each_offered_before_the_next_is_written():
+    r = Recorder(launches_ahead=2)
+    cells = [Work(f"c{i}", "async") for i in range(9)]
+    done = run(r, cells, messages=[("m",)])
+    names = [c.name for c in cells]
+    # the first launches' chunk first, then twice as many each time; the webhook's rows with the first
+    assert r.calls == [("prepare_ahead", names),
+                       ("record_many", names[:2], [("m",)]), *[("offer", n) for n in names[:2]],
+                       ("record_many", names[2:6], None), *[("offer", n) for n in names[2:6]],
+                       ("record_many", names[6:], None), *[("offer", n) for n in names[6:]]]
+    assert all(c.state == "recorded" for c in cells) and done.created
+
+
+def test_cells_another_request_recorded_meanwhile_are_left_to_it_and_the_rest_recorded_here():
+    # the same Idempotency-Key's other request at once: it recorded c1 and c4 (with the webhook's rows)
+    r = Recorder(launches_ahead=2, recorded={"c1", "c4"})
+    cells = [Work(f"c{i}", "async") for i in range(6)]
+    run(r, cells, messages=[("m",)])
+    assert r.calls == [("prepare_ahead", [c.name for c in cells]),
+                       ("refused", ["c0", "c1"]), ("record_many", ["c0"], None), ("offer", "c0"),
+                       ("refused", ["c2", "c3", "c4", "c5"]), ("record_many", ["c2", "c3", "c5"], None),
+                       *[("offer", n) for n in ("c2", "c3", "c5")]]
+    assert [c.state for c in cells] == ["recorded", "admitted", "recorded", "recorded", "admitted", "recorded"]
+
+
+def test_cells_all_recorded_by_another_request_are_not_offered_again():
+    r = Recorder(launches_ahead=2, recorded={"c0", "c1", "c2"})
+    done = run(r, [Work(f"c{i}", "async") for i in range(3)], messages=[("m",)])
+    assert [c for c in r.calls if c[0] in ("record_many", "offer")] == [] and not done.created
+
+
+def test_a_cell_the_ledger_refuses_for_another_reason_is_an_error():
+    class Refusing(Recorder):
+        def record_many(self, accs, messages):
+            raise ValueError("task ... kind must be one of ...")
+
+    with pytest.raises(ValueError, match="kind must be"):
+        run(Refusing(), [Work("c0", "async")])
 
 
 def test_a_claim_is_queued_as_the_feeders_and_watched_for_a_failure_before_its_launch():

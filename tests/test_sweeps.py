@@ -266,3 +266,83 @@ def test_a_poll_reads_no_answer_back_for_cells_this_process_recorded(tmp_path):
         service.sweeps._finished.clear()  # (as on a replica that ran none of them)
         assert c.get(f"/sweeps/{sweep_id}").json() == doc
         assert sorted(asked[0]) == sorted(row["task_id"] for row in doc["cells"])
+
+
+def _held_cell_records(service, *, fail: BaseException | None = None):
+    """The ledger's ``create_many`` from its second call on (a sweep's later chunks of cells):
+    held until ``go`` is set, then written (or, with ``fail``, refused with it). Returns (entered, go)."""
+    import threading
+
+    entered, go = threading.Event(), threading.Event()
+    real, calls = service.runner.ledger.create_many, []
+
+    def create_many(tasks, messages=None):
+        calls.append(len(tasks))
+        if len(calls) > 1:
+            entered.set()
+            assert go.wait(60), "the test never let the later chunk through"
+            if fail is not None:
+                raise fail
+        return real(tasks, messages)
+
+    service.runner.ledger.create_many = create_many
+    return entered, go, real
+
+
+def test_a_large_sweeps_first_launches_run_while_its_other_cells_are_being_recorded(tmp_path):
+    """A sweep's cells are recorded in chunks (the first launches' first): the first chunk's cells
+    are claimed and answered while a later chunk is still being written, and the 202 comes once
+    every cell is recorded."""
+    import threading
+
+    import httpx
+
+    app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        entered, go, _ = _held_cell_records(app.state.service)
+        answer: dict = {}
+
+        def post():
+            with httpx.Client(base_url=server.url, timeout=120) as other:
+                answer["r"] = other.post("/sweeps", json={"dataset": DIGEST, "seeds": {"start": 0, "count": 10}})
+
+        poster = threading.Thread(target=post)
+        poster.start()
+        try:
+            assert entered.wait(60)  # the second chunk is being written
+            done = wait_for(lambda: [t for t in c.get("/tasks").json()["tasks"] if t["status"] == "succeeded"], 60,
+                            what="a cell of the first chunk answered")
+            assert len(c.get("/tasks").json()["tasks"]) == 4  # the first chunk (launches of 2: two launches' worth)
+            assert "r" not in answer and done  # no 202 before every cell is recorded
+        finally:
+            go.set()
+            poster.join(60)
+        r = answer["r"]
+        assert r.status_code == 202, r.text
+        doc = completed(c, r.json()["id"])
+        assert doc["counts"]["succeeded"] == 10 and len(c.get("/tasks").json()["tasks"]) == 10
+
+
+def test_a_fault_between_a_sweeps_chunks_loses_no_cell_its_keys_retry_records_the_rest(tmp_path):
+    """The ledger fails while a sweep's later chunk of cells is written: a 503, the first chunk's
+    cells run; the same Idempotency-Key's retry answers that sweep and records the cells it lacks,
+    each once."""
+    from app.ledger import LedgerUnavailable
+
+    app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        service = app.state.service
+        _, go, real = _held_cell_records(service, fail=LedgerUnavailable("the disk is full (injected)"))
+        go.set()
+        body = {"dataset": DIGEST, "grid": {"epochs": [1, 2]}, "seeds": {"start": 0, "count": 5}}
+        refused = c.post("/sweeps", json=body, headers={"Idempotency-Key": "chunks"})
+        assert refused.status_code == 503 and "disk is full" in refused.text
+        service.runner.ledger.create_many = real
+        again = c.post("/sweeps", json=body, headers={"Idempotency-Key": "chunks"})
+        assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
+        doc = completed(c, again.json()["id"])
+        assert doc["counts"]["succeeded"] == 10
+        tasks = c.get("/tasks").json()["tasks"]
+        assert sorted(t["id"] for t in tasks) == sorted(row["task_id"] for row in doc["cells"])  # each cell once

@@ -265,9 +265,9 @@ class Evaluations:
                      for t, m in wanted]
         if not accs:
             return
-        # its webhook's message, in the cells' transaction (the first time they are recorded)
+        # its webhook's message, with the cells' first chunk (the first time they are recorded)
         messages = message_rows("evaluation", ev.id, ev.definition.get("webhook"), ev.owner) if not have else []
-        await runner.submit(accs, messages=messages)  # one transaction, then each waits in the ledger for the feeder
+        await runner.submit(accs, messages=messages)  # in chunks, each waiting in the ledger for the feeder at once
 
     # ------------------------------------------------------------------ reading and grading
     async def get(self, evaluation_id: str, viewer: str | None = None) -> EvaluationRecord:

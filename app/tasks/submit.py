@@ -146,20 +146,39 @@ async def submit(runner: Any, work: Any, *, body: bytes | memoryview | None = No
 
 
 async def _cells(runner: Any, accs: list, messages: list[tuple] | None) -> Submitted:
-    """A sweep's or an evaluation's cells: recorded together (all or none), then each offered to
-    the feeder (it waits in the ledger; any replica's feeder claims it by fair share). Cells the
-    ledger has already (the same Idempotency-Key's other request, at once) are that request's."""
+    """A sweep's or an evaluation's cells: recorded in chunks (``cell_chunks``), each chunk in
+    one transaction (all of it or none) and offered to the feeder as soon as it is recorded, so
+    that the first launches are claimed while the rest are written (any replica's feeder claims
+    them by fair share). ``messages`` (the webhook's outbox rows) go with the first chunk. A
+    chunk whose cells the ledger has already (the same Idempotency-Key's other request, at once)
+    is that request's: only the cells it lacks are recorded here."""
     if not accs:
         return Submitted()
     runner.prepare_ahead(accs)  # the first launches' seed-derived states, while the ledger records the cells
-    try:
-        await asyncio.to_thread(runner.record_many, accs, messages)
-    except ValueError:  # (ids in the ledger already)
-        have = await asyncio.to_thread(runner.ledger.get_many, [acc.task_id for acc in accs])
-        if len(have) == len(accs):
-            return Submitted(created=False)  # recorded and offered by that request
-        raise
-    for acc in accs:
-        acc.record()
-        runner.feeder.offer(acc)
-    return Submitted()
+    created = False
+    for chunk in cell_chunks(accs, runner.launches_ahead):
+        while chunk:
+            try:
+                await asyncio.to_thread(runner.record_many, chunk, messages)
+            except ValueError:  # (ids in the ledger already)
+                have = await asyncio.to_thread(runner.ledger.statuses, [acc.task_id for acc in chunk])
+                if not have:
+                    raise
+                chunk, messages = [acc for acc in chunk if acc.task_id not in have], None  # (written with theirs)
+                continue
+            for acc in chunk:
+                acc.record()
+                runner.feeder.offer(acc)
+            created, messages, chunk = True, None, []
+    return Submitted(created=created)
+
+
+def cell_chunks(accs: list, first: int) -> list[list]:
+    """``accs`` cut into the chunks they are recorded in: ``first`` of them (the first launches'),
+    then each chunk twice the one before (a 1,320-cell sweep with launches of 132: 264, 528, 528),
+    so that a large sweep costs a few more transactions, not one per launch."""
+    chunks, at, size = [], 0, max(1, first)
+    while at < len(accs):
+        chunks.append(accs[at:at + size])
+        at, size = at + size, 2 * size
+    return chunks

@@ -234,10 +234,10 @@ class Sweeps:
         accs = [Work(task_id=c["task_id"], task=task, config=config, backend=backend,
                      include_scores=include, mode="async", body_bytes=record.bytes, dataset=sweep.dataset,
                      labels=labels, sweep=sweep.id, owner=sweep.owner) for c, config in zip(missing, configs, strict=True)]
-        # its webhook's message, in the cells' transaction (the first time they are recorded)
+        # its webhook's message, with the cells' first chunk (the first time they are recorded)
         messages = (message_rows("sweep", sweep.id, sweep.definition.get("webhook"), sweep.owner)
                     if len(missing) == len(sweep.cells) else [])
-        await runner.submit(accs, messages=messages)  # one transaction, then each waits in the ledger for the feeder
+        await runner.submit(accs, messages=messages)  # in chunks, each waiting in the ledger for the feeder at once
 
     async def state(self, sweep_id: str, viewer: str | None = None) -> dict[str, Any]:
         sweep = await asyncio.to_thread(self.datasets.store.get_sweep, sweep_id)
