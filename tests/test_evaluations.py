@@ -498,3 +498,40 @@ def insert_graded(data_dir: Path, evaluation_id: str, correct: int, ms: float) -
                                                                           "backend": "cuda", "measure": None}),
                       json.dumps(result), time.time(), correct / 10000, ms))
     return comparison_label("cuda:0", H200, [0])
+
+
+def test_an_evaluation_cancelled_while_its_cells_are_being_recorded_runs_none_recorded_after_the_cancel(tmp_path):
+    """As a sweep's (tests/test_sweeps.py): a cancel between two chunks of the cells stops the
+    cells recorded after it too."""
+    import threading
+
+    import httpx
+
+    from .test_sweeps import _held_cell_records
+
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c:
+        entered, go, _ = _held_cell_records(app.state.service)
+        gate.hold()
+        answer: dict = {}
+
+        def post():
+            with httpx.Client(base_url=server.url, timeout=300) as other:
+                answer["r"] = other.post("/evaluations", json={"draws": "0-2", "seeds": {"start": 0, "count": 2},
+                                                               "config": {"epochs": 1}})
+
+        poster = threading.Thread(target=post)
+        poster.start()
+        try:
+            assert entered.wait(120)  # the second chunk is being written (launches of one: chunks of 2, 4)
+            evaluation_id = c.get("/evaluations").json()["evaluations"][0]["id"]
+            cancelled = c.post(f"/evaluations/{evaluation_id}/cancel")
+            assert cancelled.status_code == 200, cancelled.text
+        finally:
+            go.set()
+            poster.join(60)
+        gate.release()
+        assert answer["r"].status_code == 202
+        doc = finished(c, evaluation_id)
+        assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 6, doc["counts"]

@@ -346,3 +346,39 @@ def test_a_fault_between_a_sweeps_chunks_loses_no_cell_its_keys_retry_records_th
         assert doc["counts"]["succeeded"] == 10
         tasks = c.get("/tasks").json()["tasks"]
         assert sorted(t["id"] for t in tasks) == sorted(row["task_id"] for row in doc["cells"])  # each cell once
+
+
+def test_a_sweep_cancelled_while_its_cells_are_being_recorded_runs_none_recorded_after_the_cancel(tmp_path):
+    """A cancel that comes between two chunks of a sweep's cells (the sweep is in GET /sweeps
+    already) stops the cells recorded after it too: none of them runs, and the sweep ends cancelled."""
+    import threading
+
+    import httpx
+
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")),
+                     engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        entered, go, _ = _held_cell_records(app.state.service)
+        gate.hold()
+        answer: dict = {}
+
+        def post():
+            with httpx.Client(base_url=server.url, timeout=120) as other:
+                answer["r"] = other.post("/sweeps", json={"dataset": DIGEST, "seeds": {"start": 0, "count": 10}})
+
+        poster = threading.Thread(target=post)
+        poster.start()
+        try:
+            assert entered.wait(60)  # the second chunk is being written
+            sweep_id = c.get("/sweeps").json()["sweeps"][0]["id"]
+            cancelled = c.post(f"/sweeps/{sweep_id}/cancel")
+            assert cancelled.status_code == 200, cancelled.text
+        finally:
+            go.set()
+            poster.join(60)
+        gate.release()
+        assert answer["r"].status_code == 202
+        doc = completed(c, sweep_id)
+        assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 10, doc["counts"]

@@ -268,6 +268,9 @@ class Evaluations:
         # its webhook's message, with the cells' first chunk (the first time they are recorded)
         messages = message_rows("evaluation", ev.id, ev.definition.get("webhook"), ev.owner) if not have else []
         await runner.submit(accs, messages=messages)  # in chunks, each waiting in the ledger for the feeder at once
+        latest = await asyncio.to_thread(self.store.get, ev.id)
+        if latest is not None and latest.cancelled_at is not None:  # cancelled while its chunks were recorded
+            await asyncio.gather(*(runner.cancel(acc.task_id) for acc in accs), return_exceptions=True)
 
     # ------------------------------------------------------------------ reading and grading
     async def get(self, evaluation_id: str, viewer: str | None = None) -> EvaluationRecord:

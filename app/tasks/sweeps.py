@@ -238,6 +238,9 @@ class Sweeps:
         messages = (message_rows("sweep", sweep.id, sweep.definition.get("webhook"), sweep.owner)
                     if len(missing) == len(sweep.cells) else [])
         await runner.submit(accs, messages=messages)  # in chunks, each waiting in the ledger for the feeder at once
+        latest = await asyncio.to_thread(catalog.store.get_sweep, sweep.id)
+        if latest is not None and latest.cancelled_at is not None:  # cancelled while its chunks were recorded
+            await asyncio.gather(*(runner.cancel(acc.task_id) for acc in accs), return_exceptions=True)
 
     async def state(self, sweep_id: str, viewer: str | None = None) -> dict[str, Any]:
         sweep = await asyncio.to_thread(self.datasets.store.get_sweep, sweep_id)
