@@ -282,6 +282,19 @@ MUTANTS = [
            "app/tasks/feeder.py", "                acc = held.pop(task_id, None)\n",
            "                acc = held.pop(task_id, None) if task_id in self.offered else None\n",
            ("tests/test_launches.py", "-k", "pushed_out")),
+    Mutant("m69_webhook_rows_with_every_chunk", "a sweep's webhook rows written with every chunk of its cells",
+           "app/tasks/submit.py", "            created, messages, chunk = True, None, []\n",
+           "            created, chunk = True, []\n",
+           ("tests/test_runner_submit.py", "-k", "chunks")),
+    Mutant("m70_other_requests_chunk_taken_whole", "a chunk another request recorded part of taken as all of it theirs",
+           "app/tasks/submit.py",
+           "                chunk, messages = [acc for acc in chunk if acc.task_id not in have], None",
+           "                chunk, messages = [], None",
+           ("tests/test_runner_submit.py", "-k", "another_request")),
+    Mutant("m71_cancel_between_chunks_missed", "a sweep cancelled while its cells are recorded: the later chunks run",
+           "app/tasks/sweeps.py", "        if latest is not None and latest.cancelled_at is not None:",
+           "        if latest is not None and latest.cancelled_at is None:",
+           ("tests/test_sweeps.py", "-k", "cancelled_while")),
 ]
 
 
