@@ -32,6 +32,10 @@ it for 16 cores of this speed (the serial share s from the speed-up S on two: s 
 
     python bench/bench_launches.py --skip-evaluation --uploads 0 --launch-ms 1 --cores 1,2,1,2
 
+``--warm-sweep`` runs the same sweep once, unmeasured, before the measured one: its seeds'
+initial parameters and permutations are then kept (learner/seed_state.py), as for a sweep over
+seeds the server has run before, so the measured sweep's first launch waits for none of them.
+
 The kept outputs (~600 MB for the defaults) go to --cache (default /tmp/rev88-stand-in); a
 second run reuses them.
 """
@@ -253,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-evaluation", action="store_true")
     parser.add_argument("--uploads", type=int, default=132, help="synchronous uploads of draw 0 (0: none; at most --seeds)")
     parser.add_argument("--clients", type=int, default=8, help="connections the uploads are sent from at once")
+    parser.add_argument("--warm-sweep", action="store_true", help="run the sweep once, unmeasured, before the "
+                        "measured one (its seeds' states then kept: a sweep over seeds the server has run before)")
     parser.add_argument("--cores", default="", help="comma-separated core counts (1,2,1,2): the sweep alone, "
                         "once per entry on a fresh server pinned to that many cores, and the speed-up")
     args = parser.parse_args(argv)
@@ -345,6 +351,8 @@ def one_server(args, folder: Path, expected: list[str], serve: list[str], digest
 
             if pinned is not None:
                 pin(proc.pid, pinned)
+            if args.warm_sweep:  # the same sweep once before: its seeds' states kept, as for a sweep run again
+                measure(stats, proc.pid, len(sweep_cells), start_sweep, sweep_done, stand_in_rate)
             sweep = measure(stats, proc.pid, len(sweep_cells), start_sweep, sweep_done, stand_in_rate)
             status, _, data = request(port, "GET", f"/sweeps/{sweep.pop('handle')}")
             state = json.loads(data)
