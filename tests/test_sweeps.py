@@ -382,3 +382,59 @@ def test_a_sweep_cancelled_while_its_cells_are_being_recorded_runs_none_recorded
         assert answer["r"].status_code == 202
         doc = completed(c, sweep_id)
         assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 10, doc["counts"]
+
+
+def test_a_cancel_whose_mark_is_written_after_the_last_chunk_was_checked_still_stops_that_chunk(tmp_path):
+    """The other order of the same race: the cancel reads the sweep before its last chunk is
+    recorded, and marks it cancelled only after the recording has looked for a mark and found
+    none. The cancel's list of unfinished cells holds the ones not yet recorded (a queued row
+    each), and it cancels them after its mark, when they are recorded: it stops that chunk itself."""
+    import threading
+
+    import httpx
+
+    gate = Gate()
+    app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")),
+                     engines=gated_engines(gate))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        service = app.state.service
+        entered, go, _ = _held_cell_records(service)
+        store = service.sweeps.datasets.store
+        marking, mark = threading.Event(), threading.Event()
+        real_mark = store.cancel_sweep
+
+        def cancel_sweep(sweep_id):
+            marking.set()
+            assert mark.wait(60), "the test never let the mark through"
+            return real_mark(sweep_id)
+
+        store.cancel_sweep = cancel_sweep
+        gate.hold()
+        answers: dict = {}
+
+        def call(name, path, body=None):
+            with httpx.Client(base_url=server.url, timeout=120) as other:
+                answers[name] = other.post(path, json=body)
+
+        poster = threading.Thread(target=call, args=("sweep", "/sweeps", {"dataset": DIGEST,
+                                                                          "seeds": {"start": 0, "count": 10}}))
+        poster.start()
+        try:
+            assert entered.wait(60)  # the second chunk is being written
+            sweep_id = c.get("/sweeps").json()["sweeps"][0]["id"]
+            canceller = threading.Thread(target=call, args=("cancel", f"/sweeps/{sweep_id}/cancel"))
+            canceller.start()
+            assert marking.wait(60)  # the cancel has read the sweep (its later cells not recorded yet)
+            go.set()
+            poster.join(60)  # every chunk recorded, and no mark seen
+            assert answers["sweep"].status_code == 202
+        finally:
+            go.set()
+            mark.set()
+            poster.join(60)
+            canceller.join(60)
+        assert answers["cancel"].status_code == 200, answers["cancel"].text
+        gate.release()
+        doc = completed(c, sweep_id)
+        assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 10, doc["counts"]
