@@ -295,6 +295,11 @@ MUTANTS = [
            "app/tasks/sweeps.py", "        if latest is not None and latest.cancelled_at is not None:",
            "        if latest is not None and latest.cancelled_at is None:",
            ("tests/test_sweeps.py", "-k", "cancelled_while")),
+    Mutant("m72_cancel_skips_cells_not_yet_recorded", "a sweep's cancel skips the cells not yet recorded",
+           "app/tasks/sweeps.py",
+           'unfinished = [row["task_id"] for row in doc["cells"] if row["status"] not in FINISHED]',
+           'unfinished = [row["task_id"] for row in doc["cells"] if row["status"] not in FINISHED and row.get("backend")]',
+           ("tests/test_sweeps.py", "-k", "mark_is_written")),
 ]
 
 
