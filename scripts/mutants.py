@@ -300,6 +300,16 @@ MUTANTS = [
            'unfinished = [row["task_id"] for row in doc["cells"] if row["status"] not in FINISHED]',
            'unfinished = [row["task_id"] for row in doc["cells"] if row["status"] not in FINISHED and row.get("backend")]',
            ("tests/test_sweeps.py", "-k", "mark_is_written")),
+    Mutant("m73_cancelled_sweeps_unrecorded_cells_queued", "a cancelled sweep's never-recorded cells read queued",
+           "app/tasks/sweeps.py",
+           "        unrecorded = NEVER_RECORDED if sweep.cancelled_at is not None else None\n",
+           "        unrecorded = None\n",
+           ("tests/test_sweeps.py", "-k", "half_recorded")),
+    Mutant("m74_cancelled_evaluation_records_more", "a replay of a cancelled evaluation records its missing draws",
+           "app/tasks/evaluations.py",
+           "        if ev.cancelled_at is not None:  # (a replay of a cancelled evaluation: its draws never recorded stay so)\n"
+           "            return\n", "",
+           ("tests/test_evaluations.py", "-k", "half_recorded")),
 ]
 
 

@@ -535,3 +535,32 @@ def test_an_evaluation_cancelled_while_its_cells_are_being_recorded_runs_none_re
         assert answer["r"].status_code == 202
         doc = finished(c, evaluation_id)
         assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 6, doc["counts"]
+
+
+def test_an_evaluation_left_half_recorded_by_a_fault_can_be_cancelled_and_its_unrecorded_draws_never_run(tmp_path):
+    """As a sweep's (tests/test_sweeps.py): after a fault between chunks, a cancel ends the
+    evaluation, the draws never recorded read cancelled, and its key's replay records none."""
+    from app.ledger import LedgerUnavailable
+
+    from .test_sweeps import _held_cell_records
+
+    app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "d")))
+    with inprocess_server(app) as server, server.client() as c:
+        service = app.state.service
+        _, go, real = _held_cell_records(service, fail=LedgerUnavailable("the disk is full (injected)"))
+        go.set()
+        body = {"draws": "0-2", "seeds": {"start": 0, "count": 2}, "config": {"epochs": 1}}
+        assert c.post("/evaluations", json=body, headers={"Idempotency-Key": "half"}).status_code == 503
+        service.runner.ledger.create_many = real
+        evaluation_id = c.get("/evaluations").json()["evaluations"][0]["id"]
+        wait_for(lambda: c.get(f"/evaluations/{evaluation_id}").json()["counts"]["succeeded"] == 2, 120,
+                 what="the first chunk's draws")
+        assert c.get(f"/evaluations/{evaluation_id}").json()["status"] == "running"  # (4 never recorded)
+        assert c.post(f"/evaluations/{evaluation_id}/cancel").status_code == 200
+        doc = finished(c, evaluation_id, timeout=60)
+        assert doc["status"] == "cancelled" and doc["counts"]["succeeded"] == 2 and doc["counts"]["cancelled"] == 4
+        again = c.post("/evaluations", json=body, headers={"Idempotency-Key": "half"})
+        assert again.status_code == 202 and again.json()["id"] == evaluation_id
+        assert len(c.get("/tasks").json()["tasks"]) == 2
+        (row,) = c.get("/evaluations").json()["evaluations"]
+        assert row["status"] == "cancelled"

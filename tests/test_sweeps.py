@@ -438,3 +438,34 @@ def test_a_cancel_whose_mark_is_written_after_the_last_chunk_was_checked_still_s
         gate.release()
         doc = completed(c, sweep_id)
         assert doc["status"] == "cancelled" and doc["counts"]["cancelled"] == 10, doc["counts"]
+
+
+def test_a_sweep_left_half_recorded_by_a_fault_can_be_cancelled_and_its_unrecorded_cells_never_run(tmp_path):
+    """A fault between chunks with no retry leaves cells the ledger never recorded (they read
+    queued). A cancel ends the sweep: those cells read cancelled, in its document and in the list,
+    and a later replay of its key records none of them."""
+    from app.ledger import LedgerUnavailable
+
+    app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")))
+    with inprocess_server(app) as server, server.client() as c:
+        assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
+        service = app.state.service
+        _, go, real = _held_cell_records(service, fail=LedgerUnavailable("the disk is full (injected)"))
+        go.set()
+        body = {"dataset": DIGEST, "seeds": {"start": 0, "count": 10}}
+        assert c.post("/sweeps", json=body, headers={"Idempotency-Key": "half"}).status_code == 503
+        service.runner.ledger.create_many = real
+        (row,) = c.get("/sweeps").json()["sweeps"]
+        recorded = wait_for(lambda: (d := c.get(f"/sweeps/{row['id']}").json())["counts"]["succeeded"] == 4 and d,
+                            60, what="the first chunk's cells")
+        assert recorded["status"] == "running" and recorded["counts"]["queued"] == 6  # (never recorded)
+        assert c.post(f"/sweeps/{row['id']}/cancel").status_code == 200
+        doc = c.get(f"/sweeps/{row['id']}").json()
+        assert doc["status"] == "cancelled" and doc["counts"] == {"queued": 0, "running": 0, "succeeded": 4,
+                                                                  "failed": 0, "cancelled": 6}
+        assert {cell["error"] for cell in doc["cells"] if cell["status"] == "cancelled"} == {
+            "cancelled before it was recorded"}
+        assert c.get("/sweeps").json()["sweeps"][0]["status"] == "cancelled"
+        again = c.post("/sweeps", json=body, headers={"Idempotency-Key": "half"})
+        assert again.status_code == 202 and again.json()["id"] == row["id"]
+        assert len(c.get("/tasks").json()["tasks"]) == 4 and c.get(f"/sweeps/{row['id']}").json() == doc

@@ -236,11 +236,13 @@ def cell_ids(ev: EvaluationRecord) -> list[str]:
 
 def progress(ev: EvaluationRecord, statuses: dict[str, str]) -> tuple[str, dict[str, int]]:
     """An ungraded evaluation's status and its draws' counts, from its tasks' statuses alone
-    (``statuses``: task id -> status; a task not recorded yet is queued). The status is
+    (``statuses``: task id -> status; a task not recorded yet is queued, or cancelled once the
+    evaluation is: app/tasks/sweeps.py ``NeverRecorded``). The status is
     ``status_of``'s while a task is unfinished; "graded" when every one has finished (its
     grade, ``_grade``, then decides completed, failed or cancelled)."""
-    of = [statuses.get(t, "queued") for t in cell_ids(ev)]
-    draws = counts([{"status": statuses.get(c["task_id"], "queued")} for c in ev.cells])
+    unrecorded = "queued" if ev.cancelled_at is None else "cancelled"  # (a cancelled one's never run)
+    of = [statuses.get(t, unrecorded) for t in cell_ids(ev)]
+    draws = counts([{"status": statuses.get(c["task_id"], unrecorded)} for c in ev.cells])
     if all(s in FINISHED for s in of):
         return "graded", draws
     return ("queued" if all(s == "queued" for s in of) else "running"), draws

@@ -58,7 +58,7 @@ from .evaluation_report import (  # noqa: F401 - (its users import them here)
 )
 from .options import MEASURE_PARAMS, measure_arguments
 from .runner import new_task_id
-from .sweeps import seeds_of
+from .sweeps import NEVER_RECORDED, seeds_of
 from .work import Work
 
 log = logging.getLogger("rev88." + __name__)
@@ -238,6 +238,8 @@ class Evaluations:
         """Record and queue the evaluation's cells that the ledger does not have yet (``fresh``:
         created just now, its cells' new ids cannot be there: not asked)."""
         runner, catalog = self.runner, self.datasets
+        if ev.cancelled_at is not None:  # (a replay of a cancelled evaluation: its draws never recorded stay so)
+            return
         ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
         have = {} if fresh else await asyncio.to_thread(runner.ledger.get_many, ids)
         base = ev.definition["config"]
@@ -291,6 +293,8 @@ class Evaluations:
         await self.runner.written()
         ids = [c["task_id"] for c in ev.cells] + [c["measure_task_id"] for c in ev.cells if "measure_task_id" in c]
         records = await asyncio.to_thread(self.runner.ledger.get_many, ids, False)  # (no predictions needed)
+        if ev.cancelled_at is not None:  # its draws never recorded read as cancelled (they never run)
+            records = {t: records.get(t, NEVER_RECORDED) for t in ids}
         rows = []
         for cell in ev.cells:
             row = draw_row(cell, records.get(cell["task_id"]), records.get(cell.get("measure_task_id", "")))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import io
 import itertools
 import time
@@ -35,6 +36,23 @@ from .work import Work
 FINISHED = ("succeeded", "failed", "cancelled")
 CELL_STATUSES = ("queued", "running", *FINISHED)
 FINISHED_ROWS = 200_000  # finished cells' rows kept in memory (GET /sweeps/<id> reads only the others)
+
+
+@dataclasses.dataclass(frozen=True)
+class NeverRecorded:
+    """What a cell of a cancelled sweep (or evaluation) that the ledger never recorded reads as:
+    cancelled. Its chunk came after the cancel, or never came (a crash or a ledger error between
+    two chunks, app/tasks/submit.py); once cancelled, no more of its cells are recorded, so it
+    never runs."""
+
+    status: str = "cancelled"
+    answer: None = None
+    error: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"status": 409, "error": "cancelled before it was recorded"})
+    backend: None = None
+
+
+NEVER_RECORDED = NeverRecorded()
 
 
 def expand(definition: dict[str, Any]) -> list[Config]:
@@ -221,6 +239,8 @@ class Sweeps:
         the ledger (not asked), and their configs are not made again from the record's."""
         fresh = configs is not None
         runner, catalog = self.runner, self.datasets
+        if sweep.cancelled_at is not None:  # (a replay of a cancelled sweep: its cells never recorded stay so)
+            return
         have = {} if fresh else await asyncio.to_thread(runner.ledger.get_many, [c["task_id"] for c in sweep.cells])
         missing = [c for c in sweep.cells if c["task_id"] not in have]
         if not missing:
@@ -251,10 +271,12 @@ class Sweeps:
         rows = {c["task_id"]: self._finished.get(c["task_id"]) for c in sweep.cells}
         missing = [task_id for task_id, row in rows.items() if row is None]
         records = await asyncio.to_thread(self.runner.ledger.get_many, missing, False) if missing else {}
+        unrecorded = NEVER_RECORDED if sweep.cancelled_at is not None else None
         for cell in sweep.cells:
             if rows[cell["task_id"]] is None:
-                row = rows[cell["task_id"]] = cell_row(cell, records.get(cell["task_id"]))
-                if row["status"] in FINISHED:
+                record = records.get(cell["task_id"])
+                row = rows[cell["task_id"]] = cell_row(cell, record or unrecorded)
+                if row["status"] in FINISHED and record is not None:
                     self._keep(row)
         return state(sweep, [rows[c["task_id"]] for c in sweep.cells])
 
@@ -273,8 +295,9 @@ class Sweeps:
         for s in sweeps:
             counts = known[s.id]
             if counts is None:
+                unrecorded = "queued" if s.cancelled_at is None else NEVER_RECORDED.status  # (not recorded yet)
                 counts = count([(self._finished.get(c["task_id"]) or {}).get("status")
-                                or statuses.get(c["task_id"], "queued") for c in s.cells])  # (not recorded yet: queued)
+                                or statuses.get(c["task_id"], unrecorded) for c in s.cells])
                 if not counts["queued"] and not counts["running"]:
                     if len(self._settled) >= FINISHED_ROWS:
                         self._settled.clear()
