@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 import uuid
 
@@ -98,6 +99,19 @@ def claims_held_back(service):
     tasks recorded meanwhile are claimed together (up to batch_max)."""
     shared = service.runner.shared
     ready, shared.ready = shared.ready, lambda: False
+    # a claim round already under way (the loop polls every claim_poll_s) could still claim what
+    # the test records next: wait for a round that began after the hold, and so found nothing to do
+    real, after = shared.claim_some, threading.Event()
+
+    async def claim_some():
+        queued = await real()
+        after.set()
+        return queued
+
+    shared.claim_some = claim_some
+    shared.wake()
+    assert after.wait(30), "the feeder's claim loop did not come round"
+    del shared.claim_some  # (the method again)
     try:
         yield
     finally:
