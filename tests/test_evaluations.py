@@ -503,11 +503,7 @@ def insert_graded(data_dir: Path, evaluation_id: str, correct: int, ms: float) -
 def test_an_evaluation_cancelled_while_its_cells_are_being_recorded_runs_none_recorded_after_the_cancel(tmp_path):
     """As a sweep's (tests/test_sweeps.py): a cancel between two chunks of the cells stops the
     cells recorded after it too."""
-    import threading
-
-    import httpx
-
-    from .test_sweeps import _held_cell_records
+    from .test_sweeps import _held_cell_records, _post_aside
 
     gate = Gate()
     app = create_app(Settings(backend="cpu", workers=1, data_dir=str(tmp_path / "d")), engines=gated_engines(gate))
@@ -515,14 +511,8 @@ def test_an_evaluation_cancelled_while_its_cells_are_being_recorded_runs_none_re
         entered, go, _ = _held_cell_records(app.state.service)
         gate.hold()
         answer: dict = {}
-
-        def post():
-            with httpx.Client(base_url=server.url, timeout=300) as other:
-                answer["r"] = other.post("/evaluations", json={"draws": "0-2", "seeds": {"start": 0, "count": 2},
-                                                               "config": {"epochs": 1}})
-
-        poster = threading.Thread(target=post)
-        poster.start()
+        poster = _post_aside(server.url, "/evaluations", {"draws": "0-2", "seeds": {"start": 0, "count": 2},
+                                                          "config": {"epochs": 1}}, answer, timeout=300)
         try:
             assert entered.wait(120)  # the second chunk is being written (launches of one: chunks of 2, 4)
             evaluation_id = c.get("/evaluations").json()["evaluations"][0]["id"]

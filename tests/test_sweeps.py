@@ -289,26 +289,34 @@ def _held_cell_records(service, *, fail: BaseException | None = None):
     return entered, go, real
 
 
+def _post_aside(url: str, path: str, body: dict | None, answers: dict, name: str = "r", timeout: float = 120):
+    """POST ``body`` to ``path`` on a thread of its own (its answer in ``answers[name]``): the
+    thread, started."""
+    import threading
+
+    import httpx
+
+    def post():
+        with httpx.Client(base_url=url, timeout=timeout) as other:
+            answers[name] = other.post(path, json=body)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread
+
+
 def test_a_large_sweeps_first_launches_run_while_its_other_cells_are_being_recorded(tmp_path):
     """A sweep's cells are recorded in chunks (the first launches' first): the first chunk's cells
     are claimed and answered while a later chunk is still being written, and the 202 comes once
     every cell is recorded."""
-    import threading
 
-    import httpx
 
     app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")))
     with inprocess_server(app) as server, server.client() as c:
         assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
         entered, go, _ = _held_cell_records(app.state.service)
         answer: dict = {}
-
-        def post():
-            with httpx.Client(base_url=server.url, timeout=120) as other:
-                answer["r"] = other.post("/sweeps", json={"dataset": DIGEST, "seeds": {"start": 0, "count": 10}})
-
-        poster = threading.Thread(target=post)
-        poster.start()
+        poster = _post_aside(server.url, "/sweeps", {"dataset": DIGEST, "seeds": {"start": 0, "count": 10}}, answer)
         try:
             assert entered.wait(60)  # the second chunk is being written
             done = wait_for(lambda: [t for t in c.get("/tasks").json()["tasks"] if t["status"] == "succeeded"], 60,
@@ -351,9 +359,7 @@ def test_a_fault_between_a_sweeps_chunks_loses_no_cell_its_keys_retry_records_th
 def test_a_sweep_cancelled_while_its_cells_are_being_recorded_runs_none_recorded_after_the_cancel(tmp_path):
     """A cancel that comes between two chunks of a sweep's cells (the sweep is in GET /sweeps
     already) stops the cells recorded after it too: none of them runs, and the sweep ends cancelled."""
-    import threading
 
-    import httpx
 
     gate = Gate()
     app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")),
@@ -363,13 +369,7 @@ def test_a_sweep_cancelled_while_its_cells_are_being_recorded_runs_none_recorded
         entered, go, _ = _held_cell_records(app.state.service)
         gate.hold()
         answer: dict = {}
-
-        def post():
-            with httpx.Client(base_url=server.url, timeout=120) as other:
-                answer["r"] = other.post("/sweeps", json={"dataset": DIGEST, "seeds": {"start": 0, "count": 10}})
-
-        poster = threading.Thread(target=post)
-        poster.start()
+        poster = _post_aside(server.url, "/sweeps", {"dataset": DIGEST, "seeds": {"start": 0, "count": 10}}, answer)
         try:
             assert entered.wait(60)  # the second chunk is being written
             sweep_id = c.get("/sweeps").json()["sweeps"][0]["id"]
@@ -391,8 +391,6 @@ def test_a_cancel_whose_mark_is_written_after_the_last_chunk_was_checked_still_s
     each), and it cancels them after its mark, when they are recorded: it stops that chunk itself."""
     import threading
 
-    import httpx
-
     gate = Gate()
     app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")),
                      engines=gated_engines(gate))
@@ -412,19 +410,12 @@ def test_a_cancel_whose_mark_is_written_after_the_last_chunk_was_checked_still_s
         store.cancel_sweep = cancel_sweep
         gate.hold()
         answers: dict = {}
-
-        def call(name, path, body=None):
-            with httpx.Client(base_url=server.url, timeout=120) as other:
-                answers[name] = other.post(path, json=body)
-
-        poster = threading.Thread(target=call, args=("sweep", "/sweeps", {"dataset": DIGEST,
-                                                                          "seeds": {"start": 0, "count": 10}}))
-        poster.start()
+        poster = _post_aside(server.url, "/sweeps", {"dataset": DIGEST, "seeds": {"start": 0, "count": 10}}, answers,
+                             "sweep")
         try:
             assert entered.wait(60)  # the second chunk is being written
             sweep_id = c.get("/sweeps").json()["sweeps"][0]["id"]
-            canceller = threading.Thread(target=call, args=("cancel", f"/sweeps/{sweep_id}/cancel"))
-            canceller.start()
+            canceller = _post_aside(server.url, f"/sweeps/{sweep_id}/cancel", None, answers, "cancel")
             assert marking.wait(60)  # the cancel has read the sweep (its later cells not recorded yet)
             go.set()
             poster.join(60)  # every chunk recorded, and no mark seen
