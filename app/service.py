@@ -32,6 +32,7 @@ from learner.backends import device_datasets, get_backend, loaded_backends
 from learner.config import Config
 from learner.hashing import lanes_speedup
 from learner.result import run_task, versions
+from learner.seed_processes import SeedProcesses
 from learner.taskio import validate_task
 from learner.validate import cached_validation
 
@@ -59,8 +60,9 @@ from .webhooks.delivery import Webhooks
 
 log = logging.getLogger("rev88." + __name__)
 
-FORCE_EXIT_GRACE_S = 5.0
-BACKLOG_BYTES_SHARED = 16 << 30  # REV88_BACKLOG_BYTES's default with PostgreSQL (its disk is the database's)  # after the drain deadline, before uvicorn is told to stop waiting
+FORCE_EXIT_GRACE_S = 5.0  # after the drain deadline, before uvicorn is told to stop waiting
+BACKLOG_BYTES_SHARED = 16 << 30  # REV88_BACKLOG_BYTES's default with PostgreSQL (its disk is the database's)
+SEED_PROCESS_START_S = 60.0  # the warm-up waits this long for the seed-state processes (they import torch)
 IDLE_SAMPLE_INTERVAL_S = 1.0
 
 
@@ -109,6 +111,8 @@ class Service:
         # Datasets stored once and parsed once (app/tasks/datasets.py): beside the ledger
         self.datasets = DatasetCatalog(open_datasets(settings, self.ledger), settings.dataset_cache_bytes)
         seed_state.configure(settings.seed_cache_bytes)  # seed-derived state kept per process (learner/seed_state.py)
+        # states computed apart from this process's GIL (learner/seed_processes.py), started by start()
+        self.seed_processes = SeedProcesses(settings.seed_processes) if settings.seed_processes else None
         device_datasets.configure(settings.device_dataset_bytes)  # datasets kept per device (fused backend)
         self.recovered: dict[str, int] | None = None
         self.started_at = time.time()
@@ -148,7 +152,7 @@ class Service:
                           lease_renew_s=settings.lease_renew_s, claim_poll_s=settings.claim_poll_s,
                           backlog_size=settings.backlog_size, backlog_bytes=self._backlog_bytes(settings),
                           ready=lambda: self.state == "ready"),
-            io_pool=lambda: self.io_pool,
+            io_pool=lambda: self.io_pool, seed_processes=self.seed_processes,
         )
         self.sweeps = Sweeps(self.runner, self.datasets, settings)
         self.evaluations = Evaluations(self.runner, self.datasets, settings)
@@ -242,8 +246,12 @@ class Service:
 
     def seed_cache(self) -> dict[str, Any]:
         """The seed-derived state kept (learner/seed_state.py): states, bytes, bound, hits, misses,
-        and how many were computed ahead of their launch (app/tasks/launches.py ``prepare_ahead``)."""
-        return {**seed_state.states.snapshot(), "prepared_ahead": self.runner.launches.counters["states_prepared_ahead"]}
+        how many were computed ahead of their launch (app/tasks/launches.py ``prepare_ahead``), how
+        many of those by the seed-state processes, and how many of those are ready."""
+        counters = self.runner.launches.counters
+        return {**seed_state.states.snapshot(), "prepared_ahead": counters["states_prepared_ahead"],
+                "prepared_apart": counters["states_prepared_apart"],
+                "processes": self.seed_processes.snapshot()["ready"] if self.seed_processes is not None else 0}
 
     def admission(self) -> dict[str, Any]:
         """Admission by tenant as /health and /metrics show it (issue #44): the device queue (its
@@ -311,6 +319,8 @@ class Service:
         await asyncio.to_thread(self.energy.open, self.plan.devices)
         if self.energy.meter is not None and self.energy.gpu_telemetry is not None:
             self.metrics.enable_gpu(self.energy.gpu_telemetry)
+        if self.seed_processes is not None:
+            self.seed_processes.start()  # (ready before the service is: the warm-up waits for them)
         self.executor.start()
         # Each GPU worker warms its own device (its graphs, its compiled kernel); CPU workers
         # share one set of backend objects, so one warm-up serves them all.
@@ -339,6 +349,11 @@ class Service:
             failed = [f"{c['dtype']} depth {c['depth']}" for c in validation.get("checks", []) if not c.get("passed")]
             raise RuntimeError(f"learner validation failed: {', '.join(failed) or 'see /health'}")
         t1 = time.perf_counter()
+        if self.seed_processes is not None:
+            ready = self.seed_processes.wait_ready(SEED_PROCESS_START_S)
+            if ready < self.seed_processes.count:
+                log.warning("seed-state processes not ready; states are computed in this process instead",
+                            extra={"ready": ready, "processes": self.seed_processes.count})
         engine = worker_engine(self.backend, self.engines)
         result = run_task(warmup_task(), Config(), engine)
         t2 = time.perf_counter()
@@ -440,6 +455,8 @@ class Service:
         # launches being finished (app/tasks/launches.py) record their cells, then settling
         # asynchronous tasks record what the workers answered
         await asyncio.to_thread(self.runner.launches.close)
+        if self.seed_processes is not None:
+            await asyncio.to_thread(self.seed_processes.close)
         if self.runner.background:
             await asyncio.wait(list(self.runner.background), timeout=5.0)
         await self.runner.feeder.stop()  # stop claiming; (PostgreSQL) leases of unfinished tasks given back

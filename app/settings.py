@@ -47,6 +47,8 @@
     REV88_DATASET_CACHE_BYTES  parsed datasets kept in memory      536870912 (512 MiB)
     REV88_SEED_CACHE_BYTES  seed-derived state kept in memory      268435456 (256 MiB)
                             (initial parameters, permutations)
+    REV88_SEED_PROCESSES    processes computing seed-derived       0 (in this process)
+                            state apart from the server's GIL
     REV88_DEVICE_DATASET_BYTES  datasets kept on each GPU           2147483648 (2 GiB)
                             (fused backend: images, labels)
     REV88_SWEEP_MAX_CELLS   cells of one sweep                     1000
@@ -80,6 +82,7 @@ BACKENDS = NAMES  # learner.backends.NAMES: the registry is the one list
 MAX_BATCH_WAIT_MS = 1000.0
 MAX_WEBHOOK_ATTEMPTS = 32
 MAX_WEBHOOK_DELAY_S = 7 * 86_400.0
+MAX_SEED_PROCESSES = 64  # REV88_SEED_PROCESSES: each is a Python with torch (~1 s to start, ~230 MB resident)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -145,6 +148,7 @@ class Settings:
     dataset_bytes: int = 4 << 30
     dataset_cache_bytes: int = 512 << 20
     seed_cache_bytes: int = 256 << 20  # seed-derived state kept per process (learner/seed_state.py)
+    seed_processes: int = 0  # processes computing seed-derived state apart (learner/seed_processes.py)
     device_dataset_bytes: int = 2 << 30  # datasets kept on each device (learner/backends/device_datasets.py)
     # Sweeps (app/tasks/sweeps.py): at most sweep_max_cells cells, sweep_max_work estimated work in all
     sweep_max_cells: int = 1000
@@ -207,6 +211,9 @@ class Settings:
                             ("REV88_DEVICE_DATASET_BYTES", self.device_dataset_bytes)):
             if value < 0:
                 raise SettingsError(f"{name} must be >= 0 bytes, got {value}")
+        if not 0 <= self.seed_processes <= MAX_SEED_PROCESSES:
+            raise SettingsError(f"REV88_SEED_PROCESSES must be a number of processes in [0, {MAX_SEED_PROCESSES}] "
+                                f"(0: seed states computed in this process), got {self.seed_processes}")
         if self.max_connections < 16:
             raise SettingsError(f"REV88_MAX_CONNECTIONS must be >= 16, got {self.max_connections}")
         if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgres://")):
@@ -351,6 +358,7 @@ class Settings:
             dataset_bytes=integer("REV88_DATASET_BYTES", defaults.dataset_bytes),
             dataset_cache_bytes=integer("REV88_DATASET_CACHE_BYTES", defaults.dataset_cache_bytes),
             seed_cache_bytes=integer("REV88_SEED_CACHE_BYTES", defaults.seed_cache_bytes),
+            seed_processes=integer("REV88_SEED_PROCESSES", defaults.seed_processes),
             device_dataset_bytes=integer("REV88_DEVICE_DATASET_BYTES", defaults.device_dataset_bytes),
             sweep_max_cells=integer("REV88_SWEEP_MAX_CELLS", defaults.sweep_max_cells),
             sweep_max_work=integer("REV88_SWEEP_MAX_WORK", defaults.sweep_max_work),

@@ -63,20 +63,18 @@ class SeedStateCache:
     def get(self, config: Config, train_count: int, cancel: CancelToken | None = None) -> SeedState:
         """The state of ``config``'s seed for a task of ``train_count`` rows (computed on a miss)."""
         key = self.key(config, train_count)
-        with self._lock:
-            state = self._hit(key)
-            if state is not None:
-                return state
-            under_way = self._computing.get(key)
-            if under_way is None:
-                self._computing[key] = threading.Event()
-        if under_way is not None:  # another thread computes it: wait for that one, then look again
-            under_way.wait()
+        while True:
             with self._lock:
                 state = self._hit(key)
-            if state is not None:
-                return state
-            return self._compute(config, train_count, cancel)  # (it was not kept: larger than the bound)
+                if state is not None:
+                    return state
+                under_way = self._computing.get(key)
+                if under_way is None:
+                    self._computing[key] = threading.Event()
+                    break
+            # another thread (or a seed-state process) computes it: wait for that one, then look again
+            # (not kept: larger than the bound, or its process did not give it -- then computed here)
+            under_way.wait()
         try:
             with self._lock:
                 self.misses += 1
@@ -100,6 +98,27 @@ class SeedStateCache:
         permutations = epoch_permutations(config, train_count, cancel)
         return SeedState(initial, permutations, named_sha256(parameter_names(config.depth), initial),
                          [array_sha256(p) for p in permutations])
+
+    def claim(self, config: Config, train_count: int) -> tuple | None:
+        """Mark ``config``'s state under way, when it is neither kept nor under way, for a state
+        computed elsewhere (learner/seed_processes.py): its key, which ``settle`` must be given
+        (a ``get`` meanwhile waits for it); None when there is nothing to compute."""
+        key = self.key(config, train_count)
+        with self._lock:
+            if key in self._states or key in self._computing:
+                return None
+            self._computing[key] = threading.Event()
+            self.misses += 1
+        return key
+
+    def settle(self, key: tuple, state: SeedState | None) -> None:
+        """A claimed state: kept (None: it was not computed, and a waiting ``get`` computes it)."""
+        try:
+            if state is not None:
+                self._keep(key, state)
+        finally:
+            with self._lock:
+                self._computing.pop(key).set()
 
     def missing(self, config: Config, train_count: int) -> bool:
         """Whether ``config``'s state for ``train_count`` rows is neither kept nor being computed
@@ -132,6 +151,13 @@ class SeedStateCache:
         with self._lock:
             return {"states": len(self._states), "bytes": self._bytes, "max_bytes": self.max_bytes,
                     "hits": self.hits, "misses": self.misses}
+
+
+def compute_state(config: Config, train_count: int) -> SeedState:
+    """A state computed with the process's functions, not kept (a seed-state process's work)."""
+    if states.compute is None:
+        from . import train  # noqa: F401 - (binds them)
+    return states._compute(config, train_count, None)
 
 
 def estimate_bytes(config: Config, train_count: int) -> int:

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from learner import seed_state
+from learner.seed_processes import SeedProcess, SeedProcesses
 
 from ..threads import name_os_thread
 from .answers import Measured
@@ -54,6 +55,7 @@ from .finisher import Ended, Finisher
 
 log = logging.getLogger("rev88." + __name__)
 
+STATES_PER_BATCH = 32  # states a seed-state process computes per request (~20 ms of its CPU, ~6 MB back)
 UNFINISHED_MAX = 3  # a device worker's launches out of the device and not yet finished, the one running counted
 
 
@@ -71,15 +73,20 @@ class Finishing:
 class Launches:
     """A worker's side of launches, for a ``TaskRunner`` (which owns the tasks), finished by ``finisher``."""
 
-    def __init__(self, runner: Any, finisher: Finisher) -> None:
+    def __init__(self, runner: Any, finisher: Finisher, seed_processes: SeedProcesses | None = None) -> None:
+        """``seed_processes``: where states are computed apart from this process's GIL, in batches
+        (REV88_SEED_PROCESSES; learner/seed_processes.py): one prepare thread waits on each."""
         self.runner, self.finisher = runner, finisher
+        self.seed_processes = seed_processes
+        self._drains_max = max(1, seed_processes.count if seed_processes is not None else 0)
         self.preparer = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="rev88-prepare", initializer=name_os_thread, initargs=("rev88-prepare",))
+            max_workers=self._drains_max, thread_name_prefix="rev88-prepare", initializer=name_os_thread,
+            initargs=("rev88-prepare",))
         self._ahead: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # states wanted, not begun
         self._ahead_lock = threading.Lock()
-        self._draining = False
+        self._drains = 0  # prepare threads taking states from _ahead
         self.counters = finisher.counters  # (the finisher's counts, and what was prepared ahead)
-        self.counters["states_prepared_ahead"] = 0
+        self.counters["states_prepared_ahead"] = self.counters["states_prepared_apart"] = 0
         self._worker = threading.local()  # each device worker's places: one for each launch until it is finished
         self._unrecorded: set[concurrent.futures.Future] = set()  # launches handed to the finisher, not yet recorded
 
@@ -113,29 +120,58 @@ class Launches:
                 if (len(self._ahead) + 1) * seed_state.estimate_bytes(config, rows) > cache.max_bytes // 2:
                     break
                 self._ahead[key] = (config, rows)
-            if not self._ahead or self._draining:
-                return
-            self._draining = True
-        try:
-            self.preparer.submit(self._prepare_wanted)
-        except RuntimeError:  # (shut down: the launches prepare their own)
-            with self._ahead_lock:
-                self._ahead.clear()
-                self._draining = False
+            drains = min(self._drains_max - self._drains, -(-len(self._ahead) // STATES_PER_BATCH))
+            self._drains += max(0, drains)
+        for _ in range(drains):
+            try:
+                self.preparer.submit(self._prepare_wanted)
+            except RuntimeError:  # (shut down: the launches prepare their own)
+                with self._ahead_lock:
+                    self._ahead.clear()
+                    self._drains -= 1
 
     def _prepare_wanted(self) -> None:
         cache = seed_state.states
         while True:
+            process = self.seed_processes.take() if self.seed_processes is not None else None
             with self._ahead_lock:
-                if not self._ahead:
-                    self._draining = False
-                    return
-                _, (config, rows) = self._ahead.popitem(last=False)
-            try:
-                cache.get(config, rows)
-                self.counters["states_prepared_ahead"] += 1
-            except Exception:  # noqa: BLE001 - its launch computes it again and answers what fails
-                log.debug("a seed state prepared ahead failed", exc_info=True)
+                wanted = [self._ahead.popitem(last=False)[1]
+                          for _ in range(min(STATES_PER_BATCH if process is not None else 1, len(self._ahead)))]
+                if not wanted:
+                    self._drains -= 1
+            if process is not None:
+                try:
+                    if wanted:
+                        self._prepare_apart(process, wanted)
+                finally:
+                    self.seed_processes.give(process)
+            else:  # (no process ready: in this thread, one at a time)
+                for config, rows in wanted:
+                    try:
+                        cache.get(config, rows)
+                        self.counters["states_prepared_ahead"] += 1
+                    except Exception:  # noqa: BLE001 - its launch computes it again and answers what fails
+                        log.debug("a seed state prepared ahead failed", exc_info=True)
+            if not wanted:
+                return
+
+    def _prepare_apart(self, process: SeedProcess, wanted: list[tuple[Any, int]]) -> None:
+        """States computed by a seed-state process, each under way in the cache meanwhile (a launch
+        that needs one waits for it); one it does not give back is computed by its launch."""
+        cache = seed_state.states
+        claimed = [(key, pair) for pair in wanted if (key := cache.claim(*pair)) is not None]
+        states: list = [None] * len(claimed)
+        try:
+            if claimed:
+                states = process.states([pair for _, pair in claimed])
+                self.counters["states_prepared_ahead"] += len(states)
+                self.counters["states_prepared_apart"] += len(states)
+        except Exception:  # noqa: BLE001 - said; a process gone is not lent again
+            log.warning("a seed-state process did not compute its batch; its launches compute those states",
+                        exc_info=True)
+        finally:
+            for (key, _), state in zip(claimed, states):
+                cache.settle(key, state)
 
     # ------------------------------------------------------------------ the worker's part
     def run(self, items: list[tuple], backend: str, precision: str | None) -> list[Finishing]:

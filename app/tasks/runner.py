@@ -34,6 +34,7 @@ from typing import Any
 
 from learner.budget import estimate
 from learner.config import Config
+from learner.seed_processes import SeedProcesses
 from learner.taskio import TaskArrays
 
 from ..errors import NotAccepted, Requeued
@@ -74,10 +75,11 @@ class TaskRunner(TenantGate):
     def __init__(self, *, ledger: Ledger, writer: LedgerWriter, executor: DeviceExecutor, energy: Any,
                  engines: Engines, metrics: Metrics, task_timeout_s: float, batch_max: int,
                  versions: Callable[[], dict[str, Any]], datasets: DatasetCatalog, keys: KeyRing, claims: Any,
-                 feed: FeedPlan, io_pool: Callable[[], concurrent.futures.Executor | None]) -> None:
+                 feed: FeedPlan, io_pool: Callable[[], concurrent.futures.Executor | None],
+                 seed_processes: SeedProcesses | None = None) -> None:
         """``claims``: what the feeder claims from (the PostgreSQL ledger itself, or
         app/ledger/local_claims.py's LocalClaims over SQLite); ``io_pool``: the service's io pool
-        once it has started (a large body's hashes)."""
+        once it has started (a large body's hashes); ``seed_processes``: REV88_SEED_PROCESSES's."""
         self.ledger, self.writer, self.executor = ledger, writer, executor
         self.energy, self.engines, self.metrics = energy, engines, metrics
         self.task_timeout_s, self.batch_max, self.versions = task_timeout_s, batch_max, versions
@@ -96,7 +98,7 @@ class TaskRunner(TenantGate):
                                  leases=self.shared)
         self.recorded_hooks = self.finisher.recorded_hooks  # (work, Outcome) once in the ledger (sweeps' rows)
         self.finished_hooks = self.finisher.finished_hooks  # (work, status, answer) of every end (tenants' counts)
-        self.launches = Launches(self, self.finisher)  # the worker's side of launches (app/tasks/launches.py)
+        self.launches = Launches(self, self.finisher, seed_processes)  # the worker's side of launches
 
     @property
     def background(self) -> set[asyncio.Task]:

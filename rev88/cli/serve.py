@@ -57,6 +57,7 @@ SERVE_ENV = {
     "dataset_bytes": "REV88_DATASET_BYTES",
     "dataset_cache_bytes": "REV88_DATASET_CACHE_BYTES",
     "seed_cache_bytes": "REV88_SEED_CACHE_BYTES",
+    "seed_processes": "REV88_SEED_PROCESSES",
     "device_dataset_bytes": "REV88_DEVICE_DATASET_BYTES",
     "sweep_max_cells": "REV88_SWEEP_MAX_CELLS",
     "sweep_max_work": "REV88_SWEEP_MAX_WORK",
@@ -283,6 +284,9 @@ def add_serve(sub) -> None:
                    "[REV88_DATASET_CACHE_BYTES, default 512 MiB]")
     p.add_argument("--seed-cache-bytes", type=int, help="seed-derived state (initial parameters, epoch permutations and "
                    "their hashes) kept per process, least recently used out first [REV88_SEED_CACHE_BYTES, default 256 MiB]")
+    p.add_argument("--seed-processes", type=int, help="processes that compute seed-derived state apart from the "
+                   "server's GIL, for work over many distinct seeds on a many-core host "
+                   "[REV88_SEED_PROCESSES, default 0: in the server's own thread]")
     p.add_argument("--device-dataset-bytes", type=int, help="datasets (images, labels) kept on each GPU by the fused "
                    "backend, least recently used out first; 0 keeps none [REV88_DEVICE_DATASET_BYTES, default 2 GiB]")
     p.add_argument("--sweep-max-cells", type=int, help="cells one sweep may have [REV88_SWEEP_MAX_CELLS, default 1000]")
