@@ -310,6 +310,19 @@ MUTANTS = [
            "        if ev.cancelled_at is not None:  # (a replay of a cancelled evaluation: its draws never recorded stay so)\n"
            "            return\n", "",
            ("tests/test_evaluations.py", "-k", "half_recorded")),
+    Mutant("m75_unsettled_seed_states", "a seed-state batch that failed leaves its states under way for ever",
+           "app/tasks/launches.py",
+           "            for (key, _), state in zip(claimed, states):\n"
+           "                cache.settle(key, state)\n",
+           "            for (key, _), state in zip(claimed, states):\n"
+           "                if state is not None:\n"
+           "                    cache.settle(key, state)\n",
+           ("tests/test_seed_processes.py", "-k", "service")),
+    Mutant("m76_waiter_computes_unkept", "a get that waited for a state not given computes it without keeping it",
+           "learner/seed_state.py",
+           "            under_way.wait()\n        try:\n",
+           "            under_way.wait()\n            return self._compute(config, train_count, cancel)\n        try:\n",
+           ("tests/test_seed_processes.py", "-k", "claimed")),
 ]
 
 
