@@ -1,10 +1,10 @@
 """Seed-derived states computed in processes of their own (issue #55).
 
 A state (learner/seed_state.py: a seed's initial parameters, its epoch permutations and their
-SHA-256s) costs ~0.4-0.8 ms of CPU, most of it numpy and torch calls that each let go of the GIL
-and take it back. In a busy service those take-backs wait behind every other thread's Python
-(the GIL's switch interval), so one prepare thread of the service's computed a sweep over 1,320
-seeds at about half the cells per second of a sweep over 132 (docs/performance.md). A child
+SHA-256s) is a few dozen numpy and torch calls that each let go of the GIL and take it back. In a
+busy service those take-backs wait behind every other thread's Python (the GIL's switch
+interval), so a sweep over many distinct seeds waits for the service's one prepare thread
+(docs/performance.md, "Seed states in processes of their own"). A child
 process has a GIL of its own: it computes the states and sends them back whole, and the service's
 thread that waits for them takes its GIL back twice per batch (``MSG_WAITALL``: one read of the
 whole batch), not a few dozen times per state.
@@ -14,7 +14,7 @@ Unix socket pair: a request is a batch of (config, training count); its answer i
 hashes (pickled) and its arrays' bytes, which the service's arrays then view in place (one buffer
 per batch, alive while any of its states is kept). The child computes with the same functions as
 the service (``seed_state.compute_state``): the same bytes (tests/test_seed_processes.py compares
-them). A child that is not ready yet (starting takes ~1-2 s: it imports torch) is not waited for:
+them). A child that is not ready yet (it imports torch as it starts) is not waited for:
 ``ready`` says so and the caller computes in its own thread meanwhile; one that died raises
 ``SeedProcessGone`` and is not used again.
 """

@@ -13,7 +13,7 @@ import pytest
 from app.main import create_app
 from app.settings import Settings, SettingsError
 from learner.config import make_config
-from learner.seed_processes import SeedProcess, SeedProcesses, SeedProcessGone
+from learner.seed_processes import SeedProcesses, SeedProcessGone
 from learner.seed_state import SeedStateCache, compute_state, states
 from learner.taskio import load_task, task_to_npz_bytes
 from learner.train import epoch_permutations, initial_parameters, parameter_names

@@ -55,7 +55,7 @@ from .finisher import Ended, Finisher
 
 log = logging.getLogger("rev88." + __name__)
 
-STATES_PER_BATCH = 32  # states a seed-state process computes per request (~20 ms of its CPU, ~6 MB back)
+STATES_PER_BATCH = 32  # states a seed-state process computes per request (docs/performance.md)
 UNFINISHED_MAX = 3  # a device worker's launches out of the device and not yet finished, the one running counted
 
 
