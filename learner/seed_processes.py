@@ -11,8 +11,8 @@ whole batch), not a few dozen times per state.
 
 One ``SeedProcess`` is one child (``python -m learner.seed_processes``, torch on one thread) on a
 Unix socket pair: a request is a batch of (config, training count); its answer is the batch's
-hashes (pickled) and its arrays' bytes, which the service's arrays then view in place (one buffer
-per batch, alive while any of its states is kept). The child computes with the same functions as
+hashes (pickled) and its arrays' bytes, received in one read; each state's arrays are then copied
+into a buffer of the state's own (alive while the state is kept). The child computes with the same functions as
 the service (``seed_state.compute_state``): the same bytes (tests/test_seed_processes.py compares
 them). A child that is not ready yet (it imports torch as it starts) is not waited for:
 ``ready`` says so and the caller computes in its own thread meanwhile; one that died raises
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -99,10 +100,16 @@ class SeedProcess:
                 raise header
             self.batches += 1
             self.states_computed += len(header)
-        out = []
+        out, view = [], memoryview(payload)
         for initial_sha, perm_sha, initial_specs, perm_specs in header:
-            initial = [_view(payload, spec) for spec in initial_specs]
-            permutations = [_view(payload, spec) for spec in perm_specs]
+            # each state in memory of its own (a copy, the GIL held: no wait to take it back), so
+            # that the cache's bound counts what it keeps -- a view on the batch's buffer would keep
+            # the whole batch alive for one state
+            start = min(offset for _, _, offset in initial_specs + perm_specs)
+            end = max(offset + _nbytes(dtype, shape) for dtype, shape, offset in initial_specs + perm_specs)
+            own = bytearray(view[start:end])
+            initial = [_view(own, (dtype, shape, offset - start)) for dtype, shape, offset in initial_specs]
+            permutations = [_view(own, (dtype, shape, offset - start)) for dtype, shape, offset in perm_specs]
             out.append(SeedState(initial, permutations, initial_sha, perm_sha))
         return out
 
@@ -184,6 +191,10 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytearray:
     return buf
 
 
+def _nbytes(dtype: str, shape: tuple) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
 def _view(payload: bytearray, spec: tuple) -> np.ndarray:
     dtype, shape, offset = spec
     count = int(np.prod(shape, dtype=np.int64))
@@ -211,7 +222,9 @@ def _pack(states: list) -> tuple[bytes, bytearray]:
 
 
 def _serve(fd: int) -> None:
-    """The child: states for each request until its socket closes."""
+    """The child: states for each request until its socket closes (its parent's close or exit:
+    a Ctrl-C at a terminal, sent to the whole group, is the parent's to act on)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
     torch.set_num_threads(1)

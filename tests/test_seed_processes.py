@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import threading
 
+import numpy as np
 import pytest
 
 from app.main import create_app
@@ -57,6 +58,19 @@ def test_a_seed_process_computes_the_bytes_and_hashes_this_process_computes(pool
         assert _same(state, compute_state(config, rows)), (config, rows)
         assert [p.shape for p in state.permutations] == [(rows,)] * config.epochs
     assert pool.snapshot() == {"processes": 1, "ready": 1, "states": len(wanted)}
+    # each state in memory of its own, no larger than its arrays and their alignment: the cache's
+    # bound counts what it keeps (a view on the batch's buffer would keep the whole batch alive)
+    owners = [{id(_owner(a)) for a in state.initial + state.permutations} for state in got]
+    assert all(len(o) == 1 for o in owners) and len(set.union(*owners)) == len(got)
+    for state in got:
+        assert len(_owner(state.permutations[0])) < state.nbytes + 64 * (len(state.initial) + len(state.permutations))
+
+
+def _owner(array):
+    """The object whose memory an array views (through its bases and a memoryview's object)."""
+    while isinstance(array, (np.ndarray, memoryview)):
+        array = array.base if isinstance(array, np.ndarray) else array.obj
+    return array
 
 
 def test_a_batchs_error_is_raised_and_the_process_serves_the_next(pool):
