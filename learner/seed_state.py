@@ -93,11 +93,7 @@ class SeedStateCache:
         return state
 
     def _compute(self, config: Config, train_count: int, cancel: CancelToken | None) -> SeedState:
-        initial_parameters, epoch_permutations, parameter_names = self.compute
-        initial = [p.numpy().copy() for p in initial_parameters(config)]
-        permutations = epoch_permutations(config, train_count, cancel)
-        return SeedState(initial, permutations, named_sha256(parameter_names(config.depth), initial),
-                         [array_sha256(p) for p in permutations])
+        return compute_state(config, train_count, cancel, self.compute)
 
     def claim(self, config: Config, train_count: int) -> tuple | None:
         """Mark ``config``'s state under way, when it is neither kept nor under way, for a state
@@ -153,11 +149,19 @@ class SeedStateCache:
                     "hits": self.hits, "misses": self.misses}
 
 
-def compute_state(config: Config, train_count: int) -> SeedState:
-    """A state computed with the process's functions, not kept (a seed-state process's work)."""
-    if states.compute is None:
-        from . import train  # noqa: F401 - (binds them)
-    return states._compute(config, train_count, None)
+def compute_state(config: Config, train_count: int, cancel: CancelToken | None = None,
+                  compute: tuple | None = None) -> SeedState:
+    """A state computed, not kept: with ``compute``'s functions, or learner.train's (a seed-state
+    process's work; a cache's miss)."""
+    if compute is None:
+        if states.compute is None:
+            from . import train  # noqa: F401 - (binds them to the process's cache)
+        compute = states.compute
+    initial_parameters, epoch_permutations, parameter_names = compute
+    initial = [p.numpy().copy() for p in initial_parameters(config)]
+    permutations = epoch_permutations(config, train_count, cancel)
+    return SeedState(initial, permutations, named_sha256(parameter_names(config.depth), initial),
+                     [array_sha256(p) for p in permutations])
 
 
 def estimate_bytes(config: Config, train_count: int) -> int:
