@@ -36,6 +36,7 @@ import numpy as np
 
 _SIZES = struct.Struct("!QQ")  # a message's header and payload lengths
 _ALIGN = 64  # each array's offset in the payload
+BATCH_TIMEOUT_S = 60.0  # a batch's answer stalled this long: the child is taken for hung
 
 
 class SeedProcessGone(RuntimeError):
@@ -45,8 +46,14 @@ class SeedProcessGone(RuntimeError):
 class SeedProcess:
     """One child computing seed states for one caller at a time (``states`` holds a lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch_timeout_s: float = BATCH_TIMEOUT_S) -> None:
+        """``batch_timeout_s``: the longest a batch's answer may stall (the kernel's receive
+        timeout, SO_RCVTIMEO: the socket stays blocking, one wait a read); past it the child is
+        taken for hung, ended, and not used again."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        seconds = int(batch_timeout_s)
+        parent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                          struct.pack("ll", seconds, int((batch_timeout_s - seconds) * 1e6)))
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # where `learner` is, installed or not
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -95,7 +102,8 @@ class SeedProcess:
                 payload = _recv_exactly(self._sock, payload_len)
             except (OSError, EOFError, pickle.UnpicklingError, struct.error) as exc:
                 self.gone = True
-                raise SeedProcessGone(f"the seed-state process failed: {exc}") from exc
+                self.process.kill()  # (a hung child's answer must not arrive later, mid-message)
+                raise SeedProcessGone(f"the seed-state process failed: {exc!r}") from exc
             if isinstance(header, BaseException):  # the child's own error for this batch
                 raise header
             self.batches += 1
@@ -132,8 +140,8 @@ class SeedProcesses:
     """``count`` seed-state processes (REV88_SEED_PROCESSES), started by ``start``; ``take`` lends
     one that is ready and idle (``give`` it back), ``wait_ready`` waits for their start."""
 
-    def __init__(self, count: int) -> None:
-        self.count = int(count)
+    def __init__(self, count: int, batch_timeout_s: float = BATCH_TIMEOUT_S) -> None:
+        self.count, self.batch_timeout_s = int(count), batch_timeout_s
         self.processes: list[SeedProcess] = []
         self._idle: list[SeedProcess] = []
         self._lock = threading.Lock()
@@ -141,7 +149,7 @@ class SeedProcesses:
     def start(self) -> None:
         with self._lock:
             while len(self.processes) < self.count:
-                process = SeedProcess()
+                process = SeedProcess(self.batch_timeout_s)
                 self.processes.append(process)
                 self._idle.append(process)
 

@@ -151,12 +151,11 @@ class SeedStateCache:
 
 def compute_state(config: Config, train_count: int, cancel: CancelToken | None = None,
                   compute: tuple | None = None) -> SeedState:
-    """A state computed, not kept: with ``compute``'s functions, or learner.train's (a seed-state
-    process's work; a cache's miss)."""
+    """A state computed, not kept: with ``compute``'s functions, or those learner.train binds to
+    the process's cache when it is imported (a seed-state process's work; a cache's miss)."""
+    compute = compute or states.compute
     if compute is None:
-        if states.compute is None:
-            from . import train  # noqa: F401 - (binds them to the process's cache)
-        compute = states.compute
+        raise RuntimeError("no functions to compute a seed state with: import learner.train first")
     initial_parameters, epoch_permutations, parameter_names = compute
     initial = [p.numpy().copy() for p in initial_parameters(config)]
     permutations = epoch_permutations(config, train_count, cancel)

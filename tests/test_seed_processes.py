@@ -6,7 +6,9 @@ there answers as one that does not."""
 from __future__ import annotations
 
 import hashlib
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +98,23 @@ def test_a_process_that_died_is_said_gone_and_not_lent_again():
     processes.give(process)
     assert process.gone and processes.take() is None and processes.snapshot()["ready"] == 0
     processes.close()
+
+
+def test_a_hung_process_is_given_up_after_its_batch_timeout_and_ended():
+    processes = SeedProcesses(1, batch_timeout_s=0.5)
+    processes.start()
+    assert processes.wait_ready(120) == 1
+    process = processes.take()
+    process.process.send_signal(signal.SIGSTOP)  # (alive, and never answers)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SeedProcessGone):
+            process.states([(make_config({"seed": 1}), 10)])
+        assert time.monotonic() - t0 < 30 and process.gone
+        assert process.process.wait(30) is not None  # ended, not left behind
+    finally:
+        process.process.kill()
+        processes.close()
 
 
 def test_a_state_claimed_for_a_process_is_waited_for_and_one_never_given_is_computed():
