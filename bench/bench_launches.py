@@ -16,7 +16,7 @@ replay's own CPU (reading the kept outputs) is subtracted. Two runs in one:
                  many-core host cannot spread; the io pool's, sized to the cores, it can)
 
 Reported for each: host CPU per cell (from /proc: every thread of the server, by thread group,
-and its child processes -- REV88_FINISH_PROCESS's -- the replay excluded; also without the bench's own polls, whose cost it measures), cells per
+and its child processes -- REV88_SEED_PROCESSES's (``--serve-args "--seed-processes N"``) -- the replay excluded; also without the bench's own polls, whose cost it measures), cells per
 second as the client sees them (polling every POLL_S) and as the server's own span (acceptance
 to the last answer), and those rates against the stand-in's (its launch rate at full launches). Every cell's predictions_sha256 is checked against the kept output's. CPU time,
 not wall time, for the per-cell figure; the rate is wall time on whatever else the machine does.
@@ -82,8 +82,8 @@ def expected_hashes(folder: Path, count: int) -> list[str]:
 
 
 def children_cpu(pid: int) -> float:
-    """Seconds of CPU so far of ``pid``'s child processes (REV88_FINISH_PROCESS's finishing
-    process, multiprocessing's resource tracker): host work too."""
+    """Seconds of CPU so far of ``pid``'s child processes (REV88_SEED_PROCESSES's seed-state
+    processes): host work too."""
     total = 0.0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
