@@ -106,6 +106,10 @@ class SeedProcess:
                 raise SeedProcessGone(f"the seed-state process failed: {exc!r}") from exc
             if isinstance(header, BaseException):  # the child's own error for this batch
                 raise header
+            if len(header) != len(wanted):  # (a protocol bug: never pair states by guess)
+                self.gone = True
+                self.process.kill()
+                raise SeedProcessGone(f"the seed-state process answered {len(header)} states for {len(wanted)}")
             self.batches += 1
             self.states_computed += len(header)
         out, view = [], memoryview(payload)

@@ -312,11 +312,9 @@ MUTANTS = [
            ("tests/test_evaluations.py", "-k", "half_recorded")),
     Mutant("m75_unsettled_seed_states", "a seed-state batch that failed leaves its states under way for ever",
            "app/tasks/launches.py",
-           "            for (key, _), state in zip(claimed, states):\n"
-           "                cache.settle(key, state)\n",
-           "            for (key, _), state in zip(claimed, states):\n"
-           "                if state is not None:\n"
-           "                    cache.settle(key, state)\n",
+           "                cache.settle(key, states[i] if i < len(states) else None)\n",
+           "                if i < len(states) and states[i] is not None:\n"
+           "                    cache.settle(key, states[i])\n",
            ("tests/test_seed_processes.py", "-k", "service")),
     Mutant("m76_waiter_computes_unkept", "a get that waited for a state not given computes it without keeping it",
            "learner/seed_state.py",

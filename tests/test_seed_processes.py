@@ -100,6 +100,23 @@ def test_a_process_that_died_is_said_gone_and_not_lent_again():
     processes.close()
 
 
+def test_an_answer_of_another_count_of_states_is_never_paired_by_guess():
+    class Says2(list):  # (iterates as one pair, counts two: the child answers one state for "two")
+        def __len__(self):
+            return 2
+
+    processes = SeedProcesses(1)
+    processes.start()
+    assert processes.wait_ready(120) == 1
+    process = processes.take()
+    try:
+        with pytest.raises(SeedProcessGone, match="answered 1 states for 2"):
+            process.states(Says2([(make_config({"seed": 1}), 10)]))
+        assert process.gone and process.process.wait(30) is not None
+    finally:
+        processes.close()
+
+
 def test_a_hung_process_is_given_up_after_its_batch_timeout_and_ended():
     processes = SeedProcesses(1, batch_timeout_s=0.5)
     processes.start()

@@ -169,9 +169,9 @@ class Launches:
         except Exception:  # noqa: BLE001 - said; a process gone is not lent again
             log.warning("a seed-state process did not compute its batch; its launches compute those states",
                         exc_info=True)
-        finally:
-            for (key, _), state in zip(claimed, states):
-                cache.settle(key, state)
+        finally:  # every claimed state settled: a launch waits for each until it is
+            for i, (key, _) in enumerate(claimed):
+                cache.settle(key, states[i] if i < len(states) else None)
 
     # ------------------------------------------------------------------ the worker's part
     def run(self, items: list[tuple], backend: str, precision: str | None) -> list[Finishing]:
