@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .seed_state import SeedState
+
 _SIZES = struct.Struct("!QQ")  # a message's header and payload lengths
 _ALIGN = 64  # each array's offset in the payload
 BATCH_TIMEOUT_S = 60.0  # a batch's answer stalled this long: the child is taken for hung
@@ -89,8 +91,6 @@ class SeedProcess:
     def states(self, wanted: list[tuple]) -> list:
         """The states of ``wanted`` ((config, training count) pairs), in order: a list of
         ``SeedState`` (learner/seed_state.py). Raises ``SeedProcessGone`` if the child is gone."""
-        from .seed_state import SeedState
-
         with self._lock:
             if self.gone:
                 raise SeedProcessGone("the seed-state process is gone")

@@ -289,6 +289,19 @@ def _held_cell_records(service, *, fail: BaseException | None = None):
     return entered, go, real
 
 
+def _post_through_a_ledger_fault(c, service, body: dict, key: str):
+    """POST /sweeps with ``key`` while the ledger fails a later chunk's write (the first chunk is
+    recorded); the ledger's own write back afterwards."""
+    from app.ledger import LedgerUnavailable
+
+    _, go, real = _held_cell_records(service, fail=LedgerUnavailable("the disk is full (injected)"))
+    go.set()
+    try:
+        return c.post("/sweeps", json=body, headers={"Idempotency-Key": key})
+    finally:
+        service.runner.ledger.create_many = real
+
+
 def _post_aside(url: str, path: str, body: dict | None, answers: dict, name: str = "r", timeout: float = 120):
     """POST ``body`` to ``path`` on a thread of its own (its answer in ``answers[name]``): the
     thread, started."""
@@ -336,18 +349,13 @@ def test_a_fault_between_a_sweeps_chunks_loses_no_cell_its_keys_retry_records_th
     """The ledger fails while a sweep's later chunk of cells is written: a 503, the first chunk's
     cells run; the same Idempotency-Key's retry answers that sweep and records the cells it lacks,
     each once."""
-    from app.ledger import LedgerUnavailable
-
     app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")))
     with inprocess_server(app) as server, server.client() as c:
         assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
         service = app.state.service
-        _, go, real = _held_cell_records(service, fail=LedgerUnavailable("the disk is full (injected)"))
-        go.set()
         body = {"dataset": DIGEST, "grid": {"epochs": [1, 2]}, "seeds": {"start": 0, "count": 5}}
-        refused = c.post("/sweeps", json=body, headers={"Idempotency-Key": "chunks"})
+        refused = _post_through_a_ledger_fault(c, service, body, "chunks")
         assert refused.status_code == 503 and "disk is full" in refused.text
-        service.runner.ledger.create_many = real
         again = c.post("/sweeps", json=body, headers={"Idempotency-Key": "chunks"})
         assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
         doc = completed(c, again.json()["id"])
@@ -435,17 +443,12 @@ def test_a_sweep_left_half_recorded_by_a_fault_can_be_cancelled_and_its_unrecord
     """A fault between chunks with no retry leaves cells the ledger never recorded (they read
     queued). A cancel ends the sweep: those cells read cancelled, in its document and in the list,
     and a later replay of its key records none of them."""
-    from app.ledger import LedgerUnavailable
-
     app = create_app(Settings(backend="cpu", workers=1, batch_max=2, data_dir=str(tmp_path / "d")))
     with inprocess_server(app) as server, server.client() as c:
         assert c.put(f"/datasets/{DIGEST}", content=BODY, headers=NPZ).status_code == 201
         service = app.state.service
-        _, go, real = _held_cell_records(service, fail=LedgerUnavailable("the disk is full (injected)"))
-        go.set()
         body = {"dataset": DIGEST, "seeds": {"start": 0, "count": 10}}
-        assert c.post("/sweeps", json=body, headers={"Idempotency-Key": "half"}).status_code == 503
-        service.runner.ledger.create_many = real
+        assert _post_through_a_ledger_fault(c, service, body, "half").status_code == 503
         (row,) = c.get("/sweeps").json()["sweeps"]
         recorded = wait_for(lambda: (d := c.get(f"/sweeps/{row['id']}").json())["counts"]["succeeded"] == 4 and d,
                             60, what="the first chunk's cells")
