@@ -134,7 +134,16 @@ def test_a_task_on_a_dataset_answers_as_the_upload_and_counts_with_labels(store)
         listed = {t["id"]: t for t in c.get("/tasks", params={"limit": 50}).json()["tasks"]}
         assert listed[task_id]["body_sha256"] == DIGEST[7:]  # its input named by the dataset's digest
         # a dataset in use by an unfinished task cannot be deleted; refusals name the problem
-        assert c.post("/tasks", params={"dataset": DIGEST}, content=BODY, headers=NPZ).status_code == 422
+        both = c.post("/tasks", params={"dataset": DIGEST}, content=BODY, headers=NPZ)
+        assert both.status_code == 422 and both.json()["field"] == "dataset" and "not both" in both.json()["error"]
+        chunked = c.post("/tasks", params={"dataset": DIGEST}, content=iter([BODY[:10], BODY[10:]]))
+        assert chunked.status_code == 422 and chunked.json()["field"] == "dataset", chunked.text
+        # Accept: the npz, as an upload's answer is (the same predictions, named by its headers)
+        as_npz = c.post("/tasks", params={"dataset": DIGEST, "epochs": 2}, headers={"Accept": "application/x-npz"})
+        assert as_npz.headers["content-type"] == "application/x-npz", as_npz.text
+        with np.load(io.BytesIO(as_npz.content)) as z:
+            assert z["predictions"].tolist() == uploaded["predictions"]
+        assert as_npz.headers["x-predictions-sha256"] == uploaded["predictions_sha256"]
         unknown = c.post("/tasks", params={"dataset": "sha256:" + "1" * 64})
         assert unknown.status_code == 404 and "no dataset" in unknown.json()["error"]
         shown = c.get(f"/datasets/{DIGEST}").text + c.get("/datasets").text + c.get(f"/tasks/{task_id}").text

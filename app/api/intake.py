@@ -1,11 +1,13 @@
 """POST /tasks from arrival to answer: gates, upload, parse, the runner's one entry, answer.
 
-Cheap checks come first (draining, content type, query options, a full queue),
-so a request that cannot succeed is refused before its body is read. Then the
-body is parsed and validated and its budget checked where app/tasks/submit.py decides (by its
-own job on the device worker, on the loop when small, else on the io pool), and the task goes
-through the runner's one entry, ``TaskRunner.submit`` (the same as a sweep's cells and the
-feeder's claims): recorded now or once it has finished, offered to the feeder or queued here.
+Cheap checks come first (draining, the query's options and the body's content type, the
+webhook, a full queue), so a request that cannot succeed is refused before its body is read.
+Then the body is parsed and validated and its budget checked where app/tasks/submit.py decides (by
+its own job on the device worker, on the loop when small, else on the io pool) -- or, with
+``?dataset=``, the stored dataset's arrays are taken instead (no body) -- and from there every
+task takes one path: through the runner's one entry, ``TaskRunner.submit`` (the same as a sweep's
+cells and the feeder's claims): recorded now or once it has finished, offered to the feeder or
+queued here.
 
 ``Prefer: respond-async`` answers ``202 Work`` with ``Location: /tasks/{id}`` once the task
 and its npz are durable in the ledger; without it the request waits for the answer (and a
@@ -25,16 +27,16 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from learner.budget import check_budget, estimate
+from learner.config import Config
 
 from ..errors import Conflict, InvalidRequest, Unavailable, outcome_of
 from ..http import uploads
 from ..http.protocol import GONE
 from ..ledger import IdempotencyConflict, TaskRecord
 from ..tasks.answers import Settled, status_answer, task_npz
-from ..tasks.options import parse_options, wants_npz
+from ..tasks.options import TaskOptions, parse_options
 from ..tasks.runner import new_task_id
-from ..tasks.submit import parse_upload
+from ..tasks.submit import Parsed, parse_upload, stored_task
 from ..tasks.work import Work
 from ..webhooks.delivery import SubscriptionError
 from .deps import tenant_of
@@ -98,44 +100,57 @@ async def handle(request: Request, service: Service) -> Response:
 
 async def _handle(request: Request, service: Service, t0: float, request_id: str | None) -> Response:
     gate(service)
-    options = parse_options(list(request.query_params.multi_items()), service.backend)
+    # the query and what the headers say of the body and the answer (a bad content type: 415)
+    options = parse_options(list(request.query_params.multi_items()), service.backend, request.headers)
     webhook = await webhook_of(service, options.webhook, options.webhook_events, ("started", "completed"))
-    if options.dataset is not None:  # POST /tasks?dataset=: the stored dataset, no body
-        return await _handle_dataset(request, service, options, t0, request_id, webhook)
-    kind = uploads.check_content_type(request.headers.get("content-type"))
-    asynchronous, key = _admitted(request, service)
-    await service.runner.check_queued(tenant_of(request), 1)  # the key's max_queued (before the body)
+    asynchronous, key = _admitted(request, service, upload=options.dataset is None)
+    tenant = tenant_of(request)
+    await service.runner.check_queued(tenant, 1)  # the key's max_queued (before the body)
+    recorded_now = asynchronous or key is not None or webhook is not None
+    settings = service.settings
+    if options.dataset is None:
+        body, config, parsed, receive_s = await _upload(request, service, options, recorded_now, asynchronous)
+    else:  # POST /tasks?dataset=: the stored dataset's arrays (issue #31), no body; from here the same path
+        body, config, receive_s = None, options.config(), 0.0
+        parsed = await asyncio.to_thread(stored_task, service.datasets, options.dataset, tenant.owner, config,
+                                         settings.max_task_work, settings.max_task_bytes)
+    gate(service)  # a drain may have begun while the body streamed in
+    acc = Work(
+        task_id=new_task_id(), task=parsed.task, config=config, backend=options.backend,
+        include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
+        request_id=request_id, t0=t0, receive_s=receive_s, parse_s=parsed.parse_s,
+        body_bytes=parsed.body_bytes, deferred=not recorded_now,  # synchronous, no Idempotency-Key: recorded once, when finished
+        late=parsed.late, dataset=options.dataset, labels=parsed.labels, owner=tenant.owner, webhook=webhook,
+        precision=options.precision,
+    )
+    return await _accepted(request, service, acc, body, parsed.body_sha256, key, asynchronous, options.npz)
+
+
+async def _upload(request: Request, service: Service, options: TaskOptions, recorded_now: bool,
+                  asynchronous: bool) -> tuple[bytes | memoryview, Config, Parsed, float]:
+    """An uploaded body, read within the upload budget and parsed where app/tasks/submit.py decides (by
+    its own job on the device worker, on the loop when small, else on the io pool): (the body, the
+    task's config, the parse, the seconds its bytes took to arrive)."""
     settings = service.settings
     reservation = service.uploads.reservation()  # the body's bytes, as they arrive, until it is parsed
     try:
         t_recv = time.perf_counter()
         body = await uploads.read_body(request, settings.max_body_bytes, timeout_s=settings.upload_timeout_s,
                                        min_rate=settings.upload_min_rate, reservation=reservation)
-        t_parse = time.perf_counter()
+        receive_s = time.perf_counter() - t_recv
         form_config = None
-        if kind == uploads.MULTIPART:
+        if options.kind == uploads.MULTIPART:
             body, form_config = await uploads.split_multipart(request.headers, bytes(body))
         config = options.config(form_config)
-        recorded_now = asynchronous or key is not None or webhook is not None
-        # where it is parsed, and its budget (app/tasks/submit.py): by its job, on the loop or on the io pool
         parsed = await parse_upload(body, config, recorded_now=recorded_now, asynchronous=asynchronous,
                                     measure=options.measure is not None, batching=service.runner.batch_max > 1,
                                     max_work=settings.max_task_work, max_bytes=settings.max_task_bytes,
                                     pool=service.io_pool)
     finally:
         reservation.release()
-    gate(service)  # a drain may have begun while the body streamed in
     if parsed.late is None:
         service.metrics.parse_seconds.observe(parsed.parse_s)
-
-    acc = Work(
-        task_id=new_task_id(), task=parsed.task, config=config, backend=options.backend,
-        include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
-        request_id=request_id, t0=t0, receive_s=t_parse - t_recv, parse_s=parsed.parse_s,
-        body_bytes=len(body), deferred=not recorded_now,  # synchronous, no Idempotency-Key: recorded once, when finished
-        late=parsed.late, owner=tenant_of(request).owner, webhook=webhook, precision=options.precision,
-    )
-    return await _accepted(request, service, acc, body, parsed.body_sha256, key, asynchronous)
+    return body, config, parsed, receive_s
 
 
 async def webhook_of(service: Service, url: str | None, events, allowed: tuple[str, ...]) -> dict | None:
@@ -162,42 +177,8 @@ def _admitted(request: Request, service: Service, upload: bool = True) -> tuple[
     return asynchronous, key
 
 
-async def _handle_dataset(request: Request, service: Service, options, t0: float,
-                          request_id: str | None, webhook: dict | None) -> Response:
-    """A task on a stored dataset (issue #31): no body; the dataset's parsed arrays (parsed once
-    per process); from there the same path as an uploaded task's, so the same answer, plus the
-    dataset's digest and, with its labels, the count of correct predictions."""
-    declared = request.headers.get("content-length")
-    if (declared not in (None, "0")) or request.headers.get("transfer-encoding"):
-        raise InvalidRequest("POST /tasks?dataset= trains on the stored dataset and takes no body; send either "
-                             "the npz as the body or dataset=<digest>, not both", field="dataset")
-    asynchronous, key = _admitted(request, service, upload=False)
-    await service.runner.check_queued(tenant_of(request), 1)
-    t_parse = time.perf_counter()
-    catalog = service.datasets
-    record = await asyncio.to_thread(catalog.get, options.dataset, tenant_of(request).owner)
-    task = catalog.cached(options.dataset) or await asyncio.to_thread(catalog.task, options.dataset)
-    labels = catalog.cached_labels(options.dataset) if record.labels_sha256 else None
-    if record.labels_sha256 and labels is None:
-        labels = await asyncio.to_thread(catalog.labels, options.dataset)
-    config = options.config(None)
-    check_budget(estimate(task.train_count, task.test_count, config),
-                 service.settings.max_task_work, service.settings.max_task_bytes)
-    gate(service)
-    acc = Work(
-        task_id=new_task_id(), task=task, config=config, backend=options.backend,
-        include_scores=options.include_scores, measure=options.measure, mode="async" if asynchronous else "sync",
-        request_id=request_id, t0=t0, receive_s=0.0, parse_s=time.perf_counter() - t_parse,
-        body_bytes=record.bytes, deferred=not (asynchronous or key is not None or webhook is not None),
-        dataset=options.dataset, labels=labels, owner=tenant_of(request).owner, webhook=webhook,
-        precision=options.precision,
-    )
-    # (the body's SHA-256 is the dataset's: an Idempotency-Key matches the same bytes however sent)
-    return await _accepted(request, service, acc, None, options.dataset.split(":", 1)[1], key, asynchronous)
-
-
 async def _accepted(request: Request, service: Service, acc: Work, body: bytes | memoryview | None,
-                    body_sha256: str | None, key: str | None, asynchronous: bool) -> Response:
+                    body_sha256: str | None, key: str | None, asynchronous: bool, npz: bool) -> Response:
     """An accepted task, from the runner's one entry (app/tasks/submit.py) to its response."""
     try:
         submitted = await service.runner.submit(acc, body=body, body_sha256=body_sha256, key=key,
@@ -210,7 +191,7 @@ async def _accepted(request: Request, service: Service, acc: Work, body: bytes |
     if asynchronous:
         return accepted_response(submitted.record)
     settled = submitted.settled
-    if settled.status == 200 and settled.outcome is not None and wants_npz(request.headers.get("accept")):
+    if settled.status == 200 and settled.outcome is not None and npz:
         return npz_response(acc.task_id, settled)
     return Response(settled.json(), status_code=settled.status, headers=settled.headers, media_type="application/json")
 

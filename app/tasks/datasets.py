@@ -4,7 +4,7 @@
 dataset's bytes with the same safe reader, validation and limits as a task's body
 (``learner.taskio.load_task``: exactly the three members, so an npz that carries query labels is
 refused, 422, as for a task) and stores them under their SHA-256 (app/ledger/datasets.py);
-``task`` gives a stored dataset's parsed arrays, from a cache bounded in bytes
+``load`` gives a stored dataset's record, parsed arrays and labels in one call (``task``, its arrays alone), the arrays from a cache bounded in bytes
 (REV88_DATASET_CACHE_BYTES, least recently used first out) or read and parsed again; scoring
 labels (``put_labels``) are an ``.npy`` of the query labels, checked and stored apart, used only
 to count correct predictions once they exist (``score``), and returned by no route.
@@ -17,7 +17,7 @@ import hashlib
 import io
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -39,6 +39,12 @@ def check_digest(digest: str) -> str:
 
 def digest_of(body: bytes | memoryview) -> str:
     return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+class StoredTask(NamedTuple):
+    record: DatasetRecord
+    task: TaskArrays
+    labels: np.ndarray | None  # the scoring labels, if attached (never a task's input nor in an answer)
 
 
 class DatasetCatalog:
@@ -97,6 +103,13 @@ class DatasetCatalog:
     def visible(self, digest: str, viewer: str | None) -> bool:
         return viewer is None or self.owners.owns(digest, viewer)
 
+    def load(self, digest: str, viewer: str | None = None) -> StoredTask:
+        """What a task on a stored dataset needs (blocking: in a thread), for ``POST /tasks?dataset=``,
+        a sweep's cells and an evaluation's draws alike: its record (NotFound as ``get``), its parsed
+        arrays and its scoring labels (None when it has none)."""
+        record = self.get(digest, viewer)
+        return StoredTask(record, self.task(digest), self.labels(digest) if record.labels_sha256 else None)
+
     def task(self, digest: str) -> TaskArrays:
         """A stored dataset's parsed arrays (blocking when not cached: in a thread)."""
         check_digest(digest)
@@ -112,19 +125,6 @@ class DatasetCatalog:
         task = load_task(body)
         self._keep(digest, task)
         return task
-
-    def cached(self, digest: str) -> TaskArrays | None:
-        """The parsed arrays when this process has them (no I/O: fit for the event loop)."""
-        with self._lock:
-            hit = self._cache.get(digest)
-            if hit is None:
-                return None
-            self._cache.move_to_end(digest)
-            return hit[0]
-
-    def cached_labels(self, digest: str) -> np.ndarray | None:
-        with self._lock:
-            return self._labels.get(digest)
 
     def _keep(self, digest: str, task: TaskArrays) -> None:
         size = task.train_images.nbytes + task.train_labels.nbytes + task.test_images.nbytes

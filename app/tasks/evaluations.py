@@ -247,8 +247,8 @@ class Evaluations:
                    for seed in ev.definition.get("seeds") or [None]}
         protocol = ev.definition.get("protocol")
 
-        def inputs(digests: list[str]) -> dict[str, tuple]:  # (blocking: one thread hop for every draw)
-            return {d: (catalog.task(d), catalog.labels(d), catalog.get(d).bytes) for d in digests}
+        def inputs(digests: list[str]) -> dict:  # (blocking: one thread hop for every draw)
+            return {d: catalog.load(d) for d in digests}
 
         draws = await asyncio.to_thread(inputs, sorted({c["dataset"] for c in ev.cells}))
         accs = []
@@ -260,9 +260,9 @@ class Evaluations:
             if not wanted:
                 continue
             digest = cell["dataset"]
-            task, labels, size = draws[digest]
+            record, task, labels = draws[digest]
             accs += [Work(task_id=t, task=task, config=configs[cell.get("seed")], backend=ev.definition["backend"], measure=m,
-                              mode="async", body_bytes=size, dataset=digest, labels=labels, evaluation=ev.id,
+                              mode="async", body_bytes=record.bytes, dataset=digest, labels=labels, evaluation=ev.id,
                               owner=ev.owner)
                      for t, m in wanted]
         if not accs:

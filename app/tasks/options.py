@@ -1,4 +1,5 @@
-"""A task request's options: backend, include, measure=energy, precision and config overrides from the query.
+"""A task request's options: backend, include, measure=energy, precision and config overrides from the query,
+and what its headers say of its body (its media type; none with ?dataset=) and of its answer (Accept).
 
 Checked before the body is read, so a request that cannot succeed is refused before its upload.
 """
@@ -16,6 +17,7 @@ from learner.config import Config, coerce_config_strings, make_config, unknown_t
 from learner.kernels.tuned import PRECISIONS
 
 from ..errors import InvalidRequest
+from ..http.uploads import check_content_type
 from ..ledger.datasets import DIGEST, not_a_digest
 
 SERVICE_PARAMS = ("backend", "include", "measure", "dataset", "webhook", "webhook_events", "precision")
@@ -48,6 +50,8 @@ class TaskOptions:
     webhook: str | None = None  # ?webhook=<url>: checked by the webhooks' guard (app/webhooks/targets.py)
     webhook_events: str | None = None  # ?webhook_events=started,completed (default completed)
     precision: str | None = None  # ?precision=ieee|tf32x3: the products' precision (None: the backend's tuned one)
+    kind: str | None = None  # the body's media type (app/http/uploads.py); None: no body (?dataset=), or no headers read
+    npz: bool = False  # Accept asks for application/x-npz at least as much as for JSON (``wants_npz``)
 
     def config(self, form_config: dict[str, Any] | None = None) -> Config:
         """Query overrides merged with a multipart ``config`` field; a key in both is an error."""
@@ -59,13 +63,16 @@ class TaskOptions:
         return make_config({**form_config, **self.config_overrides})
 
 
-def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOptions:
-    """Query parameters -> options. Anything not a service parameter is a config key (unknown -> 422)."""
+def parse_options(items: list[tuple[str, str]], default_backend: str, headers: Any = None) -> TaskOptions:
+    """Query parameters -> options. Anything not a service parameter is a config key (unknown -> 422).
+    With a POST /tasks request's ``headers``: its body's media type (415 unless an npz or a form; a
+    body beside ?dataset= is a 422) and whether its answer is wanted as the npz."""
     keys = [k for k, _ in items]
     repeated = sorted({k for k in keys if keys.count(k) > 1})
     if repeated:
         raise InvalidRequest(f"query parameter(s) given more than once: {', '.join(repeated)}")
     query = dict(items)
+    npz = headers is not None and wants_npz(headers.get("accept"))
     backend = check_backend(query.pop("backend", default_backend))
     include = [p.strip() for p in query.pop("include", "").split(",") if p.strip()]
     unknown = [p for p in include if p not in INCLUDES]
@@ -83,6 +90,12 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
     if measure is not None and measure != "energy":
         raise InvalidRequest(f"measure={measure!r} is not known; the one measurement is measure=energy")
     overrides = coerce_config_strings(query)
+    kind = None
+    if headers is not None and dataset is None:
+        kind = check_content_type(headers.get("content-type"))
+    elif headers is not None and (headers.get("content-length") not in (None, "0") or headers.get("transfer-encoding")):
+        raise InvalidRequest("POST /tasks?dataset= trains on the stored dataset and takes no body; send either "
+                             "the npz as the body or dataset=<digest>, not both", field="dataset")
     return TaskOptions(
         config_overrides=overrides,
         backend=backend,
@@ -93,6 +106,8 @@ def parse_options(items: list[tuple[str, str]], default_backend: str) -> TaskOpt
         webhook=webhook,
         webhook_events=webhook_events,
         precision=precision,
+        kind=kind,
+        npz=npz,
     )
 
 

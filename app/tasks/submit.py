@@ -45,12 +45,15 @@ PARSE_ON_LOOP_BYTES = 256 * 1024
 
 @dataclasses.dataclass
 class Parsed:
-    """An uploaded body, parsed now (``task``) or by its job later (``late``)."""
+    """A task's input, admitted: an uploaded body parsed now (``task``) or by its job later
+    (``late``), or a stored dataset's arrays (``stored_task``)."""
 
     task: TaskArrays | None
     body_sha256: str | None  # computed when the task is recorded before it runs (its replay, its stored npz)
     late: Callable[[], TaskArrays] | None
     parse_s: float
+    body_bytes: int = 0  # the npz's size (a stored dataset's: as stored)
+    labels: Any = None  # a stored dataset's scoring labels, if attached
 
 
 @dataclasses.dataclass
@@ -89,16 +92,27 @@ async def parse_upload(body: bytes | memoryview, config, *, recorded_now: bool, 
         # A synchronous task recorded only once it has finished, on a backend that does not
         # batch: its job parses it and checks its budget on the device worker, the hop it takes
         # anyway (a body found invalid there is answered as refused, app.errors.NotAccepted).
-        return Parsed(None, None, functools.partial(late_task, body, config, max_work, max_bytes, pool), 0.0)
+        return Parsed(None, None, functools.partial(late_task, body, config, max_work, max_bytes, pool), 0.0, len(body))
     if len(body) <= PARSE_ON_LOOP_BYTES:  # a small body: parsing costs less than the hop to a thread
         # (an asynchronous task's input hashes are recorded before its 202; a synchronous one's
         # are computed by its run, on the device worker: the answer carries them)
         task, body_sha256 = _parse(body, recorded_now, asynchronous)
     else:
         task, body_sha256 = await asyncio.to_thread(_parse, body, recorded_now, asynchronous)
-    parsed = Parsed(task, body_sha256, None, time.perf_counter() - t0)
+    parsed = Parsed(task, body_sha256, None, time.perf_counter() - t0, len(body))
     check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
     return parsed
+
+
+def stored_task(catalog: Any, digest: str, viewer: str | None, config, max_work: float, max_bytes: float) -> Parsed:
+    """A task on a stored dataset (``POST /tasks?dataset=``; blocking: in a thread): the dataset's
+    arrays, parsed once per process (app/tasks/datasets.py), and its labels; its budget checked as
+    an upload's. Its body's SHA-256 is the dataset's: an Idempotency-Key matches the same bytes
+    however they were sent."""
+    t0 = time.perf_counter()
+    record, task, labels = catalog.load(digest, viewer)
+    check_budget(estimate(task.train_count, task.test_count, config), max_work, max_bytes)
+    return Parsed(task, digest.split(":", 1)[1], None, time.perf_counter() - t0, record.bytes, labels)
 
 
 def hash_aside(task: TaskArrays, pool) -> None:

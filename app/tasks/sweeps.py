@@ -245,9 +245,7 @@ class Sweeps:
         missing = [c for c in sweep.cells if c["task_id"] not in have]
         if not missing:
             return
-        task = catalog.cached(sweep.dataset) or await asyncio.to_thread(catalog.task, sweep.dataset)
-        labels = await asyncio.to_thread(catalog.labels, sweep.dataset)
-        record = await asyncio.to_thread(catalog.get, sweep.dataset)
+        record, task, labels = await asyncio.to_thread(catalog.load, sweep.dataset)
         include = bool(sweep.definition.get("include_scores"))
         if configs is None:
             configs = [make_config(c["config"]) for c in missing]
