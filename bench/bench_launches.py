@@ -146,7 +146,11 @@ def timeline(stats: Path, start: float, end: float) -> dict | None:
             "busy_s": round(sum(s[1] - s[0] for s in spans), 3),
             "before_first_ms": round((spans[0][0] - start) * 1000.0, 1),
             "between_ms": [round(g * 1000.0, 1) for g in gaps],
-            "after_last_ms": round((end - spans[-1][1]) * 1000.0, 1)}
+            "after_last_ms": round((end - spans[-1][1]) * 1000.0, 1),
+            # the pace between the first launch's end and the last's: the host feeding the device,
+            # without the head (the first launch's cells and states) and the tail (the last's finishing)
+            "steady_cells_per_s": (round(sum(s[2] for s in spans[1:]) / (spans[-1][1] - spans[0][1]), 1)
+                                   if len(spans) > 1 and spans[-1][1] > spans[0][1] else None)}
 
 
 def makespan(rows: list[dict], cells: int, stand_in_rate: float) -> dict:
@@ -232,9 +236,13 @@ def ceiling(runs: list[dict]) -> dict:
              "server_cells_per_s": r["server_cells_per_s"],
              # (where the span's serial ends go: the device idle before its first launch and after its last)
              "before_first_launch_ms": (r.get("device") or {}).get("before_first_ms"),
-             "after_last_launch_ms": (r.get("device") or {}).get("after_last_ms")} for r in runs]
+             "after_last_launch_ms": (r.get("device") or {}).get("after_last_ms"),
+             "steady_cells_per_s": (r.get("device") or {}).get("steady_cells_per_s")} for r in runs]
     best = {n: max(r["server_cells_per_s"] for r in runs if r["cores"] == n) for n in {r["cores"] for r in runs}}
     doc: dict = {"runs": rows, "best_cells_per_s": best}
+    steady = {n: max((r["steady_cells_per_s"] or 0.0) for r in rows if r["cores"] == n) for n in best}
+    if steady.get(1) and steady.get(2):  # (the same speed-up between launches alone: no head, no tail)
+        doc["steady_speedup_1_to_2"] = round(steady[2] / steady[1], 3)
     if 1 in best and 2 in best:
         speedup = best[2] / best[1]
         serial = min(1.0, max(0.0, 2.0 / speedup - 1.0))
@@ -302,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 os.sched_setaffinity(0, set(available))
             print(json.dumps(runs[-1]["cores"]), runs[-1]["host_cpu_ms_per_cell_without_polls"],
-                  runs[-1]["server_cells_per_s"], file=sys.stderr)
+                  runs[-1]["server_cells_per_s"], (runs[-1].get("device") or {}).get("steady_cells_per_s"),
+                  file=sys.stderr)
         doc["ceiling"] = ceiling(runs)
     else:
         doc.update(one_server(args, folder, expected, serve, digest, body, lrs, sweep_cells, eval_cells,

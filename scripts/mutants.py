@@ -321,6 +321,12 @@ MUTANTS = [
            "            under_way.wait()\n        try:\n",
            "            under_way.wait()\n            return self._compute(config, train_count, cancel)\n        try:\n",
            ("tests/test_seed_processes.py", "-k", "claimed")),
+    Mutant("m77_launch_line_out_of_order", "a launch's log line naming its tasks in another order than their facts",
+           "app/tasks/answers.py", '"task_ids": [w.task_id for w in works]', '"task_ids": [w.task_id for w in works[::-1]]',
+           ("tests/test_launches.py", "-k", "single_tasks_on_sqlite")),
+    Mutant("m78_dataset_task_without_labels", "a task on a stored dataset answered without its labels' score",
+           "app/tasks/submit.py", "record.bytes, labels)", "record.bytes, None)",
+           ("tests/test_datasets.py", "-k", "answers_as_the_upload")),
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import signal
 import sqlite3
 import threading
@@ -66,14 +67,51 @@ def _check_as_single_tasks(doc, records, singles) -> None:
         assert record["predictions_sha256"] == expected.predictions_sha256
 
 
+class _Lines(logging.Handler):
+    """The finisher's log records, kept (an in-process server logs in this process)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def test_a_launchs_cells_are_recorded_as_single_tasks_on_sqlite(tmp_path):
     app = create_app(Settings(backend="cpu-fast", workers=1, batch_max=4, batch_wait_ms=50,
                               data_dir=str(tmp_path / "d")), engines=gated_engines(Gate(), batching=True))
-    with inprocess_server(app) as server, server.client() as c:
-        doc, records, singles = _sweep_then_singles(c)
-        launches = app.state.service.runner.launches.counters
+    lines, finisher_log = _Lines(), logging.getLogger("rev88.app.tasks.finisher")
+    finisher_log.addHandler(lines)
+    try:
+        with inprocess_server(app) as server, server.client() as c:
+            doc, records, singles = _sweep_then_singles(c)
+            launches = app.state.service.runner.launches.counters
+    finally:
+        finisher_log.removeHandler(lines)
     _check_as_single_tasks(doc, records, singles)
     assert launches["cells_answered"] >= 8 and launches["ledger_transactions"] < 8  # answered together
+    # the log: a launch of several, one line naming each of its tasks with its facts, in order; a
+    # task run alone, its own line
+    said = {}
+    for rec in lines.records:
+        if rec.getMessage() == "launch answered":
+            assert rec.tasks == len(rec.task_ids) > 1 and rec.tasks_in_launch >= rec.tasks
+            for i, task_id in enumerate(rec.task_ids):
+                said[task_id] = {"run_ms": rec.run_ms[i], "total_ms": rec.total_ms[i],
+                                 "queue_wait_ms": rec.queue_wait_ms[i], "tasks_in_launch": rec.tasks_in_launch,
+                                 "train_count": rec.train_count[i], "mode": rec.modes[i]}
+        elif rec.getMessage() == "task answered":
+            assert rec.task_id not in said and rec.timing["tasks_in_launch"] == 1
+            said[rec.task_id] = {**{k: rec.timing[k] for k in ("run_ms", "total_ms", "queue_wait_ms",
+                                                                 "tasks_in_launch")},
+                                 "train_count": rec.train_count, "mode": rec.mode}
+    for record, mode in [(r, "async") for r in records] + [(s, "sync") for s in singles]:
+        timing = record["timing"]
+        assert said[record["id"]] == {**{k: timing[k] for k in ("run_ms", "total_ms", "queue_wait_ms",
+                                                                  "tasks_in_launch")},
+                                      "train_count": 90, "mode": mode}, record["id"]
+    assert any(said[r["id"]]["tasks_in_launch"] > 1 for r in records)
 
 
 def test_a_launchs_cells_are_recorded_as_single_tasks_on_postgresql(tmp_path, pg_url):

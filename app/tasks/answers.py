@@ -1,10 +1,12 @@
-"""A task's answer as it leaves the service: the JSON document, encoded once, and the npz/npy files."""
+"""A task's answer as it leaves the service: the JSON document, encoded once, the npz/npy files,
+and the log's line of what a run answered."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import json
+import logging
 import time
 from typing import Any
 
@@ -13,8 +15,11 @@ import orjson
 
 from learner.result import TaskResult
 
+from .datasets import score
 from .device import DeviceOutcome
 from .options import NPZ_TYPE  # noqa: F401 - the answers' media type, named beside them
+
+log = logging.getLogger("rev88.app.tasks.finisher")  # (the finisher's lines, as they always were)
 
 
 @dataclasses.dataclass
@@ -91,6 +96,21 @@ def measure_answer(work: Any, doc: dict, device_s: float, versions: dict[str, An
     return answer
 
 
+def device_answer(work: Any, outcome: DeviceOutcome, run: tuple[float, str], device_s: float, launch_size: int) -> dict:
+    """A run's answer: its timing (``run``: its run_ms and clock; ``device_s``: its launch's time on the
+    device, less its parse where its job parsed its body first), its result and, for a task on a
+    stored dataset, the dataset's digest and, with its labels, the count of correct predictions."""
+    if work.late is not None:
+        device_s = max(0.0, device_s - work.parse_s)
+    timing = task_timing(work, *run, device_s, launch_size)
+    body = task_answer(work.task_id, work.request_id, outcome, timing, work.include_scores)
+    if work.dataset is not None:
+        body["dataset"] = work.dataset
+        if work.labels is not None:
+            body.update(score(outcome.result.predictions, work.labels))
+    return body
+
+
 def task_answer(task_id: str, request_id: str | None, outcome: DeviceOutcome, timing: dict, include_scores: bool) -> dict:
     result = outcome.result
     answer: dict[str, Any] = {
@@ -163,3 +183,30 @@ def status_answer(record) -> tuple[dict, int]:
     doc = record.document()
     doc.pop("answer", None)
     return doc, 200
+
+
+def say_answered(answered: list[tuple[Any, dict, str]], launch_size: int) -> None:
+    """The log's line of what a run answered: a task run alone has its own ("task answered"); a
+    launch of several, one line for all of them ("launch answered": its tasks' ids and facts as
+    lists, in the same order), so that a 1,320-cell sweep writes ten lines, not 1,320 (a line a
+    cell cost the finisher and the log thread more than its answer's JSON: docs/performance.md)."""
+    if not answered or not log.isEnabledFor(logging.INFO):
+        return
+    if launch_size == 1 and len(answered) == 1:
+        work, body, backend = answered[0]
+        extra = {"task_id": work.task_id, "train_count": work.task.train_count, "test_count": work.task.test_count,
+                 "backend": backend, "device": work.device, "mode": work.mode, "timing": body["timing"]}
+        if work.request_id is not None:  # (this thread is not in the request's context)
+            extra["request_id"] = work.request_id
+        log.info("task answered", extra=extra)
+        return
+    works = [work for work, _, _ in answered]
+    timings = [body["timing"] for _, body, _ in answered]
+    extra = {"tasks": len(answered), "tasks_in_launch": launch_size, "backend": answered[0][2],
+             "device": works[0].device, "device_ms": timings[0]["device_ms"],
+             "task_ids": [w.task_id for w in works], "modes": [w.mode for w in works],
+             "train_count": [w.task.train_count for w in works], "test_count": [w.task.test_count for w in works],
+             **{key: [t[key] for t in timings] for key in ("queue_wait_ms", "run_ms", "total_ms")}}
+    if any(w.request_id is not None for w in works):
+        extra["request_ids"] = [w.request_id for w in works]
+    log.info("launch answered", extra=extra)

@@ -33,8 +33,7 @@ from ..ledger import AlreadyFinished, LeaseLost, LedgerUnavailable, LedgerWriter
 from ..runtime.executor import DeviceExecutor
 from ..runtime.metrics import Metrics
 from ..threads import name_os_thread
-from .answers import Measured, Settled, input_hashes, measure_answer, run_timing, task_answer, task_timing
-from .datasets import score
+from .answers import Measured, Settled, device_answer, input_hashes, measure_answer, run_timing, say_answered
 from .device import DeviceOutcome
 from .work import Work
 
@@ -103,28 +102,15 @@ class Finisher:
 
     # ------------------------------------------------------------------ answers
     def answer_for(self, work: Work, outcome: DeviceOutcome, device_s: float, launch_size: int) -> dict[str, Any]:
-        """The answer's document (and its metrics and log line); ``device_s``: its launch's time on
-        the device (a task whose job parsed its body first: that time is its parse_ms)."""
+        """The answer's document (and its metrics; its log line is its launch's, ``say_answered``);
+        ``device_s``: its launch's time on the device (a task whose job parsed its body first: that
+        time is its parse_ms)."""
         run_ms, clock = run_timing(outcome.result)
         self.metrics.queue_wait_seconds.observe(work.queue_wait_s)
         self.metrics.run_seconds.observe(run_ms / 1000.0)
         if outcome.energy is not None and self.metrics.task_energy is not None and outcome.energy.get("gross_j"):
             self.metrics.task_energy.inc(outcome.energy["gross_j"])
-        if work.late is not None:
-            device_s = max(0.0, device_s - work.parse_s)
-        timing = task_timing(work, run_ms, clock, device_s, launch_size)
-        extra = {"task_id": work.task_id, "train_count": work.task.train_count, "test_count": work.task.test_count,
-                 "backend": outcome.result.metadata["backend"], "device": work.device, "mode": work.mode,
-                 "timing": timing}
-        if work.request_id is not None:  # (this thread is not in the request's context)
-            extra["request_id"] = work.request_id
-        log.info("task answered", extra=extra)
-        body = task_answer(work.task_id, work.request_id, outcome, timing, work.include_scores)
-        if work.dataset is not None:  # a task on a stored dataset: named, and scored with its labels
-            body["dataset"] = work.dataset
-            if work.labels is not None:
-                body.update(score(outcome.result.predictions, work.labels))
-        return body
+        return device_answer(work, outcome, (run_ms, clock), device_s, launch_size)
 
     def failure(self, work: Work, exc: BaseException) -> tuple[Settled, str, dict]:
         """A failed unit's answer, its status (cancelled or failed) and its error record."""
@@ -148,11 +134,14 @@ class Finisher:
         ended: list[Ended | None] = [None] * len(entries)
         rows: list[tuple[int, Work, Outcome]] = []  # recorded work: one transaction
         told: list[Told] = []
+        answered: list[tuple[Work, dict, str]] = []  # (work, answer, backend) of each run answered: the log's line
         for i, (work, value) in enumerate(entries):
             if not work.finish():
                 continue  # (answered already: its timeout, say; this late outcome is dropped)
             settled, status, record = self._made(work, value, device_s, launch_size)
             ended[i] = Ended(settled)
+            if isinstance(value, DeviceOutcome) and status == "succeeded":
+                answered.append((work, settled.body, value.result.metadata["backend"]))
             if work.deferred:
                 recorded = self._deferred(work, settled, status, record)
                 told.append(Told(work, status, settled.body if status == "succeeded" else None, None, recorded))
@@ -164,6 +153,7 @@ class Finisher:
                 outcome = Outcome(work.task_id, status, None, record, input_hashes=_hashes_of(work), epoch=work.epoch,
                                   want_record=False)
             rows.append((i, work, outcome))
+        say_answered(answered, launch_size)
         if not rows:
             self.call_on_loop(self._told, told)
             done.set_result(ended)
@@ -393,3 +383,4 @@ def told_of(rows: list[tuple[int, Work, Outcome]], results: list, ended: list[En
 def _hashes_of(work: Work):
     task = work.task
     return lambda: input_hashes(task)
+
