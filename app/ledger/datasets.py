@@ -121,8 +121,6 @@ class DatasetStore(Protocol):
 
     def delete(self, digest: str) -> bool: ...
 
-    def used_bytes(self) -> int: ...
-
     def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]: ...
 
     def get_sweep(self, sweep_id: str) -> SweepRecord | None: ...
@@ -331,10 +329,6 @@ class SqliteDatasets:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             return bool(gone)
-
-    def used_bytes(self) -> int:
-        with self._db("count the datasets' bytes") as conn:
-            return self._used(conn)
 
     # ------------------------------------------------------------------ sweeps
     def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]:

@@ -106,10 +106,6 @@ class PostgresDatasets:
         with self.database.transaction(f"delete dataset {digest}") as conn:
             return conn.execute("DELETE FROM rev88_datasets WHERE digest = %s", (digest,)).rowcount > 0
 
-    def used_bytes(self) -> int:
-        return int(self.database.read("count the datasets' bytes", lambda conn: conn.execute(
-            "SELECT COALESCE(sum(bytes + labels_bytes), 0) FROM rev88_datasets").fetchone()[0]))
-
     def create_sweep(self, sweep: SweepRecord) -> tuple[SweepRecord, bool]:
         with self.database.transaction(f"record sweep {sweep.id}") as conn:
             row = conn.execute(

@@ -136,8 +136,3 @@ class TenantAdmission:
         device queue's own order (what the feeder claims: app/tasks/feeder.py)."""
         with self._cond:
             return self.fair.order(n, waiting)
-
-    def fair_snapshot(self) -> dict[str, float]:
-        """Each tenant's virtual time ahead of the device's (/health)."""
-        with self._cond:
-            return self.fair.snapshot()

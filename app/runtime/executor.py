@@ -218,10 +218,6 @@ class DeviceExecutor(TenantAdmission, JobStops, WorkerLoop):
         with self._lock:
             return self._retry_after_locked()
 
-    def mean_device_seconds(self) -> float:
-        """The running mean of device seconds per job (a batched call's shared among its jobs)."""
-        return self._mean_run_s
-
     def _retry_after_locked(self) -> int:
         ahead = len(self._queue) + sum(len(w.running) for w in self.workers)
         per_worker = max(ahead, 1) / len(self.workers)

@@ -128,10 +128,6 @@ class FairShare:
                 del left[tenant]
         return picks
 
-    def snapshot(self) -> dict[str, float]:
-        """Each tenant's virtual time ahead of now (what /health shows)."""
-        return {t: round(f - self.now, 6) for t, f in self._finish.items() if f > self.now}
-
     def _forget_idle(self) -> None:
         """Idle tenants at or behind ``now`` would re-enter at ``now`` anyway: nothing to remember."""
         for tenant in [t for t, f in self._finish.items() if f <= self.now and not self.active(t)]:

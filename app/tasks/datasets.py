@@ -144,10 +144,6 @@ class DatasetCatalog:
                 self._cached -= entry[1]
             self._labels.pop(digest, None)
 
-    def cache_state(self) -> dict[str, Any]:
-        with self._lock:
-            return {"datasets": len(self._cache), "bytes": self._cached, "capacity_bytes": self.cache_bytes}
-
     # ------------------------------------------------------------------ scoring labels
     def put_labels(self, digest: str, npy: bytes | memoryview, viewer: str | None = None) -> tuple[DatasetRecord, bool]:
         """Attach the query labels (an .npy of shape (M,), integers 0-9, M the dataset's query count)."""
