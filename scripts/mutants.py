@@ -327,6 +327,14 @@ MUTANTS = [
     Mutant("m78_dataset_task_without_labels", "a task on a stored dataset answered without its labels' score",
            "app/tasks/submit.py", "record.bytes, labels)", "record.bytes, None)",
            ("tests/test_datasets.py", "-k", "answers_as_the_upload")),
+    Mutant("m79_launch_line_without_request_ids", "a launch's log line without its synchronous tasks' request ids",
+           "app/tasks/answers.py", "    if any(w.request_id is not None for w in works):", "    if False:",
+           ("tests/test_logs.py", "-k", "launch_of_several")),
+    Mutant("m80_dataset_task_with_a_chunked_body", "POST /tasks?dataset= with a chunked body trained on the dataset, "
+           "its body ignored", "app/tasks/options.py",
+           'headers.get("content-length") not in (None, "0") or headers.get("transfer-encoding")',
+           'headers.get("content-length") not in (None, "0")',
+           ("tests/test_datasets.py", "-k", "answers_as_the_upload")),
 ]
 
 
