@@ -4,8 +4,9 @@
 dataset's bytes with the same safe reader, validation and limits as a task's body
 (``learner.taskio.load_task``: exactly the three members, so an npz that carries query labels is
 refused, 422, as for a task) and stores them under their SHA-256 (app/ledger/datasets.py);
-``load`` gives a stored dataset's record, parsed arrays and labels in one call (``task``, its arrays alone), the arrays from a cache bounded in bytes
-(REV88_DATASET_CACHE_BYTES, least recently used first out) or read and parsed again; scoring
+``load`` gives a stored dataset's record, parsed arrays and labels in one call (``task``, its
+arrays alone), the arrays from a cache bounded in bytes (REV88_DATASET_CACHE_BYTES, least
+recently used first out) or read and parsed again; scoring
 labels (``put_labels``) are an ``.npy`` of the query labels, checked and stored apart, used only
 to count correct predictions once they exist (``score``), and returned by no route.
 """

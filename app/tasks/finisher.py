@@ -383,4 +383,3 @@ def told_of(rows: list[tuple[int, Work, Outcome]], results: list, ended: list[En
 def _hashes_of(work: Work):
     task = work.task
     return lambda: input_hashes(task)
-
