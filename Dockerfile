@@ -46,7 +46,8 @@ COPY app ./app
 COPY rev88 ./rev88
 # Same torch pin again so resolving the package cannot move it; then a smoke test of the
 # *installed* package, run from / so that the source copy here cannot stand in for it: the
-# compiled cpu-fast kernel and SHA-256 lanes must have been built (gcc above) or the build fails.
+# compiled cpu-fast kernel, SHA-256 lanes and permutations must have been built (gcc above) or the
+# build fails.
 # The project itself (".") carries its dependency ranges in pyproject.toml; the postgres extra
 # (psycopg) lets the same image keep its ledger in PostgreSQL (REV88_DATABASE_URL).
 # hadolint ignore=DL3003,DL3013
@@ -55,9 +56,10 @@ RUN pip install "torch===2.13.0" ".[gpu,postgres]" \
  && cd / \
  && python -c "import learner, app.main, rev88.cli, app.ledger.postgres; from learner.backends import cpu_fast; \
 assert not learner.__file__.startswith('/opt/rev88/'), learner.__file__; \
-assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; from learner import _sha256_lanes; \
+assert cpu_fast.kernel_available(), cpu_fast.KERNEL_ERROR; from learner import _sha256_lanes, permutations; \
+assert permutations.fast(), 'learner/permutations.c not built, or not numpy here'; \
 from app.http import versions; assert not versions.untested(), versions.untested(); \
-print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel and SHA-256 lanes built')"
+print('rev88', learner.__version__, 'installed at', learner.__file__, '- cpu-fast kernel, SHA-256 lanes and permutations built')"
 
 # The official MNIST training split (9.9 MB): the draws of POST /evaluations are built from it on
 # the server (docs/evaluations.md); the files are checked against their known SHA-256 when read.

@@ -5,7 +5,7 @@ state is a seed's initial parameters and epoch permutations with their SHA-256s,
 learner/seed_state.py) and keeps them, as the service's cache does, for each entry of
 ``--processes``:
 
-    0   in this process, on one thread (the service's prepare thread without children)
+    0   in this process, on one thread, 32 together (the service's prepare thread without children)
     N   N children (learner/seed_processes.py), one thread here per child sending batches of 32,
         as the service's prepare threads do
 
@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from learner import train  # noqa: E402,F401 - (binds the cache's functions: compute_state uses them)
+from learner import train  # noqa: E402,F401 - (binds the cache's functions: compute_states uses them)
 from learner.config import make_config  # noqa: E402
 from learner.seed_processes import SeedProcesses  # noqa: E402
-from learner.seed_state import compute_state  # noqa: E402
+from learner.seed_state import compute_states  # noqa: E402
 
-BATCH = 32  # as app/tasks/launches.py's STATES_PER_BATCH
+BATCH = 32  # as app/tasks/launches.py's STATES_PER_BATCH (a batch computed together, in process or by a child)
 
 
 def children_cpu_s(pids: list[int]) -> float:
@@ -67,7 +67,8 @@ def trial(processes: SeedProcesses | None, wanted: list[tuple], pids: list[int])
     t0 = time.perf_counter()
     if processes is None:
         start = time.thread_time()
-        kept = [compute_state(config, rows) for config, rows in wanted]
+        for i in range(0, len(wanted), BATCH):  # (as the service's prepare thread: a batch together)
+            kept.extend(compute_states(wanted[i:i + BATCH]))
         cpu[0] = time.thread_time() - start
     else:
         batches: queue.SimpleQueue = queue.SimpleQueue()

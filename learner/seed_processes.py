@@ -13,7 +13,7 @@ One ``SeedProcess`` is one child (``python -m learner.seed_processes``, torch on
 Unix socket pair: a request is a batch of (config, training count); its answer is the batch's
 hashes (pickled) and its arrays' bytes, received in one read; each state's arrays are then copied
 into a buffer of the state's own (alive while the state is kept). The child computes with the same functions as
-the service (``seed_state.compute_state``): the same bytes (tests/test_seed_processes.py compares
+the service (``seed_state.compute_states``): the same bytes (tests/test_seed_processes.py compares
 them). A child that is not ready yet (it imports torch as it starts) is not waited for:
 ``ready`` says so and the caller computes in its own thread meanwhile; one that died raises
 ``SeedProcessGone`` and is not used again.
@@ -253,7 +253,7 @@ def _serve(fd: int) -> None:
         except (EOFError, OSError):
             return
         try:
-            header, payload = _pack([seed_state.compute_state(config, rows) for config, rows in wanted])
+            header, payload = _pack(seed_state.compute_states(wanted))
         except Exception as exc:  # noqa: BLE001 - the batch's error, raised in the caller
             header, payload = pickle.dumps(exc), bytearray()
         try:

@@ -8,8 +8,8 @@ an LRU bounded by bytes (``configure``; the service's REV88_SEED_CACHE_BYTES, de
 ``DEFAULT_BYTES``); a state larger than the whole bound is computed and not kept.
 
 A state being computed in one thread is waited for, not computed again, by another that asks for
-it (the service computes the states of queued tasks ahead of their launch, on a thread of its own:
-``missing`` tells it which are neither kept nor under way).
+it (the service computes the states of queued tasks ahead of their launch, on a thread of its own,
+in batches: ``prepare``; ``missing`` tells it which are neither kept nor under way).
 
 Kept arrays are shared by every task that uses them: no backend may write into a ``Prepared``'s
 ``initial`` or ``permutations`` (none does: each copies them to its own buffers; a test runs every
@@ -24,9 +24,10 @@ import threading
 
 import numpy as np
 
+from . import permutations
 from .cancel import CancelToken
 from .config import Config
-from .hashing import array_sha256, named_sha256
+from .hashing import sha256_many
 from .model import parameter_count
 
 DEFAULT_BYTES = 256 << 20  # ~1,400 states of a 10k-row, 2-epoch task (180 KB each)
@@ -46,7 +47,7 @@ class SeedState:
 
 class SeedStateCache:
     def __init__(self, max_bytes: int = DEFAULT_BYTES, compute=None) -> None:
-        """``compute``: (initial_parameters, epoch_permutations, parameter_names), learner.train's
+        """``compute``: (initial_parameters, parameter_names), learner.train's
         (which binds the process's cache to them: this module imports nothing of it)."""
         self.compute = compute
         self.max_bytes = int(max_bytes)
@@ -116,6 +117,21 @@ class SeedStateCache:
             with self._lock:
                 self._computing.pop(key).set()
 
+    def prepare(self, wanted: list[tuple[Config, int]]) -> int:
+        """Compute and keep, together (``compute_states``), the states of these (config, training
+        count) pairs that are neither kept nor under way; each is under way meanwhile (a ``get``
+        waits for it). Returns how many were computed. If the batch fails, none is kept and each
+        waiting ``get`` computes its own (and meets the error itself)."""
+        claimed = [(key, pair) for pair in wanted if (key := self.claim(*pair)) is not None]
+        computed: list[SeedState | None] = [None] * len(claimed)
+        try:
+            if claimed:
+                computed = list(compute_states([pair for _, pair in claimed], compute=self.compute))
+        finally:
+            for (key, _), state in zip(claimed, computed):
+                self.settle(key, state)
+        return len(claimed)
+
     def missing(self, config: Config, train_count: int) -> bool:
         """Whether ``config``'s state for ``train_count`` rows is neither kept nor being computed
         (what is worth computing ahead; it counts no hit or miss)."""
@@ -151,16 +167,35 @@ class SeedStateCache:
 
 def compute_state(config: Config, train_count: int, cancel: CancelToken | None = None,
                   compute: tuple | None = None) -> SeedState:
-    """A state computed, not kept: with ``compute``'s functions, or those learner.train binds to
-    the process's cache when it is imported (a seed-state process's work; a cache's miss)."""
+    """A state computed, not kept (a cache's miss)."""
+    return compute_states([(config, train_count)], cancel, compute)[0]
+
+
+def compute_states(wanted: list[tuple[Config, int]], cancel: CancelToken | None = None,
+                   compute: tuple | None = None) -> list[SeedState]:
+    """The states of (config, training count) pairs, computed together, not kept: with
+    ``compute``'s functions (initial_parameters, parameter_names), or those learner.train binds
+    to the process's cache when it is imported. The permutations of the pairs that share an epoch
+    count and a training count are drawn in one call per epoch, and every array's SHA-256 is made
+    in one ``sha256_many``: a batch lets go of the GIL and takes it back a few times, not a few
+    dozen times per state (the prepare thread's batches, a seed-state process's)."""
     compute = compute or states.compute
     if compute is None:
         raise RuntimeError("no functions to compute a seed state with: import learner.train first")
-    initial_parameters, epoch_permutations, parameter_names = compute
-    initial = [p.numpy().copy() for p in initial_parameters(config)]
-    permutations = epoch_permutations(config, train_count, cancel)
-    return SeedState(initial, permutations, named_sha256(parameter_names(config.depth), initial),
-                     [array_sha256(p) for p in permutations])
+    initial_parameters, parameter_names = compute
+    initial = [[p.numpy().copy() for p in initial_parameters(config)] for config, _ in wanted]
+    orders: list[list[np.ndarray]] = [[] for _ in wanted]
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, (config, rows) in enumerate(wanted):
+        shapes.setdefault((config.epochs, int(rows)), []).append(i)
+    for (epochs, rows), members in shapes.items():
+        drawn = permutations.epoch_permutations([wanted[i][0].seed for i in members], epochs, rows, cancel)
+        for i, perms in zip(members, drawn):
+            orders[i] = perms
+    digests = iter(sha256_many([a for arrays in initial for a in arrays] + [p for perms in orders for p in perms]))
+    named = [dict(zip(parameter_names(config.depth), digests)) for config, _ in wanted]
+    return [SeedState(arrays, perms, names, [next(digests) for _ in perms])
+            for arrays, perms, names in zip(initial, orders, named)]
 
 
 def estimate_bytes(config: Config, train_count: int) -> int:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import seed_state
+from . import permutations, seed_state
 from .cancel import CancelToken, check
 from .config import Config
 from .errors import TrainingDivergedError
@@ -47,13 +47,9 @@ def initial_parameters(config: Config) -> list[torch.Tensor]:
 
 
 def epoch_permutations(config: Config, n: int, cancel: CancelToken | None = None) -> list[np.ndarray]:
-    """Epoch e trains in the order of the e-th permutation of one PCG64(seed) generator."""
-    rng = np.random.Generator(np.random.PCG64(config.seed))
-    out = []
-    for _ in range(config.epochs):
-        check(cancel, 0, 0)  # a long list (many epochs of a large task) can stop here too
-        out.append(rng.permutation(n).astype(np.int64, copy=False))  # (int64 already where intp is: no copy)
-    return out
+    """Epoch e trains in the order of the e-th permutation of one PCG64(seed) generator
+    (numpy's ``Generator.permutation``; learner/permutations.py draws many seeds' at once)."""
+    return permutations.epoch_permutations([config.seed], config.epochs, n, cancel)[0]
 
 
 def batch_sizes(n: int, batch_size: int) -> list[int]:
@@ -159,4 +155,4 @@ def prepare(task: TaskArrays, config: Config, cancel: CancelToken | None = None)
     return Prepared(config, state.initial, state.permutations, cancel, state.initial_sha256, state.permutation_sha256)
 
 
-seed_state.states.compute = (initial_parameters, epoch_permutations, parameter_names)
+seed_state.states.compute = (initial_parameters, parameter_names)

@@ -142,15 +142,28 @@ if [ ! -f "$inc/Python.h" ]; then
   fi
 fi
 
-# 3b. the SHA-256 lanes (learner/sha256_lanes.c: a launch's hashes sixteen side by side where the
-# CPU has AVX-512), built in place as `pip install` builds them here; without them the service
-# hashes with hashlib (the same digests, more host CPU a cell)
-lanes_so=learner/_sha256_lanes$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-if ${CC:-gcc} -O3 -fno-strict-aliasing -fPIC -shared -I"$inc" ${C_INCLUDE_PATH:+-I"${C_INCLUDE_PATH%%:*}"} \
-    learner/sha256_lanes.c -o "$lanes_so" >>"$LOG" 2>&1; then
-  say "built $lanes_so: $($PY -c 'from learner.hashing import lanes_speedup as s; print(f"lanes at {s():.2f} x hashlib here")' 2>>"$LOG")"
+# 3b. the learner's C helpers, built in place as `pip install` builds them here (each optional:
+# without it the learner does the same work the plain way, the same bytes)
+suffix=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+build_ext() {  # build_ext NAME SOURCE FLAGS...: learner/NAME$suffix from SOURCE, 0 if built
+  local name=$1 source=$2
+  shift 2
+  ${CC:-gcc} "$@" -fPIC -shared -I"$inc" ${C_INCLUDE_PATH:+-I"${C_INCLUDE_PATH%%:*}"} \
+    "$source" -o "learner/$name$suffix" >>"$LOG" 2>&1
+}
+# the SHA-256 lanes (learner/sha256_lanes.c: a launch's hashes sixteen side by side where the CPU
+# has AVX-512); without them the service hashes with hashlib (more host CPU a cell)
+if build_ext _sha256_lanes learner/sha256_lanes.c -O3 -fno-strict-aliasing; then
+  say "built learner/_sha256_lanes$suffix: $($PY -c 'from learner.hashing import lanes_speedup as s; print(f"lanes at {s():.2f} x hashlib here")' 2>>"$LOG")"
 else
   say "WARNING: could not build the SHA-256 lanes (see run.log): the service hashes with hashlib"
+fi
+# the permutations (learner/permutations.c: a batch of seeds' epoch permutations in one call, checked
+# against numpy before use); without them numpy draws them one seed at a time
+if build_ext _permutations learner/permutations.c -O2; then
+  say "built learner/_permutations$suffix: $($PY -c 'from learner.permutations import fast; print("the same as numpy here: used" if fast() else "NOT the same as numpy here: numpy draws them")' 2>>"$LOG")"
+else
+  say "WARNING: could not build the permutations (see run.log): numpy draws them one seed at a time"
 fi
 
 # 4. the check, inside the call's timeout: setup so far + inner timeout + kill + tail <= DEVICE_TIMEOUT_S

@@ -9,12 +9,12 @@ import pytest
 from learner.config import make_config
 from learner.hashing import array_sha256, named_sha256
 from learner.result import run_task
-from learner.seed_state import SeedStateCache, states
+from learner.seed_state import SeedStateCache, compute_states, states
 from learner.train import epoch_permutations, initial_parameters, parameter_names, prepare
 
 from .helpers import small_task
 
-COMPUTE = (initial_parameters, epoch_permutations, parameter_names)
+COMPUTE = (initial_parameters, parameter_names)
 
 
 def test_a_kept_state_equals_one_computed_afresh():
@@ -70,6 +70,50 @@ def test_a_large_insert_evicts_as_many_states_as_it_takes_to_stay_within_the_bou
     assert cache.snapshot()["bytes"] <= one
 
 
+def _fresh(config, rows):
+    """A state's arrays and hashes from learner.train's functions, one at a time."""
+    initial = [p.numpy() for p in initial_parameters(config)]
+    perms = epoch_permutations(config, rows)
+    return initial, perms, named_sha256(parameter_names(config.depth), initial), [array_sha256(p) for p in perms]
+
+
+def test_states_computed_together_are_each_the_state_computed_alone():
+    """A batch of mixed shapes (seeds, epochs, depths, training counts), in its own order: each
+    state has its own arrays and its own hashes, as computed one at a time."""
+    wanted = [(make_config({"seed": 5, "epochs": 2}), 40), (make_config({"seed": 6, "epochs": 3}), 40),
+              (make_config({"seed": 5, "epochs": 2}), 41), (make_config({"seed": 7, "depth": 3}), 40),
+              (make_config({"seed": 8, "epochs": 1, "depth": 1}), 17), (make_config({"seed": 9, "epochs": 2}), 40)]
+    got = compute_states(wanted, compute=COMPUTE)
+    assert len(got) == len(wanted)
+    for state, (config, rows) in zip(got, wanted):
+        initial, perms, initial_sha, perm_sha = _fresh(config, rows)
+        assert len(state.initial) == len(initial) and len(state.permutations) == config.epochs
+        assert all(np.array_equal(a, b) for a, b in zip(state.initial, initial))
+        assert all(np.array_equal(a, b) for a, b in zip(state.permutations, perms))
+        assert (state.initial_sha256, state.permutation_sha256) == (initial_sha, perm_sha), config
+
+
+def test_a_batch_prepared_is_kept_and_what_is_kept_is_not_computed_again():
+    cache = SeedStateCache(compute=COMPUTE)
+    kept = cache.get(make_config({"seed": 21}), 30)
+    wanted = [(make_config({"seed": s}), 30) for s in (20, 21, 22)] + [(make_config({"seed": 20}), 31)]
+    assert cache.prepare(wanted) == 3  # (seed 21's is kept already)
+    assert not any(cache.missing(*pair) for pair in wanted)
+    assert cache.get(make_config({"seed": 21}), 30) is kept
+    for config, rows in wanted:
+        state = cache.get(config, rows)
+        assert (state.initial_sha256, state.permutation_sha256) == _fresh(config, rows)[2:]
+    assert cache.prepare(wanted) == 0
+
+    def failing(config):
+        raise RuntimeError("no state")
+
+    broken = SeedStateCache(compute=(failing, parameter_names))
+    with pytest.raises(RuntimeError, match="no state"):
+        broken.prepare(wanted)
+    assert all(broken.missing(*pair) for pair in wanted)  # none kept, none left under way
+
+
 @pytest.mark.parametrize("backend", ["cpu", "cpu-fast"])
 def test_no_backend_writes_into_the_kept_arrays(backend):
     task = small_task(40, 6, seed=46)
@@ -98,7 +142,7 @@ def test_a_state_under_way_is_waited_for_not_computed_twice():
         assert go.wait(30)
         return initial_parameters(config)
 
-    cache = SeedStateCache(compute=(slow_initial, epoch_permutations, parameter_names))
+    cache = SeedStateCache(compute=(slow_initial, parameter_names))
     config = make_config({"seed": 4601})
     got = {}
     # daemon threads, and ``go`` set whatever happens: a broken cache fails this test, it never
@@ -123,7 +167,7 @@ def test_a_state_under_way_is_waited_for_not_computed_twice():
     def failing(config):
         raise RuntimeError("no state")
 
-    broken = SeedStateCache(compute=(failing, epoch_permutations, parameter_names))
+    broken = SeedStateCache(compute=(failing, parameter_names))
     with pytest.raises(RuntimeError, match="no state"):
         broken.get(config, 30)
     assert broken.missing(config, 30)  # free again

@@ -55,7 +55,7 @@ from .finisher import Ended, Finisher
 
 log = logging.getLogger("rev88." + __name__)
 
-STATES_PER_BATCH = 32  # states a seed-state process computes per request (docs/performance.md)
+STATES_PER_BATCH = 32  # seed states computed together: a seed-state process's request, the prepare thread's batch
 UNFINISHED_MAX = 3  # a device worker's launches out of the device and not yet finished, the one running counted
 
 
@@ -136,7 +136,7 @@ class Launches:
             process = self.seed_processes.take() if self.seed_processes is not None else None
             with self._ahead_lock:
                 wanted = [self._ahead.popitem(last=False)[1]
-                          for _ in range(min(STATES_PER_BATCH if process is not None else 1, len(self._ahead)))]
+                          for _ in range(min(STATES_PER_BATCH, len(self._ahead)))]
                 if not wanted:
                     self._drains -= 1
             if process is not None:
@@ -145,13 +145,11 @@ class Launches:
                         self._prepare_apart(process, wanted)
                 finally:
                     self.seed_processes.give(process)
-            else:  # (no process ready: in this thread, one at a time)
-                for config, rows in wanted:
-                    try:
-                        cache.get(config, rows)
-                        self.counters["states_prepared_ahead"] += 1
-                    except Exception:  # noqa: BLE001 - its launch computes it again and answers what fails
-                        log.debug("a seed state prepared ahead failed", exc_info=True)
+            elif wanted:  # (no process ready: in this thread, the batch together)
+                try:
+                    self.counters["states_prepared_ahead"] += cache.prepare(wanted)
+                except Exception:  # noqa: BLE001 - their launches compute them again and answer what fails
+                    log.debug("seed states prepared ahead failed", exc_info=True)
             if not wanted:
                 return
 
