@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from learner import seed_state
+from learner import permutations, seed_state
 from learner.backends import device_datasets, get_backend, loaded_backends
 from learner.config import Config
 from learner.hashing import lanes_speedup
@@ -210,6 +210,8 @@ class Service:
             "cached_graphs": graphs,
             # a launch's SHA-256s sixteen side by side (learner/hashing.py): whether, and how much faster
             "sha256_lanes": None if lanes is None else {"used": lanes > 1.0, "speedup_vs_hashlib": round(lanes, 2)},
+            # a batch of seeds' epoch permutations in one call (learner/permutations.py): built and numpy's here
+            "fast_permutations": permutations.fast(),
             "warmup": self.warmup,
             "failure": self.failure,
         }

@@ -335,6 +335,20 @@ MUTANTS = [
            'headers.get("content-length") not in (None, "0") or headers.get("transfer-encoding")',
            'headers.get("content-length") not in (None, "0")',
            ("tests/test_datasets.py", "-k", "answers_as_the_upload")),
+    # ---- a batch of seed states computed together (learner/permutations.py, learner/seed_state.py)
+    Mutant("m81_batch_permutations_misdealt", "a batch's permutations dealt to its states in another order",
+           "learner/seed_state.py", "        for i, perms in zip(members, drawn):\n",
+           "        for i, perms in zip(members[::-1], drawn):\n",
+           ("tests/test_seed_state.py", "-k", "together")),
+    Mutant("m82_failed_batch_left_under_way", "a prepared batch that failed leaves its states under way for ever",
+           "learner/seed_state.py", "            for (key, _), state in zip(claimed, computed):\n                self.settle(key, state)\n",
+           "            for (key, _), state in zip(claimed, computed):\n                if state is not None:\n"
+           "                    self.settle(key, state)\n",
+           ("tests/test_seed_state.py", "-k", "prepared")),
+    Mutant("m83_permutations_unchecked", "the C permutations used without being compared with numpy's",
+           "learner/permutations.py", "        permute = _extension().permute\n    except ImportError:\n        return False\n",
+           "        permute = _extension().permute\n    except ImportError:\n        return False\n    return True\n",
+           ("tests/test_permutations.py", "-k", "never_used")),
 ]
 
 

@@ -103,6 +103,9 @@ def test_health_document(client):
     lanes = learner["sha256_lanes"]  # (the server's own measurement: this process's differs a little)
     assert set(lanes) == {"used", "speedup_vs_hashlib"} and lanes["used"] == (lanes["speedup_vs_hashlib"] > 1.0)
     assert lanes["used"] == (lanes_speedup() > 1.0), lanes
+    from learner.permutations import fast
+
+    assert learner["fast_permutations"] is fast()  # (checked against numpy once a process: the same here)
     assert learner["warmup"]["backend"] == "cpu" and len(learner["warmup"]["predictions_sha256"]) == 64
 
     queue = h["queue"]
