@@ -2,7 +2,7 @@
 epoch permutations, with their SHA-256s (issue #46).
 
 Both are functions of the config's seed, depth and epochs and of the task's training count alone
-(``learner.train.initial_parameters``, ``learner.train.epoch_permutations``), so the cells of a
+(``learner.train.initial_arrays``, ``learner.train.epoch_permutations``), so the cells of a
 sweep over learning rate x momentum x 10 seeds prepare 10 states, not one per cell. The cache is
 an LRU bounded by bytes (``configure``; the service's REV88_SEED_CACHE_BYTES, default
 ``DEFAULT_BYTES``); a state larger than the whole bound is computed and not kept.
@@ -47,7 +47,7 @@ class SeedState:
 
 class SeedStateCache:
     def __init__(self, max_bytes: int = DEFAULT_BYTES, compute=None) -> None:
-        """``compute``: (initial_parameters, parameter_names), learner.train's
+        """``compute``: (initial_arrays, parameter_names), learner.train's
         (which binds the process's cache to them: this module imports nothing of it)."""
         self.compute = compute
         self.max_bytes = int(max_bytes)
@@ -174,7 +174,7 @@ def compute_state(config: Config, train_count: int, cancel: CancelToken | None =
 def compute_states(wanted: list[tuple[Config, int]], cancel: CancelToken | None = None,
                    compute: tuple | None = None) -> list[SeedState]:
     """The states of (config, training count) pairs, computed together, not kept: with
-    ``compute``'s functions (initial_parameters, parameter_names), or those learner.train binds
+    ``compute``'s functions (initial_arrays, parameter_names), or those learner.train binds
     to the process's cache when it is imported. The permutations of the pairs that share an epoch
     count and a training count are drawn in one call per epoch, and every array's SHA-256 is made
     in one ``sha256_many``: a batch lets go of the GIL and takes it back a few times, not a few
@@ -182,8 +182,8 @@ def compute_states(wanted: list[tuple[Config, int]], cancel: CancelToken | None 
     compute = compute or states.compute
     if compute is None:
         raise RuntimeError("no functions to compute a seed state with: import learner.train first")
-    initial_parameters, parameter_names = compute
-    initial = [[p.numpy().copy() for p in initial_parameters(config)] for config, _ in wanted]
+    initial_arrays, parameter_names = compute
+    initial = [initial_arrays(config) for config, _ in wanted]  # (each state's in memory of its own)
     orders: list[list[np.ndarray]] = [[] for _ in wanted]
     shapes: dict[tuple[int, int], list[int]] = {}
     for i, (config, rows) in enumerate(wanted):

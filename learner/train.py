@@ -26,7 +26,12 @@ def parameter_names(depth: int) -> list[str]:
 
 
 def initial_parameters(config: Config) -> list[torch.Tensor]:
-    """float32 CPU tensors, from the seed alone, drawn from a generator of their own.
+    """float32 CPU tensors, from the seed alone: ``initial_arrays`` as tensors (the same memory)."""
+    return [torch.from_numpy(a) for a in initial_arrays(config)]
+
+
+def initial_arrays(config: Config) -> list[np.ndarray]:
+    """The initial parameters, in order, drawn from a torch generator of their own.
 
     The same draws, in the same order, as seeding torch's global CPU generator and
     building ``nn.Linear(FEATURES, CLASSES)`` (its ``reset_parameters``: kaiming-uniform
@@ -34,16 +39,26 @@ def initial_parameters(config: Config) -> list[torch.Tensor]:
     but without touching global state, so threads may prepare tasks at the same time
     (the service's device thread and a backend self-check in another thread did race
     on the global generator when this used ``fork_rng`` + ``manual_seed``).
+
+    The arrays share one float32 buffer, filled in place through tensors over it: one allocation
+    instead of a torch call per parameter (each torch call lets go of the GIL and waits to take it
+    back, which a busy service makes slow: docs/performance.md). Filling a contiguous view draws
+    exactly what filling a tensor of its own would.
     """
+    shapes = [(WIDTH, WIDTH)] * (2 * config.depth) + [(CLASSES, FEATURES), (CLASSES,)]
+    memory = np.empty(parameter_count(config.depth), dtype=np.float32)
+    arrays, at = [], 0
+    for shape in shapes:
+        arrays.append(memory[at:at + math.prod(shape)].reshape(shape))
+        at += math.prod(shape)
+    *weights, head_weight, head_bias = [torch.from_numpy(a) for a in arrays]
     gen = torch.Generator().manual_seed(config.seed)
-    weights = [torch.empty(WIDTH, WIDTH) for _ in range(2 * config.depth)]
     for w in weights:
         nn.init.normal_(w, 0.0, 0.05 / math.sqrt(WIDTH), generator=gen)
-    head_weight, head_bias = torch.empty(CLASSES, FEATURES), torch.empty(CLASSES)
     nn.init.kaiming_uniform_(head_weight, a=math.sqrt(5), generator=gen)
     bound = 1.0 / math.sqrt(FEATURES)
     nn.init.uniform_(head_bias, -bound, bound, generator=gen)
-    return weights + [head_weight, head_bias]
+    return arrays
 
 
 def epoch_permutations(config: Config, n: int, cancel: CancelToken | None = None) -> list[np.ndarray]:
@@ -155,4 +170,4 @@ def prepare(task: TaskArrays, config: Config, cancel: CancelToken | None = None)
     return Prepared(config, state.initial, state.permutations, cancel, state.initial_sha256, state.permutation_sha256)
 
 
-seed_state.states.compute = (initial_parameters, parameter_names)
+seed_state.states.compute = (initial_arrays, parameter_names)

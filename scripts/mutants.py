@@ -349,6 +349,9 @@ MUTANTS = [
            "learner/permutations.py", "        permute = _extension().permute\n    except ImportError:\n        return False\n",
            "        permute = _extension().permute\n    except ImportError:\n        return False\n    return True\n",
            ("tests/test_permutations.py", "-k", "never_used")),
+    Mutant("m84_weights_filled_out_of_order", "the initial weights in one buffer filled in another order",
+           "learner/train.py", "    for w in weights:\n        nn.init.normal_(", "    for w in weights[::-1]:\n        nn.init.normal_(",
+           ("tests/test_training.py", "-k", "one_buffer")),
 ]
 
 

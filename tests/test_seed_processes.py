@@ -19,13 +19,13 @@ from learner.config import make_config
 from learner.seed_processes import SeedProcesses, SeedProcessGone
 from learner.seed_state import SeedStateCache, compute_state, states
 from learner.taskio import load_task, task_to_npz_bytes
-from learner.train import initial_parameters, parameter_names
+from learner.train import initial_arrays, parameter_names
 
 from .gates import Gate, gated_engines
 from .helpers import small_task
 from .server import inprocess_server, wait_for
 
-COMPUTE = (initial_parameters, parameter_names)
+COMPUTE = (initial_arrays, parameter_names)
 BODY = task_to_npz_bytes(small_task(70, 9, seed=55))
 DIGEST = "sha256:" + hashlib.sha256(BODY).hexdigest()
 NPZ = {"Content-Type": "application/octet-stream"}

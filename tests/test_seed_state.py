@@ -10,11 +10,11 @@ from learner.config import make_config
 from learner.hashing import array_sha256, named_sha256
 from learner.result import run_task
 from learner.seed_state import SeedStateCache, compute_states, states
-from learner.train import epoch_permutations, initial_parameters, parameter_names, prepare
+from learner.train import epoch_permutations, initial_arrays, initial_parameters, parameter_names, prepare
 
 from .helpers import small_task
 
-COMPUTE = (initial_parameters, parameter_names)
+COMPUTE = (initial_arrays, parameter_names)
 
 
 def test_a_kept_state_equals_one_computed_afresh():
@@ -140,7 +140,7 @@ def test_a_state_under_way_is_waited_for_not_computed_twice():
         calls.append(config.seed)
         started.set()
         assert go.wait(30)
-        return initial_parameters(config)
+        return initial_arrays(config)
 
     cache = SeedStateCache(compute=(slow_initial, parameter_names))
     config = make_config({"seed": 4601})

@@ -13,7 +13,7 @@ from learner.config import make_config
 from learner.model import lift
 from learner.reference_check import ordinary_sgd
 from learner.result import run_task
-from learner.train import batch_sizes, epoch_permutations, initial_parameters, prepare, train
+from learner.train import batch_sizes, epoch_permutations, initial_arrays, initial_parameters, prepare, train
 from learner.validate import run_validation
 
 from .helpers import small_task
@@ -196,3 +196,30 @@ def test_input_permutation_independent_of_task_content():
     a = epoch_permutations(config, 19)
     b = epoch_permutations(config, 19)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 7])
+def test_the_initial_parameters_in_one_buffer_are_the_draws_of_tensors_of_their_own(depth):
+    """``initial_arrays`` fills views of one buffer; the definition is tensors of their own, each
+    filled in turn from one generator (nn.Linear's reset_parameters for the head): the same bytes."""
+    import math
+
+    from torch import nn
+
+    from learner.model import CLASSES, FEATURES, WIDTH
+
+    for seed in (0, 1, 88, 4601, 2**40 + 3, 2**63 - 1):
+        gen = torch.Generator().manual_seed(seed)
+        weights = [torch.empty(WIDTH, WIDTH) for _ in range(2 * depth)]
+        for w in weights:
+            nn.init.normal_(w, 0.0, 0.05 / math.sqrt(WIDTH), generator=gen)
+        head_weight, head_bias = torch.empty(CLASSES, FEATURES), torch.empty(CLASSES)
+        nn.init.kaiming_uniform_(head_weight, a=math.sqrt(5), generator=gen)
+        nn.init.uniform_(head_bias, -1.0 / math.sqrt(FEATURES), 1.0 / math.sqrt(FEATURES), generator=gen)
+        want = [t.numpy() for t in [*weights, head_weight, head_bias]]
+        config = make_config({"seed": seed, "depth": depth})
+        got = initial_arrays(config)
+        assert [a.shape for a in got] == [a.shape for a in want] and all(a.dtype == np.float32 for a in got)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), seed
+        assert all(t.numpy().tobytes() == b.tobytes() for t, b in zip(initial_parameters(config), want))
+
