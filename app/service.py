@@ -210,8 +210,9 @@ class Service:
             "cached_graphs": graphs,
             # a launch's SHA-256s sixteen side by side (learner/hashing.py): whether, and how much faster
             "sha256_lanes": None if lanes is None else {"used": lanes > 1.0, "speedup_vs_hashlib": round(lanes, 2)},
-            # a batch of seeds' epoch permutations in one call (learner/permutations.py): built and numpy's here
-            "fast_permutations": permutations.fast(),
+            # a batch of seeds' epoch permutations in one call (learner/permutations.py): built and numpy's
+            # here (checked at the first seed state, the warm-up's; not on this loop)
+            "fast_permutations": permutations.fast() if permutations.fast.cache_info().currsize else None,
             "warmup": self.warmup,
             "failure": self.failure,
         }

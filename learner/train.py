@@ -49,8 +49,9 @@ def initial_arrays(config: Config) -> list[np.ndarray]:
     memory = np.empty(parameter_count(config.depth), dtype=np.float32)
     arrays, at = [], 0
     for shape in shapes:
-        arrays.append(memory[at:at + math.prod(shape)].reshape(shape))
-        at += math.prod(shape)
+        size = math.prod(shape)
+        arrays.append(memory[at:at + size].reshape(shape))
+        at += size
     *weights, head_weight, head_bias = [torch.from_numpy(a) for a in arrays]
     gen = torch.Generator().manual_seed(config.seed)
     for w in weights:
